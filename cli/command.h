@@ -1,0 +1,30 @@
+// Each subcommand lives in one cmd_*.cpp and registers itself with a static Command object:
+//   static kvcc::cli::Command reg{"inspect", 10, [](CLI::App& app) { ... return run_fn; }};
+// `order` sorts `kvcc --help`. A subcommand is a thin layer: parse flags, call the library, print.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvcc::cli {
+
+// Registers the subcommand's options on `sub` and returns the function that runs it (exit code).
+using Setup = std::function<std::function<int()>(CLI::App& sub)>;
+
+struct Command {
+  Command(std::string name, int order, std::string description, Setup setup);
+};
+
+struct Registered {
+  std::string name;
+  int order;
+  std::string description;
+  Setup setup;
+};
+std::vector<Registered>& registry();
+
+// True when stderr is a terminal (progress bars) — plain lines otherwise.
+bool stderr_is_tty();
+
+}  // namespace kvcc::cli

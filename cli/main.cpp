@@ -1,0 +1,67 @@
+// kvcc: one executable, one subcommand per cmd_*.cpp. Errors a user can cause (kvcc::Error, bad
+// flags) print one line to stderr and exit non-zero; nothing else leaks (no HDF5 dumps, no traces).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include "cli/command.h"
+#include "formats/error.h"
+
+namespace kvcc::cli {
+
+std::vector<Registered>& registry() {
+  static std::vector<Registered> r;
+  return r;
+}
+
+Command::Command(std::string name, int order, std::string description, Setup setup) {
+  registry().push_back({std::move(name), order, std::move(description), std::move(setup)});
+}
+
+bool stderr_is_tty() { return isatty(fileno(stderr)) != 0; }
+
+}  // namespace kvcc::cli
+
+int main(int argc, char** argv) {
+  using namespace kvcc::cli;
+  CLI::App app{
+      "kvcc: calibrate a model's attention, compile rotations and ~2-bit KV-cache quantizers into\n"
+      "versioned artifacts, and validate and serve them.\n\n"
+      "Pipeline: calibrate-model -> stats.h5 -> compile -> artifact.kvcc.h5 -> validate / runtime / zoo\n"
+      "Run `kvcc SUBCOMMAND --help` for each step's inputs, outputs and an example.",
+      "kvcc"};
+  app.set_version_flag("--version", std::string("kvcc ") + KVCC_VERSION);
+  app.require_subcommand(1);
+  app.fallthrough(false);
+
+  auto& reg = registry();
+  std::stable_sort(reg.begin(), reg.end(),
+                   [](const Registered& a, const Registered& b) { return a.order < b.order; });
+  std::map<CLI::App*, std::function<int()>> runners;
+  for (auto& r : reg) {
+    CLI::App* sub = app.add_subcommand(r.name, r.description);
+    runners[sub] = r.setup(*sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto& [sub, run] : runners)
+      if (sub->parsed()) return run();
+  } catch (const kvcc::Error& e) {
+    std::cerr << "kvcc: error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "kvcc: error: out of memory\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "kvcc: internal error: " << e.what() << "\n";
+    return 2;
+  }
+  return 1;
+}

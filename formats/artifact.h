@@ -1,0 +1,94 @@
+// Compiled artifacts, format v1 (docs/formats.md has the HDF5 schema): per (layer, KV head) the
+// key and value rotations with their eigenvalues and the fitted quantizer parameters, plus the
+// recipe, provenance and model fingerprint needed to reproduce and to check them.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "formats/model_config.h"
+
+namespace kvcc {
+
+inline constexpr const char* kArtifactFormat = "kvcc-artifact";
+inline constexpr int kArtifactMajor = 1;
+inline constexpr int kArtifactMinor = 0;
+
+// A method-specific array stored beside the standard ones (e.g. CommVQ codebooks, TurboQuant
+// outlier channels). Integer arrays are written as int64 datasets.
+struct NamedArray {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<double> data;
+  bool integer = false;
+};
+
+// One side (key or value) of one (layer, KV head).
+struct SideArtifact {
+  std::vector<double> rotation;     // [d, d] row-major, applied as x_rot = x · R (orthogonal)
+  std::vector<double> eigenvalues;  // [d] ascending, of the target the rotation diagonalises; empty if none
+  double clip_ratio = 1.0;          // uniform grid: clip threshold rank ratio (codec_scalar.h)
+  std::vector<double> levels;       // level-table codecs: 2^bits ascending levels in RMS units; empty: uniform grid
+  std::vector<NamedArray> extras;   // method-specific
+
+  const NamedArray* extra(const std::string& name) const;
+};
+
+struct HeadArtifact {
+  SideArtifact key;
+  SideArtifact value;
+};
+
+struct Recipe {
+  std::string method;           // oscar | oscar-lm | hadamard | identity | random | kivi | turboquant | kvarn | commvq
+  double key_bits = 2;          // nominal bits per element of the quantised history (2.5 for split budgets)
+  double value_bits = 2;
+  int group = 0;                // channels per (scale, zero) group; 0 = head_dim
+  int sink = 64;                // BF16 tokens kept at the start
+  int recent = 256;             // BF16 ring of the last tokens
+  int page_size = 64;           // tokens per INT2 page
+  std::string value_target;     // output | p2 | logit2 | "" (methods without a value rotation)
+  std::string granularity = "head";  // head | layer (one rotation shared by a layer's KV heads)
+  std::string composition = "UHP";   // UHP | UH | U (oscar ablations); "" otherwise
+  uint64_t seed = 0;
+  std::map<std::string, std::string> params;  // method-specific, documented per method in docs/formats.md
+};
+
+struct ArtifactProvenance {
+  std::string data_sha256;
+  uint64_t tokens = 0;
+  uint64_t sequences = 0;
+  uint64_t seed = 0;
+  std::string stats_sha256;  // sha256 of the stats file compiled (empty when imported)
+  std::string source;        // "calibrated" | "imported:oscar" | ...
+};
+
+struct Artifact {
+  std::string format_version = "1.0";  // major.minor as read or written
+  std::string producer;
+  std::string created;
+  std::string command;
+  std::string model_id;   // a human name for the model ("gutenberg-27m")
+  ModelFingerprint fingerprint;
+  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  RopeStyle rope_style = RopeStyle::RotateHalf;
+  ArtifactProvenance provenance;
+  Recipe recipe;
+  std::vector<HeadArtifact> heads;  // [n_layers * n_kv_heads], index layer * n_kv_heads + h
+
+  HeadArtifact& head(int layer, int h) { return heads[size_t(layer * n_kv_heads + h)]; }
+  const HeadArtifact& head(int layer, int h) const { return heads[size_t(layer * n_kv_heads + h)]; }
+};
+
+// Writes to a temporary file beside PATH and renames it into place. Each dataset carries a
+// sha256 attribute of its bytes, checked on read.
+void write_artifact(const Artifact&, const std::string& path);
+// Reads and validates shapes, dtypes, checksums and finiteness; refuses an unknown major version.
+Artifact read_artifact(const std::string& path);
+
+// One problem per entry; empty when the artifact is sound. Checks shapes, finiteness,
+// orthogonality (max |RᵀR − I| <= tol), ascending eigenvalues, level tables sorted.
+std::vector<std::string> verify_artifact(const Artifact&, double orthogonality_tol = 1e-5);
+
+}  // namespace kvcc
