@@ -89,6 +89,11 @@ Artifact read_artifact(const std::string& path);
 
 // One problem per entry; empty when the artifact is sound. Checks shapes, finiteness,
 // orthogonality (max |RᵀR − I| <= tol), ascending eigenvalues, level tables sorted.
+// write_artifact and read_artifact refuse an artifact with any of these problems.
 std::vector<std::string> verify_artifact(const Artifact&, double orthogonality_tol = 1e-5);
+// Reads PATH (structure, version and dtypes are checked and thrown as by read_artifact), collecting
+// checksum mismatches and verify_artifact's problems instead of stopping at the first, so
+// `kvcc verify` can list them all. Empty when the file is sound.
+std::vector<std::string> verify_artifact_file(const std::string& path, double orthogonality_tol = 1e-5);
 
 }  // namespace kvcc

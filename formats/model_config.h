@@ -62,6 +62,10 @@ struct ModelFingerprint {
 
 // Architecture fields of a config in canonical order (the fingerprint's `fields`).
 std::vector<std::pair<std::string, std::string>> fingerprint_fields(const ModelConfig&);
+// sha256 over "name=value\n" for each field in order, then "weights_sha256=HEX\n" (readers
+// recompute it to detect an edited fingerprint).
+std::string fingerprint_id(const std::vector<std::pair<std::string, std::string>>& fields,
+                           const std::string& weights_sha256);
 // Builds a fingerprint from a config and the sha256 of its tensor headers.
 ModelFingerprint make_fingerprint(const ModelConfig&, const std::string& weights_sha256);
 

@@ -31,6 +31,13 @@ class ModelFile {
   bool has_tensor(const std::string& name) const;
   std::vector<int64_t> tensor_shape(const std::string& name) const;
   std::vector<float> tensor_f32(const std::string& name) const;  // throws Error when missing
+  // Rows [row0, row0 + n_rows) of a 2-D tensor as float32 into out [n_rows, cols], so embedding
+  // lookups and a chunked LM head never convert the whole matrix.
+  void tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows, float* out) const;
+  // Storage dtype as safetensors spells it ("F32", "BF16", ...; "F32" for llama2.c).
+  std::string tensor_dtype(const std::string& name) const;
+  // Names of all tensors the model file holds, sorted.
+  std::vector<std::string> tensor_names() const;
 
   ModelFile(ModelFile&&) noexcept;
   ModelFile& operator=(ModelFile&&) noexcept;

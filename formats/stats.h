@@ -88,13 +88,23 @@ void write_stats(const Stats&, const std::string& path);
 // Reads and validates (format, version, shapes, counts, finiteness); throws Error naming the problem.
 Stats read_stats(const std::string& path);
 
+// Every problem found in loaded stats, one line each: non-finite sums or ranges, asymmetric or
+// negative-diagonal second moments, inconsistent reservoirs. Empty when sound.
+std::vector<std::string> verify_stats(const Stats&);
+// Reads PATH (structure, shapes, version checked and thrown as by read_stats) without rejecting bad
+// values, then returns verify_stats's problems, so `kvcc verify` can list them all.
+std::vector<std::string> verify_stats_file(const std::string& path);
+
 // a += b. Refuses (Error) when the two describe different models. Sums and counts add, ranges
-// widen, reservoirs keep the smallest priorities of the union, tokens and sequences add;
+// widen, reservoirs keep the smallest priorities of the union (capacity: the smaller of the two,
+// the largest for which that is still exact), tokens and sequences add;
 // data_sha256 becomes sha256 of the two inputs' hashes in sorted order ("merged:" prefix).
 void merge_stats(Stats& a, const Stats& b);
 
 // Adds reservoir rows to r keeping the `capacity` smallest priorities (a row whose priority is
-// already present is a duplicate and is skipped). Used by calibration and merge.
+// already present is a duplicate and is skipped). Used by calibration and merge. Afterwards r's
+// rows are sorted by ascending priority, so merging is order-independent. An empty r with d == 0
+// takes other's group and d; otherwise they must agree (Error).
 void reservoir_merge(Reservoir& r, const Reservoir& other);
 
 }  // namespace kvcc

@@ -1,0 +1,212 @@
+#include "calibrate/accumulators.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "formats/error.h"
+
+namespace kvcc {
+namespace {
+
+// Rows converted to double per dsyrk call: large enough for BLAS efficiency, small enough that
+// the scratch stays in cache-friendly territory (512 × 128 doubles = 512 KiB).
+constexpr int kSyrkBlockRows = 512;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+void mirror_upper(std::vector<double>& m, int d) {
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j < i; ++j) m[size_t(i) * d + j] = m[size_t(j) * d + i];
+}
+
+}  // namespace
+
+uint64_t reservoir_priority(uint64_t seed, uint32_t doc, int32_t position) {
+  const uint64_t token = (uint64_t(doc) << 32) | uint32_t(position);
+  return splitmix64(splitmix64(seed) ^ splitmix64(token ^ 0xA0761D6478BD642Full));
+}
+
+StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity,
+                                   uint64_t seed)
+    : config_(config), d_(config.head_dim), group_(config.group()), seed_(seed) {
+  require(config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 &&
+              config.n_heads % config.n_kv_heads == 0,
+          "stats accumulator: model config has invalid head counts");
+  require(reservoir_capacity >= 0, "stats accumulator: negative reservoir capacity");
+  const size_t n = size_t(config.n_layers) * size_t(config.n_kv_heads);
+  heads_.resize(n);
+  for (auto& h : heads_) h.resize(d_);
+  reservoirs_.resize(n);
+  for (auto& r : reservoirs_) {
+    r.capacity = reservoir_capacity;
+    r.group = group_;
+    r.d = d_;
+  }
+  block_.resize(size_t(kSyrkBlockRows) * size_t(d_));
+}
+
+void StatsAccumulator::syrk_rows(std::vector<double>& c, const float* src, int n, int64_t stride,
+                                 const double* row_scale) {
+  for (int start = 0; start < n; start += kSyrkBlockRows) {
+    const int rows = std::min(kSyrkBlockRows, n - start);
+    for (int i = 0; i < rows; ++i) {
+      const float* row = src + (start + i) * stride;
+      double* dst = block_.data() + size_t(i) * d_;
+      const double s = row_scale ? row_scale[start + i] : 1.0;
+      for (int k = 0; k < d_; ++k) dst[k] = s * double(row[k]);
+    }
+    // Row-major A [rows, d]: C (d×d, upper) += Aᵀ A.
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d_, rows, 1.0, block_.data(), d_, 1.0,
+                c.data(), d_);
+  }
+}
+
+void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
+  require(taps.layer >= 0 && taps.layer < config_.n_layers,
+          "stats accumulator: layer index out of range");
+  const int T = taps.T;
+  const int n_kv = config_.n_kv_heads;
+  const int64_t q_stride = int64_t(config_.n_heads) * d_;
+  const int64_t kv_stride = int64_t(n_kv) * d_;
+
+  current_layer_ = taps.layer;
+  current_doc_ = taps.doc;
+  current_T_ = T;
+  p2_weights_.assign(size_t(n_kv) * size_t(T), 0.0);
+  heads_seen_.assign(size_t(n_kv), 0);
+
+  for (int h = 0; h < n_kv; ++h) {
+    HeadStats& hs = head(taps.layer, h);
+    // The group's r query heads are contiguous in a token's q row, so the group's queries are
+    // T·r rows of width d: r consecutive rows per token, then a jump to the next token.
+    const float* q_group = taps.q + int64_t(h) * group_ * d_;
+    for (int k = 0; k < group_; ++k) syrk_rows(hs.query_m2, q_group + k * d_, T, q_stride);
+    hs.query_count += uint64_t(T) * uint64_t(group_);
+
+    const float* key = taps.key + int64_t(h) * d_;
+    const float* value = taps.value + int64_t(h) * d_;
+    syrk_rows(hs.key_m2, key, T, kv_stride);
+    syrk_rows(hs.value_m2, value, T, kv_stride);
+    hs.kv_count += uint64_t(T);
+    for (int t = 0; t < T; ++t) {
+      const float* kr = key + t * kv_stride;
+      const float* vr = value + t * kv_stride;
+      for (int c = 0; c < d_; ++c) {
+        hs.key_min[c] = std::min(hs.key_min[c], double(kr[c]));
+        hs.key_max[c] = std::max(hs.key_max[c], double(kr[c]));
+        hs.value_min[c] = std::min(hs.value_min[c], double(vr[c]));
+        hs.value_max[c] = std::max(hs.value_max[c], double(vr[c]));
+      }
+    }
+  }
+  sample_reservoir(taps);
+}
+
+void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const float* probs,
+                                const float* output) {
+  require(taps.layer == current_layer_ && taps.doc == current_doc_ && taps.T == current_T_,
+          "stats accumulator: on_probs without a matching on_qkv");
+  require(q_head >= 0 && q_head < config_.n_heads, "stats accumulator: query head out of range");
+  const int T = taps.T;
+  const int h = q_head / group_;
+  HeadStats& hs = head(taps.layer, h);
+
+  syrk_rows(hs.output_m2, output, T, d_);
+  hs.output_count += uint64_t(T);
+
+  // w_j += Σ_i p_ij²; row i has non-zeros only for j ≤ i, so the upper triangle is skipped.
+  double* w = p2_weights_.data() + size_t(h) * size_t(T);
+  for (int i = 0; i < T; ++i) {
+    const float* row = probs + int64_t(i) * T;
+    for (int j = 0; j <= i; ++j) w[j] += double(row[j]) * double(row[j]);
+  }
+  if (++heads_seen_[size_t(h)] == group_) {
+    // Σ_j w_j v_j v_jᵀ as a SYRK of rows scaled by sqrt(w_j).
+    std::vector<double> sqrt_w(size_t(T), 0.0);
+    double total = 0.0;
+    for (int j = 0; j < T; ++j) {
+      sqrt_w[size_t(j)] = std::sqrt(w[j]);
+      total += w[j];
+    }
+    syrk_rows(hs.p2_m2, taps.value + int64_t(h) * d_, T, int64_t(config_.n_kv_heads) * d_,
+              sqrt_w.data());
+    hs.p2_weight += total;
+  }
+}
+
+void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
+  const int capacity = reservoirs_.front().capacity;
+  if (capacity == 0) return;
+  const int T = taps.T;
+  const int n_kv = config_.n_kv_heads;
+  require(taps.key_pre != nullptr, "stats accumulator: reservoir sampling needs pre-RoPE keys");
+
+  // Priorities do not depend on layer or head, so one candidate list serves every KV head:
+  // this sequence's `capacity` smallest priorities that could enter the reservoir.
+  std::vector<uint64_t> priority(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) priority[size_t(t)] = reservoir_priority(seed_, taps.doc, t);
+  std::vector<int> order(static_cast<size_t>(T));
+  std::iota(order.begin(), order.end(), 0);
+  const size_t keep = std::min(size_t(capacity), size_t(T));
+  std::partial_sort(order.begin(), order.begin() + ptrdiff_t(keep), order.end(),
+                    [&](int a, int b) { return priority[size_t(a)] < priority[size_t(b)]; });
+  order.resize(keep);
+
+  const int64_t q_stride = int64_t(config_.n_heads) * d_;
+  const int64_t kv_stride = int64_t(n_kv) * d_;
+  const uint8_t heldout = is_heldout_doc(taps.doc) ? 1 : 0;
+  for (int h = 0; h < n_kv; ++h) {
+    Reservoir& res = reservoirs_[size_t(taps.layer * n_kv + h)];
+    // Only rows below the current largest kept priority can enter a full reservoir.
+    uint64_t threshold = UINT64_MAX;
+    if (int(res.size()) >= capacity)
+      threshold = *std::max_element(res.priority.begin(), res.priority.end());
+    Reservoir add;
+    add.capacity = capacity;
+    add.group = group_;
+    add.d = d_;
+    for (int t : order) {
+      const uint64_t p = priority[size_t(t)];
+      if (p >= threshold) continue;
+      const float* q = taps.q + t * q_stride + int64_t(h) * group_ * d_;
+      add.q.insert(add.q.end(), q, q + int64_t(group_) * d_);
+      const float* kp = taps.key_pre + t * kv_stride + int64_t(h) * d_;
+      add.key_pre.insert(add.key_pre.end(), kp, kp + d_);
+      const float* k = taps.key + t * kv_stride + int64_t(h) * d_;
+      add.key.insert(add.key.end(), k, k + d_);
+      const float* v = taps.value + t * kv_stride + int64_t(h) * d_;
+      add.value.insert(add.value.end(), v, v + d_);
+      add.position.push_back(t);
+      add.doc.push_back(taps.doc);
+      add.priority.push_back(p);
+      add.heldout.push_back(heldout);
+    }
+    if (add.size() > 0) reservoir_merge(res, add);
+  }
+}
+
+void StatsAccumulator::export_into(Stats& stats) const {
+  require(stats.config.n_layers == config_.n_layers &&
+              stats.config.n_kv_heads == config_.n_kv_heads &&
+              stats.config.head_dim == config_.head_dim,
+          "stats accumulator: exporting into stats of a different model shape");
+  stats.heads = heads_;
+  for (auto& hs : stats.heads) {
+    mirror_upper(hs.query_m2, d_);
+    mirror_upper(hs.output_m2, d_);
+    mirror_upper(hs.p2_m2, d_);
+    mirror_upper(hs.key_m2, d_);
+    mirror_upper(hs.value_m2, d_);
+  }
+  stats.reservoirs = reservoirs_;
+}
+
+}  // namespace kvcc

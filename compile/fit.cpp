@@ -1,0 +1,254 @@
+#include "compile/fit.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "formats/codec_scalar.h"
+#include "formats/error.h"
+
+namespace kvcc {
+
+// ---- Lloyd–Max -------------------------------------------------------------------------------
+
+std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo,
+                                      double hi, int bits) {
+  require(bits >= 1 && bits <= 8, "Lloyd–Max needs 1..8 bits");
+  const int n_levels = 1 << bits;
+  const int grid = 200000;
+  const double h = (hi - lo) / grid;
+  // Cumulative ∫f and ∫x f on the grid (trapezoid), so a cell's mass and centroid come from two
+  // interpolated differences.
+  std::vector<double> mass(size_t(grid) + 1, 0.0), moment(size_t(grid) + 1, 0.0);
+  double f_prev = pdf(lo);
+  for (int i = 1; i <= grid; ++i) {
+    const double x0 = lo + (i - 1) * h, x1 = lo + i * h;
+    const double f1 = pdf(x1);
+    mass[size_t(i)] = mass[size_t(i) - 1] + 0.5 * h * (f_prev + f1);
+    moment[size_t(i)] = moment[size_t(i) - 1] + 0.5 * h * (x0 * f_prev + x1 * f1);
+    f_prev = f1;
+  }
+  auto cumulative = [&](const std::vector<double>& c, double x) {
+    if (x <= lo) return c.front();
+    if (x >= hi) return c.back();
+    const double u = (x - lo) / h;
+    const size_t i = std::min(size_t(u), size_t(grid) - 1);
+    const double frac = u - double(i);
+    return c[i] + frac * (c[i + 1] - c[i]);
+  };
+  // Start from equal-mass quantiles' midpoints.
+  std::vector<double> levels(static_cast<size_t>(n_levels));
+  {
+    size_t j = 0;
+    for (int k = 0; k < n_levels; ++k) {
+      const double target = (k + 0.5) / n_levels * mass.back();
+      while (j < size_t(grid) && mass[j] < target) ++j;
+      levels[size_t(k)] = lo + double(j) * h;
+    }
+  }
+  for (int iter = 0; iter < 20000; ++iter) {
+    double change = 0.0;
+    std::vector<double> next(levels.size());
+    for (int k = 0; k < n_levels; ++k) {
+      const double a = k == 0 ? lo : 0.5 * (levels[size_t(k) - 1] + levels[size_t(k)]);
+      const double b = k == n_levels - 1 ? hi : 0.5 * (levels[size_t(k)] + levels[size_t(k) + 1]);
+      const double m = cumulative(mass, b) - cumulative(mass, a);
+      next[size_t(k)] = m > 0 ? (cumulative(moment, b) - cumulative(moment, a)) / m : levels[size_t(k)];
+      change = std::max(change, std::fabs(next[size_t(k)] - levels[size_t(k)]));
+    }
+    levels = next;
+    if (change < 1e-13) break;
+  }
+  return levels;
+}
+
+std::vector<double> lloyd_max_gaussian(int bits) {
+  return lloyd_max_density([](double x) { return std::exp(-0.5 * x * x); }, -10.0, 10.0, bits);
+}
+
+std::vector<double> lloyd_max_sphere(int d, int bits) {
+  require(d >= 3, "the sphere-coordinate density needs d >= 3, got " + std::to_string(d));
+  const double power = 0.5 * (d - 3);
+  std::vector<double> levels = lloyd_max_density(
+      [power](double x) { return std::pow(std::max(0.0, 1.0 - x * x), power); }, -1.0, 1.0, bits);
+  for (double& l : levels) l *= std::sqrt(double(d));
+  return levels;
+}
+
+double level_mse(const std::vector<float>& samples, const std::vector<double>& levels) {
+  double se = 0.0;
+  for (float s : samples) {
+    double best = std::numeric_limits<double>::infinity();
+    for (double l : levels) best = std::min(best, (s - l) * (s - l));
+    se += best;
+  }
+  return samples.empty() ? 0.0 : se / double(samples.size());
+}
+
+std::vector<double> lloyd_max_empirical(std::vector<float> samples, int bits, int iterations) {
+  require(!samples.empty(), "Lloyd–Max: no samples to fit");
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  std::vector<double> prefix(n + 1, 0.0);
+  double sq = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    prefix[i + 1] = prefix[i] + samples[i];
+    sq += double(samples[i]) * samples[i];
+  }
+  const double rms = std::sqrt(sq / double(n));
+  std::vector<double> levels = lloyd_max_gaussian(bits);
+  for (double& l : levels) l *= rms > 0 ? rms : 1.0;
+  const int n_levels = 1 << bits;
+  for (int iter = 0; iter < iterations; ++iter) {
+    double change = 0.0;
+    size_t start = 0;
+    for (int k = 0; k < n_levels; ++k) {
+      size_t end = n;
+      if (k + 1 < n_levels) {
+        // Codec ties go to the lower level (table_code uses x > midpoint), so the cell is (a, b].
+        const float b = float(0.5 * (levels[size_t(k)] + levels[size_t(k) + 1]));
+        end = size_t(std::upper_bound(samples.begin(), samples.end(), b) - samples.begin());
+      }
+      if (end > start) {
+        const double c = (prefix[end] - prefix[start]) / double(end - start);
+        change = std::max(change, std::fabs(c - levels[size_t(k)]));
+        levels[size_t(k)] = c;
+      }
+      start = std::max(start, end);
+    }
+    std::sort(levels.begin(), levels.end());
+    if (change < 1e-9 * (rms > 0 ? rms : 1.0)) break;
+  }
+  return levels;
+}
+
+// ---- Rows and error metrics -------------------------------------------------------------------
+
+FitRows select_rows(const Reservoir& res, bool heldout, int max_rows) {
+  FitRows rows;
+  rows.d = res.d;
+  const int d = res.d, r = res.group;
+  for (size_t i = 0; i < res.size() && rows.n < max_rows; ++i) {
+    if (bool(res.heldout[i]) != heldout) continue;
+    rows.key.insert(rows.key.end(), res.key.begin() + long(i * d), res.key.begin() + long((i + 1) * d));
+    rows.value.insert(rows.value.end(), res.value.begin() + long(i * d), res.value.begin() + long((i + 1) * d));
+    rows.query.insert(rows.query.end(), res.q.begin() + long(i * r * d), res.q.begin() + long((i + 1) * r * d));
+    ++rows.n;
+  }
+  rows.nq = rows.n * r;
+  return rows;
+}
+
+const std::vector<double>& clip_ratio_grid() {
+  static const std::vector<double> grid = {1.0,  0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94,
+                                           0.93, 0.92,  0.90, 0.88, 0.85, 0.80, 0.75};
+  return grid;
+}
+
+std::vector<float> query_metric(const std::vector<float>& query, int nq, int d) {
+  std::vector<float> m(size_t(d) * d, 0.0f);
+  if (nq == 0) return m;
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, nq, 1.0f, query.data(), d,
+              query.data(), d, 0.0f, m.data(), d);
+  return m;
+}
+
+double weighted_logit_error(const std::vector<float>& error, int n, const std::vector<float>& metric,
+                            int d) {
+  if (n == 0) return 0.0;
+  std::vector<float> f(size_t(n) * d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, error.data(), d,
+              metric.data(), d, 0.0f, f.data(), d);
+  double total = 0.0;
+  for (size_t i = 0; i < f.size(); ++i) total += double(f[i]) * error[i];
+  return total;
+}
+
+std::vector<float> attention_probs(const std::vector<float>& query, int nq,
+                                   const std::vector<float>& key, int n, int d) {
+  std::vector<float> p(size_t(nq) * n);
+  if (nq == 0 || n == 0) return p;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, n, d, float(1.0 / std::sqrt(double(d))),
+              query.data(), d, key.data(), d, 0.0f, p.data(), n);
+  for (int i = 0; i < nq; ++i) {
+    float* row = &p[size_t(i) * n];
+    const float mx = *std::max_element(row, row + n);
+    double sum = 0.0;
+    for (int j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
+    const float inv = float(1.0 / sum);
+    for (int j = 0; j < n; ++j) row[j] *= inv;
+  }
+  return p;
+}
+
+double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n,
+                    int d) {
+  if (nq == 0 || n == 0) return 0.0;
+  std::vector<float> pe(size_t(nq) * d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, probs.data(), n,
+              error.data(), d, 0.0f, pe.data(), d);
+  double total = 0.0;
+  for (float x : pe) total += double(x) * x;
+  return total;
+}
+
+double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which,
+                      const FitRows& rows, double* best_error, double* no_clip_error) {
+  const int d = rows.d, n = rows.n;
+  require(n > 0, "clip-ratio fitting: the reservoir has no fitting rows (heldout == 0)");
+  const std::vector<float>& x = which == KvSide::Key ? rows.key : rows.value;
+  std::vector<float> y(x.size()), q_rot(rows.query.size());
+  rotate_rows(side.rotation, d, x.data(), n, y.data());
+  rotate_rows(side.rotation, d, rows.query.data(), rows.nq, q_rot.data());
+  // Errors are basis-independent, so both metrics are evaluated in the rotated basis.
+  std::vector<float> metric, probs;
+  if (which == KvSide::Key) {
+    metric = query_metric(q_rot, rows.nq, d);
+  } else {
+    // Attention weights only need q·k, which any common rotation preserves: use the raw rows.
+    probs = attention_probs(rows.query, rows.nq, rows.key, n, d);
+  }
+  const int group = recipe.group > 0 ? recipe.group : d;
+  SideArtifact candidate = side;
+  std::vector<float> yq(y.size()), err(y.size());
+  double best = std::numeric_limits<double>::infinity(), best_ratio = 1.0, none = 0.0;
+  int last_rank = -1;
+  for (double ratio : clip_ratio_grid()) {
+    const int rank = clip_rank(ratio, group);
+    if (rank == last_rank) continue;  // same threshold as the previous candidate
+    last_rank = rank;
+    candidate.clip_ratio = ratio;
+    roundtrip_rotated(recipe, candidate, which, d, y.data(), n, yq.data());
+    for (size_t i = 0; i < y.size(); ++i) err[i] = y[i] - yq[i];
+    const double e = which == KvSide::Key ? weighted_logit_error(err, n, metric, d)
+                                          : output_error(probs, rows.nq, err, n, d);
+    if (ratio == 1.0) none = e;
+    if (e < best) {
+      best = e;
+      best_ratio = ratio;
+    }
+  }
+  if (best_error) *best_error = best;
+  if (no_clip_error) *no_clip_error = none;
+  return best_ratio;
+}
+
+std::vector<float> normalised_coordinates(const std::vector<float>& rotated, int n, int d, int group) {
+  std::vector<float> out;
+  out.reserve(rotated.size());
+  for (int t = 0; t < n; ++t)
+    for (int g0 = 0; g0 < d; g0 += group) {
+      const float* x = &rotated[size_t(t) * d + g0];
+      float ss = 0.0f;
+      for (int i = 0; i < group; ++i) ss += x[i] * x[i];
+      float s = round_f16(std::sqrt(ss / float(group)));
+      if (!(s > 0.0f) || std::isinf(s)) s = 1.0f;  // as quantize_table
+      for (int i = 0; i < group; ++i) out.push_back(x[i] / s);
+    }
+  return out;
+}
+
+}  // namespace kvcc

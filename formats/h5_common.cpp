@@ -1,0 +1,76 @@
+#include "formats/h5_common.h"
+
+#include <ctime>
+
+#include "formats/error.h"
+
+namespace kvcc::h5 {
+
+std::string utc_now_iso8601() {
+  std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return buf;
+}
+
+std::string default_producer() { return std::string("kvcc ") + KVCC_VERSION; }
+
+void write_root_header(const File& file, const std::string& format, int major, int minor,
+                       const std::string& producer, const std::string& created, const std::string& command) {
+  file.set_attr("format", format);
+  file.set_attr("format_version", std::to_string(major) + "." + std::to_string(minor));
+  file.set_attr("producer", producer.empty() ? default_producer() : producer);
+  file.set_attr("created", created.empty() ? utc_now_iso8601() : created);
+  file.set_attr("command", command);
+}
+
+std::string check_root_header(const File& file, const std::string& format, int major) {
+  if (!file.has_attr("format"))
+    throw Error(file.file_name() + ": not a " + format + " file (no root attribute 'format')");
+  const std::string found = file.attr_string("format");
+  if (found != format) throw Error(file.file_name() + ": is a " + found + " file, expected " + format);
+  const std::string version = file.attr_string("format_version");
+  const auto [file_major, file_minor] = parse_version(version, file.file_name());
+  (void)file_minor;
+  if (file_major != major)
+    throw Error(file.file_name() + ": " + format + " format_version " + version +
+                " is not supported (this kvcc reads " + std::to_string(major) + ".x)");
+  return version;
+}
+
+void write_fingerprint(const Group& parent, const ModelFingerprint& fp) {
+  Group g = parent.create_group("fingerprint");
+  g.set_attr("id", fp.id);
+  g.set_attr("weights_sha256", fp.weights_sha256);
+  std::string names;
+  for (const auto& [name, value] : fp.fields) {
+    require(name.find(',') == std::string::npos && name != "id" && name != "weights_sha256" && name != "fields",
+            "invalid fingerprint field name \"" + name + "\"");
+    names += (names.empty() ? "" : ",") + name;
+    g.set_attr(name, value);
+  }
+  g.set_attr("fields", names);
+}
+
+ModelFingerprint read_fingerprint(const Group& parent) {
+  Group g = parent.group("fingerprint");
+  ModelFingerprint fp;
+  fp.id = g.attr_string("id");
+  fp.weights_sha256 = g.attr_string("weights_sha256");
+  const std::string names = g.attr_string("fields");
+  size_t start = 0;
+  while (start < names.size()) {
+    size_t comma = names.find(',', start);
+    if (comma == std::string::npos) comma = names.size();
+    const std::string name = names.substr(start, comma - start);
+    fp.fields.emplace_back(name, g.attr_string(name));
+    start = comma + 1;
+  }
+  if (fingerprint_id(fp.fields, fp.weights_sha256) != fp.id)
+    g.fail("fingerprint id does not match its fields (edited or corrupt)");
+  return fp;
+}
+
+}  // namespace kvcc::h5

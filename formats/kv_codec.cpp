@@ -1,0 +1,370 @@
+#include "formats/kv_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "formats/codec_scalar.h"
+#include "formats/error.h"
+
+namespace kvcc {
+
+namespace {
+
+const NamedArray* find_extra(const SideArtifact& side, const std::string& name) {
+  for (const NamedArray& a : side.extras)
+    if (a.name == name) return &a;
+  return nullptr;
+}
+
+std::string param(const Recipe& recipe, const std::string& key, const std::string& fallback) {
+  auto it = recipe.params.find(key);
+  return it == recipe.params.end() ? fallback : it->second;
+}
+
+bool is_uniform_method(const std::string& m) {
+  return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
+}
+
+int channel_group(const Recipe& recipe, int d) {
+  const int g = recipe.group > 0 ? recipe.group : d;
+  require(g <= d && d % g == 0, "recipe group " + std::to_string(g) +
+                                    " must divide head_dim " + std::to_string(d) +
+                                    " for the per-head codec");
+  return g;
+}
+
+std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+// Level-table codec on one group (codec_scalar.h), writing the dequantised values.
+void table_roundtrip(const float* y, int g, const std::vector<float>& levels, int bits, float* out) {
+  uint8_t codes[1024];
+  std::vector<uint8_t> big;
+  uint8_t* c = codes;
+  if (g > 1024) {
+    big.resize(static_cast<size_t>(g));
+    c = big.data();
+  }
+  const GroupParams p = quantize_table(y, g, levels.data(), bits, c);
+  const float s = float_from_f16(p.scale);
+  for (int i = 0; i < g; ++i) out[i] = table_dequant(c[i], s, levels.data());
+}
+
+// Uniform codec on `g` values gathered with a stride (KIVI's per-channel keys use stride d).
+void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ratio, int bits,
+                               float* out) {
+  float buf[1024];
+  std::vector<float> big;
+  float* v = buf;
+  if (g > 1024) {
+    big.resize(static_cast<size_t>(g));
+    v = big.data();
+  }
+  for (int i = 0; i < g; ++i) v[i] = x[size_t(i) * stride];
+  const float thr = clip_ratio >= 1.0 ? std::numeric_limits<float>::infinity()
+                                      : clip_threshold(v, g, clip_ratio);
+  uint8_t codes[1024];
+  std::vector<uint8_t> bigc;
+  uint8_t* c = codes;
+  if (g > 1024) {
+    bigc.resize(static_cast<size_t>(g));
+    c = bigc.data();
+  }
+  const GroupParams p = quantize_uniform(v, g, thr, bits, c);
+  const float s = float_from_f16(p.scale), z = float_from_f16(p.zero);
+  for (int i = 0; i < g; ++i) out[size_t(i) * stride] = uniform_dequant(c[i], s, z);
+}
+
+std::vector<float> checked_levels(const std::vector<double>& levels, int bits, const char* what) {
+  require(int(levels.size()) == (1 << bits),
+          std::string("artifact: ") + what + " has " + std::to_string(levels.size()) +
+              " levels, expected " + std::to_string(1 << bits));
+  return to_float(levels);
+}
+
+void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
+                          const float* y, int n, float* out) {
+  const bool prod = param(recipe, "variant", "mse") == "prod";
+  const double nominal = side_nominal_bits(recipe, which);
+  const NamedArray* split = find_extra(side, "split");
+  const int n_hi = split && !split->data.empty() ? int(split->data[0]) : 0;
+  require(n_hi >= 0 && n_hi < d, "artifact: turboquant split out of range");
+  const int b_lo = int(std::floor(nominal)) - (prod ? 1 : 0);
+  require(b_lo >= 1 || (prod && b_lo >= 0), "turboquant needs at least 1 bit per coordinate");
+  std::vector<float> lo_levels, hi_levels;
+  if (b_lo > 0) lo_levels = checked_levels(side.levels, b_lo, "turboquant levels");
+  if (n_hi > 0) {
+    const NamedArray* hi = find_extra(side, "outlier_levels");
+    require(hi != nullptr, "artifact: turboquant split without outlier_levels");
+    hi_levels = checked_levels(hi->data, b_lo + 1, "turboquant outlier_levels");
+  }
+  std::vector<float> s_mat;
+  if (prod) {
+    const NamedArray* s = find_extra(side, "qjl_matrix");
+    require(s != nullptr && s->data.size() == size_t(d) * d, "artifact: turboquant prod needs a [d, d] qjl_matrix");
+    s_mat = to_float(s->data);
+  }
+  const double qjl_scale = std::sqrt(M_PI / 2.0) / double(d);
+  std::vector<float> resid(static_cast<size_t>(d));
+  std::vector<int8_t> signs(static_cast<size_t>(d));
+  for (int t = 0; t < n; ++t) {
+    const float* yr = y + size_t(t) * d;
+    float* o = out + size_t(t) * d;
+    if (n_hi > 0) table_roundtrip(yr, n_hi, hi_levels, b_lo + 1, o);
+    if (b_lo > 0)
+      table_roundtrip(yr + n_hi, d - n_hi, lo_levels, b_lo, o + n_hi);
+    else
+      std::fill(o + n_hi, o + d, 0.0f);
+    if (!prod) continue;
+    double norm2 = 0.0;
+    for (int i = 0; i < d; ++i) {
+      resid[size_t(i)] = yr[i] - o[i];
+      norm2 += double(resid[size_t(i)]) * resid[size_t(i)];
+    }
+    const double gamma = double(round_f16(float(std::sqrt(norm2))));
+    for (int a = 0; a < d; ++a) {
+      double proj = 0.0;
+      for (int i = 0; i < d; ++i) proj += double(s_mat[size_t(a) * d + i]) * resid[size_t(i)];
+      signs[size_t(a)] = proj >= 0.0 ? 1 : -1;
+    }
+    for (int i = 0; i < d; ++i) {
+      double back = 0.0;
+      for (int a = 0; a < d; ++a) back += double(s_mat[size_t(a) * d + i]) * signs[size_t(a)];
+      o[i] = float(double(o[i]) + qjl_scale * gamma * back);
+    }
+  }
+}
+
+void kvarn_roundtrip(const Recipe& recipe, KvSide which, int d, const float* y, int n, float* out) {
+  const int bits = side_code_bits(recipe, which);
+  const int iterations = std::stoi(param(recipe, "iterations", "8"));
+  // Keys: tile [d, n] (rows = channels); values: [n, d] (rows = tokens).
+  const int rows = which == KvSide::Key ? d : n, cols = which == KvSide::Key ? n : d;
+  std::vector<float> tile(size_t(rows) * cols);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) {
+      const float v = y[size_t(t) * d + c];
+      if (which == KvSide::Key) tile[size_t(c) * cols + t] = v;
+      else tile[size_t(t) * cols + c] = v;
+    }
+  const BalanceScales s = kvarn_balance(tile.data(), rows, cols, iterations);
+  std::vector<float> balanced(static_cast<size_t>(cols)), deq(static_cast<size_t>(cols));
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) balanced[size_t(c)] = tile[size_t(r) * cols + c] / s.row[size_t(r)] / s.col[size_t(c)];
+    uniform_roundtrip_strided(balanced.data(), cols, 1, 1.0, bits, deq.data());
+    for (int c = 0; c < cols; ++c) tile[size_t(r) * cols + c] = deq[size_t(c)] * s.row[size_t(r)] * s.col[size_t(c)];
+  }
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c)
+      out[size_t(t) * d + c] = which == KvSide::Key ? tile[size_t(c) * cols + t] : tile[size_t(t) * cols + c];
+}
+
+// Unbiased standard deviations of the rows (axis 1) or columns of C = T / s_r / s_c.
+void scaled_stds(const float* t, int rows, int cols, const std::vector<double>& lr,
+                 const std::vector<double>& lc, bool of_columns, std::vector<double>& out) {
+  const int n_out = of_columns ? cols : rows, n_in = of_columns ? rows : cols;
+  out.assign(size_t(n_out), 1.0);
+  if (n_in < 2) return;
+  std::vector<double> sum(size_t(n_out), 0.0), sum2(size_t(n_out), 0.0);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const double v = double(t[size_t(r) * cols + c]) * std::exp(-lr[size_t(r)] - lc[size_t(c)]);
+      const size_t k = size_t(of_columns ? c : r);
+      sum[k] += v;
+      sum2[k] += v * v;
+    }
+  for (int k = 0; k < n_out; ++k) {
+    const double mean = sum[size_t(k)] / n_in;
+    const double var = std::max(0.0, (sum2[size_t(k)] - n_in * mean * mean) / (n_in - 1));
+    out[size_t(k)] = std::clamp(std::sqrt(var), 1e-3, 1e3);
+  }
+}
+
+double ratio(const std::vector<double>& s) {
+  const auto [mn, mx] = std::minmax_element(s.begin(), s.end());
+  return *mx / std::max(*mn, 1e-8);
+}
+
+}  // namespace
+
+const char* kv_side_name(KvSide side) { return side == KvSide::Key ? "key" : "value"; }
+
+double side_nominal_bits(const Recipe& recipe, KvSide side) {
+  return side == KvSide::Key ? recipe.key_bits : recipe.value_bits;
+}
+
+int side_code_bits(const Recipe& recipe, KvSide side) {
+  const double b = side_nominal_bits(recipe, side);
+  const int bits = int(std::floor(b));
+  require(bits >= 1 && bits <= 8, "bits per element must be between 1 and 8, got " + std::to_string(b));
+  require(double(bits) == b || recipe.method == "turboquant",
+          "fractional bits (" + std::to_string(b) + ") need --method turboquant (outlier split)");
+  return bits;
+}
+
+void rotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out) {
+  require(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
+  std::vector<double> acc(static_cast<size_t>(d));
+  for (int t = 0; t < n; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    const float* x = rows + size_t(t) * d;
+    for (int k = 0; k < d; ++k) {
+      const double xk = x[k];
+      const double* rrow = &rotation[size_t(k) * d];
+      for (int j = 0; j < d; ++j) acc[size_t(j)] += xk * rrow[j];
+    }
+    for (int j = 0; j < d; ++j) out[size_t(t) * d + j] = float(acc[size_t(j)]);
+  }
+}
+
+void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out) {
+  require(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
+  for (int t = 0; t < n; ++t) {
+    const float* y = rows + size_t(t) * d;
+    for (int i = 0; i < d; ++i) {
+      const double* rrow = &rotation[size_t(i) * d];
+      double acc = 0.0;
+      for (int j = 0; j < d; ++j) acc += double(y[j]) * rrow[j];
+      out[size_t(t) * d + i] = float(acc);
+    }
+  }
+}
+
+void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
+                       const float* y, int n, float* out) {
+  const std::string& m = recipe.method;
+  if (is_uniform_method(m)) {
+    const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
+    for (int t = 0; t < n; ++t)
+      for (int g0 = 0; g0 < d; g0 += g)
+        uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits,
+                                  out + size_t(t) * d + g0);
+  } else if (m == "oscar-lm") {
+    const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
+    const std::vector<float> levels = checked_levels(side.levels, bits, "oscar-lm levels");
+    for (int t = 0; t < n; ++t)
+      for (int g0 = 0; g0 < d; g0 += g)
+        table_roundtrip(y + size_t(t) * d + g0, g, levels, bits, out + size_t(t) * d + g0);
+  } else if (m == "turboquant") {
+    turboquant_roundtrip(recipe, side, which, d, y, n, out);
+  } else if (m == "kivi") {
+    const int bits = side_code_bits(recipe, which);
+    if (which == KvSide::Key) {
+      const int gt = recipe.group > 0 ? recipe.group : n;
+      for (int t0 = 0; t0 < n; t0 += gt) {
+        const int len = std::min(gt, n - t0);
+        for (int c = 0; c < d; ++c)
+          uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
+      }
+    } else {
+      const int g = channel_group(recipe, d);
+      for (int t = 0; t < n; ++t)
+        for (int g0 = 0; g0 < d; g0 += g)
+          uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, 1.0, bits, out + size_t(t) * d + g0);
+    }
+  } else if (m == "kvarn") {
+    kvarn_roundtrip(recipe, which, d, y, n, out);
+  } else {
+    throw Error("the codec has no method '" + m + "'");
+  }
+}
+
+void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
+                    const float* rows, int n, float* out) {
+  if (n <= 0) return;
+  std::vector<float> y(size_t(n) * d), yq(size_t(n) * d);
+  rotate_rows(side.rotation, d, rows, n, y.data());
+  roundtrip_rotated(recipe, side, which, d, y.data(), n, yq.data());
+  unrotate_rows(side.rotation, d, yq.data(), n, out);
+}
+
+std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
+                                  const float* rows, int n) {
+  require(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
+          "artifact has no (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv_head) + ")");
+  const HeadArtifact& h = artifact.head(layer, kv_head);
+  std::vector<float> out(size_t(n) * artifact.head_dim);
+  roundtrip_page(artifact.recipe, which == KvSide::Key ? h.key : h.value, which, artifact.head_dim,
+                 rows, n, out.data());
+  return out;
+}
+
+double std_imbalance(const float* tile, int rows, int cols) {
+  std::vector<double> lr(size_t(rows), 0.0), lc(size_t(cols), 0.0), sc, sr;
+  scaled_stds(tile, rows, cols, lr, lc, true, sc);
+  scaled_stds(tile, rows, cols, lr, lc, false, sr);
+  return ratio(sc) + ratio(sr);
+}
+
+BalanceScales kvarn_balance(const float* tile, int rows, int cols, int iterations) {
+  std::vector<double> lr(size_t(rows), 0.0), lc(size_t(cols), 0.0), sc, sr;
+  std::vector<double> best_lr = lr, best_lc = lc;
+  double best = std_imbalance(tile, rows, cols);
+  for (int it = 0; it < iterations; ++it) {
+    scaled_stds(tile, rows, cols, lr, lc, true, sc);
+    for (int c = 0; c < cols; ++c) lc[size_t(c)] = std::clamp(lc[size_t(c)] + std::log(sc[size_t(c)]), -0.3, 10.0);
+    scaled_stds(tile, rows, cols, lr, lc, false, sr);
+    for (int r = 0; r < rows; ++r) lr[size_t(r)] = std::clamp(lr[size_t(r)] + std::log(sr[size_t(r)]), -0.3, 10.0);
+    scaled_stds(tile, rows, cols, lr, lc, true, sc);
+    scaled_stds(tile, rows, cols, lr, lc, false, sr);
+    const double imbalance = ratio(sc) + ratio(sr);
+    if (imbalance < best) {
+      best = imbalance;
+      best_lr = lr;
+      best_lc = lc;
+    }
+  }
+  BalanceScales s;
+  s.col.resize(static_cast<size_t>(cols));
+  s.row.resize(static_cast<size_t>(rows));
+  for (int c = 0; c < cols; ++c) s.col[size_t(c)] = round_f16(float(std::exp(best_lc[size_t(c)])));
+  for (int r = 0; r < rows; ++r) s.row[size_t(r)] = round_f16(float(std::exp(best_lr[size_t(r)])));
+  return s;
+}
+
+double nominal_bits(const Recipe& recipe) { return 0.5 * (recipe.key_bits + recipe.value_bits); }
+
+double history_bits(const Recipe& recipe, KvSide which, int d) {
+  const double b = side_nominal_bits(recipe, which);
+  const std::string& m = recipe.method;
+  const double G = recipe.group > 0 ? recipe.group : d;
+  if (is_uniform_method(m)) return b + 32.0 / G;   // fp16 scale + zero per group
+  if (m == "oscar-lm") return b + 16.0 / G;        // fp16 RMS scale per group
+  if (m == "turboquant") {
+    const bool split = b != std::floor(b);
+    double meta = 16.0 * (split ? 2 : 1);            // one fp16 norm per sub-vector
+    if (param(recipe, "variant", "mse") == "prod") meta += 16.0;  // fp16 residual norm γ
+    return b + meta / d;
+  }
+  if (m == "kivi") {
+    // Keys: one scale/zero per channel per G_t tokens; values: per token per G channels.
+    const double gk = recipe.group > 0 ? recipe.group : recipe.page_size;
+    return b + 32.0 / (which == KvSide::Key ? gk : G);
+  }
+  if (m == "kvarn") {
+    const double p = recipe.page_size;
+    // Per tile: RTN scale (folded into the row balance scale) + zero per row, one balance scale
+    // per column: keys 2d + P, values 2P + d fp16 values per d·P elements.
+    const double n16 = which == KvSide::Key ? 2.0 * d + p : 2.0 * p + d;
+    return b + 16.0 * n16 / (double(d) * p);
+  }
+  if (m == "commvq") {
+    auto it = recipe.params.find(which == KvSide::Key ? "key_bits_effective" : "value_bits_effective");
+    if (it != recipe.params.end()) return std::stod(it->second);
+    return b;
+  }
+  throw Error("no bit accounting for method '" + m + "'");
+}
+
+double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {
+  require(context_len > 0, "effective bits need a positive context length");
+  const double window = double(std::min<int64_t>(context_len, int64_t(recipe.sink) + recipe.recent));
+  const double quantised = double(context_len) - window;
+  double total = 0.0;
+  for (KvSide s : {KvSide::Key, KvSide::Value})
+    total += (window * 16.0 + quantised * history_bits(recipe, s, head_dim)) / double(context_len);
+  return 0.5 * total;
+}
+
+}  // namespace kvcc

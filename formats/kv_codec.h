@@ -1,0 +1,82 @@
+// THE semantics of every KV quantisation method kvcc compiles: quantise and dequantise one page of
+// n token rows [n, d] of one (layer, KV head, key|value), given in the model's basis (post-RoPE
+// keys, values), returning the dequantised rows in the model's basis. A pure codec: no fitting;
+// the parameters come from an Artifact (compile fits them). The compiler's report, validation and
+// the CPU reference of the cache use it; CUDA kernels must reproduce it (codes exactly, floats to
+// rounding). docs/formats.md "Methods" repeats these semantics.
+//
+// Every method works in the rotated basis y = x·R (R = the side's rotation, float64 accumulation,
+// rounded to float), quantises y, and returns ŷ·Rᵀ (float64 accumulation). Within the rotated row:
+//
+//   oscar, hadamard, identity, random (uniform grid, codec_scalar.h):
+//       per row, per group of G = recipe.group (0: d) consecutive channels: thr = clip_threshold
+//       (the ⌊clip_ratio·G⌋-th smallest |y|), quantize_uniform at B bits, fp16 scale and zero.
+//   oscar-lm (level table): per row and group, quantize_table with side.levels (2^B levels in RMS
+//       units; fp16 RMS scale).
+//   turboquant: Lloyd–Max level table on the randomly rotated row, like oscar-lm, but the groups
+//       come from the outlier split: extras "split" = [n_hi] puts rotated coordinates [0, n_hi)
+//       in a group coded with extras "outlier_levels" (B_hi bits) and [n_hi, d) in a group coded
+//       with side.levels (B_lo bits); without a split one group of d. (The RMS scale of a group is
+//       its norm/√G: the paper's stored norm.) Variant "prod" (recipe.params["variant"]): side.levels
+//       are (B−1)-bit, and the residual ρ = y − ŷ_mse gets 1-bit QJL: s = sign(S·ρ) (sign(0) = +1),
+//       γ = fp16(‖ρ‖), ŷ = ŷ_mse + √(π/2)/d · γ · Sᵀs, with S = extras "qjl_matrix" [d, d]
+//       i.i.d. N(0,1) (applied in the rotated basis; S·Πᵀ is again i.i.d. Gaussian).
+//   kivi (identity rotation, no clipping): keys per channel over groups of G_t = recipe.group
+//       (0: the page) consecutive tokens of the page; values per token over groups of
+//       G = recipe.group (0: d) channels; quantize_uniform with thr = +inf.
+//   kvarn (Hadamard rotation): the page is one tile, oriented [d, n] for keys (rows = channels)
+//       and [n, d] for values (rows = tokens). Sinkhorn-style balancing on log standard
+//       deviations (unbiased; clamped to [1e-3, 1e3]): repeat `iterations` (params, default 8)
+//       times: column log-scales L_c += log std(columns), clipped to [−0.3, 10]; then row
+//       log-scales L_r likewise; the iterate (including the unscaled start) with the smallest
+//       max/min std ratio of columns plus that of rows is kept. Scales s = fp16(exp(L)); the
+//       balanced tile C = T / s_r / s_c is quantised per row (quantize_uniform, no clip), and
+//       T̂ = Ĉ · s_r · s_c.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "formats/artifact.h"
+
+namespace kvcc {
+
+enum class KvSide { Key = 0, Value = 1 };
+const char* kv_side_name(KvSide side);
+
+// Integer bits of a side's codes (key_bits / value_bits; for a turboquant split, the floor).
+int side_code_bits(const Recipe& recipe, KvSide side);
+double side_nominal_bits(const Recipe& recipe, KvSide side);
+
+// x·R and x·Rᵀ for n rows of width d (R row-major [d, d]).
+void rotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out);
+void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out);
+
+// Quantise + dequantise n rows that are already in the rotated basis (no rotation applied).
+// The compiler's fitting calls this to avoid rotating once per candidate.
+void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
+                       const float* rotated, int n, float* out);
+
+// The full codec: rotate, quantise, dequantise, rotate back. rows and out are [n, d].
+void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
+                    const float* rows, int n, float* out);
+std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
+                                  const float* rows, int n);
+
+// KVarN's balancing of one tile [rows, cols] (row-major): returns the fp16-rounded column and row
+// scales of the most balanced iterate (semantics above).
+struct BalanceScales {
+  std::vector<float> col, row;
+};
+BalanceScales kvarn_balance(const float* tile, int rows, int cols, int iterations);
+// max/min of the (unbiased) standard deviations of the columns plus that of the rows.
+double std_imbalance(const float* tile, int rows, int cols);
+
+// Bits per element averaged over K and V. nominal: the code bits alone (a turboquant split counts
+// its fractional budget). effective: codes plus every fp16 scale, zero and norm, plus the BF16
+// sink and recent tokens (recipe.sink + recipe.recent, 16 bits each) at context_len tokens.
+// Scales KVarN can fold (RTN scale into the balancing scale) are counted folded, as its fork stores them.
+double nominal_bits(const Recipe& recipe);
+double history_bits(const Recipe& recipe, KvSide which, int head_dim);  // quantised tier only
+double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len);
+
+}  // namespace kvcc

@@ -1,0 +1,136 @@
+// The paged mixed-precision KV cache layout, shared by the host cache bookkeeping, the CPU
+// reference kernels and the CUDA kernels (KVCC_HD), so that every path reads and writes the same
+// bytes. docs/runtime.md describes it with a picture.
+//
+// Per layer and sequence the logical token order is
+//     [sink: first S tokens, BF16][history: INT2 pages of P tokens][recent ring: last tokens, BF16]
+// Keys are stored post-RoPE and rotated (k·R_k) in both tiers, values in the R_v basis (v·R_v).
+//
+// Tiers are a pure function of the sequence length n (tiers_of): the first min(n, S) tokens are
+// the sink; of the rest ("post-sink" tokens, index i = position − S), the ring holds at most W.
+// When a token arrives while the ring holds W, the ring's oldest P tokens are first quantised into
+// one new INT2 page. So history is always whole pages, and the ring holds the post-sink tokens
+// [hist, post), token i in ring slot i mod W.
+//
+// Memory: one pool = [pages region][window-slot region].
+//  - A page id addresses a block for every (layer, KV head) of that page:
+//      page block (page, layer, head), page_head_bytes long:
+//        K codes  [P][d/4]      uint8, 4 codes per byte: channel c in byte c/4, bits 2·(c%4)
+//        V codes  [P][d/4]
+//        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels
+//        V params [P][groups]
+//  - A window slot (one per live sequence) holds for every (layer, KV head):
+//        K sink [S][d] bf16, V sink [S][d], K ring [W][d], V ring [W][d]
+//    It is the only mutable per-sequence state, so forking copies it and shares the pages.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "formats/host_device.h"
+
+namespace kvcc {
+
+struct KvGeometry {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int group = 0;         // channels per (scale, zero); head_dim divisible by group
+  int page_tokens = 64;  // P
+  int sink = 64;         // S
+  int recent = 256;      // W (>= P)
+
+  KVCC_HD int groups() const { return head_dim / group; }
+  KVCC_HD size_t code_row_bytes() const { return size_t(head_dim) / 4; }
+  KVCC_HD size_t codes_bytes() const { return size_t(page_tokens) * code_row_bytes(); }
+  KVCC_HD size_t params_bytes() const { return size_t(page_tokens) * size_t(groups()) * 4; }
+  KVCC_HD size_t page_head_bytes() const { return 2 * codes_bytes() + 2 * params_bytes(); }
+  KVCC_HD size_t page_bytes() const {
+    return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads);
+  }
+  // Offsets inside one page block.
+  KVCC_HD size_t k_codes_offset() const { return 0; }
+  KVCC_HD size_t v_codes_offset() const { return codes_bytes(); }
+  KVCC_HD size_t k_params_offset() const { return 2 * codes_bytes(); }
+  KVCC_HD size_t v_params_offset() const { return 2 * codes_bytes() + params_bytes(); }
+  // Byte offset of the page block (page, layer, head) from the start of the pages region.
+  KVCC_HD size_t page_block_offset(int64_t page, int layer, int head) const {
+    return ((size_t(page) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) +
+            size_t(head)) *
+           page_head_bytes();
+  }
+
+  // Window slot: bf16 elements per (layer, head) block and per slot.
+  KVCC_HD size_t window_head_elems() const {
+    return 2 * (size_t(sink) + size_t(recent)) * size_t(head_dim);
+  }
+  KVCC_HD size_t window_slot_bytes() const {
+    return window_head_elems() * 2 * size_t(n_layers) * size_t(n_kv_heads);
+  }
+  // Element offsets (bf16 units) of the four arrays inside one (slot, layer, head) block.
+  KVCC_HD size_t k_sink_elem() const { return 0; }
+  KVCC_HD size_t v_sink_elem() const { return size_t(sink) * size_t(head_dim); }
+  KVCC_HD size_t k_ring_elem() const { return 2 * size_t(sink) * size_t(head_dim); }
+  KVCC_HD size_t v_ring_elem() const {
+    return (2 * size_t(sink) + size_t(recent)) * size_t(head_dim);
+  }
+  KVCC_HD size_t window_block_elem(int64_t slot, int layer, int head) const {
+    return ((size_t(slot) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) +
+            size_t(head)) *
+           window_head_elems();
+  }
+};
+
+// Where the tokens of a sequence of length n live.
+struct KvTiers {
+  int64_t n = 0;
+  int sink_count = 0;       // tokens in the sink (positions 0..sink_count-1)
+  int64_t hist_tokens = 0;  // post-sink tokens in INT2 pages (always whole pages)
+  int ring_count = 0;       // post-sink tokens hist_tokens..hist_tokens+ring_count-1, in the ring
+};
+
+KVCC_HD KvTiers tiers_of(const KvGeometry& g, int64_t n) {
+  KvTiers t;
+  t.n = n;
+  t.sink_count = int(n < g.sink ? n : g.sink);
+  const int64_t post = n - t.sink_count;
+  if (post <= g.recent) {
+    t.hist_tokens = 0;
+  } else {
+    const int64_t flushes = (post - g.recent + g.page_tokens - 1) / g.page_tokens;
+    t.hist_tokens = flushes * g.page_tokens;
+  }
+  t.ring_count = int(post - t.hist_tokens);
+  return t;
+}
+
+KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) {
+  return tiers_of(g, n).hist_tokens / g.page_tokens;
+}
+
+// Ring slot of post-sink token i.
+KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent); }
+
+// The 2-bit code of channel c in a packed row.
+KVCC_HD uint8_t unpack_code(const uint8_t* row, int c) {
+  return uint8_t((row[c >> 2] >> (2 * (c & 3))) & 3u);
+}
+
+// Packs d codes (each 0..3) into d/4 bytes.
+KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row) {
+  for (int b = 0; b < d / 4; ++b)
+    row[b] = uint8_t(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) |
+                     (codes[4 * b + 3] << 6));
+}
+
+// Per (layer, KV head) quantizer of one side (K or V): the uniform grid with a clip ratio, or
+// a 4-level table (oscar-lm). Semantics are codec_scalar.h's.
+struct SideCodec {
+  float clip_ratio = 1.0f;  // uniform grid
+  int use_table = 0;        // 1: level table
+  float levels[4] = {0, 0, 0, 0};
+};
+struct HeadCodec {
+  SideCodec key, value;
+};
+
+}  // namespace kvcc

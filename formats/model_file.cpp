@@ -1,0 +1,198 @@
+#include "formats/model_file.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "formats/error.h"
+#include "formats/hf_config.h"
+#include "formats/llama2c.h"
+#include "formats/safetensors.h"
+#include "formats/sha256.h"
+
+namespace kvcc {
+
+namespace fs = std::filesystem;
+
+struct ModelFile::Impl {
+  std::string path;
+  ModelConfig config;
+  ModelFingerprint fingerprint;
+  std::map<std::string, TensorView> tensors;
+
+  const TensorView& find(const std::string& name) const {
+    auto it = tensors.find(name);
+    require(it != tensors.end(), path + ": missing tensor " + name);
+    return it->second;
+  }
+};
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The tensors the forward pass reads, with the shapes the config implies.
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+  const int64_t hidden = c.hidden, qdim = int64_t(c.n_heads) * c.head_dim,
+                kvdim = int64_t(c.n_kv_heads) * c.head_dim, inter = c.intermediate;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {
+      {"model.embed_tokens.weight", {c.vocab, hidden}},
+      {"model.norm.weight", {hidden}},
+  };
+  if (!c.tied_embeddings) out.push_back({"lm_head.weight", {c.vocab, hidden}});
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    out.push_back({p + "input_layernorm.weight", {hidden}});
+    out.push_back({p + "self_attn.q_proj.weight", {qdim, hidden}});
+    out.push_back({p + "self_attn.k_proj.weight", {kvdim, hidden}});
+    out.push_back({p + "self_attn.v_proj.weight", {kvdim, hidden}});
+    out.push_back({p + "self_attn.o_proj.weight", {hidden, qdim}});
+    if (c.qkv_bias) {
+      out.push_back({p + "self_attn.q_proj.bias", {qdim}});
+      out.push_back({p + "self_attn.k_proj.bias", {kvdim}});
+      out.push_back({p + "self_attn.v_proj.bias", {kvdim}});
+    }
+    if (c.qk_norm) {
+      out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
+    out.push_back({p + "post_attention_layernorm.weight", {hidden}});
+    out.push_back({p + "mlp.gate_proj.weight", {inter, hidden}});
+    out.push_back({p + "mlp.up_proj.weight", {inter, hidden}});
+    out.push_back({p + "mlp.down_proj.weight", {hidden, inter}});
+  }
+  return out;
+}
+
+std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
+  const fs::path index_path = dir / "model.safetensors.index.json";
+  const fs::path single_path = dir / "model.safetensors";
+  if (fs::exists(index_path)) {
+    std::ifstream in(index_path);
+    require(bool(in), index_path.string() + ": cannot open");
+    std::stringstream text;
+    text << in.rdbuf();
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(text.str());
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
+    }
+    require(index.contains("weight_map") && index["weight_map"].is_object(),
+            index_path.string() + ": missing field 'weight_map'");
+    std::map<std::string, std::map<std::string, TensorView>> shards;
+    std::map<std::string, TensorView> tensors;
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      require(it.value().is_string(), index_path.string() + ": weight_map entry " + it.key() +
+                                          " is not a file name");
+      const std::string shard = it.value().get<std::string>();
+      require(shard.find('/') == std::string::npos,
+              index_path.string() + ": shard name '" + shard + "' is not a plain file name");
+      auto found = shards.find(shard);
+      if (found == shards.end()) {
+        const fs::path shard_path = dir / shard;
+        require(fs::exists(shard_path), index_path.string() + " names shard " + shard +
+                                            ", which does not exist");
+        found = shards.emplace(shard, read_safetensors(shard_path.string())).first;
+      }
+      auto tensor = found->second.find(it.key());
+      require(tensor != found->second.end(), index_path.string() + " places tensor " + it.key() +
+                                                 " in " + shard + ", which lacks it");
+      tensors.emplace(it.key(), tensor->second);
+    }
+    return tensors;
+  }
+  require(fs::exists(single_path),
+          dir.string() + ": no model.safetensors or model.safetensors.index.json");
+  return read_safetensors(single_path.string());
+}
+
+std::string weights_header_sha256(const std::map<std::string, TensorView>& tensors) {
+  Sha256 hash;  // std::map iterates in sorted name order
+  for (const auto& [name, view] : tensors) {
+    std::string shape;
+    for (size_t i = 0; i < view.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(view.shape[i]);
+    hash.update(name).update("\t").update(tensor_dtype_name(view.dtype)).update("\t").update(shape).update("\n");
+  }
+  return hash.hex_digest();
+}
+
+}  // namespace
+
+ModelFile ModelFile::open(const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->path = path;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  require(!ec && fs::exists(status), "model path " + path + " does not exist");
+  if (fs::is_directory(status)) {
+    impl->config = read_hf_config(path);
+    impl->tensors = read_hf_weights(path);
+  } else {
+    require(fs::path(path).extension() == ".bin",
+            path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
+    impl->tensors = read_llama2c(path, impl->config);
+  }
+  for (const auto& [name, shape] : expected_tensors(impl->config)) {
+    const TensorView& view = impl->find(name);
+    require(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
+                                     " but the config implies " + shape_text(shape));
+    require(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 ||
+                view.dtype == TensorDType::BF16 || view.dtype == TensorDType::F64,
+            path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
+  }
+  impl->fingerprint = make_fingerprint(impl->config, weights_header_sha256(impl->tensors));
+  return ModelFile(std::move(impl));
+}
+
+ModelFile::ModelFile(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ModelFile::ModelFile(ModelFile&&) noexcept = default;
+ModelFile& ModelFile::operator=(ModelFile&&) noexcept = default;
+ModelFile::~ModelFile() = default;
+
+const ModelConfig& ModelFile::config() const { return impl_->config; }
+const ModelFingerprint& ModelFile::fingerprint() const { return impl_->fingerprint; }
+const std::string& ModelFile::path() const { return impl_->path; }
+
+bool ModelFile::has_tensor(const std::string& name) const { return impl_->tensors.count(name) > 0; }
+
+std::vector<int64_t> ModelFile::tensor_shape(const std::string& name) const {
+  return impl_->find(name).shape;
+}
+
+std::string ModelFile::tensor_dtype(const std::string& name) const {
+  return tensor_dtype_name(impl_->find(name).dtype);
+}
+
+std::vector<std::string> ModelFile::tensor_names() const {
+  std::vector<std::string> names;
+  for (const auto& entry : impl_->tensors) names.push_back(entry.first);
+  return names;
+}
+
+std::vector<float> ModelFile::tensor_f32(const std::string& name) const {
+  const TensorView& view = impl_->find(name);
+  std::vector<float> out(size_t(view.numel()));
+  tensor_to_f32(view, 0, out.size(), out.data());
+  return out;
+}
+
+void ModelFile::tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows,
+                                float* out) const {
+  const TensorView& view = impl_->find(name);
+  require(view.shape.size() == 2, impl_->path + ": tensor " + name + " is not a matrix");
+  require(row0 >= 0 && n_rows >= 0 && row0 + n_rows <= view.shape[0],
+          impl_->path + ": rows [" + std::to_string(row0) + ", " + std::to_string(row0 + n_rows) +
+              ") out of range for tensor " + name + " with " + std::to_string(view.shape[0]) + " rows");
+  const size_t cols = size_t(view.shape[1]);
+  tensor_to_f32(view, size_t(row0) * cols, size_t(n_rows) * cols, out);
+}
+
+}  // namespace kvcc

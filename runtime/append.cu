@@ -1,0 +1,252 @@
+// Append kernels: rotate + round to BF16 (staging), quantise the tokens that enter history
+// (from the old ring or straight from staging) into their pages, then write sink and ring.
+// Semantics: runtime/append_ref.cpp. The host plans which token goes where from the lengths.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "formats/codec_scalar.h"
+#include "formats/error.h"
+#include "formats/fp16.h"
+#include "formats/kv_layout.h"
+#include "runtime/kv_kernels.h"
+
+namespace kvcc {
+namespace {
+
+constexpr int kD = 128;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring) or from
+// staging row `src`, into (page, row).
+struct Move {
+  int32_t seq_slot, from_ring, src, page, row;
+};
+// A new token staying in the BF16 windows: staging row `src` to sink position or ring slot `dst`.
+struct WindowWrite {
+  int32_t seq_slot, to_ring, src, dst;
+};
+
+// staging[side][row, head, :] = bf16(x[row, head, :] · R[head])  (x = k for side 0, v for side 1)
+__global__ void rotate_rows(const float* k, const float* v, const float* rot_k, const float* rot_v,
+                            int rows, int n_kv, __nv_bfloat16* staging) {
+  __shared__ float xs[16][kD];
+  const int side = blockIdx.z, h = blockIdx.y, r0 = blockIdx.x * 16, j = threadIdx.x;
+  const float* x = side ? v : k;
+  const float* R = side ? rot_v : rot_k;
+  const int nr = min(16, rows - r0);
+  for (int t = 0; t < nr; ++t) xs[t][j] = x[(size_t(r0 + t) * n_kv + h) * kD + j];
+  __syncthreads();
+  __nv_bfloat16* out = staging + size_t(side) * rows * n_kv * kD;
+  float acc[16];
+#pragma unroll
+  for (int t = 0; t < 16; ++t) acc[t] = 0.0f;
+  if (R) {
+    const float* Rh = R + size_t(h) * kD * kD;
+    for (int i = 0; i < kD; ++i) {
+      const float rij = Rh[size_t(i) * kD + j];
+#pragma unroll
+      for (int t = 0; t < 16; ++t) acc[t] = fmaf(xs[t][i], rij, acc[t]);
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < 16; ++t) acc[t] = t < nr ? xs[t][j] : 0.0f;
+  }
+  for (int t = 0; t < nr; ++t) out[(size_t(r0 + t) * n_kv + h) * kD + j] = __float2bfloat16_rn(acc[t]);
+}
+
+// One warp per (move, head, side): clip + quantise + pack one row (codec_scalar.h semantics).
+__global__ void quantize_moves(const Move* moves, int n_moves, KvGeometry geo, int layer,
+                               const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows,
+                               uint8_t* pages, const HeadCodec* codecs) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const int n_kv = geo.n_kv_heads;
+  if (warp >= n_moves * n_kv * 2) return;
+  const int side = warp % 2, h = (warp / 2) % n_kv, mi = warp / (2 * n_kv);
+  const Move mv = moves[mi];
+  const __nv_bfloat16* src;
+  if (mv.from_ring) {
+    const __nv_bfloat16* win = windows + geo.window_block_elem(mv.seq_slot, layer, h);
+    src = win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) + size_t(mv.src) * kD;
+  } else {
+    src = staging + size_t(side) * rows * n_kv * kD + (size_t(mv.src) * n_kv + h) * kD;
+  }
+  float x[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] = __bfloat162float(src[4 * lane + e]);
+  const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
+  GroupParams prm;
+  uint8_t codes[4];
+  if (codec.use_table) {
+    // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
+    // bit-identical to the host's.
+    float ss = 0.0f;
+    for (int i = 0; i < kD; ++i) {
+      const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
+      ss = __fadd_rn(ss, __fmul_rn(xi, xi));
+    }
+    uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
+    float s = float_from_f16(sh);
+    if (!(s > 0.0f) || isinf(s)) {
+      sh = f16_from_float(1.0f);
+      s = 1.0f;
+    }
+    prm = GroupParams{sh, 0};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
+  } else {
+    // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
+    const int k = clip_rank(double(codec.clip_ratio), kD);
+    float a[4];
+    int lt[4] = {0, 0, 0, 0}, le[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
+    for (int srcl = 0; srcl < 32; ++srcl)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float vv = __shfl_sync(0xffffffffu, a[e], srcl);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          lt[m] += vv < a[m];
+          le[m] += vv <= a[m];
+        }
+      }
+    float thr = INFINITY;
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      if (lt[m] < k && k <= le[m]) thr = fminf(thr, a[m]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) thr = fminf(thr, __shfl_xor_sync(0xffffffffu, thr, off));
+    float lo = INFINITY, hi = -INFINITY, c[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c[e] = x[e] < -thr ? -thr : (x[e] > thr ? thr : x[e]);
+      lo = fminf(lo, c[e]);
+      hi = fmaxf(hi, c[e]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    prm = uniform_params(lo, hi, 2);
+    const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, 2);
+  }
+  uint8_t* blk = pages + geo.page_block_offset(mv.page, layer, h);
+  uint8_t* row = blk + (side ? geo.v_codes_offset() : geo.k_codes_offset()) + size_t(mv.row) * geo.code_row_bytes();
+  row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
+  if (lane == 0) {
+    uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset() : geo.k_params_offset()));
+    params[2 * mv.row] = prm.scale;
+    params[2 * mv.row + 1] = prm.zero;
+  }
+}
+
+// One warp per (write, head, side): copy a staging row into the sink or ring.
+__global__ void write_windows(const WindowWrite* writes, int n_writes, KvGeometry geo, int layer,
+                              const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const int n_kv = geo.n_kv_heads;
+  if (warp >= n_writes * n_kv * 2) return;
+  const int side = warp % 2, h = (warp / 2) % n_kv, wi = warp / (2 * n_kv);
+  const WindowWrite w = writes[wi];
+  const __nv_bfloat16* src = staging + size_t(side) * rows * n_kv * kD + (size_t(w.src) * n_kv + h) * kD;
+  __nv_bfloat16* win = windows + geo.window_block_elem(w.seq_slot, layer, h);
+  const size_t dst = w.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem())
+                               : (side ? geo.v_sink_elem() : geo.k_sink_elem());
+  const uint2 val = reinterpret_cast<const uint2*>(src)[lane];
+  reinterpret_cast<uint2*>(win + dst + size_t(w.dst) * kD)[lane] = val;
+}
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+}  // namespace
+
+size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {
+  return align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2) +
+         align256(size_t(max_moves) * sizeof(Move)) + align256(size_t(rows) * sizeof(WindowWrite)) +
+         align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));
+}
+
+void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer,
+               const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
+               const float* rot_k, const float* rot_v, void* workspace, size_t workspace_bytes,
+               cudaStream_t stream) {
+  require(g.head_dim == kD, "append (CUDA): head_dim " + std::to_string(g.head_dim) +
+                                " is not supported (needs 128)");
+  require(g.group == g.head_dim, "append (CUDA): needs one (scale, zero) group per row");
+  require(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
+  const size_t nseq = plan.seq_slots.size();
+  require(plan.old_lengths.size() == nseq && plan.counts.size() == nseq &&
+              plan.row_offsets.size() == nseq && plan.page_tables.size() == nseq,
+          "append (CUDA): plan arrays differ in size");
+  // Plan the moves and window writes (the same walk as append_ref).
+  std::vector<Move> moves;
+  std::vector<WindowWrite> writes;
+  int64_t rows = 0;
+  for (size_t i = 0; i < nseq; ++i) {
+    const int64_t n0 = plan.old_lengths[i], n1 = n0 + plan.counts[i];
+    rows = std::max(rows, plan.row_offsets[i] + plan.counts[i]);
+    const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
+    require(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
+            "append (CUDA): sequence was not grown before appending");
+    const int slot = plan.seq_slots[i];
+    auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };
+    const int64_t post0 = n0 - t0.sink_count;
+    for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < post0; ++post)
+      moves.push_back(Move{slot, 1, ring_slot(g, post), page_of(post), int32_t(post % g.page_tokens)});
+    for (int j = 0; j < plan.counts[i]; ++j) {
+      const int64_t pos = n0 + j;
+      const int32_t src = int32_t(plan.row_offsets[i] + j);
+      if (pos < g.sink) {
+        writes.push_back(WindowWrite{slot, 0, src, int32_t(pos)});
+      } else if (pos - g.sink < t1.hist_tokens) {
+        const int64_t post = pos - g.sink;
+        moves.push_back(Move{slot, 0, src, page_of(post), int32_t(post % g.page_tokens)});
+      } else {
+        writes.push_back(WindowWrite{slot, 1, src, ring_slot(g, pos - g.sink)});
+      }
+    }
+  }
+  if (rows == 0) return;
+  require(workspace_bytes >= append_workspace_bytes(g, rows, int64_t(moves.size())),
+          "append (CUDA): workspace too small");
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  auto* staging = reinterpret_cast<__nv_bfloat16*>(ws);
+  ws += align256(size_t(rows) * g.n_kv_heads * kD * 2 * 2);
+  auto* d_moves = reinterpret_cast<Move*>(ws);
+  ws += align256(moves.size() * sizeof(Move));
+  auto* d_writes = reinterpret_cast<WindowWrite*>(ws);
+  ws += align256(size_t(rows) * sizeof(WindowWrite));
+  auto* d_codecs = reinterpret_cast<HeadCodec*>(ws);
+  // Pageable host memory: the copies complete (staged) before cudaMemcpyAsync returns.
+  if (!moves.empty())
+    check_cuda(cudaMemcpyAsync(d_moves, moves.data(), moves.size() * sizeof(Move), cudaMemcpyHostToDevice, stream),
+               "append (CUDA): copy plan");
+  if (!writes.empty())
+    check_cuda(cudaMemcpyAsync(d_writes, writes.data(), writes.size() * sizeof(WindowWrite),
+                               cudaMemcpyHostToDevice, stream),
+               "append (CUDA): copy plan");
+  check_cuda(cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
+             "append (CUDA): copy codecs");
+  auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
+  rotate_rows<<<dim3(unsigned((rows + 15) / 16), g.n_kv_heads, 2), kD, 0, stream>>>(
+      k, v, rot_k, rot_v, int(rows), g.n_kv_heads, staging);
+  const int64_t move_warps = int64_t(moves.size()) * g.n_kv_heads * 2;
+  if (move_warps > 0)
+    quantize_moves<<<unsigned((move_warps + 3) / 4), 128, 0, stream>>>(
+        d_moves, int(moves.size()), g, layer, staging, int(rows), win, pages, d_codecs);
+  const int64_t write_warps = int64_t(writes.size()) * g.n_kv_heads * 2;
+  if (write_warps > 0)
+    write_windows<<<unsigned((write_warps + 3) / 4), 128, 0, stream>>>(
+        d_writes, int(writes.size()), g, layer, staging, int(rows), win);
+  check_cuda(cudaGetLastError(), "append (CUDA) launch");
+}
+
+}  // namespace kvcc

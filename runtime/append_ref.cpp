@@ -1,0 +1,137 @@
+#include "runtime/append_ref.h"
+
+#include <cmath>
+#include <string>
+
+#include "formats/codec_scalar.h"
+#include "formats/error.h"
+#include "formats/fp16.h"
+
+namespace kvcc {
+
+AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
+                              const std::vector<int>& counts) {
+  require(seqs.size() == old_lengths.size() && seqs.size() == counts.size(),
+          "append: sequences, old lengths and counts differ in size");
+  AppendBatch b{seqs, old_lengths, counts, {}};
+  int64_t off = 0;
+  for (int c : counts) {
+    b.row_offsets.push_back(off);
+    off += c;
+  }
+  return b;
+}
+
+void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes,
+                  uint16_t* params) {
+  uint8_t unpacked[1024];
+  require(g.head_dim <= 1024, "append: head_dim above 1024");
+  for (int grp = 0; grp < g.groups(); ++grp) {
+    const float* x = row + grp * g.group;
+    GroupParams p;
+    if (codec.use_table) {
+      p = quantize_table(x, g.group, codec.levels, 2, unpacked + grp * g.group);
+    } else {
+      const float thr = clip_threshold(x, g.group, double(codec.clip_ratio));
+      p = quantize_uniform(x, g.group, thr, 2, unpacked + grp * g.group);
+    }
+    params[2 * grp] = p.scale;
+    params[2 * grp + 1] = p.zero;
+  }
+  pack_codes(unpacked, g.head_dim, codes);
+}
+
+void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes,
+                    const uint16_t* params, float* row) {
+  for (int c = 0; c < g.head_dim; ++c) {
+    const int grp = c / g.group;
+    const float s = float_from_f16(params[2 * grp]);
+    const uint8_t code = unpack_code(codes, c);
+    row[c] = codec.use_table ? table_dequant(code, s, codec.levels)
+                             : uniform_dequant(code, s, float_from_f16(params[2 * grp + 1]));
+  }
+}
+
+namespace {
+
+// x_rot = x·R in float64, rounded to BF16 (what the windows hold and what history quantises).
+void rotate_round(const float* x, const float* rot, int d, float* out) {
+  for (int j = 0; j < d; ++j) {
+    double acc = 0.0;
+    if (rot) {
+      for (int i = 0; i < d; ++i) acc += double(x[i]) * double(rot[size_t(i) * size_t(d) + size_t(j)]);
+    } else {
+      acc = x[j];
+    }
+    out[j] = round_bf16(float(acc));
+  }
+}
+
+}  // namespace
+
+void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
+                const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs) {
+  require(cache.memory() == PoolMemory::Host, "append_ref: needs a host pool");
+  const KvGeometry& g = cache.geometry();
+  require(layer >= 0 && layer < g.n_layers, "append: layer " + std::to_string(layer) + " out of range");
+  const int d = g.head_dim, H = g.n_kv_heads;
+  std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
+  for (size_t bi = 0; bi < batch.seqs.size(); ++bi) {
+    const int seq = batch.seqs[bi];
+    const int64_t n0 = batch.old_lengths[bi], n1 = n0 + batch.counts[bi];
+    require(cache.length(seq) >= n1, "append: sequence " + std::to_string(seq) +
+                                         " was not grown before appending");
+    const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
+    const std::vector<int32_t>& pages = cache.page_table(seq);
+    for (int h = 0; h < H; ++h) {
+      uint16_t* win = cache.windows_base() + g.window_block_elem(seq, layer, h);
+      auto write_history = [&](int64_t post, const float* kr, const float* vr) {
+        const int32_t page = pages[size_t(post / g.page_tokens)];
+        const int row = int(post % g.page_tokens);
+        uint8_t* blk = cache.pages_base() + g.page_block_offset(page, layer, h);
+        quantize_row(g, codecs[h].key, kr, blk + g.k_codes_offset() + size_t(row) * g.code_row_bytes(),
+                     reinterpret_cast<uint16_t*>(blk + g.k_params_offset()) + size_t(row) * 2 * size_t(g.groups()));
+        quantize_row(g, codecs[h].value, vr, blk + g.v_codes_offset() + size_t(row) * g.code_row_bytes(),
+                     reinterpret_cast<uint16_t*>(blk + g.v_params_offset()) + size_t(row) * 2 * size_t(g.groups()));
+      };
+      // 1. Old ring tokens that the new length pushes into history (read before any ring write).
+      for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < n0 - t0.sink_count; ++post) {
+        const size_t slot = size_t(ring_slot(g, post));
+        for (int c = 0; c < d; ++c) {
+          krow[size_t(c)] = float_from_bf16(win[g.k_ring_elem() + slot * size_t(d) + size_t(c)]);
+          vrow[size_t(c)] = float_from_bf16(win[g.v_ring_elem() + slot * size_t(d) + size_t(c)]);
+        }
+        write_history(post, krow.data(), vrow.data());
+      }
+      // 2. The new tokens: sink, history or ring by their final tier.
+      for (int j = 0; j < batch.counts[bi]; ++j) {
+        const size_t r = size_t(batch.row_offsets[bi] + j);
+        const float* kx = k + (r * size_t(H) + size_t(h)) * size_t(d);
+        const float* vx = v + (r * size_t(H) + size_t(h)) * size_t(d);
+        const float* rk = rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr;
+        const float* rv = rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr;
+        rotate_round(kx, rk, d, krow.data());
+        rotate_round(vx, rv, d, vrow.data());
+        const int64_t pos = n0 + j;
+        size_t kdst, vdst;
+        if (pos < g.sink) {
+          kdst = g.k_sink_elem() + size_t(pos) * size_t(d);
+          vdst = g.v_sink_elem() + size_t(pos) * size_t(d);
+        } else if (pos - g.sink < t1.hist_tokens) {
+          write_history(pos - g.sink, krow.data(), vrow.data());
+          continue;
+        } else {
+          const size_t slot = size_t(ring_slot(g, pos - g.sink));
+          kdst = g.k_ring_elem() + slot * size_t(d);
+          vdst = g.v_ring_elem() + slot * size_t(d);
+        }
+        for (int c = 0; c < d; ++c) {
+          win[kdst + size_t(c)] = bf16_from_float(krow[size_t(c)]);
+          win[vdst + size_t(c)] = bf16_from_float(vrow[size_t(c)]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvcc

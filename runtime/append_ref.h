@@ -1,0 +1,40 @@
+// CPU reference of the append kernel (same semantics as runtime/append.cu): rotate the new keys
+// and values (x·R), round to BF16, write sink and ring, and quantise every token that the new
+// length moves into history (clip + quantise + pack, codec_scalar.h) into its page. Tokens enter
+// history from their BF16-rounded rotated rows, so appending T tokens at once gives the same bytes
+// as appending them one by one.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "formats/kv_layout.h"
+#include "runtime/kv_cache.h"
+
+namespace kvcc {
+
+// One layer's append to several sequences. Sequence i's new tokens are rows
+// row_offset[i] .. row_offset[i] + counts[i] - 1 of the k/v arrays [rows, n_kv, d]; the cache has
+// already grown by counts[i] (KvCache::grow) and old_lengths[i] is its length before.
+struct AppendBatch {
+  std::vector<int> seqs;
+  std::vector<int64_t> old_lengths;
+  std::vector<int> counts;
+  std::vector<int64_t> row_offsets;
+};
+AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
+                              const std::vector<int>& counts);
+
+// k, v: [rows, n_kv, d] post-RoPE, unrotated. rot_k, rot_v: [n_kv, d, d] (x_rot = x·R), or null
+// when the rows are already rotated. codecs: [n_kv] for this layer. The cache must be a host pool.
+void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
+                const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs);
+
+// Quantises one rotated row of head_dim values (already BF16-rounded) into a packed code row
+// (d/4 bytes) and its per-group (scale, zero) fp16 pairs (2 * groups words).
+void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes,
+                  uint16_t* params);
+// The values a packed row decodes to.
+void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes,
+                    const uint16_t* params, float* row);
+
+}  // namespace kvcc

@@ -1,0 +1,33 @@
+// CPU reference of the attention kernels (same semantics as runtime/decode.cu and prefill.cu),
+// accumulated in float64: the query rotated by R_k, attention over the cache as stored (BF16
+// sink and ring, INT2 history decoded by codec_scalar.h), the output rotated back by R_vᵀ.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "formats/kv_layout.h"
+#include "runtime/kv_cache.h"
+
+namespace kvcc {
+
+// The rotated keys and values one layer of a sequence holds, decoded to float, in logical order
+// (sink, history, ring): [length, n_kv, d] each. The cache must be a host pool.
+void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs,
+                     std::vector<float>& keys, std::vector<float>& values);
+
+// Decode attention: one query per sequence. q: [batch, n_heads, d] post-RoPE, unrotated;
+// out: [batch, n_heads, d]. rot_k, rot_v: [n_kv, d, d] (null: identity). sm_scale: the softmax
+// scale (1/sqrt(d) usually). An empty sequence gives a zero output.
+void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, const float* q,
+                int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs,
+                float sm_scale, float* out);
+
+// Prefill/extend attention for one sequence: T new tokens at positions length..length+T-1 attend
+// causally to the cache as stored and to the new tokens themselves (rotated, BF16-rounded, as
+// the ring will hold them). q: [T, n_heads, d]; k, v: [T, n_kv, d] unrotated; out [T, n_heads, d].
+// Does not modify the cache: append the new tokens afterwards.
+void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k,
+                 const float* v, int n_heads, const float* rot_k, const float* rot_v,
+                 const HeadCodec* codecs, float sm_scale, float* out);
+
+}  // namespace kvcc

@@ -1,0 +1,184 @@
+#include "runtime/kv_cache.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "formats/error.h"
+
+#if defined(KVCC_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace kvcc {
+
+namespace {
+void check_geometry(const KvGeometry& g) {
+  require(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0,
+          "kv cache: layers, KV heads and head_dim must be positive");
+  require(g.head_dim % 16 == 0, "kv cache: head_dim must be a multiple of 16, got " +
+                                    std::to_string(g.head_dim));
+  require(g.group > 0 && g.head_dim % g.group == 0,
+          "kv cache: group " + std::to_string(g.group) + " does not divide head_dim " +
+              std::to_string(g.head_dim));
+  require(g.page_tokens > 0 && g.page_tokens % 16 == 0,
+          "kv cache: page size must be a positive multiple of 16, got " +
+              std::to_string(g.page_tokens));
+  require(g.sink >= 0, "kv cache: negative sink size");
+  require(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
+                                         ") must hold at least one page (" +
+                                         std::to_string(g.page_tokens) + ")");
+}
+}  // namespace
+
+KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
+  check_geometry(config.geometry);
+  require(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31),
+          "kv cache: page count out of range");
+  require(config.max_sequences > 0, "kv cache: max_sequences must be positive");
+  const KvGeometry& g = config.geometry;
+  pages_region_bytes_ = size_t(config.max_pages) * g.page_bytes();
+  pool_bytes_ = pages_region_bytes_ + size_t(config.max_sequences) * g.window_slot_bytes();
+  if (config.memory == PoolMemory::Host) {
+    pool_ = static_cast<uint8_t*>(std::aligned_alloc(256, (pool_bytes_ + 255) / 256 * 256));
+    require(pool_ != nullptr, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
+                                  " bytes of host memory");
+    std::memset(pool_, 0, pool_bytes_);
+  } else {
+#if defined(KVCC_HAVE_CUDA)
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, pool_bytes_);
+    require(e == cudaSuccess, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
+                                  " bytes of device memory: " + cudaGetErrorString(e));
+    pool_ = static_cast<uint8_t*>(p);
+    cudaMemset(pool_, 0, pool_bytes_);
+#else
+    throw Error("kv cache: a device pool needs kvcc built with CUDA");
+#endif
+  }
+  sequences_.resize(size_t(config.max_sequences));
+  refcount_.assign(size_t(config.max_pages), 0);
+  free_pages_.reserve(size_t(config.max_pages));
+  for (int64_t p = config.max_pages - 1; p >= 0; --p) free_pages_.push_back(int32_t(p));
+}
+
+KvCache::~KvCache() {
+  if (config_.memory == PoolMemory::Host) {
+    std::free(pool_);
+  } else {
+#if defined(KVCC_HAVE_CUDA)
+    cudaFree(pool_);
+#endif
+  }
+}
+
+KvCache::Sequence& KvCache::seq_at(int seq) {
+  require(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
+          "kv cache: no live sequence " + std::to_string(seq));
+  return sequences_[size_t(seq)];
+}
+const KvCache::Sequence& KvCache::seq_at(int seq) const {
+  require(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
+          "kv cache: no live sequence " + std::to_string(seq));
+  return sequences_[size_t(seq)];
+}
+
+int KvCache::take_slot() {
+  for (size_t s = 0; s < sequences_.size(); ++s)
+    if (!sequences_[s].live) return int(s);
+  throw Error("kv cache: out of sequence slots (all " + std::to_string(sequences_.size()) +
+              " in use); free a sequence first");
+}
+
+int KvCache::add_sequence() {
+  const int s = take_slot();
+  sequences_[size_t(s)] = Sequence{true, 0, {}};
+  ++sequences_live_;
+  return s;
+}
+
+int KvCache::fork(int parent, void* stream) {
+  const Sequence& p = seq_at(parent);
+  const int s = take_slot();
+  const KvGeometry& g = config_.geometry;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(windows_base()) + size_t(s) * g.window_slot_bytes();
+  const uint8_t* src =
+      reinterpret_cast<uint8_t*>(windows_base()) + size_t(parent) * g.window_slot_bytes();
+  if (config_.memory == PoolMemory::Host) {
+    std::memcpy(dst, src, g.window_slot_bytes());
+  } else {
+#if defined(KVCC_HAVE_CUDA)
+    cudaError_t e = cudaMemcpyAsync(dst, src, g.window_slot_bytes(), cudaMemcpyDeviceToDevice,
+                                    static_cast<cudaStream_t>(stream));
+    require(e == cudaSuccess, std::string("kv cache: fork copy failed: ") + cudaGetErrorString(e));
+#endif
+  }
+  sequences_[size_t(s)] = Sequence{true, p.length, p.pages};
+  for (int32_t page : p.pages) ++refcount_[size_t(page)];
+  ++sequences_live_;
+  return s;
+}
+
+void KvCache::free_sequence(int seq) {
+  Sequence& s = seq_at(seq);
+  for (int32_t page : s.pages) {
+    if (--refcount_[size_t(page)] == 0) {
+      free_pages_.push_back(page);
+      --pages_in_use_;
+    }
+  }
+  s = Sequence{};
+  --sequences_live_;
+}
+
+std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& seqs,
+                                                      const std::vector<int64_t>& new_tokens) {
+  require(seqs.size() == new_tokens.size(), "kv cache: grow_batch needs one count per sequence");
+  const KvGeometry& g = config_.geometry;
+  std::vector<int64_t> need(seqs.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence& s = seq_at(seqs[i]);
+    require(new_tokens[i] >= 0, "kv cache: negative token count");
+    for (size_t j = 0; j < i; ++j)
+      require(seqs[j] != seqs[i], "kv cache: sequence " + std::to_string(seqs[i]) +
+                                      " appears twice in one batch");
+    need[i] = history_pages(g, s.length + new_tokens[i]) - int64_t(s.pages.size());
+    total += need[i];
+  }
+  if (total > int64_t(free_pages_.size()))
+    throw Error("kv cache: out of pages (need " + std::to_string(total) + ", " +
+                std::to_string(free_pages_.size()) + " free of " +
+                std::to_string(config_.max_pages) + "); free a sequence first");
+  std::vector<std::vector<int32_t>> added(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& s = seq_at(seqs[i]);
+    for (int64_t k = 0; k < need[i]; ++k) {
+      const int32_t page = free_pages_.back();
+      free_pages_.pop_back();
+      refcount_[size_t(page)] = 1;
+      ++pages_in_use_;
+      s.pages.push_back(page);
+      added[i].push_back(page);
+    }
+    s.length += new_tokens[i];
+  }
+  return added;
+}
+
+std::vector<int32_t> KvCache::grow(int seq, int64_t new_tokens) {
+  return grow_batch({seq}, {new_tokens})[0];
+}
+
+bool KvCache::live(int seq) const {
+  return seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live;
+}
+int64_t KvCache::length(int seq) const { return seq_at(seq).length; }
+const std::vector<int32_t>& KvCache::page_table(int seq) const { return seq_at(seq).pages; }
+
+size_t KvCache::bytes_in_use() const {
+  const KvGeometry& g = config_.geometry;
+  return size_t(pages_in_use_) * g.page_bytes() + size_t(sequences_live_) * g.window_slot_bytes();
+}
+
+}  // namespace kvcc

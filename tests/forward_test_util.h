@@ -1,0 +1,67 @@
+// Shared by the forward and model-file tests: running a whole model and reading the reference
+// logits that tests/reference/make_forward_refs.py saved from transformers.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "formats/model_file.h"
+#include "runtime/forward.h"
+
+namespace kvcc::testing {
+
+inline std::string data_models_dir() { return std::string(KVCC_SOURCE_DIR) + "/tests/data/models"; }
+inline std::string shared_models_dir() { return std::string(KVCC_SHARED_DIR) + "/models"; }
+
+inline nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  return nlohmann::json::parse(in);
+}
+
+// Full forward of one sequence: logits [T, vocab].
+inline std::vector<float> model_logits(const ModelFile& model, const std::vector<int32_t>& ids) {
+  const ModelConfig& c = model.config();
+  const int T = int(ids.size());
+  std::vector<float> x(size_t(T) * c.hidden);
+  embed(model, ids.data(), T, x.data());
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights w = load_layer(model, l);
+    layer_forward(c, w, l, 0, x.data(), T);
+  }
+  std::vector<float> logits(size_t(T) * c.vocab);
+  final_logits(model, x.data(), T, logits.data());
+  return logits;
+}
+
+struct RefComparison {
+  double max_abs_diff = 0;
+  double max_abs_ref = 0;
+  double relative() const { return max_abs_diff / max_abs_ref; }
+};
+
+// max |ours − ref| / max |ref| over the reference positions.
+inline RefComparison compare_to_reference(const ModelFile& model, const nlohmann::json& ref) {
+  const std::vector<int32_t> ids = ref["ids"].get<std::vector<int32_t>>();
+  const std::vector<float> logits = model_logits(model, ids);
+  const int vocab = model.config().vocab;
+  RefComparison cmp;
+  const auto positions = ref["positions"].get<std::vector<int>>();
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const auto row = ref["logits"][k].get<std::vector<double>>();
+    if (int(row.size()) != vocab) throw std::runtime_error("reference vocab mismatch");
+    for (int v = 0; v < vocab; ++v) {
+      cmp.max_abs_diff = std::max(cmp.max_abs_diff,
+                                  std::abs(double(logits[size_t(positions[k]) * vocab + v]) - row[v]));
+      cmp.max_abs_ref = std::max(cmp.max_abs_ref, std::abs(row[v]));
+    }
+  }
+  return cmp;
+}
+
+}  // namespace kvcc::testing

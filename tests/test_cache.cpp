@@ -1,0 +1,463 @@
+// CPU tests of the paged INT2 KV cache: allocator bookkeeping, the append reference against a
+// token-by-token simulation that quantises with codec_scalar.h, and the decode / prefill
+// references against a naive float64 attention over that simulation's contents.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "formats/codec_scalar.h"
+#include "formats/error.h"
+#include "formats/fp16.h"
+#include "formats/kv_layout.h"
+#include "runtime/append_ref.h"
+#include "runtime/attention_ref.h"
+#include "runtime/kv_cache.h"
+
+namespace kvcc {
+namespace {
+
+KvGeometry small_geometry(int d = 32, int group = 32) {
+  KvGeometry g;
+  g.n_layers = 2;
+  g.n_kv_heads = 2;
+  g.head_dim = d;
+  g.group = group;
+  g.page_tokens = 16;
+  g.sink = 8;
+  g.recent = 32;
+  return g;
+}
+
+// Random orthogonal d×d (Gram–Schmidt on Gaussian columns), per head, row-major float.
+std::vector<float> random_rotations(int heads, int d, std::mt19937& rng) {
+  std::normal_distribution<double> nd;
+  std::vector<float> out;
+  for (int h = 0; h < heads; ++h) {
+    std::vector<double> m(size_t(d * d));
+    for (auto& x : m) x = nd(rng);
+    for (int j = 0; j < d; ++j) {  // columns
+      for (int k = 0; k < j; ++k) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += m[size_t(i * d + j)] * m[size_t(i * d + k)];
+        for (int i = 0; i < d; ++i) m[size_t(i * d + j)] -= dot * m[size_t(i * d + k)];
+      }
+      double nrm = 0;
+      for (int i = 0; i < d; ++i) nrm += m[size_t(i * d + j)] * m[size_t(i * d + j)];
+      for (int i = 0; i < d; ++i) m[size_t(i * d + j)] /= std::sqrt(nrm);
+    }
+    for (double x : m) out.push_back(float(x));
+  }
+  return out;
+}
+
+// What one (layer, head) of one sequence should hold, simulated token by token: every token's
+// rotated BF16 row, and for each token whether it was quantised (and its decoded values).
+struct SimHead {
+  std::vector<std::vector<float>> k, v;          // rotated, BF16-rounded, per position
+  std::vector<std::vector<float>> k_hat, v_hat;  // as stored (decoded), per position
+  std::vector<std::vector<uint8_t>> k_codes, v_codes;
+  std::vector<std::vector<uint16_t>> k_params, v_params;
+  std::vector<int> ring;  // positions currently in the ring, oldest first
+};
+
+void sim_quantize(const KvGeometry& g, const SideCodec& c, const std::vector<float>& x,
+                  std::vector<uint8_t>& codes, std::vector<uint16_t>& params, std::vector<float>& hat) {
+  codes.assign(size_t(g.head_dim), 0);
+  params.clear();
+  hat.assign(size_t(g.head_dim), 0.0f);
+  for (int grp = 0; grp < g.head_dim / g.group; ++grp) {
+    const float* xs = x.data() + grp * g.group;
+    uint8_t* cs = codes.data() + grp * g.group;
+    GroupParams p = c.use_table ? quantize_table(xs, g.group, c.levels, 2, cs)
+                                : quantize_uniform(xs, g.group, clip_threshold(xs, g.group, c.clip_ratio), 2, cs);
+    params.push_back(p.scale);
+    params.push_back(p.zero);
+    for (int i = 0; i < g.group; ++i)
+      hat[size_t(grp * g.group + i)] =
+          c.use_table ? c.levels[cs[i]] * float_from_f16(p.scale)
+                      : (float(cs[i]) - float_from_f16(p.zero)) * float_from_f16(p.scale);
+  }
+}
+
+// Appends one token to the simulation: sink while short, else ring; a full ring first moves its
+// P oldest tokens into history.
+void sim_append(const KvGeometry& g, const HeadCodec& codec, SimHead& s, const std::vector<float>& kr,
+                const std::vector<float>& vr) {
+  const int pos = int(s.k.size());
+  s.k.push_back(kr);
+  s.v.push_back(vr);
+  s.k_hat.push_back(kr);
+  s.v_hat.push_back(vr);
+  s.k_codes.emplace_back();
+  s.v_codes.emplace_back();
+  s.k_params.emplace_back();
+  s.v_params.emplace_back();
+  if (pos < g.sink) return;
+  if (int(s.ring.size()) == g.recent) {
+    for (int i = 0; i < g.page_tokens; ++i) {
+      const int p = s.ring[size_t(i)];
+      sim_quantize(g, codec.key, s.k[size_t(p)], s.k_codes[size_t(p)], s.k_params[size_t(p)], s.k_hat[size_t(p)]);
+      sim_quantize(g, codec.value, s.v[size_t(p)], s.v_codes[size_t(p)], s.v_params[size_t(p)], s.v_hat[size_t(p)]);
+    }
+    s.ring.erase(s.ring.begin(), s.ring.begin() + g.page_tokens);
+  }
+  s.ring.push_back(pos);
+}
+
+std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
+  std::vector<float> out(static_cast<size_t>(d));
+  for (int j = 0; j < d; ++j) {
+    double acc = 0;
+    for (int i = 0; i < d; ++i) acc += double(x[i]) * double(rot[size_t(i * d + j)]);
+    out[size_t(j)] = round_bf16(float(acc));
+  }
+  return out;
+}
+
+struct World {
+  KvGeometry g;
+  KvCache cache;
+  std::vector<float> rot_k, rot_v;  // [layers][H][d][d]
+  std::vector<HeadCodec> codecs;    // [layers][H]
+  std::map<int, std::vector<SimHead>> sim;  // seq -> [layers * H]
+  std::mt19937 rng{1234};
+
+  explicit World(const KvGeometry& geo, int64_t pages = 256, int seqs = 8)
+      : g(geo), cache(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}) {
+    for (int l = 0; l < g.n_layers; ++l) {
+      auto rk = random_rotations(g.n_kv_heads, g.head_dim, rng);
+      auto rv = random_rotations(g.n_kv_heads, g.head_dim, rng);
+      rot_k.insert(rot_k.end(), rk.begin(), rk.end());
+      rot_v.insert(rot_v.end(), rv.begin(), rv.end());
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        HeadCodec c;
+        c.key.clip_ratio = 0.9f + 0.05f * float(h);
+        c.value.clip_ratio = 0.95f;
+        codecs.push_back(c);
+      }
+    }
+  }
+  const float* rk(int l) const { return rot_k.data() + size_t(l) * g.n_kv_heads * g.head_dim * g.head_dim; }
+  const float* rv(int l) const { return rot_v.data() + size_t(l) * g.n_kv_heads * g.head_dim * g.head_dim; }
+  const HeadCodec* codec(int l) const { return codecs.data() + size_t(l) * g.n_kv_heads; }
+
+  int add() {
+    int s = cache.add_sequence();
+    sim[s] = std::vector<SimHead>(size_t(g.n_layers * g.n_kv_heads));
+    return s;
+  }
+  int fork(int parent) {
+    int s = cache.fork(parent);
+    sim[s] = sim[parent];
+    return s;
+  }
+  // Appends counts[i] random tokens to seqs[i] on every layer, in the cache and the simulation.
+  void append(const std::vector<int>& seqs, const std::vector<int>& counts) {
+    std::vector<int64_t> old, add;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      old.push_back(cache.length(seqs[i]));
+      add.push_back(counts[i]);
+    }
+    cache.grow_batch(seqs, add);
+    AppendBatch batch = make_append_batch(seqs, old, counts);
+    int rows = 0;
+    for (int c : counts) rows += c;
+    const int H = g.n_kv_heads, d = g.head_dim;
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int l = 0; l < g.n_layers; ++l) {
+      std::vector<float> k(size_t(rows * H * d)), v(k.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = nd(rng) * (i % 7 == 0 ? 4.0f : 1.0f);  // a few outlier channels
+        v[i] = nd(rng);
+      }
+      append_ref(cache, l, batch, k.data(), v.data(), rk(l), rv(l), codec(l));
+      for (size_t i = 0; i < seqs.size(); ++i)
+        for (int j = 0; j < counts[i]; ++j)
+          for (int h = 0; h < H; ++h) {
+            const size_t row = size_t(batch.row_offsets[i] + j);
+            const float* kx = k.data() + (row * H + h) * d;
+            const float* vx = v.data() + (row * H + h) * d;
+            sim_append(g, codec(l)[h], sim[seqs[i]][size_t(l * H + h)],
+                       rotate_bf16(kx, rk(l) + size_t(h) * d * d, d),
+                       rotate_bf16(vx, rv(l) + size_t(h) * d * d, d));
+          }
+    }
+  }
+
+  // Checks every stored byte of seq against the simulation.
+  void check_storage(int seq) {
+    const int H = g.n_kv_heads, d = g.head_dim;
+    const int64_t n = cache.length(seq);
+    const KvTiers t = tiers_of(g, n);
+    for (int l = 0; l < g.n_layers; ++l)
+      for (int h = 0; h < H; ++h) {
+        const SimHead& s = sim[seq][size_t(l * H + h)];
+        ASSERT_EQ(int64_t(s.k.size()), n);
+        const uint16_t* win = cache.windows_base() + g.window_block_elem(seq, l, h);
+        for (int64_t pos = 0; pos < n; ++pos) {
+          const bool quantised = !s.k_codes[size_t(pos)].empty();
+          const int64_t post = pos - t.sink_count;
+          ASSERT_EQ(quantised, pos >= t.sink_count && post < t.hist_tokens) << "pos " << pos;
+          if (quantised) {
+            const int32_t page = cache.page_table(seq)[size_t(post / g.page_tokens)];
+            const uint8_t* blk = cache.pages_base() + g.page_block_offset(page, l, h);
+            const size_t row = size_t(post % g.page_tokens);
+            for (int side = 0; side < 2; ++side) {
+              const auto& codes = side ? s.v_codes[size_t(pos)] : s.k_codes[size_t(pos)];
+              const auto& params = side ? s.v_params[size_t(pos)] : s.k_params[size_t(pos)];
+              const uint8_t* crow = blk + (side ? g.v_codes_offset() : g.k_codes_offset()) + row * size_t(d / 4);
+              for (int c = 0; c < d; ++c)
+                ASSERT_EQ((crow[c / 4] >> (2 * (c % 4))) & 3, codes[size_t(c)]) << "pos " << pos << " ch " << c;
+              const uint16_t* prm = reinterpret_cast<const uint16_t*>(blk + (side ? g.v_params_offset() : g.k_params_offset())) +
+                                    row * 2 * size_t(g.groups());
+              for (size_t i = 0; i < params.size(); ++i) ASSERT_EQ(prm[i], params[i]);
+            }
+          } else {
+            const size_t ko = pos < g.sink ? g.k_sink_elem() + size_t(pos) * d
+                                           : g.k_ring_elem() + size_t(post % g.recent) * d;
+            const size_t vo = pos < g.sink ? g.v_sink_elem() + size_t(pos) * d
+                                           : g.v_ring_elem() + size_t(post % g.recent) * d;
+            for (int c = 0; c < d; ++c) {
+              ASSERT_EQ(win[ko + size_t(c)], bf16_from_float(s.k[size_t(pos)][size_t(c)]));
+              ASSERT_EQ(win[vo + size_t(c)], bf16_from_float(s.v[size_t(pos)][size_t(c)]));
+            }
+          }
+        }
+      }
+  }
+};
+
+// Naive float64 attention of rotated query rows over a simulated head, output rotated back.
+std::vector<double> naive_attention(const std::vector<double>& q_rot, const std::vector<std::vector<float>>& keys,
+                                    const std::vector<std::vector<float>>& values, size_t n, const float* rot_v,
+                                    int d, double scale) {
+  std::vector<double> out(static_cast<size_t>(d), 0.0);
+  if (n == 0) return out;
+  std::vector<double> s(n);
+  double mx = -1e300;
+  for (size_t j = 0; j < n; ++j) {
+    s[j] = 0;
+    for (int c = 0; c < d; ++c) s[j] += q_rot[size_t(c)] * keys[j][size_t(c)];
+    s[j] *= scale;
+    mx = std::max(mx, s[j]);
+  }
+  double l = 0;
+  std::vector<double> o(static_cast<size_t>(d), 0.0);
+  for (size_t j = 0; j < n; ++j) {
+    const double p = std::exp(s[j] - mx);
+    l += p;
+    for (int c = 0; c < d; ++c) o[size_t(c)] += p * values[j][size_t(c)];
+  }
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j < d; ++j) out[size_t(j)] += o[size_t(i)] / l * rot_v[size_t(j * d + i)];
+  return out;
+}
+
+std::vector<double> rotate_query(const float* q, const float* rot, int d) {
+  std::vector<double> out(static_cast<size_t>(d), 0.0);
+  for (int j = 0; j < d; ++j)
+    for (int i = 0; i < d; ++i) out[size_t(j)] += double(q[i]) * rot[size_t(i * d + j)];
+  return out;
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+TEST(CacheLayout, TiersMatchTokenByTokenRing) {
+  KvGeometry g = small_geometry();
+  int sink = 0, ring = 0, hist = 0;
+  for (int64_t n = 0; n <= 400; ++n) {
+    const KvTiers t = tiers_of(g, n);
+    EXPECT_EQ(t.sink_count, sink) << n;
+    EXPECT_EQ(t.ring_count, ring) << n;
+    EXPECT_EQ(t.hist_tokens, hist) << n;
+    EXPECT_EQ(t.sink_count + t.hist_tokens + t.ring_count, n);
+    if (sink < g.sink) {
+      ++sink;
+    } else {
+      if (ring == g.recent) {
+        ring -= g.page_tokens;
+        hist += g.page_tokens;
+      }
+      ++ring;
+    }
+  }
+}
+
+TEST(CacheLayout, PageAndSlotSizes) {
+  KvGeometry g = small_geometry(64, 32);
+  // Per (layer, head): K and V codes 16 tokens × 16 bytes, params 16 tokens × 2 groups × 4 bytes.
+  EXPECT_EQ(g.page_head_bytes(), size_t(2 * 16 * 16 + 2 * 16 * 2 * 4));
+  EXPECT_EQ(g.page_bytes(), g.page_head_bytes() * 4);
+  EXPECT_EQ(g.window_slot_bytes(), size_t(2 * (8 + 32) * 64 * 2 * 4));
+  uint8_t codes[8] = {0, 1, 2, 3, 3, 2, 1, 0}, row[2];
+  pack_codes(codes, 8, row);
+  EXPECT_EQ(row[0], 0b11100100);
+  EXPECT_EQ(row[1], 0b00011011);
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(unpack_code(row, c), codes[c]);
+}
+
+TEST(CacheAllocator, AccountingForkFreeAndOutOfMemory) {
+  KvGeometry g = small_geometry();
+  KvCache cache(KvCacheConfig{g, 6, 3, PoolMemory::Host});
+  const size_t page = size_t(2 * 16 * 8 + 2 * 16 * 4) * 4;       // bytes per page, all layers/heads
+  const size_t slot = size_t(2 * (8 + 32) * 32 * 2) * 4;          // bytes per window slot
+  EXPECT_EQ(cache.bytes_in_use(), 0u);
+  const int a = cache.add_sequence();
+  EXPECT_EQ(cache.bytes_in_use(), slot);
+  // 8 sink + 32 ring + 1 → one flush of a 16-token page.
+  EXPECT_EQ(cache.grow(a, 41).size(), 1u);
+  EXPECT_EQ(cache.pages_in_use(), 1);
+  EXPECT_EQ(cache.grow(a, 16).size(), 1u);  // 57 tokens: 49 post-sink → 2 pages
+  EXPECT_EQ(cache.bytes_in_use(), slot + 2 * page);
+  const int b = cache.fork(a);
+  EXPECT_EQ(cache.length(b), 57);
+  EXPECT_EQ(cache.page_table(b), cache.page_table(a));
+  EXPECT_EQ(cache.page_refcount(cache.page_table(a)[0]), 2);
+  EXPECT_EQ(cache.bytes_in_use(), 2 * slot + 2 * page);  // shared pages counted once
+  EXPECT_EQ(cache.grow(b, 16).size(), 1u);
+  EXPECT_NE(cache.page_table(b).back(), cache.page_table(a).back());
+  EXPECT_EQ(cache.pages_in_use(), 3);
+  // Out of pages: needs 4 more (64 tokens), only 3 free. Nothing changes.
+  EXPECT_THROW(cache.grow(a, 64), Error);
+  EXPECT_EQ(cache.length(a), 57);
+  EXPECT_EQ(cache.pages_in_use(), 3);
+  EXPECT_EQ(cache.page_table(a).size(), 2u);
+  // All or nothing across a batch.
+  EXPECT_THROW(cache.grow_batch({a, b}, {32, 32}), Error);
+  EXPECT_EQ(cache.length(b), 73);
+  // Out of slots.
+  cache.add_sequence();
+  EXPECT_THROW(cache.add_sequence(), Error);
+  EXPECT_THROW(cache.fork(a), Error);
+  cache.free_sequence(a);
+  EXPECT_EQ(cache.page_refcount(cache.page_table(b)[0]), 1);
+  EXPECT_EQ(cache.pages_in_use(), 3);  // b still holds a's two pages and its own
+  cache.free_sequence(b);
+  EXPECT_EQ(cache.pages_in_use(), 0);
+  EXPECT_EQ(cache.bytes_in_use(), slot);
+  EXPECT_THROW(cache.length(a), Error);
+  EXPECT_THROW(cache.free_sequence(a), Error);
+}
+
+TEST(CacheAppend, PacksExactlyTheCodecCodes) {
+  World w(small_geometry());
+  const int a = w.add(), b = w.add();
+  // Chunks that cross the sink, fill the ring exactly, and flush one and several pages at once.
+  w.append({a, b}, {5, 40});
+  w.append({a, b}, {35, 1});
+  w.append({a}, {1});
+  w.append({a, b}, {100, 3});
+  const int c = w.fork(a);
+  w.append({c, a}, {17, 64});
+  for (int s : {a, b, c}) w.check_storage(s);
+}
+
+TEST(CacheAppend, GroupsAndLevelTable) {
+  World w(small_geometry(64, 16));
+  for (auto& c : w.codecs) {
+    c.value.use_table = 1;  // Lloyd–Max levels of a unit Gaussian, in RMS units
+    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+    std::copy(lv, lv + 4, c.value.levels);
+  }
+  const int a = w.add();
+  w.append({a}, {130});
+  w.append({a}, {33});
+  w.check_storage(a);
+}
+
+void check_decode(World& w, const std::vector<int>& seqs, int n_heads) {
+  const KvGeometry& g = w.g;
+  const int d = g.head_dim, H = g.n_kv_heads, r = n_heads / H;
+  std::normal_distribution<float> nd;
+  std::vector<float> q(seqs.size() * size_t(n_heads * d)), out(q.size());
+  for (auto& x : q) x = 2.0f * nd(w.rng);
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int l = 0; l < g.n_layers; ++l) {
+    decode_ref(w.cache, l, seqs, q.data(), n_heads, w.rk(l), w.rv(l), w.codec(l), float(scale), out.data());
+    for (size_t b = 0; b < seqs.size(); ++b)
+      for (int qh = 0; qh < n_heads; ++qh) {
+        const int h = qh / r;
+        const SimHead& s = w.sim[seqs[b]][size_t(l * H + h)];
+        const size_t off = (b * n_heads + qh) * d;
+        auto qr = rotate_query(q.data() + off, w.rk(l) + size_t(h) * d * d, d);
+        auto want = naive_attention(qr, s.k_hat, s.v_hat, s.k.size(), w.rv(l) + size_t(h) * d * d, d, scale);
+        std::vector<float> got(out.begin() + long(off), out.begin() + long(off + d));
+        if (s.k.empty()) {
+          for (float x : got) EXPECT_EQ(x, 0.0f);
+        } else {
+          EXPECT_LT(rel_err(got, want), 1e-5) << "seq " << seqs[b] << " len " << s.k.size() << " head " << qh;
+        }
+      }
+  }
+}
+
+TEST(CacheDecode, MatchesFloat64OnMixedLengths) {
+  World w(small_geometry());
+  // Lengths: empty; inside the sink; ring partly filled (no history); ring exactly full;
+  // one page of history; many pages; a fork that diverged.
+  const int e = w.add(), s1 = w.add(), s2 = w.add(), s3 = w.add(), s4 = w.add(), s5 = w.add();
+  w.append({s1, s2, s3, s4, s5}, {5, 20, 40, 41, 300});
+  const int f = w.fork(s5);
+  w.append({f, s5}, {9, 70});
+  ASSERT_EQ(tiers_of(w.g, 40).ring_count, w.g.recent);
+  ASSERT_EQ(tiers_of(w.g, 40).hist_tokens, 0);
+  check_decode(w, {e, s1, s2, s3, s4, s5, f}, 8);
+}
+
+TEST(CacheDecode, GroupsAndLevelTableAndWideGroups) {
+  World w(small_geometry(64, 32));
+  for (auto& c : w.codecs) {
+    c.key.use_table = 1;
+    const float lv[4] = {-1.6f, -0.5f, 0.45f, 1.5f};
+    std::copy(lv, lv + 4, c.key.levels);
+  }
+  const int a = w.add(), b = w.add();
+  w.append({a, b}, {200, 77});
+  check_decode(w, {b, a}, 6);
+}
+
+TEST(CachePrefill, MatchesFloat64Causal) {
+  World w(small_geometry());
+  const KvGeometry& g = w.g;
+  const int a = w.add();
+  w.append({a}, {90});
+  const int T = 37, n_heads = 4, d = g.head_dim, H = g.n_kv_heads, r = n_heads / H;
+  std::normal_distribution<float> nd;
+  std::vector<float> q(size_t(T * n_heads * d)), k(size_t(T * H * d)), v(k.size()), out(q.size());
+  for (auto& x : q) x = nd(w.rng);
+  for (auto& x : k) x = nd(w.rng);
+  for (auto& x : v) x = nd(w.rng);
+  const double scale = 1.0 / std::sqrt(double(d));
+  const int l = 1;
+  prefill_ref(w.cache, l, a, T, q.data(), k.data(), v.data(), n_heads, w.rk(l), w.rv(l), w.codec(l),
+              float(scale), out.data());
+  for (int h = 0; h < H; ++h) {
+    const SimHead& s = w.sim[a][size_t(l * H + h)];
+    auto keys = s.k_hat, values = s.v_hat;
+    for (int j = 0; j < T; ++j) {
+      keys.push_back(rotate_bf16(k.data() + size_t(j * H + h) * d, w.rk(l) + size_t(h) * d * d, d));
+      values.push_back(rotate_bf16(v.data() + size_t(j * H + h) * d, w.rv(l) + size_t(h) * d * d, d));
+    }
+    for (int j = 0; j < T; ++j)
+      for (int qh = h * r; qh < (h + 1) * r; ++qh) {
+        const size_t off = size_t(j * n_heads + qh) * d;
+        auto qr = rotate_query(q.data() + off, w.rk(l) + size_t(h) * d * d, d);
+        auto want = naive_attention(qr, keys, values, s.k.size() + size_t(j) + 1, w.rv(l) + size_t(h) * d * d, d, scale);
+        std::vector<float> got(out.begin() + long(off), out.begin() + long(off + d));
+        EXPECT_LT(rel_err(got, want), 1e-5) << "token " << j << " head " << qh;
+      }
+  }
+}
+
+}  // namespace
+}  // namespace kvcc
