@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 
 #include "formats/error.h"
 
@@ -50,6 +51,7 @@ StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capa
     r.group = group_;
     r.d = d_;
   }
+  pending_ = reservoirs_;
   block_.resize(size_t(kSyrkBlockRows) * size_t(d_));
 }
 
@@ -163,19 +165,18 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
   const int64_t q_stride = int64_t(config_.n_heads) * d_;
   const int64_t kv_stride = int64_t(n_kv) * d_;
   const uint8_t heldout = is_heldout_doc(taps.doc) ? 1 : 0;
+  const size_t batch = size_t(capacity) / 4 + 1;
   for (int h = 0; h < n_kv; ++h) {
-    Reservoir& res = reservoirs_[size_t(taps.layer * n_kv + h)];
-    // Only rows below the current largest kept priority can enter a full reservoir.
-    uint64_t threshold = UINT64_MAX;
-    if (int(res.size()) >= capacity)
-      threshold = *std::max_element(res.priority.begin(), res.priority.end());
-    Reservoir add;
-    add.capacity = capacity;
-    add.group = group_;
-    add.d = d_;
+    const size_t index = size_t(taps.layer * n_kv + h);
+    const Reservoir& res = reservoirs_[index];
+    // Only rows below the largest kept priority can enter a full reservoir.
+    const uint64_t threshold = int(res.size()) >= capacity
+                                   ? *std::max_element(res.priority.begin(), res.priority.end())
+                                   : UINT64_MAX;
+    Reservoir& add = pending_[index];
     for (int t : order) {
       const uint64_t p = priority[size_t(t)];
-      if (p >= threshold) continue;
+      if (p >= threshold) break;  // `order` is ascending in priority
       const float* q = taps.q + t * q_stride + int64_t(h) * group_ * d_;
       add.q.insert(add.q.end(), q, q + int64_t(group_) * d_);
       const float* kp = taps.key_pre + t * kv_stride + int64_t(h) * d_;
@@ -189,16 +190,32 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
       add.priority.push_back(p);
       add.heldout.push_back(heldout);
     }
-    if (add.size() > 0) reservoir_merge(res, add);
+    if (add.size() >= batch) flush_pending(index);
   }
 }
 
+void StatsAccumulator::flush_pending(size_t index) {
+  Reservoir& add = pending_[index];
+  if (add.size() == 0) return;
+  reservoir_merge(reservoirs_[index], add);
+  for (auto* v : {&add.q, &add.key_pre, &add.key, &add.value}) v->clear();
+  add.position.clear();
+  add.doc.clear();
+  add.priority.clear();
+  add.heldout.clear();
+}
+
 void StatsAccumulator::export_into(Stats& stats) const {
+  StatsAccumulator copy = *this;
+  std::move(copy).move_into(stats);
+}
+
+void StatsAccumulator::move_into(Stats& stats) && {
   require(stats.config.n_layers == config_.n_layers &&
               stats.config.n_kv_heads == config_.n_kv_heads &&
               stats.config.head_dim == config_.head_dim,
           "stats accumulator: exporting into stats of a different model shape");
-  stats.heads = heads_;
+  stats.heads = std::move(heads_);
   for (auto& hs : stats.heads) {
     mirror_upper(hs.query_m2, d_);
     mirror_upper(hs.output_m2, d_);
@@ -206,7 +223,8 @@ void StatsAccumulator::export_into(Stats& stats) const {
     mirror_upper(hs.key_m2, d_);
     mirror_upper(hs.value_m2, d_);
   }
-  stats.reservoirs = reservoirs_;
+  for (size_t i = 0; i < reservoirs_.size(); ++i) flush_pending(i);
+  stats.reservoirs = std::move(reservoirs_);
 }
 
 }  // namespace kvcc

@@ -32,6 +32,8 @@ class StatsAccumulator final : public AttentionObserver {
   // Copies the sums (matrices made symmetric) and reservoirs into stats.heads / stats.reservoirs,
   // replacing what was there; `stats` must describe the same model shape.
   void export_into(Stats& stats) const;
+  // The same, moving instead of copying (reservoirs can be large); the accumulator is spent.
+  void move_into(Stats& stats) &&;
 
   const ModelConfig& config() const { return config_; }
 
@@ -49,6 +51,11 @@ class StatsAccumulator final : public AttentionObserver {
   uint64_t seed_ = 0;
   std::vector<HeadStats> heads_;
   std::vector<Reservoir> reservoirs_;
+  // Candidate rows not yet merged, per (layer, KV head): merging copies the whole reservoir, so
+  // candidates are batched and merged once capacity/4 of them have gathered (reservoir_merge is
+  // "keep the smallest priorities of the union", so batching does not change the result).
+  std::vector<Reservoir> pending_;
+  void flush_pending(size_t index);
 
   // Per sequence: w_j = Σ_heads Σ_i p_ij² for each KV head [n_kv, T], and how many of the group's
   // query heads have reported; p2 is accumulated once all r heads of a group are in.

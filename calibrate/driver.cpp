@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <utility>
 
 #include "calibrate/accumulators.h"
 #include "calibrate/mpi_reduce.h"
@@ -25,6 +26,14 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU time of the whole process (all threads): on a shared machine it measures the work done,
+// where wall time also measures the neighbours.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
 std::string utc_now_iso8601() {
@@ -48,20 +57,26 @@ class TimedObserver final : public AttentionObserver {
   explicit TimedObserver(AttentionObserver& inner) : inner_(inner) {}
   void on_qkv(const SequenceTaps& taps) override {
     const auto t0 = Clock::now();
+    const double c0 = process_cpu_seconds();
     inner_.on_qkv(taps);
+    cpu_seconds_ += process_cpu_seconds() - c0;
     seconds_ += seconds_since(t0);
   }
   void on_probs(const SequenceTaps& taps, int q_head, const float* probs,
                 const float* output) override {
     const auto t0 = Clock::now();
+    const double c0 = process_cpu_seconds();
     inner_.on_probs(taps, q_head, probs, output);
+    cpu_seconds_ += process_cpu_seconds() - c0;
     seconds_ += seconds_since(t0);
   }
   double seconds() const { return seconds_; }
+  double cpu_seconds() const { return cpu_seconds_; }
 
  private:
   AttentionObserver& inner_;
   double seconds_ = 0.0;
+  double cpu_seconds_ = 0.0;
 };
 
 std::string read_text_file(const std::string& path) {
@@ -203,6 +218,7 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   std::vector<float> q, key_pre, key, value, attn;
   uint64_t max_layer_bytes = 0;
   const auto forward_t0 = Clock::now();
+  const double forward_c0 = process_cpu_seconds();
   for (int layer = 0; layer < config.n_layers && local_tokens > 0; ++layer) {
     const LayerWeights weights = load_layer(model, layer);
     max_layer_bytes = std::max(max_layer_bytes, layer_bytes(weights));
@@ -238,9 +254,10 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
     }
   }
   const double layers_seconds = seconds_since(forward_t0);
+  const double layers_cpu_seconds = process_cpu_seconds() - forward_c0;
 
   Stats stats = make_empty_stats(config, model.fingerprint(), options.reservoir);
-  accumulator.export_into(stats);
+  std::move(accumulator).move_into(stats);
   stats.producer = std::string("kvcc ") + KVCC_VERSION;
   stats.created = utc_now_iso8601();
   stats.command = options.command;
@@ -256,6 +273,8 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
     summary->sequences = local.size();
     summary->stats_seconds = observer.seconds();
     summary->forward_seconds = layers_seconds - observer.seconds();
+    summary->stats_cpu_seconds = observer.cpu_seconds();
+    summary->forward_cpu_seconds = layers_cpu_seconds - observer.cpu_seconds();
     summary->hidden_state_bytes = uint64_t(x.size()) * sizeof(float);
     summary->layer_weight_bytes = max_layer_bytes;
     summary->seconds = seconds_since(t0);

@@ -61,6 +61,8 @@ struct CalibrationSummary {
   double seconds = 0.0;      // wall time of the whole run
   double forward_seconds = 0.0;  // model layers (this process), statistics excluded
   double stats_seconds = 0.0;    // inside the statistics observer (this process)
+  double forward_cpu_seconds = 0.0;  // the same two as process CPU time (all threads), which a
+  double stats_cpu_seconds = 0.0;    // busy shared machine disturbs less than wall time
   long peak_rss_kib = 0;     // getrusage maximum resident set of this process
   uint64_t hidden_state_bytes = 0;  // the calibration set's hidden states (this process)
   uint64_t layer_weight_bytes = 0;  // the largest single layer's float32 weights

@@ -178,15 +178,18 @@ Command reg{
         const CalibrationSummary s = run_calibration(options, flags->output);
         if (!s.wrote_output) return 0;
         const double mib = 1024.0 * 1024.0;
+        const double cpu = s.forward_cpu_seconds + s.stats_cpu_seconds;
         std::fprintf(stderr,
                      "calibrated %" PRIu64 " tokens in %" PRIu64 " sequences%s in %.1f s (%.0f tok/s)\n"
-                     "  this process: forward %.2f s, statistics %.2f s; peak memory %.1f MiB "
-                     "(largest layer %.1f MiB + hidden states %.1f MiB)\n",
+                     "  this process: CPU time forward %.2f s, statistics %.2f s (%.0f%% of the layers' "
+                     "time); peak memory %.1f MiB (largest layer %.1f MiB + hidden states %.1f MiB)\n",
                      s.tokens, s.sequences,
                      s.ranks > 1 ? (" on " + std::to_string(s.ranks) + " ranks").c_str() : "",
                      s.seconds, s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0,
-                     s.forward_seconds, s.stats_seconds, double(s.peak_rss_kib) / 1024.0,
-                     double(s.layer_weight_bytes) / mib, double(s.hidden_state_bytes) / mib);
+                     s.forward_cpu_seconds, s.stats_cpu_seconds,
+                     cpu > 0 ? 100.0 * s.stats_cpu_seconds / cpu : 0.0,
+                     double(s.peak_rss_kib) / 1024.0, double(s.layer_weight_bytes) / mib,
+                     double(s.hidden_state_bytes) / mib);
         std::printf("wrote %s\n", flags->output.c_str());
         return 0;
       };

@@ -1,6 +1,7 @@
 #include "formats/model_config.h"
 
 #include <charconv>
+#include <cmath>
 #include <map>
 
 #include "formats/error.h"
@@ -10,10 +11,13 @@ namespace kvcc {
 namespace {
 
 // Shortest text that reads back to the same double, so the fingerprint does not depend on printf
-// precision choices ("10000", "1e-05", "500000").
+// precision choices: whole numbers below 1e15 in plain digits ("500000"), others in the shortest
+// general form ("1e-05", "0.5").
 std::string canonical_double(double v) {
   char buf[64];
-  auto res = std::to_chars(buf, buf + sizeof buf, v);
+  const bool whole = std::isfinite(v) && v == std::floor(v) && std::abs(v) < 1e15;
+  auto res = whole ? std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed)
+                   : std::to_chars(buf, buf + sizeof buf, v);
   return std::string(buf, res.ptr);
 }
 

@@ -306,6 +306,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeArgs a) {
   __shared__ float qs[kHeads][kD];
   __shared__ float o_sum[kHeads][kD];
   __shared__ float w_m[kWarps][kHeads], w_l[kWarps][kHeads];
+  __shared__ float red[kWarps];
+  __shared__ float qsum[kHeads][2];
 
   const int len = a.seq_len[b];
   const int r = a.group_heads;
@@ -328,11 +330,37 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeArgs a) {
     int2_path = true;
     // Normalise q by its largest |value| in the group so that q/κ (up to 16·q) fits fp16.
     float amax = 0.0f;
-    for (int i = lane; i < kHeads * kD; i += 32) amax = fmaxf(amax, fabsf((&qs[0][0])[i]));
+#pragma unroll
+    for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) amax = fmaxf(amax, fabsf((&qs[0][0])[i]));
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    if (lane == 0) red[warp] = amax;
+    __syncthreads();
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
     const float qscale = amax > 0.0f ? amax : 1.0f;
     const float qinv = 1.0f / qscale;
+    // Σ over channels of exactly the fp16 operands the MMAs see: warp w sums heads 2w, 2w+1.
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int hh = 2 * warp + c;
+      float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kD / 32; ++k) {
+        const int ch = lane + 32 * k;
+        const float qn = qs[hh][ch] * qinv;
+        s0 += __half2float(__float2half_rn(qn));
+        s1 += __half2float(__float2half_rn(qn * kappa_inv(ch & 7)));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+      }
+      if (lane == 0) {
+        qsum[hh][0] = s0;
+        qsum[hh][1] = s1;
+      }
+    }
     uint32_t kq[8][2];
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb)
@@ -343,19 +371,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeArgs a) {
         const float ki = kappa_inv(j);
         kq[kb][slot] = pack_half2(qs[g][lo] * qinv * ki, qs[g][lo + 8] * qinv * ki);
       }
-    // Σ over channels of exactly the fp16 operands the MMAs see, for head columns 2t, 2t+1.
-    float sq0[2], sq1[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float s0 = 0.0f, s1 = 0.0f;
-      for (int ch = 0; ch < kD; ++ch) {
-        const float qn = qs[2 * t + c][ch] * qinv;
-        s0 += __half2float(__float2half_rn(qn));
-        s1 += __half2float(__float2half_rn(qn * kappa_inv(ch & 7)));
-      }
-      sq0[c] = s0;
-      sq1[c] = s1;
-    }
+    __syncthreads();
+    const float sq0[2] = {qsum[2 * t][0], qsum[2 * t + 1][0]};
+    const float sq1[2] = {qsum[2 * t][1], qsum[2 * t + 1][1]};
     const float cscale = qscale * a.sm_scale_log2;
     const KvTiers tiers = tiers_of(a.geo, len);
     const int n_pages = int(tiers.hist_tokens / a.geo.page_tokens);
@@ -443,22 +461,27 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeArgs a) {
     for (int w = 0; w < kWarps; ++w) mall = fmaxf(mall, w_m[w][2 * t + c]);
     factor[c] = st.m[c] == -INFINITY ? 0.0f : exp2f(st.m[c] - mall);
   }
+  // Warps add in a fixed order, so repeated runs give identical bits.
+  for (int w = 0; w < kWarps; ++w) {
+    if (w == warp) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int c = i & 1, head = 2 * t + c;
-      int ch;
-      float v = st.o[j][i];
-      if (int2_path) {
-        ch = 16 * g + 8 * (i >> 1) + j;
-        v = (v - st.sp[c]) * kappa_inv(j) - st.spz[c];
-      } else {
-        ch = 16 * g + 2 * j + (i >> 1);
-      }
-      if (factor[c] != 0.0f) atomicAdd(&o_sum[head][ch], v * factor[c]);
+        for (int i = 0; i < 4; ++i) {
+          const int c = i & 1, head = 2 * t + c;
+          int ch;
+          float v = st.o[j][i];
+          if (int2_path) {
+            ch = 16 * g + 8 * (i >> 1) + j;
+            v = (v - st.sp[c]) * kappa_inv(j) - st.spz[c];
+          } else {
+            ch = 16 * g + 2 * j + (i >> 1);
+          }
+          o_sum[head][ch] += v * factor[c];
+        }
     }
-  __syncthreads();
+    __syncthreads();
+  }
   const size_t base = (size_t(b) * a.n_kv + h) * a.total_splits + split;
   for (int i = threadIdx.x; i < r * kD; i += kThreads) a.part_o[base * kHeads * kD + i] = (&o_sum[0][0])[i];
   if (threadIdx.x < r) {

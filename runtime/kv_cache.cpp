@@ -86,7 +86,7 @@ const KvCache::Sequence& KvCache::seq_at(int seq) const {
 int KvCache::take_slot() {
   for (size_t s = 0; s < sequences_.size(); ++s)
     if (!sequences_[s].live) return int(s);
-  throw Error("kv cache: out of sequence slots (all " + std::to_string(sequences_.size()) +
+  throw CacheFull("kv cache: out of sequence slots (all " + std::to_string(sequences_.size()) +
               " in use); free a sequence first");
 }
 
@@ -147,7 +147,7 @@ std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& se
     total += need[i];
   }
   if (total > int64_t(free_pages_.size()))
-    throw Error("kv cache: out of pages (need " + std::to_string(total) + ", " +
+    throw CacheFull("kv cache: out of pages (need " + std::to_string(total) + ", " +
                 std::to_string(free_pages_.size()) + " free of " +
                 std::to_string(config_.max_pages) + "); free a sequence first");
   std::vector<std::vector<int32_t>> added(seqs.size());

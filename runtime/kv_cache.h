@@ -13,11 +13,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "formats/error.h"
 #include "formats/kv_layout.h"
 
 namespace kvcc {
 
 enum class PoolMemory { Host, Device };
+
+// Thrown when the pool has no free page or window slot; the cache is unchanged.
+struct CacheFull : Error {
+  using Error::Error;
+};
 
 struct KvCacheConfig {
   KvGeometry geometry;

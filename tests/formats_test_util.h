@@ -100,7 +100,7 @@ struct TokenRows {
 
 inline std::vector<TokenRows> random_rows(int n, int r, int d, std::mt19937_64& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<TokenRows> rows(size_t(n));
+  std::vector<TokenRows> rows(static_cast<size_t>(n));
   for (auto& t : rows) {
     for (int i = 0; i < r * d; ++i) t.q.push_back(normal(rng));
     for (int i = 0; i < d; ++i) {

@@ -1,0 +1,444 @@
+// Decode-attention benchmark of the INT2 paged cache against the in-house BF16 paged kernel,
+// with the device-to-device copy ceiling and append throughput measured in the same run.
+// PyTorch SDPA is timed by bench/bench_sdpa.py over the same shapes; scripts/gpu_report.py joins
+// the two. Methodology (device README METHOD.md): CUDA events after warm-up, median of many
+// replays, a CUDA graph per replay holding R decodes over R distinct cache replicas (so small
+// shapes do not run out of L2), random non-zero data.
+//
+// usage: bench_decode --configs Hq:Hkv:batch:ctx,... --out results.jsonl [--reps N]
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "formats/error.h"
+#include "formats/kv_layout.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kv_kernels.h"
+
+using namespace kvcc;
+
+namespace {
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+__device__ __forceinline__ uint16_t rand_bf16(uint64_t i, uint32_t seed) {
+  // uniform in (-2, 2), never zero
+  const float u = (float(hash32(i * 2654435761ULL + seed) >> 8) + 0.5f) / 16777216.0f;
+  const float f = 4.0f * u - 2.0f;
+  uint32_t b;
+  memcpy(&b, &f, 4);
+  return uint16_t(b >> 16);
+}
+
+// Random INT2 pages: random code bytes, realistic (scale, zero) fp16 pairs.
+__global__ void fill_int2_pages(uint32_t* words, size_t n_words, KvGeometry g, uint32_t seed) {
+  const size_t block_words = g.page_head_bytes() / 4, params_from = 2 * g.codes_bytes() / 4;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_words; i += size_t(gridDim.x) * blockDim.x) {
+    const uint32_t r = hash32(i * 0x9E3779B97F4A7C15ULL + seed);
+    if (i % block_words < params_from) {
+      words[i] = r;
+    } else {
+      const float scale = 0.02f + 0.08f * float(r & 0xffff) / 65535.0f;
+      const float zero = 3.0f * float(r >> 16) / 65535.0f;
+      words[i] = uint32_t(__half_as_ushort(__float2half_rn(scale))) |
+                 (uint32_t(__half_as_ushort(__float2half_rn(zero))) << 16);
+    }
+  }
+}
+__global__ void fill_bf16(uint16_t* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = rand_bf16(i, seed);
+}
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)));
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+std::vector<float> random_orthogonal(int heads, int d, std::mt19937& rng, bool transpose) {
+  std::normal_distribution<double> nd;
+  std::vector<float> out(size_t(heads) * d * d);
+  std::vector<double> m(size_t(d) * d);
+  for (int h = 0; h < heads; ++h) {
+    for (auto& x : m) x = nd(rng);
+    for (int j = 0; j < d; ++j) {
+      for (int k = 0; k < j; ++k) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
+        for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
+      }
+      double nrm = 0;
+      for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
+      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
+    }
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j)
+        out[(size_t(h) * d + i) * d + j] = float(transpose ? m[size_t(j) * d + i] : m[size_t(i) * d + j]);
+  }
+  return out;
+}
+
+// Median time (µs) of one graph replay, over `reps` replays after 3 warm-ups.
+double time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a, s));
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 1000.0 * ms[ms.size() / 2];
+}
+
+double copy_ceiling_gbps(cudaStream_t s) {
+  const size_t bytes = size_t(2) << 30;
+  void *src, *dst;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  fill_bf16<<<1024, 256, 0, s>>>(static_cast<uint16_t*>(src), bytes / 2, 7);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = time_graph(exec, s, 20);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(src);
+  cudaFree(dst);
+  return 2.0 * double(bytes) / (us * 1e-6) / 1e9;  // read + write
+}
+
+struct Config {
+  int hq, hkv, batch, ctx;
+};
+
+KvGeometry geometry(int hkv) {
+  KvGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = hkv;
+  g.head_dim = 128;
+  g.group = 128;
+  g.page_tokens = 64;
+  g.sink = 64;
+  g.recent = 256;
+  return g;
+}
+
+void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
+  const KvGeometry g = geometry(c.hkv);
+  const int64_t pages_per_seq = history_pages(g, c.ctx);
+  const KvTiers tiers = tiers_of(g, c.ctx);
+  const double int2_bytes = double(c.batch) * c.hkv *
+                            (double(pages_per_seq) * g.page_tokens * (2 * 32 + 2 * 4) +
+                             double(tiers.sink_count + tiers.ring_count) * 2 * 256);
+  const double bf16_bytes = double(c.batch) * c.hkv * double(c.ctx) * 2 * 256;
+  const int R = int(std::clamp(std::ceil(512e6 / int2_bytes), 1.0, 16.0));
+
+  // INT2 cache, R replicas of the batch, through the allocator.
+  KvCache cache(KvCacheConfig{g, pages_per_seq * R * c.batch, R * c.batch, PoolMemory::Device});
+  std::vector<std::vector<int>> seqs(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < c.batch; ++b) {
+      const int id = cache.add_sequence();
+      cache.grow(id, c.ctx);
+      seqs[size_t(r)].push_back(id);
+    }
+  const double mem_per_token_layer = double(cache.bytes_in_use()) / (double(R) * c.batch * c.ctx * g.n_layers);
+  fill_int2_pages<<<2048, 256, 0, s>>>(reinterpret_cast<uint32_t*>(cache.pages_base()),
+                                       size_t(cache.pages_in_use()) * g.page_bytes() / 4, g, 11);
+  fill_bf16<<<2048, 256, 0, s>>>(cache.windows_base(), size_t(R) * c.batch * g.window_slot_bytes() / 2, 13);
+  CK(cudaGetLastError());
+
+  std::mt19937 rng(c.hq * 131 + c.ctx + c.batch);
+  std::vector<float> q(size_t(c.batch) * c.hq * 128);
+  std::normal_distribution<float> nd;
+  for (auto& x : q) x = nd(rng);
+  float* dq = upload(q);
+  float* rk = upload(random_orthogonal(c.hkv, 128, rng, false));
+  float* rvt = upload(random_orthogonal(c.hkv, 128, rng, true));
+  float* dout;
+  CK(cudaMalloc(&dout, q.size() * 4));
+  std::vector<HeadCodec> codecs(size_t(c.hkv));
+  const DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), 0};
+
+  std::vector<DeviceBatch> batches;
+  std::vector<int32_t*> bufs;
+  for (int r = 0; r < R; ++r) {
+    std::vector<int32_t> slot, len, off, table;
+    for (int id : seqs[size_t(r)]) {
+      slot.push_back(id);
+      len.push_back(c.ctx);
+      off.push_back(int32_t(table.size()));
+      const auto& pt = cache.page_table(id);
+      table.insert(table.end(), pt.begin(), pt.end());
+    }
+    DeviceBatch db;
+    db.batch = c.batch;
+    bufs.push_back(upload(slot));
+    db.seq_slot = bufs.back();
+    bufs.push_back(upload(len));
+    db.seq_len = bufs.back();
+    bufs.push_back(upload(off));
+    db.page_offset = bufs.back();
+    bufs.push_back(upload(table));
+    db.page_table = bufs.back();
+    db.max_pages = int(pages_per_seq);
+    batches.push_back(db);
+  }
+  const size_t ws_int2 = decode_workspace_bytes(g, c.batch, c.hq, int(pages_per_seq));
+  const int bf16_pages_per_seq = (c.ctx + 63) / 64;
+  const size_t ws_bf16 = decode_workspace_bytes(g, c.batch, c.hq, bf16_pages_per_seq, 64);
+  void* ws;
+  CK(cudaMalloc(&ws, std::max(ws_int2, ws_bf16)));
+
+  // INT2 graph.
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamSynchronize(s));
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int r = 0; r < R; ++r)
+    decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq, rk,
+                rvt, dout, ws, ws_int2, s);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const double int2_us = time_graph(exec, s, reps) / R;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  // Every output written and finite (the inputs are random, never zero).
+  std::vector<float> host_out(q.size());
+  CK(cudaMemcpy(host_out.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+  bool finite = true;
+  for (float x : host_out) finite = finite && std::isfinite(x);
+
+  // BF16 in-house baseline over a plain paged BF16 cache of the same shape.
+  const int Rb = int(std::clamp(std::ceil(512e6 / bf16_bytes), 1.0, 16.0));
+  const size_t bf16_pages = size_t(Rb) * c.batch * bf16_pages_per_seq;
+  const size_t page_elems = size_t(c.hkv) * 2 * 64 * 128;
+  uint16_t* bpool;
+  double bf16_us = -1;
+  if (cudaMalloc(&bpool, bf16_pages * page_elems * 2) == cudaSuccess) {
+    fill_bf16<<<2048, 256, 0, s>>>(bpool, bf16_pages * page_elems, 17);
+    std::vector<DeviceBatch> bb;
+    for (int r = 0; r < Rb; ++r) {
+      std::vector<int32_t> slot(size_t(c.batch), 0), len(size_t(c.batch), c.ctx), off, table;
+      for (int b = 0; b < c.batch; ++b) {
+        off.push_back(int32_t(table.size()));
+        for (int p = 0; p < bf16_pages_per_seq; ++p)
+          table.push_back(int32_t((size_t(r) * c.batch + b) * bf16_pages_per_seq + p));
+      }
+      DeviceBatch db;
+      db.batch = c.batch;
+      bufs.push_back(upload(slot));
+      db.seq_slot = bufs.back();
+      bufs.push_back(upload(len));
+      db.seq_len = bufs.back();
+      bufs.push_back(upload(off));
+      db.page_offset = bufs.back();
+      bufs.push_back(upload(table));
+      db.page_table = bufs.back();
+      db.max_pages = bf16_pages_per_seq;
+      bb.push_back(db);
+    }
+    CK(cudaStreamSynchronize(s));
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int r = 0; r < Rb; ++r)
+      decode_bf16_paged(c.hkv, 128, 64, bpool, bb[size_t(r)], shape, dq, rk, rvt, dout, ws, ws_bf16, s);
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    bf16_us = time_graph(exec, s, reps) / Rb;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(bpool);
+  }
+  std::fprintf(out,
+               "{\"kind\":\"decode\",\"q_heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"context\":%d,"
+               "\"int2_us\":%.3f,\"bf16_inhouse_us\":%.3f,\"int2_bytes\":%.0f,\"bf16_bytes\":%.0f,"
+               "\"int2_gbps\":%.1f,\"bf16_inhouse_gbps\":%.1f,\"int2_bytes_per_token_layer\":%.2f,"
+               "\"bf16_bytes_per_token_layer\":%d,\"replicas\":%d,\"outputs_finite\":%s}\n",
+               c.hq, c.hkv, c.batch, c.ctx, int2_us, bf16_us, int2_bytes, bf16_bytes, int2_bytes / int2_us / 1e3,
+               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, mem_per_token_layer, 2 * c.hkv * 128 * 2, R,
+               finite ? "true" : "false");
+  std::fflush(out);
+  std::printf("decode %2d/%d b=%-3d ctx=%-6d int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  %s\n",
+              c.hq, c.hkv, c.batch, c.ctx, int2_us, int2_bytes / int2_us / 1e3, bf16_us,
+              bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, finite ? "" : "NON-FINITE OUTPUT");
+  for (auto* p : bufs) cudaFree(p);
+  cudaFree(ws);
+  cudaFree(dq);
+  cudaFree(rk);
+  cudaFree(rvt);
+  cudaFree(dout);
+}
+
+// Append throughput: a prefill of `tokens` into one sequence, and `steps` decode steps of a
+// batch; bandwidth counts fp32 inputs read plus cache bytes written.
+void bench_append(cudaStream_t s, std::FILE* out) {
+  const KvGeometry g = geometry(8);
+  std::mt19937 rng(3);
+  float* rk = upload(random_orthogonal(8, 128, rng, false));
+  float* rv = upload(random_orthogonal(8, 128, rng, false));
+  std::vector<HeadCodec> codecs(8);
+  for (auto& c : codecs) c.key.clip_ratio = c.value.clip_ratio = 0.95f;
+  const int tokens = 32768;
+  const size_t in_elems = size_t(tokens) * 8 * 128;
+  uint16_t* tmp;
+  CK(cudaMalloc(&tmp, in_elems * 2));
+  float *k, *v;
+  CK(cudaMalloc(&k, in_elems * 4));
+  CK(cudaMalloc(&v, in_elems * 4));
+  {
+    std::vector<float> h(in_elems);
+    std::normal_distribution<float> nd;
+    for (auto& x : h) x = nd(rng);
+    CK(cudaMemcpy(k, h.data(), in_elems * 4, cudaMemcpyHostToDevice));
+    for (auto& x : h) x = nd(rng);
+    CK(cudaMemcpy(v, h.data(), in_elems * 4, cudaMemcpyHostToDevice));
+  }
+  cudaFree(tmp);
+  KvCache cache(KvCacheConfig{g, history_pages(g, tokens) + 64 * 8, 65, PoolMemory::Device});
+  const size_t wsb = append_workspace_bytes(g, tokens, tokens);
+  void* ws;
+  CK(cudaMalloc(&ws, wsb));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 6; ++rep) {
+    const int id = cache.add_sequence();
+    cache.grow(id, tokens);
+    AppendPlanHost plan{{id}, {0}, {tokens}, {0}, {cache.page_table(id)}};
+    CK(cudaEventRecord(a, s));
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k, v, rk, rv, ws, wsb, s);
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+    cache.free_sequence(id);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double prefill_us = 1000.0 * ms[ms.size() / 2];
+  const KvTiers t = tiers_of(g, tokens);
+  const double written = double(8) * (double(t.hist_tokens) * 72 + double(t.sink_count + t.ring_count) * 512);
+  const double prefill_bytes = double(in_elems) * 4 * 2 + written;
+  // Decode steps: 64 sequences at 4096 tokens, 64 steps of one token each (every sequence
+  // flushes one page in that window). Wall time per step includes the host planning.
+  std::vector<int> ids;
+  for (int i = 0; i < 64; ++i) {
+    ids.push_back(cache.add_sequence());
+    cache.grow(ids.back(), 0);
+  }
+  const int steps = 64;
+  CK(cudaEventRecord(a, s));
+  for (int st = 0; st < steps; ++st) {
+    std::vector<int64_t> old, add(64, 1);
+    for (int id : ids) old.push_back(cache.length(id));
+    cache.grow_batch(ids, add);
+    AppendPlanHost plan{ids, old, std::vector<int>(64, 1), {}, {}};
+    for (int i = 0; i < 64; ++i) {
+      plan.row_offsets.push_back(i);
+      plan.page_tables.push_back(cache.page_table(ids[size_t(i)]));
+    }
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k, v, rk, rv, ws, wsb, s);
+  }
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float tsteps;
+  CK(cudaEventElapsedTime(&tsteps, a, b));
+  const double step_us = 1000.0 * tsteps / steps;
+  std::fprintf(out,
+               "{\"kind\":\"append\",\"prefill_tokens\":%d,\"kv_heads\":8,\"prefill_us\":%.1f,\"prefill_gbps\":%.1f,"
+               "\"decode_step_batch\":64,\"decode_step_us\":%.1f}\n",
+               tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
+  std::printf("append: prefill %d tokens x 8 kv heads: %.1f us (%.0f GB/s of fp32 input + cache written); "
+              "decode step (batch 64, 1 token): %.1f us\n",
+              tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
+  cudaFree(ws);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(rk);
+  cudaFree(rv);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string configs = "32:8:1:32768,32:8:8:131072", out_path = "bench_decode.jsonl";
+  int reps = 30;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  }
+  std::FILE* out = std::fopen(out_path.c_str(), "w");
+  if (!out) {
+    std::fprintf(stderr, "cannot write %s\n", out_path.c_str());
+    return 1;
+  }
+  try {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const double ceiling = copy_ceiling_gbps(s);
+    std::fprintf(out, "{\"kind\":\"device\",\"name\":\"%s\",\"sms\":%d,\"copy_gbps\":%.1f}\n", prop.name,
+                 prop.multiProcessorCount, ceiling);
+    std::printf("device %s, %d SMs, copy ceiling %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount,
+                ceiling);
+    std::stringstream ss(configs);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      Config c{};
+      if (std::sscanf(item.c_str(), "%d:%d:%d:%d", &c.hq, &c.hkv, &c.batch, &c.ctx) != 4) {
+        std::fprintf(stderr, "bad config %s\n", item.c_str());
+        return 1;
+      }
+      bench_config(c, s, reps, out);
+    }
+    bench_append(s, out);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_decode: %s\n", e.what());
+    return 1;
+  }
+  std::fclose(out);
+  return 0;
+}

@@ -1,0 +1,110 @@
+"""BF16 decode attention through PyTorch SDPA (cuDNN, flash and memory-efficient backends), on the
+shapes bench_decode times, with the same method: a CUDA graph of R calls over R distinct K/V
+replicas, CUDA events, median of many replays after warm-up, random non-zero data.
+
+Two call forms per backend: GQA folded into the query length (q [B, Hkv, r, d] against
+K/V [B, Hkv, L, d], no K/V expansion) and enable_gqa=True (q [B, Hq, 1, d]). The best is the
+baseline. usage: bench_sdpa.py --configs Hq:Hkv:batch:ctx,... --out sdpa.jsonl
+"""
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def time_graph(fn, reps):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    del graph
+    return 1000.0 * times[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    with open(args.out, "w") as out:
+        for item in args.configs.split(","):
+            hq, hkv, batch, ctx = (int(x) for x in item.split(":"))
+            r = hq // hkv
+            d = 128
+            kv_bytes = batch * hkv * ctx * d * 2 * 2
+            R = int(min(16, max(1, math.ceil(512e6 / kv_bytes))))
+            ks = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(R)]
+            vs = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(R)]
+            q_grouped = torch.randn(batch, hkv, r, d, device=dev, dtype=torch.bfloat16)
+            q_gqa = q_grouped.reshape(batch, hq, 1, d)
+            best = None
+            for name, backend in backends.items():
+                for form in ("grouped", "enable_gqa"):
+                    outs = [None] * R
+
+                    def run():
+                        with sdpa_kernel([backend]):
+                            for i in range(R):
+                                if form == "grouped":
+                                    outs[i] = F.scaled_dot_product_attention(q_grouped, ks[i], vs[i])
+                                else:
+                                    outs[i] = F.scaled_dot_product_attention(q_gqa, ks[i], vs[i], enable_gqa=True)
+
+                    try:
+                        us = time_graph(run, args.reps) / R
+                        finite = bool(torch.isfinite(outs[0]).all().item())
+                    except Exception as e:  # a backend that does not take this shape
+                        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+                        out.write(json.dumps({"kind": "sdpa", "q_heads": hq, "kv_heads": hkv, "batch": batch,
+                                              "context": ctx, "backend": name, "form": form, "error": msg}) + "\n")
+                        torch.cuda.synchronize()
+                        continue
+                    rec = {"kind": "sdpa", "q_heads": hq, "kv_heads": hkv, "batch": batch, "context": ctx,
+                           "backend": name, "form": form, "us": round(us, 3), "gbps": round(kv_bytes / us / 1e3, 1),
+                           "outputs_finite": finite, "replicas": R}
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    if finite and (best is None or us < best[0]):
+                        best = (us, name, form)
+            if best:
+                print(f"sdpa {hq:2d}/{hkv} b={batch:<3d} ctx={ctx:<6d} best {best[0]:8.1f} us ({best[1]}, {best[2]}), "
+                      f"{kv_bytes / best[0] / 1e3:6.0f} GB/s", flush=True)
+            else:
+                print(f"sdpa {hq}/{hkv} b={batch} ctx={ctx}: no backend ran", flush=True)
+            del ks, vs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+#include "runtime/kvcc_runtime.h"
+
+#include <cmath>
+#include <string>
+
+#include "formats/error.h"
+#include "runtime/append_ref.h"
+#include "runtime/attention_ref.h"
+
+#if defined(KVCC_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "runtime/kv_kernels.h"
+#endif
+
+namespace kvcc {
+
+namespace {
+std::string mismatch(const char* what, int artifact, int engine) {
+  return std::string("artifact does not match the model: ") + what + " " + std::to_string(artifact) +
+         " in the artifact, " + std::to_string(engine) + " in the engine";
+}
+bool is_scalar_grid_method(const std::string& m) {
+  return m == "oscar" || m == "oscar-lm" || m == "hadamard" || m == "identity" || m == "random";
+}
+}  // namespace
+
+void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
+  require(a.n_layers == e.n_layers, mismatch("layer count", a.n_layers, e.n_layers));
+  require(a.n_heads == e.n_heads, mismatch("query heads", a.n_heads, e.n_heads));
+  require(a.n_kv_heads == e.n_kv_heads, mismatch("KV heads", a.n_kv_heads, e.n_kv_heads));
+  require(a.head_dim == e.head_dim, mismatch("head_dim", a.head_dim, e.head_dim));
+  require(a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
+          "artifact: expected " + std::to_string(a.n_layers * a.n_kv_heads) + " (layer, KV head) entries, found " +
+              std::to_string(a.heads.size()));
+  require(is_scalar_grid_method(a.recipe.method),
+          "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves oscar, "
+          "oscar-lm, hadamard, identity, random)");
+  require(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
+  const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
+  for (const HeadArtifact& h : a.heads)
+    for (const SideArtifact* s : {&h.key, &h.value}) {
+      require(s->rotation.empty() || s->rotation.size() == dd, "artifact: a rotation is not head_dim x head_dim");
+      require(s->levels.empty() || s->levels.size() == 4, "artifact: a level table does not have 4 levels");
+    }
+}
+
+#if defined(KVCC_HAVE_CUDA)
+struct Runtime::DeviceState {
+  float* rot_k = nullptr;    // [layers, n_kv, d, d]
+  float* rot_v_t = nullptr;  // R_vᵀ
+  float* rot_v = nullptr;
+  int32_t* batch = nullptr;  // seq_slot | seq_len | page_offset | page_table
+  size_t batch_cap = 0;
+  void* ws = nullptr;
+  size_t ws_cap = 0;
+  ~DeviceState() {
+    cudaFree(rot_k);
+    cudaFree(rot_v_t);
+    cudaFree(rot_v);
+    cudaFree(batch);
+    cudaFree(ws);
+  }
+  void ensure_ws(size_t bytes) {
+    if (bytes <= ws_cap) return;
+    cudaFree(ws);
+    ws = nullptr;
+    ws_cap = 0;
+    require(cudaMalloc(&ws, bytes) == cudaSuccess, "runtime: cannot allocate " + std::to_string(bytes) + " bytes of workspace");
+    ws_cap = bytes;
+  }
+};
+#else
+struct Runtime::DeviceState {};
+#endif
+
+Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& o) : engine_(e), options_(o) {
+  check_artifact_for_engine(a, e);
+  KvGeometry g;
+  g.n_layers = a.n_layers;
+  g.n_kv_heads = a.n_kv_heads;
+  g.head_dim = a.head_dim;
+  g.group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
+  g.page_tokens = a.recipe.page_size;
+  g.sink = a.recipe.sink;
+  g.recent = a.recipe.recent;
+  cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
+  if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
+  const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
+  bool any_rotation = false;
+  for (const HeadArtifact& h : a.heads) any_rotation = any_rotation || !h.key.rotation.empty() || !h.value.rotation.empty();
+  for (const HeadArtifact& h : a.heads) {
+    HeadCodec c;
+    for (int side = 0; side < 2; ++side) {
+      const SideArtifact& s = side ? h.value : h.key;
+      SideCodec& sc = side ? c.value : c.key;
+      sc.clip_ratio = float(s.clip_ratio);
+      sc.use_table = s.levels.empty() ? 0 : 1;
+      for (size_t i = 0; i < s.levels.size(); ++i) sc.levels[i] = float(s.levels[i]);
+      if (any_rotation) {
+        std::vector<float>& dst = side ? rot_v_ : rot_k_;
+        for (size_t i = 0; i < dd; ++i)
+          dst.push_back(s.rotation.empty() ? (i / size_t(a.head_dim) == i % size_t(a.head_dim) ? 1.0f : 0.0f)
+                                           : float(s.rotation[i]));
+      }
+    }
+    codecs_.push_back(c);
+  }
+  dev_ = std::make_unique<DeviceState>();
+#if defined(KVCC_HAVE_CUDA)
+  if (o.memory == PoolMemory::Device && any_rotation) {
+    std::vector<float> rvt(rot_v_.size());
+    const size_t d = size_t(a.head_dim);
+    for (size_t m = 0; m < rot_v_.size() / dd; ++m)
+      for (size_t i = 0; i < d; ++i)
+        for (size_t j = 0; j < d; ++j) rvt[m * dd + j * d + i] = rot_v_[m * dd + i * d + j];
+    auto up = [&](const std::vector<float>& v, float*& p) {
+      require(cudaMalloc(&p, v.size() * sizeof(float)) == cudaSuccess, "runtime: cannot allocate rotations");
+      require(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess,
+              "runtime: cannot copy rotations");
+    };
+    up(rot_k_, dev_->rot_k);
+    up(rot_v_, dev_->rot_v);
+    up(rvt, dev_->rot_v_t);
+  }
+#endif
+}
+
+Runtime::~Runtime() = default;
+
+std::unique_ptr<Runtime> Runtime::load(const std::string& path, const EngineShape& e, const RuntimeOptions& o) {
+  return std::make_unique<Runtime>(read_artifact(path), e, o);
+}
+
+const float* Runtime::rot_k(int layer) const {
+  return rot_k_.empty() ? nullptr : rot_k_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
+}
+const float* Runtime::rot_v(int layer) const {
+  return rot_v_.empty() ? nullptr : rot_v_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
+}
+
+void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts) {
+  require(seqs.size() == counts.size(), "runtime: one count per sequence");
+  std::vector<int64_t> old, add;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    old.push_back(cache_->length(seqs[i]));
+    add.push_back(counts[i]);
+  }
+  cache_->grow_batch(seqs, add);
+  pending_seqs_ = seqs;
+  pending_counts_ = counts;
+  pending_old_ = old;
+}
+
+void Runtime::append(int layer, const float* k, const float* v, void* stream) {
+  const KvGeometry& g = geometry();
+  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  if (cache_->memory() == PoolMemory::Host) {
+    append_ref(*cache_, layer, make_append_batch(pending_seqs_, pending_old_, pending_counts_), k, v, rot_k(layer),
+               rot_v(layer), codecs(layer));
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  AppendBatch b = make_append_batch(pending_seqs_, pending_old_, pending_counts_);
+  AppendPlanHost plan{pending_seqs_, pending_old_, pending_counts_, b.row_offsets, {}};
+  int64_t rows = 0, moves = 0;
+  for (size_t i = 0; i < pending_seqs_.size(); ++i) {
+    plan.page_tables.push_back(cache_->page_table(pending_seqs_[i]));
+    rows += pending_counts_[i];
+    moves += pending_counts_[i] + g.recent;
+  }
+  dev_->ensure_ws(append_workspace_bytes(g, rows, moves));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  append_kv(g, cache_->pages_base(), cache_->windows_base(), layer, plan, codecs(layer), k, v,
+            dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v ? dev_->rot_v + off : nullptr, dev_->ws, dev_->ws_cap,
+            static_cast<cudaStream_t>(stream));
+#else
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
+void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream) {
+  const KvGeometry& g = geometry();
+  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  if (cache_->memory() == PoolMemory::Host) {
+    decode_ref(*cache_, layer, seqs, q, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale,
+               out);
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  const int n = int(seqs.size());
+  std::vector<int32_t> host(size_t(3 * n));
+  int max_pages = 0;
+  for (int i = 0; i < n; ++i) {
+    const auto& pt = cache_->page_table(seqs[size_t(i)]);
+    host[size_t(i)] = seqs[size_t(i)];
+    host[size_t(n + i)] = int32_t(cache_->length(seqs[size_t(i)]));
+    host[size_t(2 * n + i)] = int32_t(host.size() - size_t(3 * n));
+    host.insert(host.end(), pt.begin(), pt.end());
+    max_pages = std::max(max_pages, int(pt.size()));
+  }
+  // Page offsets were taken before each insert, relative to the table start.
+  if (host.size() > dev_->batch_cap) {
+    cudaFree(dev_->batch);
+    dev_->batch = nullptr;
+    require(cudaMalloc(&dev_->batch, host.size() * 2 * sizeof(int32_t)) == cudaSuccess, "runtime: cannot allocate batch");
+    dev_->batch_cap = host.size() * 2;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  require(cudaMemcpyAsync(dev_->batch, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s) ==
+              cudaSuccess,
+          "runtime: cannot copy the batch");
+  DeviceBatch db;
+  db.batch = n;
+  db.seq_slot = dev_->batch;
+  db.seq_len = dev_->batch + n;
+  db.page_offset = dev_->batch + 2 * n;
+  db.page_table = dev_->batch + 3 * n;
+  db.max_pages = max_pages;
+  DecodeShape shape{engine_.n_heads, options_.sm_scale, 0};
+  dev_->ensure_ws(decode_workspace_bytes(g, n, engine_.n_heads, max_pages));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
+              dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v_t ? dev_->rot_v_t + off : nullptr, out, dev_->ws,
+              dev_->ws_cap, s);
+#else
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
+}  // namespace kvcc

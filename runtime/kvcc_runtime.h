@@ -1,0 +1,72 @@
+// The C++ API an inference engine links (runtime + formats only): an artifact's rotations and
+// quantizer parameters, the paged INT2 cache, and the append / decode kernels.
+//
+// One Runtime serves one model. With PoolMemory::Device (needs CUDA) all tensor arguments are
+// device pointers and work is queued on the given stream; with PoolMemory::Host the same calls run
+// the CPU reference on host pointers (the stream is ignored). Per step:
+//   begin_append(seqs, counts)  -- grows the sequences (allocates pages, all or nothing)
+//   append(layer, k, v, stream) -- for every layer: rotate, write windows, quantise into pages
+//   decode(layer, seqs, q, out, stream)
+// k, v: [sum(counts), n_kv, d] float32 post-RoPE, unrotated, sequences in order;
+// q, out: [n_seqs, n_heads, d] float32 (q post-RoPE, unrotated; out in the model's basis).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/artifact.h"
+#include "formats/kv_layout.h"
+#include "runtime/kv_cache.h"
+
+namespace kvcc {
+
+// What the engine says the model is; an artifact that disagrees is refused.
+struct EngineShape {
+  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+};
+
+struct RuntimeOptions {
+  int64_t max_pages = 0;  // INT2 history pages in the pool
+  int max_sequences = 0;
+  PoolMemory memory = PoolMemory::Device;
+  float sm_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+};
+
+class Runtime {
+ public:
+  Runtime(const Artifact& artifact, const EngineShape& engine, const RuntimeOptions& options);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+  static std::unique_ptr<Runtime> load(const std::string& artifact_path, const EngineShape& engine,
+                                       const RuntimeOptions& options);
+
+  KvCache& cache() { return *cache_; }
+  const KvGeometry& geometry() const { return cache_->geometry(); }
+  const HeadCodec* codecs(int layer) const { return codecs_.data() + size_t(layer) * geometry().n_kv_heads; }
+  // Host copies: [n_kv, d, d] per layer, x_rot = x·R (null when the artifact has no rotation).
+  const float* rot_k(int layer) const;
+  const float* rot_v(int layer) const;
+
+  void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts);
+  void append(int layer, const float* k, const float* v, void* stream = nullptr);
+  void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
+
+ private:
+  struct DeviceState;
+  EngineShape engine_;
+  RuntimeOptions options_;
+  std::unique_ptr<KvCache> cache_;
+  std::vector<HeadCodec> codecs_;          // [layers * n_kv]
+  std::vector<float> rot_k_, rot_v_;       // [layers * n_kv * d * d], empty: identity
+  std::vector<int> pending_seqs_, pending_counts_;
+  std::vector<int64_t> pending_old_;
+  std::unique_ptr<DeviceState> dev_;
+};
+
+// Checks an artifact against the engine's shape and the runtime's scope; throws Error naming
+// the first mismatch.
+void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engine);
+
+}  // namespace kvcc

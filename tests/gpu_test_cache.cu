@@ -1,0 +1,391 @@
+// GPU tests: every CUDA kernel of the cache against its CPU reference on fresh random inputs.
+// Append: the device pool must equal the host pool byte for byte (same operations on both, rows
+// given already rotated so no GEMM rounding differs). Decode: within bf16 tolerance of the
+// float64 reference, every output written (NaN sentinels), identical bits on a repeated run.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "formats/fp16.h"
+#include "formats/kv_layout.h"
+#include "runtime/append_ref.h"
+#include "runtime/attention_ref.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kv_kernels.h"
+
+namespace kvcc {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+template <class T>
+T* to_device(const std::vector<T>& v) {
+  T* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)) != cudaSuccess) return nullptr;
+  cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return p;
+}
+
+std::vector<float> random_rotations(int heads, int d, std::mt19937& rng) {
+  std::normal_distribution<double> nd;
+  std::vector<float> out;
+  for (int h = 0; h < heads; ++h) {
+    std::vector<double> m(size_t(d) * d);
+    for (auto& x : m) x = nd(rng);
+    for (int j = 0; j < d; ++j) {
+      for (int k = 0; k < j; ++k) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
+        for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
+      }
+      double nrm = 0;
+      for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
+      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
+    }
+    for (double x : m) out.push_back(float(x));
+  }
+  return out;
+}
+
+std::vector<float> transpose_heads(const std::vector<float>& r, int heads, int d) {
+  std::vector<float> t(r.size());
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) t[(size_t(h) * d + j) * d + i] = r[(size_t(h) * d + i) * d + j];
+  return t;
+}
+
+// The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
+struct Twin {
+  KvGeometry g;
+  KvCache host, dev;
+  std::vector<HeadCodec> codecs;  // [layers * H]
+  std::mt19937 rng{777};
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+
+  explicit Twin(const KvGeometry& geo, int64_t pages, int seqs)
+      : g(geo), host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
+        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}) {
+    std::uniform_real_distribution<float> ur(0.85f, 1.0f);
+    for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) {
+      HeadCodec c;
+      c.key.clip_ratio = ur(rng);
+      c.value.clip_ratio = ur(rng);
+      codecs.push_back(c);
+    }
+  }
+  ~Twin() { cudaFree(ws); }
+  int add() {
+    int a = host.add_sequence(), b = dev.add_sequence();
+    EXPECT_EQ(a, b);
+    return a;
+  }
+  int fork(int p) {
+    int a = host.fork(p), b = dev.fork(p);
+    EXPECT_EQ(a, b);
+    return a;
+  }
+  // Appends random rotated rows (rotation null on both paths) to every layer.
+  void append(const std::vector<int>& seqs, const std::vector<int>& counts) {
+    std::vector<int64_t> old, add;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      old.push_back(host.length(seqs[i]));
+      add.push_back(counts[i]);
+    }
+    host.grow_batch(seqs, add);
+    dev.grow_batch(seqs, add);
+    AppendBatch batch = make_append_batch(seqs, old, counts);
+    AppendPlanHost plan{seqs, old, counts, batch.row_offsets, {}};
+    for (int s : seqs) plan.page_tables.push_back(dev.page_table(s));
+    int64_t rows = 0;
+    for (int c : counts) rows += c;
+    const size_t need = append_workspace_bytes(g, rows, rows + int64_t(seqs.size()) * g.recent);
+    if (need > ws_bytes) {
+      cudaFree(ws);
+      ASSERT_EQ(cudaMalloc(&ws, need), cudaSuccess);
+      ws_bytes = need;
+    }
+    std::normal_distribution<float> nd;
+    for (int l = 0; l < g.n_layers; ++l) {
+      std::vector<float> k(size_t(rows) * g.n_kv_heads * g.head_dim), v(k.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = nd(rng) * ((i % 128) < 4 ? 6.0f : 1.0f) + 0.3f;  // outlier channels, an offset
+        v[i] = nd(rng);
+      }
+      const HeadCodec* cod = codecs.data() + size_t(l) * g.n_kv_heads;
+      append_ref(host, l, batch, k.data(), v.data(), nullptr, nullptr, cod);
+      float* dk = to_device(k);
+      float* dv = to_device(v);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk, dv, nullptr, nullptr, ws,
+                ws_bytes, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      cudaFree(dk);
+      cudaFree(dv);
+    }
+  }
+  void expect_pools_equal() {
+    std::vector<uint8_t> d(dev.pool_bytes());
+    ASSERT_EQ(cudaMemcpy(d.data(), dev.pages_base(), d.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    const uint8_t* h = host.pages_base();
+    size_t diffs = 0, first = 0;
+    for (size_t i = 0; i < d.size(); ++i)
+      if (d[i] != h[i] && diffs++ == 0) first = i;
+    EXPECT_EQ(diffs, 0u) << "first differing byte " << first << " of " << d.size();
+  }
+};
+
+KvGeometry test_geometry(int layers, int heads) {
+  KvGeometry g;
+  g.n_layers = layers;
+  g.n_kv_heads = heads;
+  g.head_dim = 128;
+  g.group = 128;
+  g.page_tokens = 64;
+  g.sink = 64;
+  g.recent = 256;
+  return g;
+}
+
+TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) {
+  Twin w(test_geometry(2, 2), 64, 6);
+  // Half the heads on the level table (append supports it on the GPU).
+  for (size_t i = 0; i < w.codecs.size(); i += 2) {
+    w.codecs[i].value.use_table = 1;
+    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+    std::copy(lv, lv + 4, w.codecs[i].value.levels);
+  }
+  const int a = w.add(), b = w.add(), c = w.add();
+  w.append({a, b, c}, {1, 63, 400});   // inside the sink; sink exact; history already
+  w.append({a, b, c}, {100, 257, 1});  // crosses sink; ring exactly full + 1; one step
+  const int f = w.fork(c);
+  w.append({f, c, a}, {64, 3, 700});   // fork diverges; long prefill
+  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});  // decode steps, flushes
+  w.expect_pools_equal();
+}
+
+TEST(GpuAppend, RotationMatchesReference) {
+  // With rotations the GEMMs round differently, so compare the BF16 sink values, not bytes.
+  KvGeometry g = test_geometry(1, 2);
+  KvCache host(KvCacheConfig{g, 4, 1, PoolMemory::Host}), dev(KvCacheConfig{g, 4, 1, PoolMemory::Device});
+  std::mt19937 rng(5);
+  auto rk = random_rotations(2, 128, rng), rv = random_rotations(2, 128, rng);
+  std::vector<HeadCodec> codecs(2);
+  const int s = host.add_sequence();
+  dev.add_sequence();
+  host.grow(s, 50);
+  dev.grow(s, 50);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(50 * 2 * 128), v(k.size());
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  append_ref(host, 0, make_append_batch({s}, {0}, {50}), k.data(), v.data(), rk.data(), rv.data(), codecs.data());
+  AppendPlanHost plan{{s}, {0}, {50}, {0}, {{}}};
+  void* ws;
+  const size_t wsb = append_workspace_bytes(g, 50, 64);
+  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  float *dk = to_device(k), *dv = to_device(v), *drk = to_device(rk), *drv = to_device(rv);
+  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk, dv, drk, drv, ws, wsb, nullptr);
+  std::vector<uint16_t> win(g.window_slot_bytes() / 2);
+  CUDA_OK(cudaMemcpy(win.data(), dev.windows_base(), g.window_slot_bytes(), cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (int h = 0; h < 2; ++h)
+    for (size_t i = 0; i < 2 * 64 * 128; ++i) {  // K and V sinks
+      const size_t o = g.window_block_elem(0, 0, h) + i;
+      const double a = float_from_bf16(win[o]), b = float_from_bf16(host.windows_base()[o]);
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+  EXPECT_GT(den, 1.0);
+  EXPECT_LT(std::sqrt(num / den), 4e-3);
+  cudaFree(ws);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(drk);
+  cudaFree(drv);
+}
+
+struct DevBatch {
+  DeviceBatch b;
+  std::vector<int32_t*> bufs;
+  DevBatch(const KvCache& cache, const std::vector<int>& seqs) {
+    std::vector<int32_t> slot, len, off, table;
+    int maxp = 0;
+    for (int s : seqs) {
+      slot.push_back(s);
+      len.push_back(int32_t(cache.length(s)));
+      off.push_back(int32_t(table.size()));
+      const auto& pt = cache.page_table(s);
+      table.insert(table.end(), pt.begin(), pt.end());
+      maxp = std::max(maxp, int(pt.size()));
+    }
+    b.batch = int(seqs.size());
+    b.seq_slot = keep(slot);
+    b.seq_len = keep(len);
+    b.page_offset = keep(off);
+    b.page_table = keep(table);
+    b.max_pages = maxp;
+  }
+  const int32_t* keep(const std::vector<int32_t>& v) {
+    bufs.push_back(to_device(v));
+    return bufs.back();
+  }
+  ~DevBatch() {
+    for (auto* p : bufs) cudaFree(p);
+  }
+};
+
+double rel(const float* got, const float* want, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += double(got[i] - want[i]) * double(got[i] - want[i]);
+    den += double(want[i]) * double(want[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+void run_decode_check(int n_heads, int target_ctas) {
+  Twin w(test_geometry(2, 4), 256, 10);
+  const int e = w.add(), s1 = w.add(), s2 = w.add(), s3 = w.add(), s4 = w.add(), s5 = w.add();
+  // Lengths: empty, inside the sink, ring exactly full (no history), one page, long, a fork.
+  w.append({s1, s2, s3, s4, s5}, {30, 320, 321, 1000, 4000});
+  const int f = w.fork(s5);
+  w.append({f, s5}, {17, 5});
+  const std::vector<int> seqs = {s4, e, s1, s2, s3, s5, f};
+  const KvGeometry& g = w.g;
+  std::mt19937 rng(99 + n_heads);
+  auto rk = random_rotations(g.n_kv_heads, 128, rng), rv = random_rotations(g.n_kv_heads, 128, rng);
+  auto rvt = transpose_heads(rv, g.n_kv_heads, 128);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(seqs.size() * n_heads * 128);
+  for (auto& x : q) x = 3.0f * nd(rng);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const int layer = 1;
+  const HeadCodec* cod = w.codecs.data() + size_t(layer) * g.n_kv_heads;
+  std::vector<float> want(q.size());
+  decode_ref(w.host, layer, seqs, q.data(), n_heads, rk.data(), rv.data(), cod, scale, want.data());
+
+  DevBatch db(w.dev, seqs);
+  DecodeShape shape{n_heads, scale, target_ctas};
+  const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, target_ctas);
+  void* ws;
+  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  float *dq = to_device(q), *drk = to_device(rk), *drvt = to_device(rvt), *dout;
+  ASSERT_EQ(cudaMalloc(&dout, q.size() * 4), cudaSuccess);
+  std::vector<float> got(q.size()), again(q.size());
+  for (int rep = 0; rep < 2; ++rep) {
+    CUDA_OK(cudaMemset(dout, 0xff, q.size() * 4));  // NaN sentinels
+    CUDA_OK(cudaMemset(ws, 0xff, wsb));
+    decode_int2(g, w.dev.pages_base(), w.dev.windows_base(), layer, db.b, cod, shape, dq, drk, drvt, dout, ws,
+                wsb, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+  }
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "output " << i << " not written";
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "repeated runs differ";
+  double worst = 0;
+  for (size_t b = 0; b < seqs.size(); ++b)
+    for (int h = 0; h < n_heads; ++h) {
+      const size_t off = (b * n_heads + h) * 128;
+      if (w.host.length(seqs[b]) == 0) {
+        for (int c = 0; c < 128; ++c) EXPECT_EQ(got[off + c], 0.0f);
+        continue;
+      }
+      const double e = rel(got.data() + off, want.data() + off, 128);
+      worst = std::max(worst, e);
+      EXPECT_LT(e, 1e-2) << "seq " << seqs[b] << " len " << w.host.length(seqs[b]) << " head " << h;
+    }
+  std::printf("decode int2: %d heads, worst per-head relative error %.2e\n", n_heads, worst);
+  cudaFree(ws);
+  cudaFree(dq);
+  cudaFree(drk);
+  cudaFree(drvt);
+  cudaFree(dout);
+}
+
+TEST(GpuDecode, Int2MatchesReferenceGqa4) { run_decode_check(16, 0); }
+TEST(GpuDecode, Int2MatchesReferenceGqa8ManySplits) { run_decode_check(32, 4000); }
+TEST(GpuDecode, Int2MatchesReferenceGqa5OneSplit) { run_decode_check(20, 1); }
+
+TEST(GpuDecode, Bf16PagedMatchesFloat64) {
+  const int H = 2, n_heads = 10, P = 64, d = 128;
+  const std::vector<int> lens = {1, 64, 65, 1000, 3001};
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd;
+  std::vector<int32_t> table, off, len, slot;
+  int npages = 0, maxp = 0;
+  for (int L : lens) {
+    off.push_back(int32_t(table.size()));
+    len.push_back(L);
+    slot.push_back(0);
+    const int p = (L + P - 1) / P;
+    maxp = std::max(maxp, p);
+    for (int i = 0; i < p; ++i) table.push_back(npages + p - 1 - i);  // pages out of order
+    npages += p;
+  }
+  std::vector<uint16_t> pages(size_t(npages) * H * 2 * P * d);
+  for (auto& x : pages) x = bf16_from_float(nd(rng));
+  std::vector<float> q(lens.size() * n_heads * d), want(q.size());
+  for (auto& x : q) x = 2.0f * nd(rng);
+  const double scale = 1.0 / std::sqrt(128.0);
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int qh = 0; qh < n_heads; ++qh) {
+      const int h = qh / (n_heads / H);
+      const float* qq = q.data() + (b * n_heads + qh) * d;
+      std::vector<double> s(static_cast<size_t>(lens[b]));
+      double mx = -1e300;
+      for (int t = 0; t < lens[b]; ++t) {
+        const uint16_t* kr = pages.data() + ((size_t(table[size_t(off[b] + t / P)]) * H + h) * 2 * P + t % P) * d;
+        double acc = 0;
+        for (int c = 0; c < d; ++c) acc += double(qq[c]) * float_from_bf16(kr[c]);
+        s[size_t(t)] = acc * scale;
+        mx = std::max(mx, s[size_t(t)]);
+      }
+      std::vector<double> o(d, 0.0);
+      double l = 0;
+      for (int t = 0; t < lens[b]; ++t) {
+        const double p = std::exp(s[size_t(t)] - mx);
+        l += p;
+        const uint16_t* vr = pages.data() + ((size_t(table[size_t(off[b] + t / P)]) * H + h) * 2 * P + P + t % P) * d;
+        for (int c = 0; c < d; ++c) o[size_t(c)] += p * float_from_bf16(vr[c]);
+      }
+      for (int c = 0; c < d; ++c) want[(b * n_heads + qh) * d + c] = float(o[size_t(c)] / l);
+    }
+  DeviceBatch db;
+  db.batch = int(lens.size());
+  db.seq_slot = to_device(slot);
+  db.seq_len = to_device(len);
+  db.page_offset = to_device(off);
+  db.page_table = to_device(table);
+  db.max_pages = maxp;
+  KvGeometry g = test_geometry(1, H);
+  const size_t wsb = decode_workspace_bytes(g, db.batch, n_heads, maxp, P);
+  void* ws;
+  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  uint16_t* dpages = to_device(pages);
+  float *dq = to_device(q), *dout;
+  ASSERT_EQ(cudaMalloc(&dout, q.size() * 4), cudaSuccess);
+  CUDA_OK(cudaMemset(dout, 0xff, q.size() * 4));
+  decode_bf16_paged(H, d, P, dpages, db, DecodeShape{n_heads, float(scale), 0}, dq, nullptr, nullptr, dout, ws, wsb,
+                    nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got(q.size());
+  CUDA_OK(cudaMemcpy(got.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << i;
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int qh = 0; qh < n_heads; ++qh) {
+      const size_t o = (b * n_heads + qh) * d;
+      EXPECT_LT(rel(got.data() + o, want.data() + o, d), 1e-2) << "len " << lens[b] << " head " << qh;
+    }
+  cudaFree(ws);
+  cudaFree(dpages);
+  cudaFree(dq);
+  cudaFree(dout);
+}
+
+}  // namespace
+}  // namespace kvcc
