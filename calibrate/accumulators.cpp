@@ -169,14 +169,17 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
   for (int h = 0; h < n_kv; ++h) {
     const size_t index = size_t(taps.layer * n_kv + h);
     const Reservoir& res = reservoirs_[index];
-    // Only rows below the largest kept priority can enter a full reservoir.
-    const uint64_t threshold = int(res.size()) >= capacity
-                                   ? *std::max_element(res.priority.begin(), res.priority.end())
-                                   : UINT64_MAX;
     Reservoir& add = pending_[index];
+    // Only rows below the largest kept priority can enter a full reservoir.
+    auto threshold = [&] {
+      return int(res.size()) >= capacity
+                 ? *std::max_element(res.priority.begin(), res.priority.end())
+                 : UINT64_MAX;
+    };
+    uint64_t limit = threshold();
     for (int t : order) {
       const uint64_t p = priority[size_t(t)];
-      if (p >= threshold) break;  // `order` is ascending in priority
+      if (p >= limit) break;  // `order` is ascending in priority
       const float* q = taps.q + t * q_stride + int64_t(h) * group_ * d_;
       add.q.insert(add.q.end(), q, q + int64_t(group_) * d_);
       const float* kp = taps.key_pre + t * kv_stride + int64_t(h) * d_;
@@ -189,8 +192,11 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
       add.doc.push_back(taps.doc);
       add.priority.push_back(p);
       add.heldout.push_back(heldout);
+      if (add.size() >= batch) {
+        flush_pending(index);
+        limit = threshold();
+      }
     }
-    if (add.size() >= batch) flush_pending(index);
   }
 }
 
@@ -198,11 +204,11 @@ void StatsAccumulator::flush_pending(size_t index) {
   Reservoir& add = pending_[index];
   if (add.size() == 0) return;
   reservoir_merge(reservoirs_[index], add);
-  for (auto* v : {&add.q, &add.key_pre, &add.key, &add.value}) v->clear();
-  add.position.clear();
-  add.doc.clear();
-  add.priority.clear();
-  add.heldout.clear();
+  Reservoir empty;  // frees the batch's memory rather than keeping its capacity around
+  empty.capacity = add.capacity;
+  empty.group = add.group;
+  empty.d = add.d;
+  add = std::move(empty);
 }
 
 void StatsAccumulator::export_into(Stats& stats) const {

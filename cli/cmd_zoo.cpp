@@ -199,7 +199,7 @@ static Command reg{
           }
           const Artifact art = zoo::import_oscar(key, value, io);
           const std::vector<std::string> problems = verify_artifact(art);
-          require(problems.empty(), "the imported rotations fail verification: " + problems.front());
+          if (!problems.empty()) throw Error("the imported rotations fail verification: " + problems.front());
           write_artifact(art, o->out);
           std::printf("wrote %s: %d layers, %d KV heads, %dx%d rotations (%s), fingerprint %s%s\n", o->out.c_str(),
                       art.n_layers, art.n_kv_heads, art.head_dim, art.head_dim, art.recipe.granularity.c_str(),

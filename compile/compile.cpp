@@ -291,9 +291,10 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   std::exception_ptr failure;
   int threads = options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   threads = std::min(threads, c.n_layers);
-  // Layers run in parallel; BLAS calls inside are small, so BLAS itself runs single-threaded.
+  // Layers run in parallel and BLAS/LAPACK run single-threaded, always: a threaded dsyevd rounds
+  // differently, and the artifact must not depend on --threads (the calls are small anyway).
   const int blas_threads = openblas_get_num_threads();
-  if (threads > 1) openblas_set_num_threads(1);
+  openblas_set_num_threads(1);
   auto worker = [&] {
     for (int layer = next_layer++; layer < c.n_layers; layer = next_layer++) {
       try {
@@ -315,7 +316,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
   worker();
   for (auto& t : pool) t.join();
-  if (threads > 1) openblas_set_num_threads(blas_threads);
+  openblas_set_num_threads(blas_threads);
   if (failure) std::rethrow_exception(failure);
   return art;
 }

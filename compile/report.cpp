@@ -126,6 +126,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     if (opt.granularity == "layer") mr.label += "/layer";
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.composition != "UHP") mr.label += "/" + opt.composition;
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != "output") mr.label += "/" + opt.value_target;
+    if (!opt.fit_clip) mr.label += "/noclip";
     auto it = opt.params.find("variant");
     if (it != opt.params.end() && it->second != "mse") mr.label += "/" + it->second;
     const auto t0 = std::chrono::steady_clock::now();

@@ -44,7 +44,7 @@ Stats make_synthetic_stats(const SyntheticSpec& spec) {
   c.intermediate = 4 * c.hidden;
   c.vocab = 256;
   c.max_position = spec.doc_len;
-  stats.fingerprint.id = "synthetic";
+  stats.fingerprint = make_fingerprint(c, "synthetic");
   stats.provenance.tokens = uint64_t(n_tokens);
   stats.provenance.sequences = uint64_t(spec.docs);
   stats.provenance.seed = spec.seed;

@@ -197,8 +197,7 @@ void verify_side(const SideArtifact& s, int d, const std::string& where, double 
     } else if (!all_finite(s.rotation)) {
       out.push_back(where + "/rotation: contains NaN or inf");
     } else {
-      Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> r(s.rotation.data(), d, d);
-      const double err = (r.transpose() * r - Eigen::MatrixXd::Identity(d, d)).cwiseAbs().maxCoeff();
+      const double err = max_orthogonality_error(s.rotation, d);
       if (!(err <= tol))
         out.push_back(where + "/rotation: not orthogonal (max |RtR - I| = " + std::to_string(err) + " > " +
                       std::to_string(tol) + ")");
@@ -249,6 +248,12 @@ std::string field_value(const ModelFingerprint& fp, const std::string& name) {
 }
 
 }  // namespace
+
+double max_orthogonality_error(const std::vector<double>& rotation, int d) {
+  require(rotation.size() == size_t(d) * size_t(d), "max_orthogonality_error: not a d x d matrix");
+  Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> r(rotation.data(), d, d);
+  return (r.transpose() * r - Eigen::MatrixXd::Identity(d, d)).cwiseAbs().maxCoeff();
+}
 
 const NamedArray* SideArtifact::extra(const std::string& name) const {
   for (const NamedArray& a : extras)

@@ -89,6 +89,9 @@ Artifact read_artifact(const std::string& path);
 
 // One problem per entry; empty when the artifact is sound. Checks shapes, finiteness,
 // orthogonality (max |RᵀR − I| <= tol), ascending eigenvalues, level tables sorted.
+// max |RᵀR − I| of a row-major [d, d] matrix (the orthogonality measure verify reports).
+double max_orthogonality_error(const std::vector<double>& rotation, int d);
+
 // write_artifact and read_artifact refuse an artifact with any of these problems.
 std::vector<std::string> verify_artifact(const Artifact&, double orthogonality_tol = 1e-5);
 // Reads PATH (structure, version and dtypes are checked and thrown as by read_artifact), collecting

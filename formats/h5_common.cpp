@@ -1,5 +1,6 @@
 #include "formats/h5_common.h"
 
+#include <cstdio>
 #include <ctime>
 
 #include "formats/error.h"
@@ -16,6 +17,43 @@ std::string utc_now_iso8601() {
 }
 
 std::string default_producer() { return std::string("kvcc ") + KVCC_VERSION; }
+
+std::string process_command_line() {
+  FILE* f = std::fopen("/proc/self/cmdline", "rb");
+  if (!f) return "";
+  std::string raw;
+  char buf[4096];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) raw.append(buf, got);
+  std::fclose(f);
+  std::string out, arg;
+  auto flush = [&] {
+    const bool plain = !arg.empty() && arg.find_first_not_of(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") == std::string::npos;
+    if (!out.empty()) out += ' ';
+    if (plain) {
+      out += arg;
+    } else {
+      out += '\'';
+      for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      out += '\'';
+    }
+    arg.clear();
+  };
+  for (char c : raw) {
+    if (c == '\0') flush();
+    else arg += c;
+  }
+  if (!arg.empty()) flush();
+  return out;
+}
+
+std::string detect_format(const std::string& path) {
+  File file = File::open(path);
+  if (!file.has_attr("format"))
+    throw Error(path + ": HDF5 file without a root 'format' attribute (not a kvcc artifact or stats file)");
+  return file.attr_string("format");
+}
 
 void write_root_header(const File& file, const std::string& format, int major, int minor,
                        const std::string& producer, const std::string& created, const std::string& command) {

@@ -13,6 +13,14 @@ std::string utc_now_iso8601();
 // "kvcc 0.1.0"
 std::string default_producer();
 
+// The running process's command line, arguments shell-quoted where needed (from /proc/self/cmdline;
+// empty where that is unavailable), for the `command` attribute writers record.
+std::string process_command_line();
+
+// The root `format` attribute of an HDF5 file ("kvcc-artifact", "kvcc-stats"); throws Error when the
+// file is not HDF5 or has no such attribute.
+std::string detect_format(const std::string& path);
+
 // Root attributes format, format_version ("MAJOR.MINOR"), producer, created, command.
 void write_root_header(const File& file, const std::string& format, int major, int minor,
                        const std::string& producer, const std::string& created, const std::string& command);

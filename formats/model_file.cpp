@@ -140,6 +140,21 @@ ModelFile ModelFile::open(const std::string& path) {
             path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
     impl->tensors = read_llama2c(path, impl->config);
   }
+  // The fingerprint covers the file's own headers, before tied weights are resolved.
+  const std::string weights_sha256 = weights_header_sha256(impl->tensors);
+  if (impl->config.tied_embeddings) {
+    // Tied checkpoints store the shared matrix under either name (tinystories-656k keeps only
+    // lm_head.weight); it is exposed as model.embed_tokens.weight and lm_head is absent.
+    auto head = impl->tensors.find("lm_head.weight");
+    if (head != impl->tensors.end()) {
+      if (!impl->tensors.count("model.embed_tokens.weight")) {
+        TensorView embedding = head->second;
+        embedding.name = "model.embed_tokens.weight";
+        impl->tensors.emplace(embedding.name, std::move(embedding));
+      }
+      impl->tensors.erase("lm_head.weight");
+    }
+  }
   for (const auto& [name, shape] : expected_tensors(impl->config)) {
     const TensorView& view = impl->find(name);
     require(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
@@ -148,7 +163,7 @@ ModelFile ModelFile::open(const std::string& path) {
                 view.dtype == TensorDType::BF16 || view.dtype == TensorDType::F64,
             path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
   }
-  impl->fingerprint = make_fingerprint(impl->config, weights_header_sha256(impl->tensors));
+  impl->fingerprint = make_fingerprint(impl->config, weights_sha256);
   return ModelFile(std::move(impl));
 }
 

@@ -2,12 +2,14 @@
 // added tokens are split off first (non-normalized ones on the raw text, normalized ones after the
 // normalizer ran), then the normalizer, the pre-tokenizer, the BPE model per piece, and the
 // TemplateProcessing post-processor's prefix (BOS) when asked. Decode runs the decoder chain.
-// Supported: normalizers Sequence/Prepend/Replace; pre-tokenizers Sequence/Split/Metaspace/
+// Supported: normalizers Sequence/Prepend/Replace/NFC/NFKC/NFD/NFKD (Unicode forms through ICU;
+// a build without ICU accepts them for ASCII text only); pre-tokenizers Sequence/Split/Metaspace/
 // ByteLevel; decoders Sequence/Replace/ByteFallback/Fuse/Strip/ByteLevel/Metaspace; others are
 // refused by name when the file is loaded.
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +18,11 @@
 #include <string_view>
 #include <unordered_map>
 #include <variant>
+
+#ifdef KVCC_HAVE_ICU
+#include <unicode/unorm2.h>
+#include <unicode/ustring.h>
+#endif
 
 #include "formats/error.h"
 #include "formats/tokenizer_bpe.h"
@@ -226,7 +233,7 @@ std::string json_string(const json& j, const char* key, const std::string& where
 // ---- normalizer ----------------------------------------------------------------------------
 
 struct NormalizerStep {
-  enum Kind { Prepend, ReplaceLiteral, ReplaceRegex } kind;
+  enum Kind { Prepend, ReplaceLiteral, ReplaceRegex, NFC, NFKC, NFD, NFKD } kind;
   std::string text;     // Prepend: what is prepended; Replace: the literal pattern
   std::string content;  // Replace: the replacement
   std::shared_ptr<Regex> regex;
@@ -248,9 +255,51 @@ void parse_normalizer(const json& j, std::vector<NormalizerStep>& steps) {
       auto regex = std::make_shared<Regex>(pattern.at("Regex").get<std::string>(), false, "Replace normalizer");
       steps.push_back({NormalizerStep::ReplaceRegex, "", content, regex});
     }
+  } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
+    const auto kind = type == "NFC" ? NormalizerStep::NFC : type == "NFKC" ? NormalizerStep::NFKC
+                      : type == "NFD" ? NormalizerStep::NFD : NormalizerStep::NFKD;
+    steps.push_back({kind, "", "", nullptr});
   } else {
     throw Error("tokenizer.json uses the normalizer \"" + type + "\", which kvcc does not support");
   }
+}
+
+// Unicode normalization form `kind` of valid UTF-8 text.
+std::string unicode_normalize(const std::string& text, NormalizerStep::Kind kind) {
+  // Every normalization form leaves ASCII unchanged.
+  if (std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; })) return text;
+#ifdef KVCC_HAVE_ICU
+  UErrorCode status = U_ZERO_ERROR;
+  const UNormalizer2* normalizer = kind == NormalizerStep::NFC    ? unorm2_getNFCInstance(&status)
+                                   : kind == NormalizerStep::NFKC ? unorm2_getNFKCInstance(&status)
+                                   : kind == NormalizerStep::NFD  ? unorm2_getNFDInstance(&status)
+                                                                  : unorm2_getNFKDInstance(&status);
+  // UTF-8 -> UTF-16 -> normalized UTF-16 -> UTF-8; decomposition grows text at most 18-fold per
+  // character, but real text far less, so the buffers grow on demand.
+  int32_t utf16_length = 0;
+  std::vector<UChar> utf16(text.size() + 1);
+  u_strFromUTF8(utf16.data(), static_cast<int32_t>(utf16.size()), &utf16_length, text.data(),
+                static_cast<int32_t>(text.size()), &status);
+  std::vector<UChar> normalized(utf16_length * 2 + 16);
+  int32_t normalized_length = unorm2_normalize(normalizer, utf16.data(), utf16_length, normalized.data(),
+                                               static_cast<int32_t>(normalized.size()), &status);
+  if (status == U_BUFFER_OVERFLOW_ERROR) {
+    status = U_ZERO_ERROR;
+    normalized.resize(normalized_length + 1);
+    normalized_length = unorm2_normalize(normalizer, utf16.data(), utf16_length, normalized.data(),
+                                         static_cast<int32_t>(normalized.size()), &status);
+  }
+  std::string out(static_cast<size_t>(normalized_length) * 3 + 1, '\0');
+  int32_t out_length = 0;
+  if (U_SUCCESS(status))
+    u_strToUTF8(out.data(), static_cast<int32_t>(out.size()), &out_length, normalized.data(), normalized_length, &status);
+  require(U_SUCCESS(status), std::string("Unicode normalization failed: ") + u_errorName(status));
+  out.resize(out_length);
+  return out;
+#else
+  (void)kind;
+  throw Error("this tokenizer's Unicode normalizer needs kvcc built with ICU (libicu-dev) for non-ASCII text");
+#endif
 }
 
 void normalize(const std::vector<NormalizerStep>& steps, std::string& text) {
@@ -274,6 +323,12 @@ void normalize(const std::vector<NormalizerStep>& steps, std::string& text) {
         text = std::move(out);
         break;
       }
+      case NormalizerStep::NFC:
+      case NormalizerStep::NFKC:
+      case NormalizerStep::NFD:
+      case NormalizerStep::NFKD:
+        text = unicode_normalize(text, step.kind);
+        break;
     }
   }
 }

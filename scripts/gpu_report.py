@@ -61,7 +61,7 @@ def main(out_dir):
             f'| {r["q_heads"]}/{r["kv_heads"]} | {r["batch"]} | {r["context"]} | {r["int2_us"]:.1f} | '
             f'{r["bf16_inhouse_us"]:.1f} | {f(r["sdpa_best_us"], "%.1f")} ({r["sdpa_best_backend"]}) | '
             f'{f(r["speedup_vs_sdpa"], "%.2f")} | {f(r["speedup_vs_bf16_inhouse"], "%.2f")} | '
-            f'{r["int2_gbps"]:.0f} | {f(r["int2_fraction_of_copy"], "%.0f%%" if False else "%.2f")} | '
+            f'{r["int2_gbps"]:.0f} | {f(r["int2_fraction_of_copy"], "%.2f")} | '
             f'{r["int2_bytes_per_token_layer"]:.0f} vs {r["bf16_bytes_per_token_layer"]} |')
     if append:
         lines += ["", f'Append: prefill of {append["prefill_tokens"]} tokens x {append["kv_heads"]} KV heads in '

@@ -63,6 +63,10 @@ else
 fi
 "$BENCH" --configs "$CONFIGS" --out "$OUT/bench_decode.jsonl" --reps 30
 echo "bench_decode exit: $?"
+# Split-K CTA targets at small batch, for the record (not part of the table).
+for t in 132 264; do
+  KVCC_TARGET_CTAS=$t "$BENCH" --configs 32:8:1:32768,32:8:1:131072 --out /tmp/tune.jsonl --reps 20 | grep decode | sed "s/^/target_ctas=$t /"
+done
 PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30
 echo "bench_sdpa exit: $?"
 python3 scripts/gpu_report.py "$OUT"

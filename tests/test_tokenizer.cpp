@@ -161,7 +161,7 @@ TEST(Tokenizer, EdgeCasesMatchReference) {
 
 // tokenizer.json files patched as the reference script patched them, exercising the GPT-2
 // ByteLevel regex with add_prefix_space, ignore_merges, lstrip/rstrip added tokens, every Split
-// behavior and invert, and the Metaspace pre-tokenizer and decoder.
+// behavior and invert, NFC/NFKC normalizers, and the Metaspace pre-tokenizer and decoder.
 TEST(Tokenizer, PatchedVariantsMatchReference) {
   SKIP_WITHOUT_SHARED();
   const json cases = read_json(kRefs + "cases.json");
@@ -171,7 +171,12 @@ TEST(Tokenizer, PatchedVariantsMatchReference) {
     for (const auto& [pointer, value] : variant["patches"].items()) doc[json::json_pointer(pointer)] = value;
     const fs::path path = dir.path / (name + ".json");
     write_file(path, doc.dump());
-    expect_cases(*kvcc::Tokenizer::from_file(path.string()), variant["cases"], name);
+    auto tok = kvcc::Tokenizer::from_file(path.string());
+    if (error_of([&] { tok->encode("\u00e9", false); }).find("needs kvcc built with ICU") != std::string::npos) {
+      std::printf("skipping variant %s: kvcc was built without ICU\n", name.c_str());
+      continue;
+    }
+    expect_cases(*tok, variant["cases"], name);
   }
 }
 
@@ -295,9 +300,9 @@ TEST(Tokenizer, CorruptTokenizerJsonIsRefusedByName) {
   json wordpiece = doc;
   wordpiece["model"]["type"] = "WordPiece";
   EXPECT_NE(load_error(wordpiece.dump()).find("kvcc supports BPE tokenizers only"), std::string::npos);
-  json nfkc = doc;
-  nfkc["normalizer"] = {{"type", "NFKC"}};
-  EXPECT_NE(load_error(nfkc.dump()).find("the normalizer \"NFKC\""), std::string::npos);
+  json lowercase = doc;
+  lowercase["normalizer"] = {{"type", "Lowercase"}};
+  EXPECT_NE(load_error(lowercase.dump()).find("the normalizer \"Lowercase\""), std::string::npos);
   json bad_regex = doc;
   bad_regex["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed";
   EXPECT_NE(load_error(bad_regex.dump()).find("cannot compile regex"), std::string::npos);

@@ -120,6 +120,7 @@ CASES = [
     "a<|start_story|>b",
     "<unk> <|end_story|>",
     "x<|endoftext|>y",
+    "cafe\u0301 (decomposed) \ufb01ne \u2460 \uff21",
 ]
 
 # tokenizer.json variants: (name, base model, {JSON pointer: new value}); they exercise the
@@ -139,6 +140,8 @@ VARIANTS = [
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ]},
     }),
+    ("gutenberg-27m+nfc", "gutenberg-27m", {"/normalizer": {"type": "NFC"}}),
+    ("gutenberg-27m+nfkc", "gutenberg-27m", {"/normalizer": {"type": "NFKC"}}),
     ("tinystories-656k+metaspace-pretokenizer", "tinystories-656k", {
         "/normalizer": None,
         "/pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True},

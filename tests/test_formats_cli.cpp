@@ -1,0 +1,192 @@
+// The inspect, verify and merge-stats subcommands, run as a user would (the built kvcc binary):
+// exit codes, what they print, and that errors are a single stderr line without HDF5 dumps and
+// leave no output behind.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/artifact.h"
+#include "formats/h5.h"
+#include "formats/stats.h"
+#include "formats_test_util.h"
+
+namespace kvcc {
+namespace {
+
+struct RunResult {
+  int exit_code;
+  std::string out, err;
+};
+
+RunResult run_kvcc(const testing::ScratchDir& dir, const std::string& args) {
+  const std::string out = dir.path() + "/../" + "kvcc_cli_stdout_" + std::to_string(::getpid());
+  const std::string err = out + ".err";
+  const std::string cmd = std::string(KVCC_BINARY) + " " + args + " >" + out + " 2>" + err;
+  const int status = std::system(cmd.c_str());
+  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, testing::read_bytes(out), testing::read_bytes(err)};
+  std::remove(out.c_str());
+  std::remove(err.c_str());
+  return r;
+}
+
+size_t line_count(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
+
+void expect_one_line_error(const RunResult& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(line_count(r.err), 1u) << r.err;
+  EXPECT_EQ(r.err.rfind("kvcc: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("HDF5-DIAG"), std::string::npos) << r.err;
+}
+
+class FormatsCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
+  }
+  testing::ScratchDir dir;
+  ModelConfig config = testing::small_config(2, 4, 2, 8);
+  ModelFingerprint fp = testing::small_fingerprint(config);
+};
+
+TEST_F(FormatsCli, MergeStats) {
+  write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, dir.file("a.h5"));
+  write_stats(testing::random_stats(config, fp, 6, 15, 2).stats, dir.file("b.h5"));
+  write_stats(testing::random_stats(config, fp, 6, 20, 3).stats, dir.file("c.h5"));
+  RunResult r = run_kvcc(dir, dir.file("a.h5") + " " + dir.file("b.h5"));  // no subcommand
+  EXPECT_NE(r.exit_code, 0);
+
+  r = run_kvcc(dir, "merge-stats " + dir.file("a.h5") + " " + dir.file("b.h5") + " " + dir.file("c.h5") + " -o " +
+                        dir.file("merged.h5"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const Stats merged = read_stats(dir.file("merged.h5"));
+  EXPECT_EQ(merged.provenance.tokens, 45u);
+  EXPECT_EQ(merged.head(1, 1).kv_count, 45u);
+  EXPECT_NE(merged.command.find("merge-stats"), std::string::npos);
+  EXPECT_NE(r.out.find("45 tokens"), std::string::npos) << r.out;
+
+  const ModelConfig other = testing::small_config(2, 4, 2, 16);
+  write_stats(testing::random_stats(other, testing::small_fingerprint(other), 6, 5, 4).stats, dir.file("x.h5"));
+  r = run_kvcc(dir, "merge-stats " + dir.file("a.h5") + " " + dir.file("x.h5") + " -o " + dir.file("bad.h5"));
+  expect_one_line_error(r, "different models: hidden: 32 vs 64; head_dim: 8 vs 16");
+  EXPECT_FALSE(testing::file_exists(dir.file("bad.h5")));
+  EXPECT_TRUE(dir.temporaries().empty());
+
+  r = run_kvcc(dir, "merge-stats " + dir.file("a.h5") + " " + dir.file("missing.h5") + " -o " + dir.file("bad.h5"));
+  expect_one_line_error(r, "missing.h5: no such file");
+  EXPECT_FALSE(testing::file_exists(dir.file("bad.h5")));
+}
+
+TEST_F(FormatsCli, InspectAndVerifyArtifact) {
+  const std::string path = dir.file("model.kvcc.h5");
+  write_artifact(testing::random_artifact(config, fp, 1), path);
+  RunResult r = run_kvcc(dir, "inspect " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(fp.id), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("method      oscar"), std::string::npos) << r.out;
+
+  r = run_kvcc(dir, "inspect --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["model"]["fingerprint"]["id"], fp.id);
+  EXPECT_EQ(j["recipe"]["method"], "oscar");
+  EXPECT_EQ(j["layers"].size(), 2u);
+  // The JSON eigenvalue range of layer 1's keys is the min/max over its KV heads.
+  const Artifact a = read_artifact(path);
+  const double lo = std::min(a.head(1, 0).key.eigenvalues.front(), a.head(1, 1).key.eigenvalues.front());
+  const double hi = std::max(a.head(1, 0).key.eigenvalues.back(), a.head(1, 1).key.eigenvalues.back());
+  EXPECT_EQ(j["layers"][1]["key"]["eigenvalue_range"][0].get<double>(), lo);
+  EXPECT_EQ(j["layers"][1]["key"]["eigenvalue_range"][1].get<double>(), hi);
+
+  r = run_kvcc(dir, "verify " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("OK ", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("sha256 of 28 datasets"), std::string::npos) << r.out;  // 4 heads x (key: rot, eig, levels; value: rot, eig, 2 extras)
+
+  // Flip the lowest byte of one rotation value: verify names the dataset, exit 1.
+  int64_t offset;
+  {
+    h5::File f = h5::File::open(path);
+    offset = f.group("layers").group("1").group("kv1").group("value").dataset("rotation").file_offset();
+  }
+  std::string bytes = testing::read_bytes(path);
+  bytes[size_t(offset)] ^= 1;
+  testing::write_bytes(path, bytes);
+  r = run_kvcc(dir, "verify " + path);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("FAIL " + path + ": checksum mismatch in /layers/1/kv1/value/rotation"), std::string::npos) << r.out;
+  expect_one_line_error(r, "failed verification (1 problem)");
+  r = run_kvcc(dir, "inspect " + path);
+  expect_one_line_error(r, "checksum mismatch in /layers/1/kv1/value/rotation");
+}
+
+TEST_F(FormatsCli, InspectAndVerifyStats) {
+  const std::string path = dir.file("stats.h5");
+  write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, path);
+  RunResult r = run_kvcc(dir, "inspect " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(fp.id), std::string::npos) << r.out;
+  r = run_kvcc(dir, "inspect " + path + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["provenance"]["tokens"], 10);
+  EXPECT_EQ(j["layers"][0]["heads"][1]["kv_count"], 10);
+  EXPECT_EQ(j["layers"][0]["heads"][1]["reservoir"]["rows"], 6);
+  // Random Gaussian queries: effective rank between 1 and d.
+  const double rank = j["layers"][0]["heads"][1]["query_spectrum"]["effective_rank"];
+  EXPECT_GT(rank, 1.0);
+  EXPECT_LE(rank, 8.0);
+
+  r = run_kvcc(dir, "verify " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("OK ", 0), 0u) << r.out;
+
+  // NaN in a sum: verify lists it, inspect refuses it.
+  {
+    h5::File f = h5::File::open_rw(path);
+    h5::Dataset ds = f.group("layers").group("1").group("kv0").dataset("key_m2");
+    std::vector<double> v(64, 0.0);
+    v[0] = std::nan("");
+    H5Dwrite(ds.id(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
+    f.close();
+  }
+  r = run_kvcc(dir, "verify " + path);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/layers/1/kv0/key_m2: contains NaN or inf"), std::string::npos) << r.out;
+  r = run_kvcc(dir, "inspect " + path);
+  expect_one_line_error(r, "/layers/1/kv0/key_m2: contains NaN or inf");
+}
+
+TEST_F(FormatsCli, BadFilesGiveOneLineErrors) {
+  testing::write_bytes(dir.file("notes.txt"), "not hdf5\n");
+  expect_one_line_error(run_kvcc(dir, "inspect " + dir.file("notes.txt")), "not an HDF5 file (or truncated)");
+  expect_one_line_error(run_kvcc(dir, "verify " + dir.file("notes.txt")), "not an HDF5 file (or truncated)");
+  expect_one_line_error(run_kvcc(dir, "verify " + dir.file("absent.h5")), "absent.h5: no such file");
+
+  write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, dir.file("s.h5"));
+  const std::string bytes = testing::read_bytes(dir.file("s.h5"));
+  testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() / 2));
+  expect_one_line_error(run_kvcc(dir, "inspect " + dir.file("cut.h5")), "not an HDF5 file (or truncated)");
+  {
+    h5::File f = h5::File::open_rw(dir.file("s.h5"));
+    f.set_attr("format_version", std::string("2.1"));
+    f.close();
+  }
+  expect_one_line_error(run_kvcc(dir, "verify " + dir.file("s.h5")), "format_version 2.1 is not supported");
+  {
+    h5::File f = h5::File::create(dir.file("plain.h5"));
+    f.close();
+  }
+  expect_one_line_error(run_kvcc(dir, "inspect " + dir.file("plain.h5")), "without a root 'format' attribute");
+
+  const RunResult help = run_kvcc(dir, "inspect --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("Example"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvcc
