@@ -224,7 +224,9 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   std::vector<HeadCodec> codecs(size_t(c.hkv));
   // KVCC_TARGET_CTAS overrides the split-K plan's CTA target (for tuning runs).
   const char* target_env = std::getenv("KVCC_TARGET_CTAS");
-  const DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), target_env ? std::atoi(target_env) : 0};
+  const char* stages_env = std::getenv("KVCC_STAGES");  // benchmarking: which decode kernels run
+  const DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), target_env ? std::atoi(target_env) : 0,
+                          stages_env ? std::atoi(stages_env) : 7};
 
   std::vector<DeviceBatch> batches;
   std::vector<int32_t*> bufs;

@@ -190,7 +190,10 @@ static Command reg{
           io.key_file_sha256 = sha256_file_hex(o->key_pt);
           io.value_file_sha256 = sha256_file_hex(o->value_pt);
           io.command = "kvcc zoo import-oscar " + o->key_pt + " " + o->value_pt + " --model-id " + o->model_id +
-                       (o->model.empty() ? "" : " --model " + o->model) + " -o " + o->out;
+                       (o->model.empty() ? "" : " --model " + o->model) +
+                       (o->n_heads ? " --n-heads " + std::to_string(o->n_heads) : "") +
+                       (o->n_kv_heads ? " --n-kv-heads " + std::to_string(o->n_kv_heads) : "") + " --key-clip " +
+                       std::to_string(o->key_clip) + " --value-clip " + std::to_string(o->value_clip) + " -o " + o->out;
           std::unique_ptr<ModelFile> model;
           if (!o->model.empty()) {
             model = std::make_unique<ModelFile>(ModelFile::open(o->model));

@@ -48,8 +48,8 @@ struct CommvqTrainOptions {
   CommvqBudget budget;
   int iterations = 30;        // EM iterations per stage at most
   int patience = 6;           // stop a stage after this many iterations without a better hard error
-  double temp_start = 0.3;    // soft-assignment temperature / current mean hard error, first iteration
-  double temp_end = 0.003;    // ... last iteration
+  double temp_start = 0.03;   // soft-assignment temperature / current mean hard error, first iteration
+  double temp_end = 0.0003;   // ... last iteration
   int value_iterations = 20;  // k-means iterations per value stage at most
   uint64_t seed = 0;
   size_t max_rows = 0;        // train on a seeded subsample of at most this many rows (0: all)

@@ -34,7 +34,10 @@ namespace {
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
   return s + "]";
 }
 
@@ -118,7 +121,10 @@ std::string weights_header_sha256(const std::map<std::string, TensorView>& tenso
   Sha256 hash;  // std::map iterates in sorted name order
   for (const auto& [name, view] : tensors) {
     std::string shape;
-    for (size_t i = 0; i < view.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(view.shape[i]);
+    for (size_t i = 0; i < view.shape.size(); ++i) {
+      if (i) shape += ',';
+      shape += std::to_string(view.shape[i]);
+    }
     hash.update(name).update("\t").update(tensor_dtype_name(view.dtype)).update("\t").update(shape).update("\n");
   }
   return hash.hex_digest();

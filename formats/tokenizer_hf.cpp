@@ -70,7 +70,6 @@ void replace_all(std::string& s, std::string_view from, std::string_view to) {
   s = std::move(out);
 }
 
-bool is_ascii_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 // GPT-2's byte <-> printable character table used by ByteLevel: printable Latin-1 bytes map to
 // themselves, the other 68 bytes to U+0100 onwards in byte order.
@@ -100,6 +99,25 @@ uint32_t next_codepoint(std::string_view s, size_t& i) {
   for (int k = 1; k < len && i + k < s.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
   i += len;
   return cp;
+}
+
+// Unicode White_Space (what the library's lstrip/rstrip strip, Rust's char::is_whitespace).
+bool is_unicode_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+// Byte length of the whitespace character starting at s[i], or 0.
+size_t space_at(std::string_view s, size_t i) {
+  size_t end = i;
+  return is_unicode_space(next_codepoint(s, end)) ? end - i : 0;
+}
+
+// Byte length of the whitespace character ending just before s[i], or 0.
+size_t space_before(std::string_view s, size_t i) {
+  size_t start = i - 1;
+  while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+  return space_at(s, start) == i - start ? i - start : 0;
 }
 
 // A compiled PCRE2 pattern with Unicode classes (UTF + UCP), JIT-compiled when available.
@@ -428,7 +446,7 @@ void pre_tokenize(const PreTokenizer& pre, Piece segment, std::vector<Piece>& ou
   }
   next.clear();
   for (Piece& piece : pieces) {
-    if (pre.byte_level_prefix_space && !piece.text.starts_with(' ')) piece.text.insert(0, " ");
+    if (pre.byte_level_prefix_space && !piece.text.starts_with(' ')) piece.text = ' ' + piece.text;
     if (pre.byte_level_regex) split_piece(piece, *pre.byte_level_regex, SplitBehavior::Isolated, false, next);
     else next.push_back(std::move(piece));
   }
@@ -606,9 +624,9 @@ class AddedTokenMatcher {
       if (!hit) continue;
       size_t match_start = i, match_end = i + hit->pattern.size();
       if (hit->token->lstrip)
-        while (match_start > piece_start && is_ascii_space(s[match_start - 1])) --match_start;
+        for (size_t n; match_start > piece_start && (n = space_before(s, match_start)) > 0;) match_start -= n;
       if (hit->token->rstrip)
-        while (match_end < s.size() && is_ascii_space(s[match_end])) ++match_end;
+        for (size_t n; match_end < s.size() && (n = space_at(s, match_end)) > 0;) match_end += n;
       if (match_start > piece_start)
         out.push_back({{s.substr(piece_start, match_start - piece_start), text.at_text_start && piece_start == 0}, -1});
       out.push_back({{"", false}, hit->token->id});

@@ -26,6 +26,15 @@
 namespace kvcc {
 namespace {
 
+// How INT2 pages reach the registers. 2: cp.async into a 3-stage per-warp shared-memory ring
+// (two pages in flight, no registers held, 3 CTAs per SM); 1: two pages double-buffered in
+// registers (2 CTAs per SM); 0: one page at a time (3 CTAs per SM).
+#ifndef KVCC_DECODE_PREFETCH
+#define KVCC_DECODE_PREFETCH 2
+#endif
+constexpr int kStages = 3;
+constexpr int kPageBytes = 4608;  // one (page, layer, head) block at P = 64, d = 128, G = d
+
 constexpr int kD = 128;      // head_dim of the tensor-core kernel
 constexpr int kHeads = 8;    // MMA n: query heads per KV head, padded
 constexpr int kWarps = 4;
@@ -54,6 +63,12 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t a) {
   uint32_t d;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
   return d;
+}
+// 2^x (MUFU.EX2; 2^-inf = 0). Relative error ~2^-22, far below the fp16/bf16 operands'.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
@@ -85,9 +100,11 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int j, const CodeMasks
     case 2: return and_or(w << 4, k.m8, k.one);
     case 3: return and_or(w, k.m6, k.one);
     case 4: return and_or(w, k.m8, k.one);
-    case 5: return and_or(w >> 4, k.m6, k.one);
-    case 6: return and_or(w >> 4, k.m8, k.one);
-    default: return and_or(w >> 6, k.m8, k.one);
+    // Right shifts as multiply-high: IMAD.HI runs on the FMA pipe, which has room; SHF would
+    // load the ALU pipe further.
+    case 5: return and_or(__umulhi(w, 1u << 28), k.m6, k.one);
+    case 6: return and_or(__umulhi(w, 1u << 28), k.m8, k.one);
+    default: return and_or(__umulhi(w, 1u << 26), k.m8, k.one);
   }
 }
 // 1/κ_j.
@@ -152,7 +169,7 @@ __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float m
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const float mn = fmaxf(st.m[c], mx[c]);
-    const float alpha = (mn == -INFINITY) ? 1.0f : exp2f(st.m[c] - mn);
+    const float alpha = (mn == -INFINITY) ? 1.0f : fast_exp2(st.m[c] - mn);
     st.m[c] = mn;
     msub[c] = (mn == -INFINITY) ? 0.0f : mn;
     st.l[c] *= alpha;
@@ -194,6 +211,37 @@ __device__ __forceinline__ void load_page(const uint8_t* blk, PageRegs& d, int g
   }
 }
 
+// The same fragments from a page block staged in shared memory.
+__device__ __forceinline__ void load_page_shared(const uint8_t* blk, PageRegs& d, int g, int t) {
+  const uint8_t* kc = blk;
+  const uint8_t* vc = blk + 64 * 32;
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32);
+  const uint32_t* vpar = kpar + 64;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    d.kw[s][0] = *reinterpret_cast<const uint2*>(kc + (16 * s + g) * 32 + 8 * t);
+    d.kw[s][1] = *reinterpret_cast<const uint2*>(kc + (16 * s + g + 8) * 32 + 8 * t);
+    d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * 32 + 4 * g);
+    d.vw[s][1] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * 32 + 4 * g);
+    d.vw[s][2] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * 32 + 4 * g);
+    d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * 32 + 4 * g);
+    d.kp[s][0] = kpar[16 * s + g];
+    d.kp[s][1] = kpar[16 * s + g + 8];
+    d.vp[s][0] = vpar[16 * s + g];
+    d.vp[s][1] = vpar[16 * s + g + 8];
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // One 64-token INT2 page already in registers. kq: the K B-fragments (fp16, q/qscale/κ);
 // sq1 = Σ(q/qscale/κ), sq0 = Σ(q/qscale) for the thread's two head columns;
 // cscale = qscale·sm_scale·log2e.
@@ -223,31 +271,39 @@ __device__ __forceinline__ void int2_page(const PageRegs& d, const uint32_t (&kq
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2 sz = *reinterpret_cast<const __half2*>(&kp[s][i >> 1]);
-      const float scale = __low2float(sz), zero = __high2float(sz);
-      const float u = fmaf(-zero, sq0[i & 1], sc[s][i] - sq1[i & 1]);
-      const float x = u * (scale * cscale);
-      sc[s][i] = x;
-      if (i & 1) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+    for (int r = 0; r < 2; ++r) {  // token g (r = 0) or g + 8
+      const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
+      const float sc_tok = sz.x * cscale;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // head column 2t + c
+        const int i = 2 * r + c;
+        const float x = fmaf(-sz.y, sq0[c], sc[s][i] - sq1[c]) * sc_tok;
+        sc[s][i] = x;
+        if (c) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+      }
     }
   float msub[2];
   online_rescale(st, mx0, mx1, msub);
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    float ps[4];
+    float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float p = exp2f(sc[s][i] - msub[i & 1]);
-      st.l[i & 1] += p;
-      const __half2 sz = *reinterpret_cast<const __half2*>(&vp[s][i >> 1]);
-      const __half ph = __float2half_rn(p * __low2float(sz));
-      ps[i] = __half2float(ph);
-      st.sp[i & 1] += ps[i];
-      st.spz[i & 1] = fmaf(ps[i], __high2float(sz), st.spz[i & 1]);
+      pr[i] = fast_exp2(sc[s][i] - msub[i & 1]);
+      st.l[i & 1] += pr[i];
     }
-    const uint32_t b01 = transpose8x8(pack_half2(ps[0], ps[1]));
-    const uint32_t b23 = transpose8x8(pack_half2(ps[2], ps[3]));
+    // P' = p·s_v rounded to fp16 (the MMA operand); Σ P' and Σ P'·z from the same rounded values.
+    const float2 v0 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][0]));  // token g
+    const float2 v1 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][1]));  // token g + 8
+    const __half2 h01 = __floats2half2_rn(pr[0] * v0.x, pr[1] * v0.x);
+    const __half2 h23 = __floats2half2_rn(pr[2] * v1.x, pr[3] * v1.x);
+    const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+    st.sp[0] += f01.x + f23.x;
+    st.sp[1] += f01.y + f23.y;
+    st.spz[0] = fmaf(f01.x, v0.y, fmaf(f23.x, v1.y, st.spz[0]));
+    st.spz[1] = fmaf(f01.y, v0.y, fmaf(f23.y, v1.y, st.spz[1]));
+    const uint32_t b01 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h01));
+    const uint32_t b23 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h23));
     const uint32_t lo_a = __byte_perm(vw[s][0], vw[s][1], 0x5410);
     const uint32_t hi_a = __byte_perm(vw[s][0], vw[s][1], 0x7632);
     const uint32_t lo_b = __byte_perm(vw[s][2], vw[s][3], 0x5410);
@@ -312,7 +368,7 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
   float ps[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    ps[i] = exp2f(sc[i] - msub[i & 1]);
+    ps[i] = fast_exp2(sc[i] - msub[i & 1]);
     st.l[i & 1] += ps[i];
   }
   const uint32_t b01 = transpose8x8(pack_bf162(ps[0], ps[1]));
@@ -333,7 +389,7 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
 enum class Mode { Int2, Bf16Paged };
 
 template <Mode kMode>
-__global__ void __launch_bounds__(kThreads, 2) decode_kernel(DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : 3) decode_kernel(DecodeArgs a) {
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   __shared__ float qs[kHeads][kD];
@@ -413,8 +469,34 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(DecodeArgs a) {
     const int p0 = split * a.units_per_split;
     const int p1 = min(n_pages, p0 + a.units_per_split);
     const int32_t* pt = a.page_table + a.page_offset[b];
-    // Two pages in registers: the next page's loads are in flight while this one is computed.
     auto page_ptr = [&](int p) { return a.pages + a.geo.page_block_offset(pt[p], a.layer, h); };
+#if KVCC_DECODE_PREFETCH == 2
+    extern __shared__ uint4 page_ring[];  // [kWarps][kStages][kPageBytes]
+    uint8_t* ring = reinterpret_cast<uint8_t*>(page_ring) + size_t(warp) * kStages * kPageBytes;
+    // Page k of this warp is p0 + warp + k·kWarps; it lands in stage k % kStages.
+    const int n_mine = p0 + warp < p1 ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
+    auto issue = [&](int k) {
+      if (k < n_mine) {
+        const uint8_t* src = page_ptr(p0 + warp + k * kWarps);
+        uint8_t* dst = ring + (k % kStages) * kPageBytes;
+#pragma unroll
+        for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
+      }
+      cp_async_commit();  // an empty group keeps the wait count uniform
+    };
+    issue(0);
+    issue(1);
+    for (int k = 0; k < n_mine; ++k) {
+      issue(k + 2);
+      cp_async_wait<kStages - 1>();  // page k's group is done
+      __syncwarp();
+      PageRegs buf;
+      load_page_shared(ring + (k % kStages) * kPageBytes, buf, g, t);
+      __syncwarp();  // every lane has read stage k % kStages before it is refilled
+      int2_page(buf, kq, sq1, sq0, cscale, st);
+    }
+#elif KVCC_DECODE_PREFETCH == 1
+    // Two pages in registers: the next page's loads are in flight while this one is computed.
     PageRegs buf0, buf1;
     int p = p0 + warp;
     if (p < p1) load_page(page_ptr(p), buf0, g, t);
@@ -425,6 +507,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(DecodeArgs a) {
       if (p + 2 * kWarps < p1) load_page(page_ptr(p + 2 * kWarps), buf0, g, t);
       int2_page(buf1, kq, sq1, sq0, cscale, st);
     }
+#else
+    for (int p = p0 + warp; p < p1; p += kWarps) {
+      PageRegs buf;
+      load_page(page_ptr(p), buf, g, t);
+      int2_page(buf, kq, sq1, sq0, cscale, st);
+    }
+#endif
   } else if (paged_split || win_split) {
     uint32_t kq[8][2], kq_lo[8][2];
     auto lo_part = [](float x) { return x - __bfloat162float(__float2bfloat16_rn(x)); };
@@ -625,11 +714,27 @@ struct SplitPlan {
   int paged_splits, units_per_split, window_splits, win_tiles_per_split, total;
 };
 
+// Dynamic shared memory of the INT2 kernel (the cp.async page ring), allowed once per process.
+constexpr size_t int2_smem_bytes() {
+  return KVCC_DECODE_PREFETCH == 2 ? size_t(kWarps) * kStages * kPageBytes : 0;
+}
+void prepare_int2_kernel() {
+  static bool done = [] {
+    if (int2_smem_bytes() > 0)
+      check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(int2_smem_bytes())),
+                 "decode (CUDA): shared memory attribute");
+    return true;
+  }();
+  (void)done;
+}
+
 // CTAs of the decode kernel resident at once on the whole GPU.
 int resident_ctas() {
   static int n = [] {
     int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Mode::Int2>, kThreads, 0);
+    prepare_int2_kernel();
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Mode::Int2>, kThreads, int2_smem_bytes());
     return std::max(1, per_sm) * multiprocessors();
   }();
   return n;
@@ -658,6 +763,9 @@ SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int w
   return p;
 }
 
+// The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
+int bf16_target(int target_ctas) { return target_ctas > 0 ? target_ctas : 2 * multiprocessors(); }
+
 size_t workspace_for(int batch, int n_heads, int n_kv, const SplitPlan& p) {
   const size_t qbytes = size_t(batch) * n_heads * kD * sizeof(float);
   const size_t obytes = size_t(batch) * n_kv * p.total * kHeads * kD * sizeof(float);
@@ -675,7 +783,7 @@ void check_shape(int n_kv, int head_dim, const DecodeShape& shape) {
 
 void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const float* q,
             const float* rot_k, const float* rot_v_t, float* out, void* workspace,
-            size_t workspace_bytes, cudaStream_t stream) {
+            size_t workspace_bytes, cudaStream_t stream, int stages) {
   require(workspace_bytes >= workspace_for(batch, a.n_heads, a.n_kv, plan),
           "decode (CUDA): workspace too small");
   if (batch == 0) return;
@@ -691,13 +799,18 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
   a.units_per_split = plan.units_per_split;
   a.win_tiles_per_split = plan.win_tiles_per_split;
   a.total_splits = plan.total;
-  rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
+  if (stages & 1) rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
   const dim3 grid(plan.total, a.n_kv, batch);
-  if (mode == Mode::Int2)
-    decode_kernel<Mode::Int2><<<grid, kThreads, 0, stream>>>(a);
+  if (!(stages & 2)) {
+  } else if (mode == Mode::Int2)
+  {
+    prepare_int2_kernel();
+    decode_kernel<Mode::Int2><<<grid, kThreads, int2_smem_bytes(), stream>>>(a);
+  }
   else
     decode_kernel<Mode::Bf16Paged><<<grid, kThreads, 0, stream>>>(a);
-  merge_splits<<<dim3(a.n_heads, batch), kD, plan.total * sizeof(float), stream>>>(a.part_o, a.part_ml, a.n_kv, plan.total,
+  if (stages & 4)
+    merge_splits<<<dim3(a.n_heads, batch), kD, plan.total * sizeof(float), stream>>>(a.part_o, a.part_ml, a.n_kv, plan.total,
                                                          a.n_heads, a.group_heads, rot_v_t, out);
   check_cuda(cudaGetLastError(), "decode (CUDA) launch");
 }
@@ -707,7 +820,7 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
 size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
                               int page_tokens_bf16, int target_ctas) {
   if (page_tokens_bf16 > 0) {
-    const SplitPlan p = plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, 0);
+    const SplitPlan p = plan_splits(batch, g.n_kv_heads, max_pages, bf16_target(target_ctas), 0);
     return workspace_for(batch, n_heads, g.n_kv_heads, SplitPlan{p.total, 0, 0, 0, p.total});
   }
   const SplitPlan p =
@@ -743,7 +856,7 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   const SplitPlan plan =
       plan_splits(batch.batch, g.n_kv_heads, batch.max_pages, shape.target_ctas, (g.sink + g.recent) / 16);
-  launch(Mode::Int2, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream);
+  launch(Mode::Int2, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream, shape.stages);
 }
 
 void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint16_t* bf16_pages,
@@ -763,9 +876,9 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
   a.n_heads = shape.n_heads;
   a.group_heads = shape.n_heads / n_kv_heads;
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
-  SplitPlan plan = plan_splits(batch.batch, n_kv_heads, batch.max_pages, shape.target_ctas, 0);
+  SplitPlan plan = plan_splits(batch.batch, n_kv_heads, batch.max_pages, bf16_target(shape.target_ctas), 0);
   plan = SplitPlan{plan.total, plan.units_per_split, 0, 0, plan.total};
-  launch(Mode::Bf16Paged, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream);
+  launch(Mode::Bf16Paged, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream, shape.stages);
 }
 
 }  // namespace kvcc

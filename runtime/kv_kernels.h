@@ -29,7 +29,8 @@ struct DeviceBatch {
 struct DecodeShape {
   int n_heads = 0;    // query heads; n_heads / n_kv_heads <= 8
   float sm_scale = 0; // softmax scale, usually 1/sqrt(d)
-  int target_ctas = 0;  // 0: 4 per multiprocessor
+  int target_ctas = 0;  // 0: the kernel's own plan (about one or two waves)
+  int stages = 7;       // benchmarking only: bit 0 rotate q, bit 1 attention, bit 2 merge
 };
 
 // Bytes of workspace decode_int2 (page_tokens_bf16 = 0) or decode_bf16_paged (its page size;

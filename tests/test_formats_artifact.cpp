@@ -225,17 +225,17 @@ TEST(ArtifactFormat, VerifyListsEveryProblemAndWriterRefuses) {
   a.head(1, 0).key.levels = {-1, 0.5, 0.2, 1};           // unsorted levels
   a.head(2, 1).value.clip_ratio = 1.5;                   // outside (0, 1]
   a.head(2, 0).value.extras[1].data[1] = 2.5;            // integer array with a fraction
-  a.recipe.group = 3;                                    // does not divide 8
+  a.recipe.page_size = 0;                                // pages must hold tokens
   const auto problems = verify_artifact(a);
   ASSERT_EQ(problems.size(), 5u);
-  EXPECT_EQ(problems[0], "recipe: group 3 does not divide head_dim 8");
+  EXPECT_EQ(problems[0], "recipe: sink/recent must be >= 0 and page_size > 0");
   EXPECT_EQ(problems[1], "/layers/0/kv1/key/eigenvalues: not in ascending order");
   EXPECT_EQ(problems[2], "/layers/1/kv0/key/levels: not strictly ascending");
   EXPECT_EQ(problems[3], "/layers/2/kv0/value/extras/outlier_channels: integer array holds a non-integer value");
   EXPECT_EQ(problems[4], "/layers/2/kv1/value: clip_ratio 1.500000 is not in (0, 1]");
 
   EXPECT_EQ(error_of([&] { write_artifact(a, dir.file("bad.h5")); }),
-            dir.file("bad.h5") + ": refusing to write an invalid artifact: recipe: group 3 does not divide head_dim 8"
+            dir.file("bad.h5") + ": refusing to write an invalid artifact: recipe: sink/recent must be >= 0 and page_size > 0"
                                  " (and 4 more problems)");
   EXPECT_TRUE(dir.entries().empty());
 

@@ -102,23 +102,54 @@ TEST(Forward, Stories260kMatchesTransformersConversion) {
   expect_matches_transformers(bin, data_models_dir() + "/refs/stories260k.json");
 }
 
+namespace {
+
+// Greedy (argmax) continuation, recomputing the whole sequence per step.
+std::vector<int32_t> greedy(const ModelFile& model, std::vector<int32_t> ids, int steps) {
+  const size_t prompt_len = ids.size();
+  const int vocab = model.config().vocab;
+  for (int step = 0; step < steps; ++step) {
+    const std::vector<float> logits = model_logits(model, ids);
+    const float* last = logits.data() + (ids.size() - 1) * vocab;
+    ids.push_back(int32_t(std::max_element(last, last + vocab) - last));
+  }
+  return std::vector<int32_t>(ids.begin() + long(prompt_len), ids.end());
+}
+
+}  // namespace
+
+// A trained model's greedy continuation of "Once upon a time, there was a little" is the fluent
+// text transformers produces (ids from its tokenizer.json, BOS 1 first).
+TEST(Forward, TinyStories656kGreedyGenerationIsFluentAndPinned) {
+  const std::string dir = shared_models_dir() + "/tinystories-656k";
+  if (!fs::exists(dir)) GTEST_SKIP() << dir << " absent (../shared not mounted)";
+  const ModelFile model = ModelFile::open(dir);
+  const nlohmann::json ref = read_json_file(data_models_dir() + "/refs/tinystories-656k.json");
+  const std::vector<int32_t> prompt = {1, 80, 147, 201, 282, 215, 286, 64, 207, 161};
+  ASSERT_EQ(prompt, ref["prompt_ids"].get<std::vector<int32_t>>());
+  const std::vector<int32_t> generated = greedy(model, prompt, 40);
+  EXPECT_EQ(generated, ref["greedy_ids"].get<std::vector<int32_t>>());
+  const auto tokenizer = Tokenizer::from_file(dir + "/tokenizer.json");
+  const std::string text = tokenizer->decode(generated);
+  EXPECT_EQ(text.rfind(". The large liked to go fast and play with his friends. One day,", 0), 0u) << text;
+  EXPECT_NE(text.find("a little girl named Lily"), std::string::npos) << text;
+}
+
+// stories260k (llama2.c, interleaved RoPE): greedy ids equal transformers' on the converted
+// weights. NOTE: neither implementation gets fluent text from ../shared's stories260K.bin (see
+// tests/data/models/README.md), so this pins agreement, not fluency.
 TEST(Forward, Stories260kGreedyGenerationIsPinned) {
   const std::string dir = shared_models_dir() + "/stories260k";
   if (!fs::exists(dir)) GTEST_SKIP() << dir << " absent (../shared not mounted)";
   const ModelFile model = ModelFile::open(dir + "/stories260K.bin");
   const nlohmann::json ref = read_json_file(data_models_dir() + "/refs/stories260k.json");
-  std::vector<int32_t> ids = ref["prompt_ids"].get<std::vector<int32_t>>();
-  const auto expected = ref["greedy_ids"].get<std::vector<int32_t>>();
-  const size_t prompt_len = ids.size();
-  for (int step = 0; step < 40; ++step) {
-    const std::vector<float> logits = model_logits(model, ids);
-    const float* last = logits.data() + (ids.size() - 1) * model.config().vocab;
-    ids.push_back(int32_t(std::max_element(last, last + model.config().vocab) - last));
-  }
-  const std::vector<int32_t> generated(ids.begin() + long(prompt_len), ids.end());
-  EXPECT_EQ(generated, expected);
+  // "Once upon a time, there was a little" in tok512 (BOS 1 first).
+  const std::vector<int32_t> prompt = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376};
+  ASSERT_EQ(prompt, ref["prompt_ids"].get<std::vector<int32_t>>());
+  const std::vector<int32_t> generated = greedy(model, prompt, 40);
+  EXPECT_EQ(generated, ref["greedy_ids"].get<std::vector<int32_t>>());
   const auto tokenizer = Tokenizer::from_file(dir + "/tok512.bin");
-  EXPECT_EQ(tokenizer->decode(generated), ref["greedy_text"].get<std::string>());
+  EXPECT_EQ(tokenizer->decode(prompt), "Once upon a time, there was a little");
 }
 
 // attention_qkv + causal_attention + attention_output_and_mlp is exactly layer_forward: validation

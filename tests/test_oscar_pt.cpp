@@ -91,8 +91,11 @@ TEST(Zip, ReadsTorchArchiveWithDataDescriptorsAndZip64End) {
   const ZipReader r = ZipReader::open(kData + "/strided.pt");
   ASSERT_NE(r.find("strided/data.pkl"), nullptr);
   EXPECT_EQ(r.read("strided/byteorder"), "little");
-  for (const auto& e : r.entries())
-    if (e.name.find("/data/") != std::string::npos) EXPECT_EQ(e.data_offset % 64, 0u) << e.name;
+  for (const auto& e : r.entries()) {
+    if (e.name.find("/data/") != std::string::npos) {
+      EXPECT_EQ(e.data_offset % 64, 0u) << e.name;
+    }
+  }
 }
 
 TEST(Zip, CorruptionRefused) {

@@ -70,7 +70,20 @@ def real_models():
         ids = tok.encode(text).ids[:t_len]  # the post-processor adds BOS for both
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         positions = [0, 1, len(ids) // 2, len(ids) - 1]
-        write_json(os.path.join(OUT, "refs", name + ".json"), logits_ref(model, ids, positions))
+        extra = None
+        if name == "tinystories-656k":
+            # A trained model's greedy continuation (full recompute per step, as the C++ test does).
+            prompt = "Once upon a time, there was a little"
+            prompt_ids = tok.encode(prompt).ids
+            gen = list(prompt_ids)
+            for _ in range(40):
+                gen.append(int(model(torch.tensor([gen])).logits[0, -1].argmax()))
+            continuation = gen[len(prompt_ids):]
+            extra = {"prompt": prompt, "prompt_ids": prompt_ids, "greedy_ids": continuation,
+                     "greedy_text": tok.decode(continuation)}
+            print(f"  {name} greedy: {prompt!r} -> {extra['greedy_text']!r}")
+        write_json(os.path.join(OUT, "refs", name + ".json"),
+                   logits_ref(model, ids, positions, extra))
 
 
 # ---------------------------------------------------------------- (b) tiny random models

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Warp stall reasons of the INT2 decode kernel (one batch-8, 128K-token launch), from Nsight
+# Compute's per-issue stall ratios. usage: OUT=dir scripts/gpu_stalls.sh
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+D=build-gpu-profile
+mkdir -p $D
+CUINC=$(dirname "$(dirname "$(command -v nvcc)")")/include
+NV="nvcc -std=c++20 -O3 -arch=sm_90 --expt-relaxed-constexpr -lineinfo -DKVCC_HAVE_CUDA=1 -I."
+g++ -std=c++20 -O2 -DKVCC_HAVE_CUDA=1 -I. -I"$CUINC" -c runtime/kv_cache.cpp -o $D/kv_cache.o &
+$NV -c runtime/append.cu -o $D/append.o &
+$NV -c bench/bench_decode.cu -o $D/bench.o &
+$NV -c runtime/decode.cu -o $D/decode.o &
+wait
+nvcc -arch=sm_90 $D/bench.o $D/decode.o $D/append.o $D/kv_cache.o -o $D/bench_decode || exit 1
+timeout 150 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
+  --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,dram__bytes_read.sum,gpu__time_duration.sum' \
+  $D/bench_decode --configs 32:8:8:131072 --out /tmp/q.jsonl --reps 3 > "$OUT/stalls.txt" 2>&1
+echo "ncu exit $?" >> "$OUT/stalls.txt"
+grep -E 'stalled|pipe|sectors|bytes|duration' "$OUT/stalls.txt" | awk '{ if ($NF+0 > 0.05 || $0 ~ /pipe|sectors|bytes|duration/) print }'
