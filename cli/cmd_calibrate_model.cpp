@@ -154,10 +154,10 @@ Command reg{
           "Example:\n"
           "  kvcc calibrate-model --model ../shared/models/tinystories-656k \\\n"
           "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
-          "  kvcc compile --stats stats.h5 ...\n\n"
+          "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n\n"
           "Scale-out: `mpirun -n 4 kvcc calibrate-model ...` splits documents over ranks and rank 0\n"
           "writes the reduced file; or run `--shard 0/2` and `--shard 1/2` anywhere and\n"
-          "`kvcc merge-stats` the results (equal to one run up to float64 rounding).");
+          "`kvcc merge-stats a.h5 b.h5 -o stats.h5` (equal to one run up to float64 rounding).");
       return [flags]() -> int {
         CalibrationOptions options = flags->options;
         require(!options.data_path.empty() || !options.ids_path.empty(),

@@ -13,6 +13,7 @@
 #include "cli/command.h"
 #include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats/h5.h"
 #include "formats/h5_common.h"
 #include "formats/stats.h"
 
@@ -122,7 +123,8 @@ int inspect_artifact(const std::string& path, bool as_json) {
   }
   std::printf("%s: kvcc artifact, format %s, written by %s at %s\n", path.c_str(), a.format_version.c_str(),
               a.producer.c_str(), a.created.c_str());
-  std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n", a.model_id.c_str(),
+  std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n",
+              a.model_id.empty() ? "(unnamed)" : a.model_id.c_str(),
               a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, rope_style_name(a.rope_style));
   std::printf("fingerprint %s (weights %s)\n", a.fingerprint.id.c_str(), a.fingerprint.weights_sha256.c_str());
   std::printf("method      %s: key %g bits, value %g bits, group %d, sink %d, recent %d, page %d\n", r.method.c_str(),
@@ -138,8 +140,9 @@ int inspect_artifact(const std::string& path, bool as_json) {
   std::printf("command     %s\n", a.command.empty() ? "-" : a.command.c_str());
   for (const char* side : {"key", "value"}) {
     const SideArtifact& s = std::string(side) == "key" ? first.key : first.value;
-    std::printf("%-11s rotation %s, eigenvalues %s, levels %zu", side, s.rotation.empty() ? "none" : "[d, d]",
-                s.eigenvalues.empty() ? "none" : "[d]", s.levels.size());
+    std::printf("%-11s rotation %s, eigenvalues %s, levels %s", side, s.rotation.empty() ? "none" : "[d, d]",
+                s.eigenvalues.empty() ? "none" : "[d]",
+                s.levels.empty() ? "none (uniform grid)" : std::to_string(s.levels.size()).c_str());
     for (const NamedArray& x : s.extras) std::printf(", %s %s", x.name.c_str(), shape_text(x.shape).c_str());
     std::printf("\n");
   }
@@ -181,6 +184,7 @@ int inspect_stats(const std::string& path, bool as_json) {
     json j;
     j["file"] = path;
     j["format"] = kStatsFormat;
+    j["format_version"] = h5::File::open(path).attr_string("format_version");
     j["producer"] = s.producer;
     j["created"] = s.created;
     j["command"] = s.command;

@@ -31,9 +31,12 @@ Command reg{
           "  kvcc merge-stats s0.h5 s1.h5 -o stats.h5");
       return [inputs, output]() {
         const size_t n = inputs->size();
+        // Progress per file on a terminal; in scripts stderr stays for the one-line error.
+        const bool progress = stderr_is_tty();
         Stats merged = read_stats(inputs->front());
-        std::fprintf(stderr, "kvcc merge-stats: [1/%zu] %s: %llu tokens\n", n, inputs->front().c_str(),
-                     static_cast<unsigned long long>(merged.provenance.tokens));
+        if (progress)
+          std::fprintf(stderr, "kvcc merge-stats: [1/%zu] %s: %llu tokens\n", n, inputs->front().c_str(),
+                       static_cast<unsigned long long>(merged.provenance.tokens));
         for (size_t i = 1; i < n; ++i) {
           const std::string& path = (*inputs)[i];
           const Stats next = read_stats(path);
@@ -42,8 +45,9 @@ Command reg{
           } catch (const Error& e) {
             throw Error(path + " vs " + inputs->front() + ": " + e.what());
           }
-          std::fprintf(stderr, "kvcc merge-stats: [%zu/%zu] %s: %llu tokens\n", i + 1, n, path.c_str(),
-                       static_cast<unsigned long long>(next.provenance.tokens));
+          if (progress)
+            std::fprintf(stderr, "kvcc merge-stats: [%zu/%zu] %s: %llu tokens\n", i + 1, n, path.c_str(),
+                         static_cast<unsigned long long>(next.provenance.tokens));
         }
         merged.producer = h5::default_producer();
         merged.created = h5::utc_now_iso8601();

@@ -184,6 +184,16 @@ std::vector<float> attention_probs(const std::vector<float>& query, int nq,
   return p;
 }
 
+double gram_error(const std::vector<float>& gram, int n, const std::vector<float>& error, int d) {
+  if (n == 0) return 0.0;
+  std::vector<float> ge(size_t(n) * d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, n, 1.0f, gram.data(), n,
+              error.data(), d, 0.0f, ge.data(), d);
+  double total = 0.0;
+  for (size_t i = 0; i < ge.size(); ++i) total += double(ge[i]) * error[i];
+  return total;
+}
+
 double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n,
                     int d) {
   if (nq == 0 || n == 0) return 0.0;
@@ -200,16 +210,29 @@ double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide whi
   const int d = rows.d, n = rows.n;
   require(n > 0, "clip-ratio fitting: the reservoir has no fitting rows (heldout == 0)");
   const std::vector<float>& x = which == KvSide::Key ? rows.key : rows.value;
-  std::vector<float> y(x.size()), q_rot(rows.query.size());
-  rotate_rows(side.rotation, d, x.data(), n, y.data());
-  rotate_rows(side.rotation, d, rows.query.data(), rows.nq, q_rot.data());
-  // Errors are basis-independent, so both metrics are evaluated in the rotated basis.
-  std::vector<float> metric, probs;
+  // Errors are basis-independent, so both metrics are evaluated in the rotated basis; BLAS in
+  // float does the rotations here (fitting only; the codec's own rotation is float64).
+  const std::vector<float> rot(side.rotation.begin(), side.rotation.end());
+  std::vector<float> y(x.size());
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x.data(), d, rot.data(), d,
+              0.0f, y.data(), d);
+  std::vector<float> metric;
   if (which == KvSide::Key) {
-    metric = query_metric(q_rot, rows.nq, d);
+    // Rᵀ (Σ q qᵀ) R: the query metric in the rotated basis.
+    const std::vector<float> m = query_metric(rows.query, rows.nq, d);
+    std::vector<float> mr(size_t(d) * d);
+    metric.resize(size_t(d) * d);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0f, m.data(), d, rot.data(), d,
+                0.0f, mr.data(), d);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0f, rot.data(), d, mr.data(), d,
+                0.0f, metric.data(), d);
   } else {
+    // Σ_i ‖Σ_j p_ij e_j‖² = Σ_jl (PᵀP)_jl e_j·e_l: one [n, n] Gram matrix serves every candidate.
     // Attention weights only need q·k, which any common rotation preserves: use the raw rows.
-    probs = attention_probs(rows.query, rows.nq, rows.key, n, d);
+    const std::vector<float> probs = attention_probs(rows.query, rows.nq, rows.key, n, d);
+    metric.resize(size_t(n) * n);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, rows.nq, 1.0f, probs.data(), n,
+                probs.data(), n, 0.0f, metric.data(), n);
   }
   const int group = recipe.group > 0 ? recipe.group : d;
   SideArtifact candidate = side;
@@ -224,7 +247,7 @@ double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide whi
     roundtrip_rotated(recipe, candidate, which, d, y.data(), n, yq.data());
     for (size_t i = 0; i < y.size(); ++i) err[i] = y[i] - yq[i];
     const double e = which == KvSide::Key ? weighted_logit_error(err, n, metric, d)
-                                          : output_error(probs, rows.nq, err, n, d);
+                                          : gram_error(metric, n, err, d);
     if (ratio == 1.0) none = e;
     if (e < best) {
       best = e;

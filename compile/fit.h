@@ -51,6 +51,8 @@ double weighted_logit_error(const std::vector<float>& error, int n, const std::v
 // Attention-output error Σ_i ‖Σ_j p_ij (v_j − v̂_j)‖² with p [nq, n] row-stochastic.
 double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n,
                     int d);
+// Σ_jl G_jl e_j·e_l for a [n, n] Gram matrix G (G = PᵀP gives the output error).
+double gram_error(const std::vector<float>& gram, int n, const std::vector<float>& error, int d);
 // softmax(q kᵀ / √d) over all n keys, [nq, n].
 std::vector<float> attention_probs(const std::vector<float>& query, int nq,
                                    const std::vector<float>& key, int n, int d);

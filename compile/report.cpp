@@ -1,5 +1,7 @@
 #include "compile/report.h"
 
+#include <cblas.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -90,17 +92,16 @@ HeadMetrics evaluate_head(const Artifact& art, int layer, int head, const std::v
   // Outputs with exact and with quantised K/V.
   const std::vector<float> p = attention_probs(query, nq, key, n, d);
   const std::vector<float> pq = attention_probs(query, nq, kq, n, d);
+  std::vector<float> o(size_t(nq) * d), oq(size_t(nq) * d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, p.data(), n, value.data(), d,
+              0.0f, o.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, pq.data(), n, vq.data(), d,
+              0.0f, oq.data(), d);
   double err2 = 0, ref2 = 0;
-  for (int i = 0; i < nq; ++i)
-    for (int c = 0; c < d; ++c) {
-      double o = 0, oq = 0;
-      for (int j = 0; j < n; ++j) {
-        o += double(p[size_t(i) * n + j]) * value[size_t(j) * d + c];
-        oq += double(pq[size_t(i) * n + j]) * vq[size_t(j) * d + c];
-      }
-      err2 += (o - oq) * (o - oq);
-      ref2 += o * o;
-    }
+  for (size_t i = 0; i < o.size(); ++i) {
+    err2 += double(o[i] - oq[i]) * double(o[i] - oq[i]);
+    ref2 += double(o[i]) * o[i];
+  }
   m.output_rel = rel(err2, ref2);
   return m;
 }

@@ -56,7 +56,10 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
   }
   std::ifstream in(path, std::ios::binary);
   require(in.good(), "cannot open tokenizer " + path + " (no such file or not readable)");
-  // tokenizer.json is a JSON object; a llama2.c tokenizer.bin starts with a small binary int32.
+  const std::string extension = fs::path(path).extension().string();
+  if (extension == ".json") return detail::load_hf_tokenizer(path);
+  if (extension == ".bin") return detail::load_llama2c_tokenizer(path);
+  // Otherwise by content: tokenizer.json is a JSON object; tokenizer.bin starts with a binary int32.
   char first = 0;
   while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {
   }

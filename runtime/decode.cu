@@ -16,7 +16,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 
 #include "formats/error.h"
@@ -191,6 +193,7 @@ struct PageRegs {
   uint32_t vw[4][4], kp[4][2], vp[4][2];
 };
 
+#if KVCC_DECODE_PREFETCH != 2
 __device__ __forceinline__ void load_page(const uint8_t* blk, PageRegs& d, int g, int t) {
   const uint8_t* kc = blk;
   const uint8_t* vc = blk + 64 * 32;
@@ -210,6 +213,8 @@ __device__ __forceinline__ void load_page(const uint8_t* blk, PageRegs& d, int g
     d.vp[s][1] = __ldg(vpar + 16 * s + g + 8);
   }
 }
+
+#endif
 
 // The same fragments from a page block staged in shared memory.
 __device__ __forceinline__ void load_page_shared(const uint8_t* blk, PageRegs& d, int g, int t) {
@@ -398,8 +403,10 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : 3) d
   __shared__ float red[kWarps];
   __shared__ float qsum[kHeads][2];
 
+  asm volatile("griddepcontrol.launch_dependents;");
   const int len = a.seq_len[b];
   const int r = a.group_heads;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // q_rot comes from rotate_queries
   for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
     const int hh = i / kD, c = i % kD;
     qs[hh][c] = hh < r ? a.q_rot[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
@@ -633,6 +640,7 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : 3) d
 // q_rot[b, qh] = q[b, qh] · R_k[qh / r]  (one CTA per (query head, sequence), one thread per
 // column; the loop is unrolled so that many R loads are in flight).
 __global__ void rotate_queries(const float* q, const float* rot_k, int n_heads, int r, float* q_rot) {
+  asm volatile("griddepcontrol.launch_dependents;");
   __shared__ float qv[kD];
   const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
   const size_t off = (size_t(b) * n_heads + qh) * kD;
@@ -664,20 +672,26 @@ __device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) 
 }
 
 // out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. The split weights are
-// computed in parallel, then each thread sums one channel over the splits.
-__global__ void merge_splits(const float* part_o, const float* part_ml, int n_kv, int total_splits,
-                             int n_heads, int r, const float* rot_v_t, float* out) {
+// computed in parallel; then 4 slices of threads each sum a quarter of the splits and of the
+// rotation's inputs per output channel, so few dependent loads are in series.
+constexpr int kMergeThreads = 4 * kD;
+__global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
+                                                              int total_splits, int n_heads, int r,
+                                                              const float* rot_v_t, float* out) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
   extern __shared__ float weights[];  // [total_splits]
+  __shared__ float part[4][kD];
   __shared__ float ov[kD];
-  __shared__ float red[kD / 32];
-  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  __shared__ float red[kMergeThreads / 32];
+  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   const int h = qh / r, hh = qh % r;
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   float mall = -INFINITY;
-  for (int s = j; s < total_splits; s += kD) mall = fmaxf(mall, part_ml[((base + s) * kHeads + hh) * 2]);
+  for (int s = threadIdx.x; s < total_splits; s += kMergeThreads)
+    mall = fmaxf(mall, part_ml[((base + s) * kHeads + hh) * 2]);
   mall = block_reduce(mall, true, red);
   float lsum = 0.0f;
-  for (int s = j; s < total_splits; s += kD) {
+  for (int s = threadIdx.x; s < total_splits; s += kMergeThreads) {
     const float m = part_ml[((base + s) * kHeads + hh) * 2];
     const float w = (m == -INFINITY) ? 0.0f : exp2f(m - mall);
     weights[s] = w;
@@ -685,19 +699,27 @@ __global__ void merge_splits(const float* part_o, const float* part_ml, int n_kv
   }
   lsum = block_reduce(lsum, false, red);  // (its barriers also publish `weights`)
   float acc = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < total_splits; ++s)
+#pragma unroll 4
+  for (int s = slice; s < total_splits; s += 4)
     if (weights[s] != 0.0f) acc = fmaf(weights[s], part_o[((base + s) * kHeads + hh) * kD + j], acc);
-  ov[j] = lsum > 0.0f ? acc / lsum : 0.0f;
+  part[slice][j] = acc;
   __syncthreads();
-  float o = ov[j];
+  if (slice == 0) {
+    const float sum = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+    ov[j] = lsum > 0.0f ? sum / lsum : 0.0f;
+  }
+  __syncthreads();
+  float o = slice == 0 ? ov[j] : 0.0f;
   if (rot_v_t) {
     const float* R = rot_v_t + size_t(h) * kD * kD;
     o = 0.0f;
-#pragma unroll 32
-    for (int i = 0; i < kD; ++i) o = fmaf(ov[i], __ldg(R + size_t(i) * kD + j), o);
+#pragma unroll
+    for (int i = slice * (kD / 4); i < (slice + 1) * (kD / 4); ++i) o = fmaf(ov[i], __ldg(R + size_t(i) * kD + j), o);
   }
-  out[(size_t(b) * n_heads + qh) * kD + j] = o;
+  __syncthreads();
+  part[slice][j] = o;
+  __syncthreads();
+  if (slice == 0) out[(size_t(b) * n_heads + qh) * kD + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
 }
 
 int multiprocessors() {
@@ -719,14 +741,13 @@ constexpr size_t int2_smem_bytes() {
   return KVCC_DECODE_PREFETCH == 2 ? size_t(kWarps) * kStages * kPageBytes : 0;
 }
 void prepare_int2_kernel() {
-  static bool done = [] {
+  static std::once_flag once;
+  std::call_once(once, [] {
     if (int2_smem_bytes() > 0)
       check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(int2_smem_bytes())),
                  "decode (CUDA): shared memory attribute");
-    return true;
-  }();
-  (void)done;
+  });
 }
 
 // CTAs of the decode kernel resident at once on the whole GPU.
@@ -799,19 +820,41 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
   a.units_per_split = plan.units_per_split;
   a.win_tiles_per_split = plan.win_tiles_per_split;
   a.total_splits = plan.total;
-  if (stages & 1) rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
+  // Programmatic dependent launch: the attention and merge grids are launched while their
+  // predecessor runs and wait (griddepcontrol.wait) for its results, hiding launch latency.
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  auto config = [&](dim3 grid, unsigned block, size_t smem) {
+    cudaLaunchConfig_t c{};
+    c.gridDim = grid;
+    c.blockDim = dim3(block);
+    c.dynamicSmemBytes = smem;
+    c.stream = stream;
+    c.attrs = &pdl;
+    c.numAttrs = 1;
+    return c;
+  };
+  if (stages & 1)
+    rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
   const dim3 grid(plan.total, a.n_kv, batch);
-  if (!(stages & 2)) {
-  } else if (mode == Mode::Int2)
-  {
-    prepare_int2_kernel();
-    decode_kernel<Mode::Int2><<<grid, kThreads, int2_smem_bytes(), stream>>>(a);
+  if (stages & 2) {
+    if (mode == Mode::Int2) {
+      prepare_int2_kernel();
+      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes());
+      check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2>, a), "decode (CUDA) launch");
+    } else {
+      const cudaLaunchConfig_t c = config(grid, kThreads, 0);
+      check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Bf16Paged>, a), "decode (CUDA) launch");
+    }
   }
-  else
-    decode_kernel<Mode::Bf16Paged><<<grid, kThreads, 0, stream>>>(a);
-  if (stages & 4)
-    merge_splits<<<dim3(a.n_heads, batch), kD, plan.total * sizeof(float), stream>>>(a.part_o, a.part_ml, a.n_kv, plan.total,
-                                                         a.n_heads, a.group_heads, rot_v_t, out);
+  if (stages & 4) {
+    const cudaLaunchConfig_t c = config(dim3(a.n_heads, batch), kMergeThreads, plan.total * sizeof(float));
+    check_cuda(cudaLaunchKernelEx(&c, merge_splits, static_cast<const float*>(a.part_o),
+                                  static_cast<const float*>(a.part_ml), a.n_kv, plan.total, a.n_heads,
+                                  a.group_heads, rot_v_t, out),
+               "decode (CUDA) merge launch");
+  }
   check_cuda(cudaGetLastError(), "decode (CUDA) launch");
 }
 

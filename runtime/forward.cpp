@@ -143,6 +143,7 @@ void embed(const ModelFile& model, const int32_t* ids, int T, float* x) {
 
 void attention_qkv(const ModelConfig& c, const LayerWeights& w, const float* x, int T, int pos0,
                    float* q, float* key_pre, float* key, float* value) {
+  if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int hidden = c.hidden, d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
   std::vector<float> xn(size_t(T) * hidden);
   rms_norm(x, T, hidden, hidden, w.attn_norm.data(), c.rms_eps, xn.data(), hidden);
@@ -164,6 +165,7 @@ void attention_qkv(const ModelConfig& c, const LayerWeights& w, const float* x, 
 void causal_attention(const ModelConfig& c, int T, const float* q, const float* key,
                       const float* value, float* out, AttentionObserver* observer,
                       const SequenceTaps* taps) {
+  if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d, group = c.group();
   require(!observer || taps, "causal_attention: an observer needs the caller's SequenceTaps");
   if (observer) observer->on_qkv(*taps);
@@ -199,6 +201,7 @@ void causal_attention(const ModelConfig& c, int T, const float* q, const float* 
 
 void attention_output_and_mlp(const ModelConfig& c, const LayerWeights& w, const float* attn, int T,
                               float* x) {
+  if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int hidden = c.hidden, qdim = c.n_heads * c.head_dim, inter = c.intermediate;
   linear(attn, T, qdim, w.wo.data(), hidden, x, 1.f);  // residual: x += attn · Woᵀ
   std::vector<float> xn(size_t(T) * hidden);
@@ -215,6 +218,7 @@ void attention_output_and_mlp(const ModelConfig& c, const LayerWeights& w, const
 
 void layer_forward(const ModelConfig& c, const LayerWeights& w, int layer, uint32_t doc, float* x,
                    int T, AttentionObserver* observer) {
+  if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
   std::vector<float> q(T * qdim), key(T * kvdim), value(T * kvdim), attn(T * qdim);
   std::vector<float> key_pre(observer ? T * kvdim : 0);
@@ -232,6 +236,7 @@ void layer_forward(const ModelConfig& c, const LayerWeights& w, int layer, uint3
 }
 
 void final_logits(const ModelFile& model, const float* x, int T, float* logits) {
+  if (T <= 0) return;
   const ModelConfig& c = model.config();
   const int hidden = c.hidden, vocab = c.vocab;
   const std::vector<float> norm = load_checked(model, "model.norm.weight", size_t(hidden));

@@ -63,9 +63,9 @@ else
 fi
 "$BENCH" --configs "$CONFIGS" --out "$OUT/bench_decode.jsonl" --reps 30
 echo "bench_decode exit: $?"
-# Split-K CTA targets at small batch, for the record (not part of the table).
-for t in 132 264; do
-  KVCC_TARGET_CTAS=$t "$BENCH" --configs 32:8:1:32768,32:8:1:131072 --out /tmp/tune.jsonl --reps 20 | grep decode | sed "s/^/target_ctas=$t /"
+# Where small-batch time goes (KVCC_STAGES bits: 1 rotate q, 2 attention, 4 merge); not in the table.
+for st in 2 1 4; do
+  KVCC_STAGES=$st "$BENCH" --configs 32:8:1:4096,32:8:1:32768 --out /tmp/parts.jsonl --reps 20 | grep decode | sed "s/^/stages=$st /"
 done
 PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30
 echo "bench_sdpa exit: $?"

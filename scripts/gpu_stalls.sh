@@ -16,7 +16,7 @@ $NV -c runtime/decode.cu -o $D/decode.o &
 wait
 nvcc -arch=sm_90 $D/bench.o $D/decode.o $D/append.o $D/kv_cache.o -o $D/bench_decode || exit 1
 timeout 150 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
-  --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,dram__bytes_read.sum,gpu__time_duration.sum' \
-  $D/bench_decode --configs 32:8:8:131072 --out /tmp/q.jsonl --reps 3 > "$OUT/stalls.txt" 2>&1
+  --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,dram__bytes_read.sum,gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg' \
+  $D/bench_decode --configs ${CONFIG:-32:8:8:131072} --out /tmp/q.jsonl --reps 3 > "$OUT/stalls.txt" 2>&1
 echo "ncu exit $?" >> "$OUT/stalls.txt"
-grep -E 'stalled|pipe|sectors|bytes|duration' "$OUT/stalls.txt" | awk '{ if ($NF+0 > 0.05 || $0 ~ /pipe|sectors|bytes|duration/) print }'
+grep -E 'stalled|pipe|sectors|bytes|duration|cycles' "$OUT/stalls.txt" | awk '{ if ($NF+0 > 0.05 || $0 ~ /pipe|sectors|bytes|duration|cycles/) print }'

@@ -190,3 +190,57 @@ TEST_F(FormatsCli, BadFilesGiveOneLineErrors) {
 
 }  // namespace
 }  // namespace kvcc
+
+namespace kvcc {
+namespace {
+
+// End to end on a real model: calibrating two document shards and merging them equals one run
+// over all documents (sums up to float64 rounding, reservoirs exactly), the contract that lets
+// calibration scale out.
+TEST(FormatsCliRealModel, ShardedCalibrationMergesToFullRun) {
+  const std::string model = std::string(KVCC_SHARED_DIR) + "/models/tinystories-656k";
+  const std::string text = std::string(KVCC_SHARED_DIR) + "/text/tinystories_valid_100.txt";
+  if (!testing::file_exists(model + "/model.safetensors") || !testing::file_exists(text))
+    GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
+  if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
+  testing::ScratchDir dir;
+  const std::string common = " --model " + model + " --data " + text + " --tokens 4000 --reservoir 128";
+  auto run = [&](const std::string& args) {
+    const std::string cmd = std::string(KVCC_BINARY) + " " + args + " >/dev/null 2>&1";
+    const int status = std::system(cmd.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  ASSERT_EQ(run("calibrate-model" + common + " -o " + dir.file("full.h5")), 0);
+  ASSERT_EQ(run("calibrate-model" + common + " --shard 0/2 -o " + dir.file("s0.h5")), 0);
+  ASSERT_EQ(run("calibrate-model" + common + " --shard 1/2 -o " + dir.file("s1.h5")), 0);
+  ASSERT_EQ(run("merge-stats " + dir.file("s0.h5") + " " + dir.file("s1.h5") + " -o " + dir.file("m.h5")), 0);
+  const Stats full = read_stats(dir.file("full.h5"));
+  const Stats merged = read_stats(dir.file("m.h5"));
+  EXPECT_TRUE(full.fingerprint.matches(merged.fingerprint));
+  EXPECT_EQ(merged.provenance.tokens, full.provenance.tokens);
+  EXPECT_EQ(merged.provenance.sequences, full.provenance.sequences);
+  ASSERT_EQ(full.heads.size(), merged.heads.size());
+  for (size_t i = 0; i < full.heads.size(); ++i) {
+    const HeadStats &x = full.heads[i], &y = merged.heads[i];
+    EXPECT_EQ(x.query_count, y.query_count);
+    EXPECT_EQ(x.kv_count, y.kv_count);
+    for (auto member : {&HeadStats::query_m2, &HeadStats::output_m2, &HeadStats::p2_m2, &HeadStats::key_m2,
+                        &HeadStats::value_m2}) {
+      const auto &a = x.*member, &b = y.*member;
+      double scale = 0, diff = 0;
+      for (size_t k = 0; k < a.size(); ++k) {
+        scale = std::max(scale, std::abs(a[k]));
+        diff = std::max(diff, std::abs(a[k] - b[k]));
+      }
+      EXPECT_LE(diff, 1e-9 * scale) << "head " << i;
+    }
+    EXPECT_EQ(x.key_min, y.key_min);
+    EXPECT_EQ(x.value_max, y.value_max);
+    EXPECT_EQ(full.reservoirs[i].priority, merged.reservoirs[i].priority) << "head " << i;
+    EXPECT_EQ(full.reservoirs[i].key, merged.reservoirs[i].key) << "head " << i;
+    EXPECT_EQ(full.reservoirs[i].q, merged.reservoirs[i].q) << "head " << i;
+  }
+}
+
+}  // namespace
+}  // namespace kvcc

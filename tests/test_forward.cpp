@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <numbers>
 #include <random>
@@ -26,6 +27,8 @@ void expect_matches_transformers(const std::string& model_path, const std::strin
   EXPECT_LT(cmp.relative(), kRelTol) << model_path << ": max |diff| " << cmp.max_abs_diff
                                      << " / max |ref| " << cmp.max_abs_ref;
   EXPECT_GT(cmp.max_abs_ref, 0.5);  // the reference is not degenerate
+  std::printf("  %s: max |diff| / max |ref| = %.2e\n", fs::path(model_path).filename().c_str(),
+              cmp.relative());
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ std::string double_as_float_sha(const std::vector<double>& v) {
   return float_sha(f);
 }
 
-double max_orthogonality_error(const std::vector<double>& r, int d) {
+double naive_orthogonality_error(const std::vector<double>& r, int d) {
   double worst = 0;
   for (int i = 0; i < d; ++i)
     for (int j = 0; j < d; ++j) {
@@ -139,8 +139,8 @@ TEST(OscarImport, ArtifactIsVerifiedAndBitExact) {
     EXPECT_EQ(double_as_float_sha(h.value.rotation), vr[id]["rotation_sha256"].get<std::string>());
     EXPECT_EQ(double_as_float_sha(h.key.eigenvalues), kr[id]["eigenvalues_sha256"].get<std::string>());
     EXPECT_EQ(double_as_float_sha(h.value.eigenvalues), vr[id]["eigenvalues_sha256"].get<std::string>());
-    EXPECT_LT(max_orthogonality_error(h.key.rotation, 128), 1e-6) << "layer " << l;
-    EXPECT_LT(max_orthogonality_error(h.value.rotation, 128), 1e-6) << "layer " << l;
+    EXPECT_LT(naive_orthogonality_error(h.key.rotation, 128), 1e-6) << "layer " << l;
+    EXPECT_LT(naive_orthogonality_error(h.value.rotation, 128), 1e-6) << "layer " << l;
     EXPECT_TRUE(std::is_sorted(h.key.eigenvalues.begin(), h.key.eigenvalues.end()));
     EXPECT_TRUE(std::is_sorted(h.value.eigenvalues.begin(), h.value.eigenvalues.end()));
     EXPECT_DOUBLE_EQ(h.key.eigenvalues.front(), kr[id]["eigenvalue_min"].get<double>());

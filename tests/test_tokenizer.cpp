@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 #include <unistd.h>
 
 #include "formats/error.h"
@@ -203,6 +204,22 @@ TEST(Tokenizer, DecodeInvertsEncodeOnRealText) {
   EXPECT_GT(round_trips, 50);
 }
 
+// The word cache is shared by all encode calls; concurrent callers must get the serial result.
+TEST(Tokenizer, ConcurrentEncodesAgreeWithSerial) {
+  SKIP_WITHOUT_SHARED();
+  auto tok = kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json");
+  const auto books = kvcc::split_documents(read_file(kShared + "/text/gutenberg_heldout.txt"));
+  std::vector<std::vector<int32_t>> parallel(16), serial(16);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int d = t; d < 16; d += 4) parallel[d] = tok->encode(books[d], true);
+    });
+  for (auto& thread : threads) thread.join();
+  auto fresh = kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json");
+  for (int d = 0; d < 16; ++d) EXPECT_EQ(parallel[d], fresh->encode(books[d], true)) << "document " << d;
+}
+
 TEST(Tokenizer, UnknownCharactersUseByteFallbackOrUnk) {
   SKIP_WITHOUT_SHARED();
   // llama2.c: an emoji is not in tok512, so its 4 UTF-8 bytes become <0xXX> at id byte + 3.
@@ -309,7 +326,13 @@ TEST(Tokenizer, CorruptTokenizerJsonIsRefusedByName) {
   json gap = doc;
   gap["model"]["vocab"].erase("Ġt");
   EXPECT_FALSE(load_error(gap.dump()).empty());
-  EXPECT_NE(load_error("").find("is empty"), std::string::npos);
+  EXPECT_NE(load_error("").find("is not valid JSON"), std::string::npos);
+  // Without a telling extension the content decides; an empty file is neither format.
+  write_file(dir.path / "tokenizer", "");
+  EXPECT_NE(error_of([&] { kvcc::Tokenizer::from_file((dir.path / "tokenizer").string()); }).find("is empty"),
+            std::string::npos);
+  write_file(dir.path / "tokenizer", original);
+  EXPECT_EQ(kvcc::Tokenizer::from_file((dir.path / "tokenizer").string())->vocab_size(), 4096);
 }
 
 TEST(Tokenizer, TruncatedOrCorruptTokenizerBinIsRefused) {
@@ -335,6 +358,8 @@ TEST(Tokenizer, TruncatedOrCorruptTokenizerBinIsRefused) {
   EXPECT_NE(load_error(bad_header).find("max_token_length -3"), std::string::npos);
   EXPECT_NE(error_of([&] { kvcc::Tokenizer::from_file((dir.path / "absent.bin").string()); }).find("cannot open tokenizer"),
             std::string::npos);
+  write_file(dir.path / "tokenizer", original);  // no extension: recognised by content
+  EXPECT_EQ(kvcc::Tokenizer::from_file((dir.path / "tokenizer").string())->kind(), "llama2.c tokenizer.bin");
 }
 
 TEST(Tokenizer, SplitDocumentsTrimsAndDropsEmptyDocuments) {

@@ -8,7 +8,7 @@
   file format (dummy-prefix space, UTF-8 characters looked up whole else <0xXX> at byte+3, then
   greedy merges of the best-scoring adjacent pair, leftmost on ties).
 * cases.json: short edge-case strings (special tokens, unknown characters, whitespace, digits,
-  empty text) for every tokenizer, and for tokenizer.json variants made by patching the real
+  empty text, and random mixtures of them) for every tokenizer, and for tokenizer.json variants made by patching the real
   files (the patches are stored so the C++ test applies the same ones).
 
 Documents are split as kvcc::split_documents does: on <|endoftext|>, each trimmed of ASCII
@@ -20,6 +20,7 @@ import copy
 import hashlib
 import json
 import os
+import random
 import struct
 import sys
 
@@ -121,7 +122,19 @@ CASES = [
     "<unk> <|end_story|>",
     "x<|endoftext|>y",
     "cafe\u0301 (decomposed) \ufb01ne \u2460 \uff21",
+    "a <|end_of_text|>\u00a0\u2003b",
 ]
+
+
+def random_cases(count, seed):
+    """Short random mixtures of story words, punctuation, whitespace, non-ASCII and special tokens."""
+    rng = random.Random(seed)
+    atoms = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \t\n\r  .,;:!?'\"()-") + [
+        "'s", "'LL", "\u2019", "\u00e9", "\u00df", "\u65e5", "\U0001F642", "\u00a0", "\u2003", "\u0301", "1234",
+        "<|begin_of_text|>", "<|end_of_text|>", "<|start_story|>", "<unk>", "\u2581", "\u0120", "\x7f", "\u0085"]
+    words = read_text("tinystories_valid_100.txt").split()[:3000]
+    return ["".join(rng.choice(atoms) if rng.random() < 0.6 else " " + rng.choice(words)
+                    for _ in range(rng.randint(0, 30))) for _ in range(count)]
 
 # tokenizer.json variants: (name, base model, {JSON pointer: new value}); they exercise the
 # pre-tokenizers, decoders and model options the two real files do not use.
@@ -162,13 +175,13 @@ def apply_patch(doc, pointer, value):
         node[last] = value
 
 
-def case_results(tok):
+def case_results(tok, texts=CASES):
     # Decoded text is kept only where no special token occurs: kvcc skips special tokens when
     # decoding, while this library keeps those whose content a normalizer changed (tinystories'
     # "<|start_story|>" becomes "\u2581<|start_story|>", which its skip list does not recognise).
     special = {t["id"] for t in json.loads(tok.to_str())["added_tokens"] if t["special"]}
     out = []
-    for text in CASES:
+    for text in texts:
         plain = tok.encode(text, add_special_tokens=False).ids
         with_bos = tok.encode(text, add_special_tokens=True).ids
         decoded = None if special & set(plain) else tok.decode(plain)
@@ -197,7 +210,7 @@ def main():
     cases = {"tokenizers": {}, "variants": {}}
     for model in ("tinystories-656k", "gutenberg-27m"):
         tok = Tokenizer.from_file(os.path.join(SHARED, "models", model, "tokenizer.json"))
-        cases["tokenizers"][model] = case_results(tok)
+        cases["tokenizers"][model] = case_results(tok, CASES + random_cases(150, seed=len(model)))
     cases["tokenizers"]["stories260k"] = [
         {"text": t, "ids": llama2c.encode(t, False), "ids_bos": llama2c.encode(t, True), "decoded": t} for t in CASES]
     for name, base, patches in VARIANTS:
