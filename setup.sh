@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 packages=(
   build-essential cmake ninja-build pkg-config
   libeigen3-dev libopenblas-dev liblapacke-dev libhdf5-dev
-  libcli11-dev libgtest-dev libgmock-dev nlohmann-json3-dev libpcre2-dev
+  libcli11-dev libgtest-dev libgmock-dev nlohmann-json3-dev libpcre2-dev libicu-dev
   libopenmpi-dev openmpi-bin
 )
 missing=()

@@ -1,13 +1,19 @@
 // CommVQ benchmark: EM training time per (layer, KV head) and the CPU reference's scoring
 // throughput.
 //
-//   bench_commvq [--stats FILE] [--layer L] [--head H] [--rows N] [--bits 1|2] [--threads T]
-//                [--iterations I] [--context C] [--temp-start T0] [--temp-end T1]
+//   bench_commvq [--model DIR --text FILE | --stats FILE] [--layer L] [--head H] [--rows N]
+//                [--bits 1|2] [--threads T] [--iterations I] [--max-stages S] [--context C]
+//                [--temp-start T0] [--temp-end T1]
 //
-// Rows: the pre-RoPE key and value reservoir rows of (L, H) from a stats file (e.g. gutenberg-27m
-// calibrated by `kvcc calibrate-model`) when --stats is given; when the file holds fewer than N
-// rows, or without --stats, the remaining rows are synthetic: Gaussian with a skewed spectrum
-// (channel scale 0.93^c, a few large-mean channels, like real keys). The output says which.
+// Rows, in order of preference:
+//   --model/--text: layer-0 pre-RoPE keys and values of KV head H computed by the model itself
+//     (embedding, RMSNorm, k/v projections: runtime/forward.h) over the text's documents, N rows
+//     (e.g. gutenberg-27m over ../shared/text/gutenberg_heldout.txt);
+//   --stats: the reservoir rows of (L, H) of a stats file;
+//   otherwise (or to fill up to N): synthetic Gaussian rows with a skewed spectrum (channel scale
+//     0.93^c, a few large-mean channels). The output says which.
+// --max-stages S trains only the first S stages of each side and extrapolates the full time
+// (stages cost about the same each), to keep a 2-core run short.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -19,7 +25,9 @@
 #include "compile/commvq.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
+#include "formats/model_file.h"
 #include "formats/stats.h"
+#include "formats/tokenizer.h"
 #include "runtime/commvq_score.h"
 #include "runtime/forward.h"
 
@@ -38,10 +46,46 @@ std::vector<float> skewed_rows(size_t n, int d, uint64_t seed) {
   return x;
 }
 
+// Layer-0 pre-RoPE keys and values of KV head `head` for the first `rows` tokens of the text.
+void model_rows(const std::string& model_dir, const std::string& text_path, int head, size_t rows,
+                kvcc::ModelConfig& config, std::vector<float>& keys, std::vector<float>& values) {
+  const kvcc::ModelFile model = kvcc::ModelFile::open(model_dir);
+  config = model.config();
+  const auto tokenizer = kvcc::Tokenizer::for_model(model_dir, config.vocab);
+  std::FILE* f = std::fopen(text_path.c_str(), "rb");
+  kvcc::require(f != nullptr, "cannot open " + text_path);
+  std::string text;
+  char buf[65536];
+  for (size_t got; (got = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, got);
+  std::fclose(f);
+  const kvcc::LayerWeights w = kvcc::load_layer(model, 0);
+  const int d = config.head_dim, kv = config.n_kv_heads * d;
+  kvcc::require(head < config.n_kv_heads, "--head outside the model");
+  const int max_t = 2048;
+  for (const std::string& doc : kvcc::split_documents(text)) {
+    std::vector<int32_t> ids = tokenizer->encode(doc, config.add_bos);
+    for (size_t t0 = 0; t0 < ids.size() && keys.size() < rows * size_t(d); t0 += max_t) {
+      const int T = int(std::min<size_t>(max_t, ids.size() - t0));
+      std::vector<float> x(size_t(T) * config.hidden), q(size_t(T) * config.n_heads * d), kp(size_t(T) * kv),
+          k(size_t(T) * kv), v(size_t(T) * kv);
+      kvcc::embed(model, ids.data() + t0, T, x.data());
+      kvcc::attention_qkv(config, w, x.data(), T, int(t0), q.data(), kp.data(), k.data(), v.data());
+      for (int t = 0; t < T && keys.size() < rows * size_t(d); ++t) {
+        keys.insert(keys.end(), kp.begin() + long(size_t(t) * kv + size_t(head) * d),
+                    kp.begin() + long(size_t(t) * kv + size_t(head + 1) * d));
+        values.insert(values.end(), v.begin() + long(size_t(t) * kv + size_t(head) * d),
+                      v.begin() + long(size_t(t) * kv + size_t(head + 1) * d));
+      }
+    }
+    if (keys.size() >= rows * size_t(d)) break;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string stats_path;
+  std::string stats_path, model_dir, text_path;
+  int max_stages = 0;
   int layer = 0, head = 0, bits = 1, threads = 2, iterations = 30, context = 32768;
   size_t rows = 100000;
   double temp_start = -1, temp_end = -1;
@@ -55,6 +99,9 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--stats") stats_path = next();
+    else if (a == "--model") model_dir = next();
+    else if (a == "--text") text_path = next();
+    else if (a == "--max-stages") max_stages = std::stoi(next());
     else if (a == "--layer") layer = std::stoi(next());
     else if (a == "--head") head = std::stoi(next());
     else if (a == "--rows") rows = std::stoul(next());
@@ -76,7 +123,15 @@ int main(int argc, char** argv) {
     std::vector<float> keys, values;
     std::string source = "synthetic (skewed spectrum)";
     size_t real_rows = 0;
-    if (!stats_path.empty()) {
+    if (!model_dir.empty()) {
+      kvcc::require(!text_path.empty(), "--model needs --text");
+      model_rows(model_dir, text_path, head, rows, config, keys, values);
+      real_rows = keys.size() / size_t(config.head_dim);
+      layer = 0;
+      source = std::to_string(real_rows) + " layer-0 rows of KV head " + std::to_string(head) + " computed by " +
+               model_dir + " over " + text_path;
+      if (real_rows < rows) source += " + " + std::to_string(rows - real_rows) + " synthetic (skewed spectrum)";
+    } else if (!stats_path.empty()) {
       const kvcc::Stats stats = kvcc::read_stats(stats_path);
       config = stats.config;
       kvcc::require(layer < config.n_layers && head < config.n_kv_heads, "layer/head outside the model");
@@ -103,6 +158,11 @@ int main(int argc, char** argv) {
     if (temp_start > 0) o.temp_start = temp_start;
     if (temp_end > 0) o.temp_end = temp_end;
     o.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+    const kvcc::CommvqBudget full = o.budget;
+    if (max_stages > 0) {
+      o.budget.key_stages = std::min(o.budget.key_stages, max_stages);
+      o.budget.value_stages = std::min(o.budget.value_stages, max_stages);
+    }
     std::printf("rows: %zu x d=%d, %s\n", rows, d, source.c_str());
     std::printf("budget: %d-bit preset, key %d stages x %d bits, value %d stages x %d bits, %d threads\n", bits,
                 o.budget.key_stages, 2 * o.budget.key_half_bits, o.budget.value_stages, o.budget.value_code_bits,
@@ -124,7 +184,12 @@ int main(int argc, char** argv) {
                 krep.back().error_after);
     std::printf("value EM: %.1f s (%d iterations over %d stages), relative error^2 %.5f -> %.5f\n", value_s,
                 value_iters, int(vrep.size()), vrep.front().error_before, vrep.back().error_after);
-    std::printf("EM per (layer, head): %.1f s\n", key_s + value_s);
+    if (o.budget.key_stages < full.key_stages || o.budget.value_stages < full.value_stages)
+      std::printf("EM per (layer, head), extrapolated to %d key + %d value stages: %.1f s\n", full.key_stages,
+                  full.value_stages,
+                  key_s / o.budget.key_stages * full.key_stages + value_s / o.budget.value_stages * full.value_stages);
+    else
+      std::printf("EM per (layer, head): %.1f s\n", key_s + value_s);
 
     // Scoring throughput of the CPU reference over `context` encoded tokens.
     const size_t n = std::min<size_t>(size_t(context), rows);

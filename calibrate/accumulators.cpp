@@ -90,7 +90,7 @@ void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
     // The group's r query heads are contiguous in a token's q row, so the group's queries are
     // T·r rows of width d: r consecutive rows per token, then a jump to the next token.
     const float* q_group = taps.q + int64_t(h) * group_ * d_;
-    for (int k = 0; k < group_ - 1; ++k) syrk_rows(hs.query_m2, q_group + k * d_, T, q_stride);
+    for (int k = 0; k < group_; ++k) syrk_rows(hs.query_m2, q_group + k * d_, T, q_stride);
     hs.query_count += uint64_t(T) * uint64_t(group_);
 
     const float* key = taps.key + int64_t(h) * d_;
@@ -135,7 +135,7 @@ void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const floa
     std::vector<double> sqrt_w(size_t(T), 0.0);
     double total = 0.0;
     for (int j = 0; j < T; ++j) {
-      sqrt_w[size_t(j)] = w[j];
+      sqrt_w[size_t(j)] = std::sqrt(w[j]);
       total += w[j];
     }
     syrk_rows(hs.p2_m2, taps.value + int64_t(h) * d_, T, int64_t(config_.n_kv_heads) * d_,

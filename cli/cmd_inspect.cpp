@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
+#include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
@@ -126,13 +127,14 @@ int inspect_artifact(const std::string& path, bool as_json) {
   std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n",
               a.model_id.empty() ? "(unnamed)" : a.model_id.c_str(),
               a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, rope_style_name(a.rope_style));
-  std::printf("fingerprint %s (weights %s)\n", a.fingerprint.id.c_str(), a.fingerprint.weights_sha256.c_str());
+  std::printf("fingerprint %s (weights %s)\n", a.fingerprint.id.c_str(), a.fingerprint.weights_sha256.empty() ? "not recorded" : a.fingerprint.weights_sha256.c_str());
   std::printf("method      %s: key %g bits, value %g bits, group %d, sink %d, recent %d, page %d\n", r.method.c_str(),
               r.key_bits, r.value_bits, r.group, r.sink, r.recent, r.page_size);
   std::printf("            value target %s, granularity %s, composition %s, seed %" PRIu64 "\n",
               r.value_target.empty() ? "-" : r.value_target.c_str(), r.granularity.c_str(),
               r.composition.empty() ? "-" : r.composition.c_str(), r.seed);
   for (const auto& [k, v] : r.params) std::printf("            %s = %s\n", k.c_str(), v.c_str());
+  if (r.method == "commvq") std::printf("            %s\n", describe_commvq(a).c_str());
   std::printf("provenance  %s, %" PRIu64 " tokens in %" PRIu64 " sequences, seed %" PRIu64 "\n",
               a.provenance.source.c_str(), a.provenance.tokens, a.provenance.sequences, a.provenance.seed);
   std::printf("            data sha256 %s\n", a.provenance.data_sha256.empty() ? "-" : a.provenance.data_sha256.c_str());
@@ -227,7 +229,7 @@ int inspect_stats(const std::string& path, bool as_json) {
               s.created.c_str());
   std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n", c.architecture.c_str(),
               c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, rope_style_name(c.rope_style));
-  std::printf("fingerprint %s (weights %s)\n", s.fingerprint.id.c_str(), s.fingerprint.weights_sha256.c_str());
+  std::printf("fingerprint %s (weights %s)\n", s.fingerprint.id.c_str(), s.fingerprint.weights_sha256.empty() ? "not recorded" : s.fingerprint.weights_sha256.c_str());
   std::printf("provenance  %" PRIu64 " tokens in %" PRIu64 " sequences (max length %d), tokenizer %s, seed %" PRIu64 "\n",
               s.provenance.tokens, s.provenance.sequences, s.provenance.max_seq_len, s.provenance.tokenizer.c_str(),
               s.provenance.seed);

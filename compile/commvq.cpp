@@ -486,4 +486,115 @@ CommvqValueCodebook train_commvq_values(const float* value, size_t n_all, int d,
   return cb;
 }
 
+namespace {
+
+int param_int(const Recipe& recipe, const std::string& name, int fallback) {
+  auto it = recipe.params.find(name);
+  if (it == recipe.params.end()) return fallback;
+  try {
+    size_t used = 0;
+    const int v = std::stoi(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error("commvq: parameter " + name + "=" + it->second + " is not an integer");
+}
+
+std::string fixed(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6f", v);
+  return buf;
+}
+
+uint64_t head_seed(uint64_t seed, int layer, int h) {
+  uint64_t state = seed ^ (uint64_t(layer) << 32) ^ uint64_t(h) ^ 0xc0311f9ull;
+  return splitmix64(state);
+}
+
+}  // namespace
+
+void commvq_fill_recipe(Recipe& recipe, int d) {
+  require(recipe.key_bits == 1 || recipe.key_bits == 2,
+          "commvq: key bits must be 1 or 2 (the presets), got " + fixed(recipe.key_bits));
+  require(recipe.value_bits == 1 || recipe.value_bits == 2,
+          "commvq: value bits must be 1 or 2 (the presets), got " + fixed(recipe.value_bits));
+  const CommvqBudget kb = commvq_budget(int(recipe.key_bits), d);
+  const CommvqBudget vb = commvq_budget(int(recipe.value_bits), d);
+  const int key_stages = param_int(recipe, "key_stages", kb.key_stages);
+  const int key_code_bits = param_int(recipe, "key_code_bits", 2 * kb.key_half_bits);
+  const int value_stages = param_int(recipe, "value_stages", vb.value_stages);
+  const int value_code_bits = param_int(recipe, "value_code_bits", vb.value_code_bits);
+  const int iterations = param_int(recipe, "iterations", 20);
+  const int max_rows = param_int(recipe, "max_rows", 0);
+  require(key_stages >= 1 && value_stages >= 1, "commvq: stages must be >= 1");
+  require(key_code_bits >= 2 && key_code_bits <= 16 && key_code_bits % 2 == 0,
+          "commvq: key_code_bits must be even and in 2..16, got " + std::to_string(key_code_bits));
+  require(value_code_bits >= 1 && value_code_bits <= 16,
+          "commvq: value_code_bits must be in 1..16, got " + std::to_string(value_code_bits));
+  require(iterations >= 1 && max_rows >= 0, "commvq: iterations must be >= 1 and max_rows >= 0");
+  recipe.params["key_stages"] = std::to_string(key_stages);
+  recipe.params["key_code_bits"] = std::to_string(key_code_bits);
+  recipe.params["value_stages"] = std::to_string(value_stages);
+  recipe.params["value_code_bits"] = std::to_string(value_code_bits);
+  recipe.params["iterations"] = std::to_string(iterations);
+  recipe.params["max_rows"] = std::to_string(max_rows);
+  recipe.params["key_bits_nominal"] = fixed(commvq_nominal_bits(key_stages, key_code_bits, d));
+  recipe.params["key_bits_effective"] = fixed(commvq_effective_bits(key_stages, key_code_bits, d));
+  recipe.params["value_bits_nominal"] = fixed(commvq_nominal_bits(value_stages, value_code_bits, d));
+  recipe.params["value_bits_effective"] = fixed(commvq_effective_bits(value_stages, value_code_bits, d));
+  recipe.value_target = "";
+  recipe.composition = "";
+}
+
+void compile_commvq_head(const Reservoir& res, const Recipe& recipe, RopeStyle style, int layer, int h,
+                         HeadArtifact& out) {
+  const int d = res.d;
+  std::vector<float> keys, values;
+  for (size_t i = 0; i < res.size(); ++i) {
+    if (res.heldout[i]) continue;
+    keys.insert(keys.end(), res.key_pre.begin() + long(i * d), res.key_pre.begin() + long((i + 1) * d));
+    values.insert(values.end(), res.value.begin() + long(i * d), res.value.begin() + long((i + 1) * d));
+  }
+  const size_t n = keys.size() / size_t(d);
+  require(n > 0, "commvq needs reservoir fitting rows; layer " + std::to_string(layer) + " KV head " +
+                     std::to_string(h) + " has none (calibrate with --reservoir)");
+  CommvqTrainOptions o;
+  o.budget.key_stages = param_int(recipe, "key_stages", 0);
+  o.budget.key_half_bits = param_int(recipe, "key_code_bits", 0) / 2;
+  o.budget.value_stages = param_int(recipe, "value_stages", 0);
+  o.budget.value_code_bits = param_int(recipe, "value_code_bits", 0);
+  o.iterations = param_int(recipe, "iterations", 20);
+  o.value_iterations = o.iterations;
+  o.patience = 4;
+  o.max_rows = size_t(param_int(recipe, "max_rows", 0));
+  o.seed = head_seed(recipe.seed, layer, h);
+  o.threads = 1;
+  CommvqCodec codec;
+  codec.key = train_commvq_keys(keys.data(), n, d, style, o);
+  // Values are coded in the model basis: dense residual VQ is rotation-equivariant, so a value
+  // rotation would not change its error.
+  codec.value = train_commvq_values(values.data(), n, d, {}, o);
+  commvq_store(codec, out.key, out.value);
+}
+
+void commvq_reservoir_roundtrip(const Artifact& art, int layer, int h, const Reservoir& res, bool heldout,
+                                int max_rows, const std::vector<double>& inv_freq, std::vector<float>& key_out,
+                                std::vector<float>& value_out) {
+  const int d = res.d;
+  std::vector<float> key_pre, value;
+  std::vector<int32_t> positions;
+  for (size_t i = 0; i < res.size() && int(positions.size()) < max_rows; ++i) {
+    if (bool(res.heldout[i]) != heldout) continue;
+    key_pre.insert(key_pre.end(), res.key_pre.begin() + long(i * d), res.key_pre.begin() + long((i + 1) * d));
+    value.insert(value.end(), res.value.begin() + long(i * d), res.value.begin() + long((i + 1) * d));
+    positions.push_back(res.position[i]);
+  }
+  const CommvqCodec codec = commvq_load(art, layer, h);
+  key_out.resize(key_pre.size());
+  value_out.resize(value.size());
+  commvq_roundtrip_keys(codec.key, key_pre.data(), positions.data(), positions.size(), inv_freq, false,
+                        key_out.data());
+  commvq_roundtrip_values(codec.value, value.data(), positions.size(), value_out.data());
+}
+
 }  // namespace kvcc

@@ -26,7 +26,9 @@
 #include <string>
 #include <vector>
 
+#include "formats/artifact.h"
 #include "formats/codec_commvq.h"
+#include "formats/stats.h"
 
 namespace kvcc {
 
@@ -75,5 +77,28 @@ CommvqValueCodebook train_commvq_values(const float* value, size_t n, int d,
                                         const std::vector<double>& rotation,
                                         const CommvqTrainOptions& options,
                                         std::vector<CommvqStageReport>* report = nullptr);
+
+// ---- `kvcc compile --method commvq` ----
+//
+// Recipe params (docs/formats.md "commvq"), filled from commvq_budget(key_bits / value_bits,
+// head_dim) unless given: key_stages, key_code_bits (even), value_stages, value_code_bits,
+// iterations (EM iterations per stage, default 20), max_rows (training rows per head, 0 = all
+// fitting rows); written back: key_bits_nominal, key_bits_effective, value_bits_nominal,
+// value_bits_effective (codes + the fp16 norm per token; kv_codec's history_bits reads them).
+// Throws Error on inconsistent params.
+void commvq_fill_recipe(Recipe& recipe, int head_dim);
+
+// Trains one (layer, KV head) on the reservoir's fitting rows (pre-RoPE keys, values; held-out
+// rows never) and stores codebooks and identity rotations in `out` (commvq_store). Single-threaded
+// (compile_artifact runs layers in parallel); the seed is derived from recipe.seed, layer and head.
+void compile_commvq_head(const Reservoir& reservoir, const Recipe& recipe, RopeStyle style, int layer, int h,
+                         HeadArtifact& out);
+
+// Reconstructions of a reservoir's held-out (or fitting) rows, selected as compile/fit.h's
+// select_rows does (in reservoir order, at most max_rows): post-RoPE keys RoPE_m(decode(encode(k_pre)))
+// at each row's position, and values. inv_freq: runtime's rope_inv_freq of the model.
+void commvq_reservoir_roundtrip(const Artifact& artifact, int layer, int h, const Reservoir& reservoir,
+                                bool heldout, int max_rows, const std::vector<double>& inv_freq,
+                                std::vector<float>& key_out, std::vector<float>& value_out);
 
 }  // namespace kvcc

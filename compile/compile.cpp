@@ -253,7 +253,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim) {
     if (tq && r.params["variant"] == "prod")
       require(bits >= 1, "turboquant prod needs at least 1 bit");
   }
-  if (!kivi && r.group > 0)
+  if (r.group > 0 && !(kivi && r.group >= head_dim))
     require(r.group <= head_dim && head_dim % r.group == 0,
             "--group " + std::to_string(r.group) + " must divide head_dim " + std::to_string(head_dim));
   if (tq || kvarn)

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "formats/atomic_file.h"
+#include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
@@ -311,6 +312,9 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
         out.push_back("/layers/" + std::to_string(l) + "/kv" + std::to_string(h) +
                       ": granularity is layer but its rotation differs from kv0's");
     }
+  // Method-specific checks (codebook shapes against the recipe), owned by the method's codec.
+  const std::vector<std::string> commvq_problems = verify_commvq(a);
+  out.insert(out.end(), commvq_problems.begin(), commvq_problems.end());
   return out;
 }
 

@@ -279,6 +279,43 @@ void commvq_decode_values(const CommvqValueCodebook& cb, const CommvqEncoded& en
   }
 }
 
+namespace {
+
+// Rotates each row [d] of x in place by ±position·ω_j per RoPE pair (sign −1 undoes RoPE).
+void rotate_pairs(RopeStyle style, int d, float* x, const int32_t* positions, size_t n,
+                  const std::vector<double>& inv_freq, double sign) {
+  require(int(inv_freq.size()) == d / 2, "commvq: " + std::to_string(inv_freq.size()) +
+                                             " RoPE frequencies for head_dim " + std::to_string(d));
+  for (size_t i = 0; i < n; ++i) {
+    float* row = x + i * size_t(d);
+    for (int j = 0; j < d / 2; ++j) {
+      const double angle = sign * double(float(positions[i]) * float(inv_freq[size_t(j)]));
+      const double c = std::cos(angle), s = std::sin(angle);
+      float& re = row[commvq_pair_channel(style, d, j, 0)];
+      float& im = row[commvq_pair_channel(style, d, j, 1)];
+      const double a = re, b = im;
+      re = float(c * a - s * b);
+      im = float(s * a + c * b);
+    }
+  }
+}
+
+}  // namespace
+
+void commvq_roundtrip_keys(const CommvqKeyCodebook& cb, const float* rows, const int32_t* positions, size_t n,
+                           const std::vector<double>& inv_freq, bool rows_post_rope, float* out) {
+  const int d = cb.d;
+  std::vector<float> pre(rows, rows + n * size_t(d));
+  if (rows_post_rope) rotate_pairs(cb.rope_style, d, pre.data(), positions, n, inv_freq, -1.0);
+  const CommvqEncoded enc = commvq_encode_keys(cb, pre.data(), n);
+  commvq_decode_keys(cb, enc, out);
+  rotate_pairs(cb.rope_style, d, out, positions, n, inv_freq, 1.0);
+}
+
+void commvq_roundtrip_values(const CommvqValueCodebook& cb, const float* rows, size_t n, float* out) {
+  commvq_decode_values(cb, commvq_encode_values(cb, rows, n), out);
+}
+
 // ---- artifact glue ----
 
 namespace {

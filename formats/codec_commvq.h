@@ -110,6 +110,15 @@ void commvq_decode_keys(const CommvqKeyCodebook& cb, const CommvqEncoded& enc, f
 CommvqEncoded commvq_encode_values(const CommvqValueCodebook& cb, const float* x, size_t n);
 void commvq_decode_values(const CommvqValueCodebook& cb, const CommvqEncoded& enc, float* x);
 
+// Quantise + dequantise keys the way a cache holding them at `positions` sees them: rows are
+// pre-RoPE (rows_post_rope false) or post-RoPE (true: un-rotated by −m first); the output is the
+// post-RoPE reconstruction RoPE_m(decode(encode(k_pre))) [n, d]. inv_freq: [d/2] RoPE inverse
+// frequencies (runtime's rope_inv_freq); angles are float32 products m·ω as apply_rope forms them.
+void commvq_roundtrip_keys(const CommvqKeyCodebook& cb, const float* rows, const int32_t* positions, size_t n,
+                           const std::vector<double>& inv_freq, bool rows_post_rope, float* out);
+// Quantise + dequantise values [n, d] (model basis in and out).
+void commvq_roundtrip_values(const CommvqValueCodebook& cb, const float* rows, size_t n, float* out);
+
 // fp16 norm of a row, and the divisor used for normalising (0 for a zero row). Throws Error when the
 // row is not finite or its norm overflows fp16.
 uint16_t commvq_row_norm(const float* x, int d, const char* what);

@@ -35,6 +35,13 @@ int channel_group(const Recipe& recipe, int d) {
   return g;
 }
 
+// KIVI's value groups: G channels, capped at head_dim (G = 32 on a head_dim-16 model is one group
+// per token).
+int kivi_value_group(const Recipe& recipe, int d) {
+  if (recipe.group <= 0 || recipe.group >= d) return d;
+  return channel_group(recipe, d);
+}
+
 std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
 
 // Level-table codec on one group (codec_scalar.h), writing the dequantised values.
@@ -258,7 +265,7 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
           uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
       }
     } else {
-      const int g = channel_group(recipe, d);
+      const int g = kivi_value_group(recipe, d);
       for (int t = 0; t < n; ++t)
         for (int g0 = 0; g0 < d; g0 += g)
           uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, 1.0, bits, out + size_t(t) * d + g0);
@@ -340,7 +347,7 @@ double history_bits(const Recipe& recipe, KvSide which, int d) {
   if (m == "kivi") {
     // Keys: one scale/zero per channel per G_t tokens; values: per token per G channels.
     const double gk = recipe.group > 0 ? recipe.group : recipe.page_size;
-    return b + 32.0 / (which == KvSide::Key ? gk : G);
+    return b + 32.0 / (which == KvSide::Key ? gk : double(kivi_value_group(recipe, d)));
   }
   if (m == "kvarn") {
     const double p = recipe.page_size;

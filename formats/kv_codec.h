@@ -23,7 +23,7 @@
 //       i.i.d. N(0,1) (applied in the rotated basis; S·Πᵀ is again i.i.d. Gaussian).
 //   kivi (identity rotation, no clipping): keys per channel over groups of G_t = recipe.group
 //       (0: the page) consecutive tokens of the page; values per token over groups of
-//       G = recipe.group (0: d) channels; quantize_uniform with thr = +inf.
+//       G = recipe.group channels (0 or G >= d: the whole row); quantize_uniform with thr = +inf.
 //   kvarn (Hadamard rotation): the page is one tile, oriented [d, n] for keys (rows = channels)
 //       and [n, d] for values (rows = tokens). Sinkhorn-style balancing on log standard
 //       deviations (unbiased; clamped to [1e-3, 1e3]): repeat `iterations` (params, default 8)

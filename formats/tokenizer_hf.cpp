@@ -599,11 +599,6 @@ class AddedTokenMatcher {
       std::stable_sort(list.begin(), list.end(),
                        [](const Entry& a, const Entry& b) { return a.pattern.size() > b.pattern.size(); });
   }
-  bool empty() const {
-    for (const auto& list : by_first_byte_)
-      if (!list.empty()) return false;
-    return true;
-  }
 
   // Appends to `out` the text between matches as pieces and the matched tokens' ids.
   struct Segment {

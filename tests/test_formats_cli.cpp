@@ -204,7 +204,7 @@ TEST(FormatsCliRealModel, ShardedCalibrationMergesToFullRun) {
     GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
   if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
   testing::ScratchDir dir;
-  const std::string common = " --model " + model + " --data " + text + " --tokens 4000 --reservoir 128";
+  const std::string common = " --model " + model + " --data " + text + " --tokens 2000 --reservoir 128";
   auto run = [&](const std::string& args) {
     const std::string cmd = std::string(KVCC_BINARY) + " " + args + " >/dev/null 2>&1";
     const int status = std::system(cmd.c_str());

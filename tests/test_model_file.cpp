@@ -392,3 +392,29 @@ TEST(ModelFileErrors, GarbageIsNotALlama2cCheckpoint) {
   const std::string msg = error_of([&] { ModelFile::open((tmp.path / "junk.bin").string()); });
   EXPECT_NE(msg.find("not a llama2.c checkpoint"), std::string::npos) << msg;
 }
+
+// A llama2.c checkpoint with a negative vocab_size carries its own classifier after the RoPE
+// tables; with the embedding copied there it must give the tied model's logits.
+TEST(ModelFile, Llama2cUntiedClassifier) {
+  const std::string bin = shared_models_dir() + "/stories260k/stories260K.bin";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " absent (../shared not mounted)";
+  TempDir tmp;
+  std::string bytes = read_bytes(bin);
+  int32_t vocab;
+  std::memcpy(&vocab, bytes.data() + 5 * 4, 4);
+  ASSERT_EQ(vocab, 512);
+  const std::string embedding = bytes.substr(7 * 4, size_t(512) * 64 * 4);
+  const int32_t untied = -vocab;
+  std::memcpy(bytes.data() + 5 * 4, &untied, 4);
+  write_bytes(tmp.path / "untied.bin", bytes + embedding);
+  const ModelFile tied = ModelFile::open(bin);
+  const ModelFile copy = ModelFile::open((tmp.path / "untied.bin").string());
+  EXPECT_FALSE(copy.config().tied_embeddings);
+  EXPECT_EQ(copy.tensor_shape("lm_head.weight"), (std::vector<int64_t>{512, 64}));
+  const std::vector<int32_t> ids = {1, 403, 407, 261, 378};
+  EXPECT_EQ(model_logits(tied, ids), model_logits(copy, ids));
+  // Without the classifier bytes the file is truncated.
+  write_bytes(tmp.path / "short.bin", bytes);
+  const std::string msg = error_of([&] { ModelFile::open((tmp.path / "short.bin").string()); });
+  EXPECT_NE(msg.find("lm_head.weight"), std::string::npos) << msg;
+}

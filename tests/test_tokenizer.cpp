@@ -209,7 +209,7 @@ TEST(Tokenizer, ConcurrentEncodesAgreeWithSerial) {
   SKIP_WITHOUT_SHARED();
   auto tok = kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json");
   const auto books = kvcc::split_documents(read_file(kShared + "/text/gutenberg_heldout.txt"));
-  std::vector<std::vector<int32_t>> parallel(16), serial(16);
+  std::vector<std::vector<int32_t>> parallel(16);
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t)
     threads.emplace_back([&, t] {

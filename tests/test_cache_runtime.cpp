@@ -1,0 +1,201 @@
+// The runtime API (C++ and C ABI) on a host pool: an artifact written to disk is loaded, checked
+// against the engine's shape (each mismatch refused by name), and its rotations and clip ratios
+// drive append/decode exactly as the reference kernels given the same parameters directly.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "formats/artifact.h"
+#include "formats/error.h"
+#include "runtime/append_ref.h"
+#include "runtime/attention_ref.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kvcc_c.h"
+#include "runtime/kvcc_runtime.h"
+
+namespace kvcc {
+namespace {
+
+constexpr int kLayers = 2, kHeads = 4, kKv = 2, kD = 32;
+
+std::vector<double> orthogonal(int d, std::mt19937& rng) {
+  std::normal_distribution<double> nd;
+  std::vector<double> m(size_t(d) * d);
+  for (auto& x : m) x = nd(rng);
+  for (int j = 0; j < d; ++j) {
+    for (int k = 0; k < j; ++k) {
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
+      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
+    }
+    double nrm = 0;
+    for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
+    for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
+  }
+  return m;
+}
+
+Artifact make_artifact() {
+  std::mt19937 rng(42);
+  Artifact a;
+  a.producer = "test";
+  a.model_id = "tiny";
+  a.n_layers = kLayers;
+  a.n_heads = kHeads;
+  a.n_kv_heads = kKv;
+  a.head_dim = kD;
+  a.fingerprint.id = "0123";
+  a.recipe.method = "oscar";
+  a.recipe.sink = 8;
+  a.recipe.recent = 32;
+  a.recipe.page_size = 16;
+  for (int i = 0; i < kLayers * kKv; ++i) {
+    HeadArtifact h;
+    h.key.rotation = orthogonal(kD, rng);
+    h.value.rotation = orthogonal(kD, rng);
+    h.key.clip_ratio = 0.9 + 0.02 * i;
+    h.value.clip_ratio = 0.95;
+    a.heads.push_back(h);
+  }
+  return a;
+}
+
+std::string artifact_path() {
+  static const std::string path = [] {
+    const std::string p = testing::TempDir() + "kvcc_runtime_test.kvcc.h5";
+    write_artifact(make_artifact(), p);
+    return p;
+  }();
+  return path;
+}
+
+RuntimeOptions host_options() {
+  RuntimeOptions o;
+  o.max_pages = 32;
+  o.max_sequences = 4;
+  o.memory = PoolMemory::Host;
+  return o;
+}
+
+TEST(CacheRuntime, RefusesMismatchedShapesByName) {
+  const std::string path = artifact_path();
+  struct Case {
+    EngineShape shape;
+    const char* field;
+  } cases[] = {{{3, kHeads, kKv, kD}, "layer count"},
+               {{kLayers, 8, kKv, kD}, "query heads"},
+               {{kLayers, kHeads, 4, kD}, "KV heads"},
+               {{kLayers, kHeads, kKv, 64}, "head_dim"}};
+  for (const Case& c : cases) {
+    try {
+      Runtime::load(path, c.shape, host_options());
+      ADD_FAILURE() << "accepted a mismatched " << c.field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(c.field), std::string::npos) << e.what();
+    }
+  }
+  Artifact kivi = make_artifact();
+  kivi.recipe.method = "kivi";
+  EXPECT_THROW(Runtime(kivi, EngineShape{kLayers, kHeads, kKv, kD}, host_options()), Error);
+}
+
+TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
+  const Artifact art = make_artifact();
+  auto rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+  EXPECT_EQ(rt->geometry().sink, 8);
+  EXPECT_EQ(rt->geometry().recent, 32);
+  EXPECT_EQ(rt->geometry().page_tokens, 16);
+  EXPECT_EQ(rt->geometry().group, kD);
+  // The same appends into a plain host cache through the reference kernels, with the artifact's
+  // parameters converted here.
+  KvCache ref(KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host});
+  std::vector<float> rk(size_t(kLayers) * kKv * kD * kD), rv(rk.size());
+  std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
+  for (size_t i = 0; i < art.heads.size(); ++i) {
+    for (size_t e = 0; e < size_t(kD) * kD; ++e) {
+      rk[i * kD * kD + e] = float(art.heads[i].key.rotation[e]);
+      rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
+    }
+    codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
+    codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
+  }
+  const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
+  ref.add_sequence();
+  ref.add_sequence();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (const auto& counts : std::vector<std::vector<int>>{{20, 70}, {45, 1}, {1, 1}}) {
+    std::vector<int64_t> old = {ref.length(a), ref.length(b)};
+    rt->begin_append({a, b}, counts);
+    ref.grow_batch({a, b}, {counts[0], counts[1]});
+    const AppendBatch batch = make_append_batch({a, b}, old, counts);
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> k(size_t(counts[0] + counts[1]) * kKv * kD), v(k.size());
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      rt->append(l, k.data(), v.data());
+      const size_t off = size_t(l) * kKv * kD * kD;
+      append_ref(ref, l, batch, k.data(), v.data(), rk.data() + off, rv.data() + off, codecs.data() + size_t(l) * kKv);
+    }
+  }
+  ASSERT_EQ(std::memcmp(rt->cache().pages_base(), ref.pages_base(), ref.pool_bytes()), 0);
+  std::vector<float> q(size_t(2) * kHeads * kD), got(q.size()), want(q.size());
+  for (auto& x : q) x = nd(rng);
+  for (int l = 0; l < kLayers; ++l) {
+    rt->decode(l, {a, b}, q.data(), got.data());
+    const size_t off = size_t(l) * kKv * kD * kD;
+    decode_ref(ref, l, {a, b}, q.data(), kHeads, rk.data() + off, rv.data() + off, codecs.data() + size_t(l) * kKv,
+               1.0f / std::sqrt(float(kD)), want.data());
+    for (size_t i = 0; i < q.size(); ++i) EXPECT_EQ(got[i], want[i]) << "layer " << l << " element " << i;
+  }
+}
+
+TEST(CacheRuntime, CAbiStatusCodesAndErrors) {
+  kvcc_runtime* rt = nullptr;
+  EXPECT_EQ(kvcc_runtime_load(artifact_path().c_str(), kLayers, kHeads, 4, kD, 4, 2, 0, &rt), KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("KV heads"), std::string::npos) << kvcc_last_error();
+  EXPECT_EQ(kvcc_runtime_load("/nonexistent/x.kvcc.h5", kLayers, kHeads, kKv, kD, 4, 2, 0, &rt), KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("/nonexistent/x.kvcc.h5"), std::string::npos) << kvcc_last_error();
+  // 4 pages, 2 sequences.
+  ASSERT_EQ(kvcc_runtime_load(artifact_path().c_str(), kLayers, kHeads, kKv, kD, 4, 2, 0, &rt), KVCC_OK)
+      << kvcc_last_error();
+  int s = -1, t = -1, u = -1;
+  ASSERT_EQ(kvcc_add_sequence(rt, &s), KVCC_OK);
+  const int count = 8 + 32 + 16;  // sink + ring + one page: one page of history
+  ASSERT_EQ(kvcc_begin_append(rt, 1, &s, &count), KVCC_OK);
+  std::vector<float> k(size_t(count) * kKv * kD, 0.5f), v(k.size(), -0.25f);
+  for (size_t i = 0; i < k.size(); ++i) k[i] += 0.001f * float(i % 97);
+  for (int l = 0; l < kLayers; ++l) ASSERT_EQ(kvcc_append(rt, l, k.data(), v.data(), nullptr), KVCC_OK);
+  int64_t len = 0, bytes = 0;
+  ASSERT_EQ(kvcc_sequence_length(rt, s, &len), KVCC_OK);
+  EXPECT_EQ(len, count);
+  ASSERT_EQ(kvcc_fork_sequence(rt, s, &t, nullptr), KVCC_OK);
+  EXPECT_EQ(kvcc_add_sequence(rt, &u), KVCC_CACHE_FULL);  // both slots taken
+  const int big = 4 * 16 + 1;
+  EXPECT_EQ(kvcc_begin_append(rt, 1, &t, &big), KVCC_CACHE_FULL);  // needs 5 pages, 3 free
+  ASSERT_EQ(kvcc_bytes_in_use(rt, &bytes), KVCC_OK);
+  KvGeometry g;
+  g.n_layers = kLayers;
+  g.n_kv_heads = kKv;
+  g.head_dim = kD;
+  g.group = kD;
+  g.page_tokens = 16;
+  g.sink = 8;
+  g.recent = 32;
+  EXPECT_EQ(size_t(bytes), g.page_bytes() + 2 * g.window_slot_bytes());
+  std::vector<float> q(size_t(kHeads) * kD, 0.3f), out(q.size(), NAN);
+  ASSERT_EQ(kvcc_decode(rt, 1, 1, &t, q.data(), out.data(), nullptr), KVCC_OK);
+  for (float x : out) EXPECT_TRUE(std::isfinite(x));
+  EXPECT_EQ(kvcc_decode(rt, 5, 1, &t, q.data(), out.data(), nullptr), KVCC_ERROR);
+  EXPECT_EQ(kvcc_decode(rt, 0, 1, &t, nullptr, out.data(), nullptr), KVCC_BAD_ARGUMENT);
+  EXPECT_EQ(kvcc_free_sequence(rt, s), KVCC_OK);
+  EXPECT_EQ(kvcc_free_sequence(rt, s), KVCC_ERROR);
+  kvcc_runtime_free(rt);
+}
+
+}  // namespace
+}  // namespace kvcc
