@@ -163,15 +163,20 @@ Command reg{
         require(!options.data_path.empty() || !options.ids_path.empty(),
                 "give the calibration input: --data TEXT or --ids FILE");
         if (!flags->shard.empty()) parse_shard(flags->shard, options.shard_index, options.shard_count);
+        // The command as a user would retype it: given flags only (defaults left out).
         options.command = "kvcc calibrate-model --model " + options.model_path +
                           (options.ids_path.empty() ? " --data " + options.data_path
-                                                    : " --ids " + options.ids_path) +
-                          " --tokens " + std::to_string(options.max_tokens) + " --max-seq-len " +
-                          std::to_string(options.max_seq_len) + " --reservoir " +
-                          std::to_string(options.reservoir) + " --seed " +
-                          std::to_string(options.seed) +
-                          (flags->shard.empty() ? "" : " --shard " + flags->shard) + " -o " +
-                          flags->output;
+                                                    : " --ids " + options.ids_path);
+        if (options.max_tokens > 0) options.command += " --tokens " + std::to_string(options.max_tokens);
+        if (options.max_seq_len > 0)
+          options.command += " --max-seq-len " + std::to_string(options.max_seq_len);
+        options.command += " --reservoir " + std::to_string(options.reservoir) + " --seed " +
+                           std::to_string(options.seed);
+        if (!options.tokenizer_path.empty()) options.command += " --tokenizer " + options.tokenizer_path;
+        if (options.separator != CalibrationOptions{}.separator)
+          options.command += " --separator '" + options.separator + "'";
+        if (!flags->shard.empty()) options.command += " --shard " + flags->shard;
+        options.command += " -o " + flags->output;
         const bool lead = is_lead_rank();
         auto printer = std::make_shared<ProgressPrinter>(stderr_is_tty());
         if (lead) options.progress = [printer](const CalibrationProgress& p) { (*printer)(p); };

@@ -180,7 +180,7 @@ Spectrum query_spectrum(const HeadStats& hs, int d) {
 }
 
 int inspect_stats(const std::string& path, bool as_json) {
-  const Stats s = read_stats(path);
+  const Stats s = read_stats_summary(path);  // the reservoir rows can be gigabytes; not needed here
   const ModelConfig& c = s.config;
   if (as_json) {
     json j;

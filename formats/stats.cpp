@@ -175,7 +175,7 @@ void write_reservoir(const h5::Group& g, const Reservoir& r) {
   g.write("heldout", {n}, r.heldout);
 }
 
-Reservoir read_reservoir(const h5::Group& g, const ModelConfig& c) {
+Reservoir read_reservoir(const h5::Group& g, const ModelConfig& c, bool with_rows) {
   Reservoir r;
   r.capacity = int(g.attr_int("capacity"));
   r.group = int(g.attr_int("group"));
@@ -188,17 +188,19 @@ Reservoir read_reservoir(const h5::Group& g, const ModelConfig& c) {
   if (shape.size() != 1) g.fail("position must be one-dimensional, has shape " + h5::shape_string(shape));
   const int64_t n = shape[0];
   if (n > r.capacity) g.fail(std::to_string(n) + " rows exceed capacity " + std::to_string(r.capacity));
-  r.q = g.read<float>("q", h5::Shape{n, r.group, r.d});
-  r.key_pre = g.read<float>("key_pre", h5::Shape{n, r.d});
-  r.key = g.read<float>("key", h5::Shape{n, r.d});
-  r.value = g.read<float>("value", h5::Shape{n, r.d});
+  if (with_rows) {
+    r.q = g.read<float>("q", h5::Shape{n, r.group, r.d});
+    r.key_pre = g.read<float>("key_pre", h5::Shape{n, r.d});
+    r.key = g.read<float>("key", h5::Shape{n, r.d});
+    r.value = g.read<float>("value", h5::Shape{n, r.d});
+  }
   r.doc = g.read<uint32_t>("doc", h5::Shape{n});
   r.priority = g.read<uint64_t>("priority", h5::Shape{n});
   r.heldout = g.read<uint8_t>("heldout", h5::Shape{n});
   return r;
 }
 
-Stats read_stats_structure(const std::string& path) {
+Stats read_stats_structure(const std::string& path, bool with_rows = true) {
   h5::File file = h5::File::open(path);
   h5::check_root_header(file, kStatsFormat, kStatsMajor);
   Stats s;
@@ -227,7 +229,7 @@ Stats read_stats_structure(const std::string& path) {
     for (int h = 0; h < c.n_kv_heads; ++h) {
       h5::Group head = layer.group("kv" + std::to_string(h));
       s.heads.push_back(read_head(head, c.head_dim));
-      s.reservoirs.push_back(read_reservoir(head.group("reservoir"), c));
+      s.reservoirs.push_back(read_reservoir(head.group("reservoir"), c, with_rows));
     }
   }
   return s;
@@ -333,6 +335,16 @@ Stats read_stats(const std::string& path) {
   Stats s = read_stats_structure(path);
   std::vector<std::string> problems;
   find_value_problems(s, problems);
+  if (!problems.empty())
+    throw Error(path + ": " + problems.front() +
+                (problems.size() > 1 ? " (and " + std::to_string(problems.size() - 1) + " more problems)" : ""));
+  return s;
+}
+
+Stats read_stats_summary(const std::string& path) {
+  Stats s = read_stats_structure(path, /*with_rows=*/false);
+  std::vector<std::string> problems;
+  find_value_problems(s, problems);  // the empty row arrays are trivially finite
   if (!problems.empty())
     throw Error(path + ": " + problems.front() +
                 (problems.size() > 1 ? " (and " + std::to_string(problems.size() - 1) + " more problems)" : ""));

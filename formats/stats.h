@@ -88,6 +88,10 @@ void write_stats(const Stats&, const std::string& path);
 // Reads and validates (format, version, shapes, counts, finiteness); throws Error naming the problem.
 Stats read_stats(const std::string& path);
 
+// As read_stats but without the reservoirs' row arrays (q, key_pre, key, value stay empty; the
+// per-row position, doc, priority and heldout are read), for summaries of large files.
+Stats read_stats_summary(const std::string& path);
+
 // Every problem found in loaded stats, one line each: non-finite sums or ranges, asymmetric or
 // negative-diagonal second moments, inconsistent reservoirs. Empty when sound.
 std::vector<std::string> verify_stats(const Stats&);

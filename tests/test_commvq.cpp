@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
 #include "compile/commvq.h"
+#include "formats/artifact.h"
 #include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
@@ -414,6 +416,46 @@ TEST(CommvqArtifact, StoreLoadAndVerify) {
   EXPECT_THROW(commvq_load(art, 0, 1), Error);
   art.heads[0].key.extras[0].data[7] = std::nan("");
   EXPECT_FALSE(verify_commvq(art).empty());
+}
+
+TEST(CommvqArtifact, HdfRoundTripAndVerifyHook) {
+  const int d = 16;
+  ModelConfig cfg = rope_config(d, RopeStyle::RotateHalf);
+  cfg.n_layers = 1;
+  cfg.n_heads = 2;
+  cfg.n_kv_heads = 1;
+  Artifact art;
+  art.producer = "kvcc test";
+  art.created = "2026-01-01T00:00:00Z";
+  art.fingerprint = make_fingerprint(cfg, std::string(64, 'a'));
+  art.n_layers = 1;
+  art.n_heads = 2;
+  art.n_kv_heads = 1;
+  art.head_dim = d;
+  art.recipe.method = "commvq";
+  art.recipe.key_bits = art.recipe.value_bits = 1;
+  art.recipe.params = {{"key_stages", "2"}, {"key_code_bits", "6"}, {"value_stages", "3"}, {"value_code_bits", "4"}};
+  art.heads.resize(1);
+  CommvqCodec codec;
+  codec.key = random_key_codebook(d, 2, 3, RopeStyle::RotateHalf, 9);
+  codec.value.d = d;
+  codec.value.stages = 3;
+  codec.value.code_bits = 4;
+  codec.value.codewords.resize(size_t(3) * 16 * d);
+  for (size_t i = 0; i < codec.value.codewords.size(); ++i) codec.value.codewords[i] = float(std::sin(double(i)));
+  commvq_store(codec, art.heads[0].key, art.heads[0].value);
+  const std::string path = ::testing::TempDir() + "commvq_roundtrip.kvcc.h5";
+  write_artifact(art, path);
+  const Artifact back = read_artifact(path);
+  EXPECT_TRUE(verify_artifact(back).empty());
+  const CommvqCodec loaded = commvq_load(back, 0, 0);
+  EXPECT_EQ(loaded.key.params, codec.key.params);
+  EXPECT_EQ(loaded.value.codewords, codec.value.codewords);
+  // verify_artifact runs the commvq checks: a recipe that disagrees with the codebooks is refused.
+  art.recipe.params["value_code_bits"] = "5";
+  EXPECT_FALSE(verify_artifact(art).empty());
+  EXPECT_THROW(write_artifact(art, path), Error);
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <sys/wait.h>
 #include <nlohmann/json.hpp>
 
 #include "compile/compile.h"
@@ -15,6 +17,8 @@
 #include "compile/synthetic_stats.h"
 #include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats/sha256.h"
+#include "formats/stats.h"
 
 using namespace kvcc;
 
@@ -237,4 +241,69 @@ TEST(CompileReport, HeldOutMetricsAreSaneAndOscarBeatsIdentity) {
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   EXPECT_NE(report_table(rep).find("| kvarn |"), std::string::npos);
+}
+
+namespace {
+
+// Runs a shell command, returning its exit status and combined output.
+int run_command(const std::string& cmd, std::string& output) {
+  output.clear();
+  FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
+  if (!pipe) return -1;
+  char buf[4096];
+  size_t got;
+  while ((got = fread(buf, 1, sizeof buf, pipe)) > 0) output.append(buf, got);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+TEST(CompileCli, CompileAndReportEndToEnd) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvcc_test_compile_cli";
+  std::filesystem::create_directories(dir);
+  const std::string stats_path = (dir / "stats.h5").string(), art_path = (dir / "art.kvcc.h5").string();
+  write_stats(small_stats(), stats_path);
+  std::string out;
+  ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " compile " + stats_path +
+                            " --method oscar --key-bits 2 --value-bits 3 --value-target p2 -o " + art_path,
+                        out),
+            0)
+      << out;
+  EXPECT_NE(out.find("effective"), std::string::npos) << out;
+  const Artifact art = read_artifact(art_path);
+  EXPECT_EQ(art.recipe.method, "oscar");
+  EXPECT_EQ(art.recipe.value_bits, 3.0);
+  EXPECT_EQ(art.recipe.value_target, "p2");
+  EXPECT_EQ(art.provenance.stats_sha256, sha256_file_hex(stats_path));
+  EXPECT_NE(art.command.find("compile"), std::string::npos);
+  // The CLI's artifact equals the library's for the same options.
+  CompileOptions o = options_for("oscar");
+  o.value_bits = 3;
+  o.value_target = "p2";
+  o.max_fit_rows = 256;
+  const Artifact lib = compile_artifact(small_stats(), o);
+  EXPECT_EQ(art.head(1, 0).value.rotation, lib.head(1, 0).value.rotation);
+  EXPECT_EQ(art.head(1, 0).key.clip_ratio, lib.head(1, 0).key.clip_ratio);
+
+  // A user error is one line naming the cause, with a non-zero exit.
+  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path + " --method bogus -o " + art_path, out), 0);
+  EXPECT_NE(out.find("unknown method 'bogus'"), std::string::npos) << out;
+  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + (dir / "missing.h5").string() + " -o " + art_path, out), 0);
+  EXPECT_NE(out.find("missing.h5"), std::string::npos) << out;
+
+  const std::string json_path = (dir / "report.json").string(), svg_path = (dir / "report.svg").string();
+  ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " report " + stats_path +
+                            " --methods oscar,hadamard:noclip,oscar:U --rows 64 --json " + json_path +
+                            " --svg " + svg_path,
+                        out),
+            0)
+      << out;
+  EXPECT_NE(out.find("| hadamard/noclip |"), std::string::npos) << out;
+  std::ifstream in(json_path);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  ASSERT_EQ(j["methods"].size(), 3u);
+  EXPECT_EQ(j["methods"][2]["label"], "oscar/U");
+  EXPECT_TRUE(std::filesystem::file_size(svg_path) > 100);
+  std::filesystem::remove_all(dir);
 }

@@ -93,6 +93,18 @@ TEST(StatsFormat, RoundTripIsExact) {
   EXPECT_TRUE(verify_stats(back).empty()) << verify_stats(back).front();
   EXPECT_TRUE(verify_stats_file(path).empty());
   EXPECT_EQ(back.heads[2].key_min[0], std::numeric_limits<double>::infinity());
+
+  // The summary read is the same without the reservoirs' row arrays.
+  Stats summary = read_stats_summary(path);
+  for (size_t i = 0; i < summary.reservoirs.size(); ++i) {
+    EXPECT_TRUE(summary.reservoirs[i].q.empty() && summary.reservoirs[i].key.empty() &&
+                summary.reservoirs[i].key_pre.empty() && summary.reservoirs[i].value.empty());
+    summary.reservoirs[i].q = back.reservoirs[i].q;
+    summary.reservoirs[i].key_pre = back.reservoirs[i].key_pre;
+    summary.reservoirs[i].key = back.reservoirs[i].key;
+    summary.reservoirs[i].value = back.reservoirs[i].value;
+  }
+  expect_equal_stats(summary, back);
 }
 
 TEST(StatsFormat, MakeEmptyStatsShapes) {

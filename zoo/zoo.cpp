@@ -271,7 +271,7 @@ ZooEntry entry_from_json(const json& j) {
     for (const auto& [k, v] : r.params) s << "- " << k << ": " << v << "\n";
     s << "\n## Bits per element\n\n";
     s << "- nominal: " << format_bits(e.bits["nominal"].get<double>()) << "\n";
-    s << "- quantised history (codes + fp16 scales/zeros): key " << format_bits(e.bits["history_key"].get<double>())
+    s << "- quantised history (codes + fp16 scales, zeros, norms): key " << format_bits(e.bits["history_key"].get<double>())
       << ", value " << format_bits(e.bits["history_value"].get<double>()) << "\n";
     s << "- effective (incl. BF16 sink + recent):";
     for (const char* ctx : {"4096", "32768", "131072"})

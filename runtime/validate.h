@@ -1,0 +1,110 @@
+// `kvcc validate` as a library call: runs a model over text with each artifact's quantised KV cache
+// in place of full-precision K/V and measures the quality lost against the same run with a
+// full-precision cache.
+//
+// Cache policy (the CUDA runtime's, formats/kv_layout.h tiers_of): per layer and KV head the first
+// S tokens stay full precision (sink), the last post-sink tokens stay full precision in a ring of
+// W, and when a token arrives while the ring holds W its oldest P tokens are quantised as one page
+// by the artifact's method (formats/kv_codec.h roundtrip_page); a page never changes afterwards.
+// One difference from the runtime: the windows here hold float32, the runtime's hold BF16.
+//
+// Modes:
+//   pseudo-decode (KVarN §3.2): each document in blocks of B tokens; per layer the block's queries
+//     attend to the cache of earlier blocks (as quantised) and to the block's own K/V causally in
+//     full precision; then the block's K/V are appended (pages quantised as the policy says). The
+//     K/V appended come from the quantised run's own hidden states, so error accumulates across
+//     layers and blocks as in decoding.
+//   static: the same, but the K/V appended to the cache are those of the full-precision run (the
+//     prefix computed in full precision, then quantised): error does not feed back through the
+//     cache, only through the block's own layers.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "formats/artifact.h"
+#include "formats/kv_codec.h"
+#include "formats/model_file.h"
+
+namespace kvcc {
+
+enum class ValidateMode { PseudoDecode, Static };
+ValidateMode validate_mode_from_name(const std::string& name);  // throws Error on an unknown name
+const char* validate_mode_name(ValidateMode mode);
+
+// Quantise + dequantise one page of n rows [n, d] of (layer, KV head, side) into out.
+using PageCodec =
+    std::function<void(int layer, int kv_head, KvSide side, const float* rows, int n, float* out)>;
+
+// What one evaluated cache does: its windows and page size, and the page codec.
+struct CacheScheme {
+  std::string name;  // shown in tables ("oscar", a file name, ...)
+  int sink = 64, recent = 256, page_size = 64;
+  PageCodec codec;   // null: pages are kept in full precision (the reference)
+  const Artifact* artifact = nullptr;  // for bit accounting; null for hand-made schemes
+};
+// The scheme an artifact's recipe describes (codec = kv_codec roundtrip_page). The artifact must
+// outlive the scheme.
+CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name);
+
+// Throws Error naming what differs when the artifact was compiled for another model (fingerprint,
+// layer/head counts, head_dim or RoPE convention).
+void check_artifact_matches(const Artifact& artifact, const ModelFile& model,
+                            const std::string& artifact_name);
+
+struct SchemeMetrics {
+  std::string name, method;
+  double nll = 0;            // mean negative log-likelihood (nats) of the next token
+  double perplexity = 0;
+  double ppl_rel_change = 0;  // perplexity / reference perplexity − 1
+  double kl = 0;             // mean KL(full ‖ quantised) of next-token distributions (nats)
+  double top1_agreement = 0; // fraction of positions whose argmax equals the reference's
+  std::vector<double> layer_rel_error;  // per layer: Σ‖o − o_ref‖² / Σ‖o_ref‖² of attention outputs
+  double nominal_bits = 0, effective_bits = 0;  // 0 for schemes without an artifact
+};
+
+struct ValidationResult {
+  std::string model, mode;
+  int block = 0;
+  uint64_t documents = 0, tokens = 0, predictions = 0;
+  std::vector<int64_t> doc_lengths;
+  double reference_nll = 0, reference_perplexity = 0;
+  std::vector<SchemeMetrics> schemes;
+  double seconds = 0;
+};
+
+struct ValidateProgress {
+  uint64_t documents_done = 0, documents_total = 0, tokens_done = 0, tokens_total = 0;
+  double elapsed_s = 0;
+};
+
+// Runs every scheme and the full-precision reference over the documents, block by block in
+// lockstep (one document's blocks at a time, so memory holds one block's logits per scheme).
+// documents: token ids; each needs at least 2 tokens. Throws Error on no usable document.
+ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
+                                  const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
+                                  const std::function<void(const ValidateProgress&)>& progress = {});
+
+// Token-weighted effective bits over the evaluated documents: Σ_docs len·effective_bits(len) / Σ len,
+// i.e. the bits of every document's final cache over its elements.
+double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths);
+
+// The documents a validation runs on: text (split by `separator`, tokenized by the model's
+// tokenizer with its BOS policy) or a pre-tokenized id file; each truncated to max_seq_len
+// (0: min(max_position, 2048)); stops after max_tokens in total (0: all). Throws Error on an
+// empty input.
+struct ValidateData {
+  std::string data_path, ids_path, tokenizer_path, separator = "<|endoftext|>";
+  uint64_t max_tokens = 0;
+  int max_seq_len = 0;
+};
+std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& model, const ValidateData& data);
+
+// Output forms.
+std::string format_table(const ValidationResult& result);
+std::string to_json(const ValidationResult& result);  // pretty JSON
+// Quality (KL, log scale) against effective bits, one labelled point per scheme.
+std::string to_svg(const ValidationResult& result);
+
+}  // namespace kvcc
