@@ -530,11 +530,13 @@ class Unpickler {
     if (a.size() == 7 && !(a[6]->k == Node::K::None || (a[6]->k == Node::K::Dict && a[6]->dict.empty())))
       fail("tensors with python attributes (metadata) are not supported");
     const Node& storage = *a[0];
+    // Stride-0 views (torch's expand) may legitimately hold more elements than their storage, so
+    // the element count is bounded separately (2^31 floats = 8 GiB) from the storage extent.
     uint64_t numel = 1, last = uint64_t(a[1]->i);
     for (size_t i = 0; i < shape.size(); ++i) {
-      if (shape[i] > (int64_t(1) << 40) || stride[i] > (int64_t(1) << 40)) fail("tensor dimension too large");
+      if (shape[i] > (int64_t(1) << 31) || stride[i] > (int64_t(1) << 40)) fail("tensor dimension too large");
       numel *= uint64_t(shape[i]);
-      if (numel > uint64_t(storage.numel) + 1) numel = uint64_t(storage.numel) + 1;  // caught below
+      if (numel > (uint64_t(1) << 31)) fail("tensor of more than 2^31 elements is not supported");
       if (shape[i] > 0) last += uint64_t(shape[i] - 1) * uint64_t(stride[i]);
     }
     if (numel > 0 && last >= uint64_t(storage.numel))

@@ -254,7 +254,7 @@ TEST(Pickle, TorchSaveRoundTrip) {
 }
 
 TEST(Pickle, ReadsTorchStridedAndOffsetViews) {
-  // torch.save({"t": arange(6).reshape(2,3).t(), "view": arange(10)[3:7], "n": 7, "f": 0.25, "s": "x",
+  // torch.save({"t": arange(6).reshape(2,3).t(), "view": arange(10)[3:7], "expanded": arange(3).expand(2, 3), "n": 7, "f": 0.25, "s": "x",
   //             "l": [1, -2, 2**40], "tup": (True, None)}) made by make_oscar_refs.py --small.
   const PyValue v = torch_load(kData + "/strided.pt");
   const PyTensor& t = *v.get("t")->tensor;
@@ -262,6 +262,9 @@ TEST(Pickle, ReadsTorchStridedAndOffsetViews) {
   EXPECT_EQ(t.data, (std::vector<float>{0, 3, 1, 4, 2, 5}));  // the transpose, gathered by stride
   const PyTensor& view = *v.get("view")->tensor;
   EXPECT_EQ(view.data, (std::vector<float>{3, 4, 5, 6}));  // storage offset 3
+  const PyTensor& expanded = *v.get("expanded")->tensor;   // stride 0: 6 elements from a 3-float storage
+  EXPECT_EQ(expanded.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(expanded.data, (std::vector<float>{0, 1, 2, 0, 1, 2}));
   EXPECT_EQ(v.get("n")->integer, 7);
   EXPECT_EQ(v.get("f")->real, 0.25);
   EXPECT_EQ(v.get("s")->text, "x");

@@ -58,7 +58,8 @@ def make_small_fixtures(out_dir):
     per-KV-head (format_version 2) rotation file, with their expected digests."""
     torch.manual_seed(0)
     base = torch.arange(10, dtype=torch.float32)
-    torch.save({"t": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "view": base[3:7], "n": 7, "f": 0.25,
+    torch.save({"t": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "view": base[3:7],
+                "expanded": torch.arange(3, dtype=torch.float32).expand(2, 3), "n": 7, "f": 0.25,
                 "s": "x", "l": [1, -2, 2 ** 40], "tup": (True, None)}, f"{out_dir}/strided.pt")
     layers = {}
     digests = {}
