@@ -423,6 +423,42 @@ void commvq_store(const CommvqCodec& codec, SideArtifact& key, SideArtifact& val
                        : codec.value.rotation;
 }
 
+CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle style) {
+  const NamedArray* k = find_extra(key, kCodebooks);
+  require(k != nullptr, std::string("commvq: the key side has no ") + kCodebooks);
+  require(k->shape.size() == 4 && k->shape[2] * 2 == d && k->shape[3] == 2 && k->shape[0] >= 1 &&
+              is_pow2(k->shape[1]) && k->shape[1] <= 256 &&
+              k->data.size() == size_t(k->shape[0] * k->shape[1] * k->shape[2] * 2),
+          std::string("commvq: key ") + kCodebooks + " is not [stages, K, " + std::to_string(d / 2) + ", 2]");
+  CommvqKeyCodebook cb;
+  cb.d = d;
+  cb.stages = int(k->shape[0]);
+  cb.half_bits = log2_exact(k->shape[1]);
+  cb.rope_style = style;
+  cb.params.assign(k->data.begin(), k->data.end());
+  cb.check();
+  return cb;
+}
+
+CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool with_rotation) {
+  const NamedArray* v = find_extra(value, kCodebooks);
+  require(v != nullptr, std::string("commvq: the value side has no ") + kCodebooks);
+  require(v->shape.size() == 3 && v->shape[2] == d && v->shape[0] >= 1 && is_pow2(v->shape[1]) &&
+              v->shape[1] <= 65536 && v->data.size() == size_t(v->shape[0] * v->shape[1] * d),
+          std::string("commvq: value ") + kCodebooks + " is not [stages, 2^bits, " + std::to_string(d) + "]");
+  CommvqValueCodebook cb;
+  cb.d = d;
+  cb.stages = int(v->shape[0]);
+  cb.code_bits = log2_exact(v->shape[1]);
+  cb.codewords.assign(v->data.begin(), v->data.end());
+  if (with_rotation && !value.rotation.empty() && !is_identity(value.rotation, d)) {
+    require(value.rotation.size() == size_t(d) * d, "commvq: value rotation is not [d, d]");
+    cb.rotation = value.rotation;
+  }
+  cb.check();
+  return cb;
+}
+
 CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head) {
   require(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
           "commvq: " + head_name(layer, kv_head) + " is outside the artifact");
@@ -430,25 +466,9 @@ CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head) {
   const HeadArtifact& head = artifact.head(layer, kv_head);
   auto problems = check_head(head, d, head_name(layer, kv_head));
   require(problems.empty(), problems.empty() ? "" : "commvq: " + problems.front());
-  const NamedArray& k = *find_extra(head.key, kCodebooks);
-  const NamedArray& v = *find_extra(head.value, kCodebooks);
   CommvqCodec codec;
-  codec.key.d = d;
-  codec.key.stages = int(k.shape[0]);
-  codec.key.half_bits = log2_exact(k.shape[1]);
-  codec.key.rope_style = artifact.rope_style;
-  codec.key.params.assign(k.data.begin(), k.data.end());
-  codec.value.d = d;
-  codec.value.stages = int(v.shape[0]);
-  codec.value.code_bits = log2_exact(v.shape[1]);
-  codec.value.codewords.assign(v.data.begin(), v.data.end());
-  if (!head.value.rotation.empty() && !is_identity(head.value.rotation, d)) {
-    require(head.value.rotation.size() == size_t(d) * d,
-            "commvq: " + head_name(layer, kv_head) + " value rotation is not [d, d]");
-    codec.value.rotation.assign(head.value.rotation.begin(), head.value.rotation.end());
-  }
-  codec.key.check();
-  codec.value.check();
+  codec.key = commvq_key_codebook(head.key, d, artifact.rope_style);
+  codec.value = commvq_value_codebook(head.value, d, true);
   return codec;
 }
 

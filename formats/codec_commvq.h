@@ -127,6 +127,11 @@ uint16_t commvq_row_norm(const float* x, int d, const char* what);
 // loads them back (checking shapes against the artifact's head_dim and rope style).
 void commvq_store(const CommvqCodec& codec, SideArtifact& key, SideArtifact& value);
 CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head);
+// One side's codebook from its extras (Error naming the problem when missing or misshapen). The
+// value codebook carries the side's rotation unless it is the identity or with_rotation is false
+// (for rows already in the rotated basis).
+CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle style);
+CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool with_rotation);
 // Problems with an artifact whose recipe.method is "commvq" (missing or misshapen codebooks,
 // non-finite values, recipe params that disagree with the shapes); empty when sound or when the
 // method is not commvq. verify_artifact appends these.

@@ -33,7 +33,8 @@ struct HeadStats {
 
 // A bounded uniform sample of token rows for one (layer, KV head), for fitting clip ratios and
 // codebooks and for held-out evaluation. Rows are chosen by a deterministic priority (a hash of
-// seed, document, position, layer and head; the `capacity` smallest are kept), so sampling does
+// seed, document and position, so every layer and head samples the same tokens; the `capacity`
+// smallest are kept), so sampling does
 // not depend on how documents were split across processes, and merging two reservoirs is "keep
 // the smallest priorities of the union". A row is held out when its document is (doc % 5 == 4),
 // so held-out rows never share a document with fitting rows.
