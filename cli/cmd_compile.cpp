@@ -35,11 +35,14 @@ struct Args {
 void add_compile_options(CLI::App& sub, Args& a) {
   CompileOptions& o = a.options;
   sub.add_option("--method,-m", o.method,
-                 "oscar | oscar-lm | hadamard | identity | random | turboquant | kivi | kvarn")
+                 "oscar | oscar-lm | hadamard | identity | random | turboquant | kivi | kvarn | commvq")
       ->capture_default_str();
   sub.add_option("--key-bits", o.key_bits, "bits per key element (1-8; 2.5/3.5 for turboquant)")
       ->capture_default_str();
   sub.add_option("--value-bits", o.value_bits, "bits per value element")->capture_default_str();
+  sub.add_option_function<double>(
+      "--bits", [&o](double bits) { o.key_bits = o.value_bits = bits; },
+      "bits per key and value element (commvq: 1 or 2, its presets)");
   sub.add_option("--group", o.group,
                  "channels per (scale, zero) group; kivi: also tokens per key group "
                  "(default: head_dim; kivi 32)");
@@ -130,7 +133,8 @@ Command reg{"compile", 30,
                   "  kvarn       Hadamard + Sinkhorn log-std balancing of 128-token tiles + row RTN\n\n"
                   "Example:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
-                  "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5");
+                  "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5\n"
+                  "  kvcc compile stats.h5 --method commvq --bits 1 -o commvq1.kvcc.h5");
               sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
               sub.add_option("-o,--output", a->out_path, "artifact to write (.kvcc.h5)")->required();
               sub.add_option("--model-id", a->model_id, "a human name for the model, stored in the artifact");

@@ -15,10 +15,11 @@ namespace {
 
 struct ReportArgs {
   std::string stats_path, json_path, svg_path, markdown_path;
-  std::string methods = "oscar,oscar-lm,hadamard,identity,random,kivi,turboquant,kvarn";
+  std::string methods = "oscar,oscar-lm,hadamard,identity,random,kivi,turboquant,kvarn,commvq:1,commvq:2";
   double key_bits = 2, value_bits = 2;
   std::string value_target = "output";
   std::string granularity = "head";
+  int group = -1;
   int rows = 512;
   int fit_rows = 256;
   uint64_t seed = 0;
@@ -37,6 +38,7 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
     o.value_target = a.value_target;
     o.granularity = a.granularity;
     o.seed = a.seed;
+    o.group = a.group;
     o.max_fit_rows = a.fit_rows;
     std::stringstream parts(item);
     std::getline(parts, o.method, ':');
@@ -47,6 +49,7 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
       else if (mod == "layer" || mod == "head") o.granularity = mod;
       else if (mod == "prod" || mod == "mse") o.params["variant"] = mod;
       else if (mod == "noclip") o.fit_clip = false;
+      else if (o.method == "commvq" && (mod == "1" || mod == "2")) o.key_bits = o.value_bits = std::stod(mod);
       else throw Error("--methods: unknown modifier '" + mod + "' in '" + item + "'");
     }
     out.push_back(o);
@@ -78,7 +81,7 @@ Command reg{"report", 35,
                   "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
                   "  key, value: ||X - X^|| / ||X||\n"
                   "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
-                  "turboquant:prod, hadamard:noclip.\n\n"
+                  "turboquant:prod, hadamard:noclip, commvq:1 and commvq:2 (the 1-/2-bit presets).\n\n"
                   "Example:\n"
                   "  kvcc report stats.h5 --json report.json --svg report.svg\n"
                   "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2");
@@ -87,6 +90,7 @@ Command reg{"report", 35,
                   ->capture_default_str();
               sub.add_option("--key-bits", a->key_bits, "bits per key element")->capture_default_str();
               sub.add_option("--value-bits", a->value_bits, "bits per value element")->capture_default_str();
+              sub.add_option("--group", a->group, "channels per scale/zero group (default: each method's)");
               sub.add_option("--value-target", a->value_target, "oscar value target: output | p2 | logit2")
                   ->capture_default_str();
               sub.add_option("--granularity", a->granularity, "head | layer")->capture_default_str();

@@ -1,4 +1,5 @@
 #include "compile/compile.h"
+#include "compile/commvq.h"
 
 #include <cblas.h>
 
@@ -148,6 +149,10 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
   }
   for (int h = 0; h < n_kv; ++h) {
     HeadArtifact& ha = art.head(layer, h);
+    if (m == "commvq") {  // codebooks trained by EM on the reservoir (compile/commvq.h)
+      compile_commvq_head(stats.reservoir(layer, h), recipe, stats.config.rope_style, layer, h, ha);
+      continue;
+    }
     const HeadStats& hs = stats.head(layer, h);
     const size_t t = recipe.granularity == "layer" ? 0 : size_t(h);
     for (KvSide which : {KvSide::Key, KvSide::Value}) {
@@ -194,7 +199,8 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
 
 const std::vector<std::string>& compile_methods() {
   static const std::vector<std::string> methods = {"oscar",  "oscar-lm",   "hadamard", "identity",
-                                                   "random", "turboquant", "kivi",     "kvarn"};
+                                                   "random", "turboquant", "kivi",     "kvarn",
+                                                   "commvq"};
   return methods;
 }
 
@@ -211,7 +217,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim) {
   const auto& methods = compile_methods();
   require(std::find(methods.begin(), methods.end(), o.method) != methods.end(),
           "unknown method '" + o.method + "' (expected oscar, oscar-lm, hadamard, identity, random, "
-          "turboquant, kivi or kvarn)");
+          "turboquant, kivi, kvarn or commvq)");
   Recipe r;
   r.method = o.method;
   r.key_bits = o.key_bits;
@@ -246,6 +252,10 @@ Recipe make_recipe(const CompileOptions& o, int head_dim) {
             "turboquant codebook must be sphere or gaussian");
   }
   if (kvarn) r.params.emplace("iterations", "8");
+  if (o.method == "commvq") {
+    require(r.group == 0 || r.group == head_dim, "commvq codes whole rows; --group does not apply");
+    commvq_fill_recipe(r, head_dim);  // stages and code bits from the 1-/2-bit presets
+  }
   require(r.sink >= 0 && r.recent >= 0 && r.page_size > 0, "sink, recent and page size must be >= 0");
   require(r.group >= 0, "group must be >= 0");
   for (KvSide s : {KvSide::Key, KvSide::Value}) {

@@ -9,9 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "compile/commvq.h"
 #include "compile/fit.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
+#include "runtime/forward.h"  // rope_inv_freq: commvq keys are reconstructed at their positions
 
 namespace kvcc {
 
@@ -78,6 +80,12 @@ HeadMetrics evaluate_head(const Artifact& art, int layer, int head, const std::v
     std::copy(k_page.begin(), k_page.end(), kq.begin() + long(size_t(t0) * d));
     std::copy(v_page.begin(), v_page.end(), vq.begin() + long(size_t(t0) * d));
   }
+  return head_metrics(d, layer, head, query, nq, key, value, kq, vq, n);
+}
+
+HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
+                         const std::vector<float>& key, const std::vector<float>& value,
+                         const std::vector<float>& kq, const std::vector<float>& vq, int n) {
   HeadMetrics m;
   m.layer = layer;
   m.head = head;
@@ -128,6 +136,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.composition != "UHP") mr.label += "/" + opt.composition;
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != "output") mr.label += "/" + opt.value_target;
     if (!opt.fit_clip) mr.label += "/noclip";
+    if (opt.method == "commvq") mr.label = "commvq-" + fmt("%g", opt.key_bits);
     auto it = opt.params.find("variant");
     if (it != opt.params.end() && it->second != "mse") mr.label += "/" + it->second;
     const auto t0 = std::chrono::steady_clock::now();
@@ -140,6 +149,13 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     for (int l = 0; l < c.n_layers; ++l)
       for (int h = 0; h < c.n_kv_heads; ++h) {
         const FitRows& rows = heldout[size_t(l * c.n_kv_heads + h)];
+        if (art.recipe.method == "commvq") {
+          // Keys are coded pre-RoPE: reconstructed at each held-out row's position (same rows).
+          std::vector<float> kq, vq;
+          commvq_reservoir_roundtrip(art, l, h, stats.reservoir(l, h), true, max_rows, rope_inv_freq(c), kq, vq);
+          mr.heads.push_back(head_metrics(c.head_dim, l, h, rows.query, rows.nq, rows.key, rows.value, kq, vq, rows.n));
+          continue;
+        }
         mr.heads.push_back(evaluate_head(art, l, h, rows.query, rows.nq, rows.key, rows.value, rows.n));
       }
     if (show_progress)

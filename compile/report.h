@@ -44,6 +44,12 @@ struct AttentionReport {
 HeadMetrics evaluate_head(const Artifact& artifact, int layer, int head, const std::vector<float>& query,
                           int nq, const std::vector<float>& key, const std::vector<float>& value, int n);
 
+// Metrics from given reconstructions kq, vq of the rows (evaluate_head's second half; commvq,
+// whose keys need their positions, reconstructs them itself).
+HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
+                         const std::vector<float>& key, const std::vector<float>& value,
+                         const std::vector<float>& kq, const std::vector<float>& vq, int n);
+
 // Compiles each option set and evaluates it on up to max_rows held-out tokens per head.
 // Throws Error when the stats have no held-out reservoir rows.
 AttentionReport attention_report(const Stats& stats, const std::vector<CompileOptions>& methods,

@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "formats/codec_commvq.h"
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
 
@@ -272,6 +273,12 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
     }
   } else if (m == "kvarn") {
     kvarn_roundtrip(recipe, which, d, y, n, out);
+  } else if (m == "commvq") {
+    // Values: residual VQ of the rows (already in the side's rotated basis). Keys are coded
+    // pre-RoPE and need each row's position: commvq_roundtrip_keys in formats/codec_commvq.h.
+    require(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
+                                    "commvq_roundtrip_keys (formats/codec_commvq.h)");
+    commvq_roundtrip_values(commvq_value_codebook(side, d, false), y, size_t(n), out);
   } else {
     throw Error("the codec has no method '" + m + "'");
   }

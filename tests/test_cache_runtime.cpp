@@ -11,6 +11,7 @@
 
 #include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats/model_config.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
@@ -48,7 +49,14 @@ Artifact make_artifact() {
   a.n_heads = kHeads;
   a.n_kv_heads = kKv;
   a.head_dim = kD;
-  a.fingerprint.id = "0123";
+  ModelConfig cfg;
+  cfg.architecture = "llama";
+  cfg.n_layers = kLayers;
+  cfg.n_heads = kHeads;
+  cfg.n_kv_heads = kKv;
+  cfg.head_dim = kD;
+  cfg.hidden = kHeads * kD;
+  a.fingerprint = make_fingerprint(cfg, std::string(64, '0'));
   a.recipe.method = "oscar";
   a.recipe.sink = 8;
   a.recipe.recent = 32;

@@ -91,6 +91,12 @@ TEST(Forward, TinyStories656kMatchesTransformers) {
   expect_matches_transformers(dir, data_models_dir() + "/refs/tinystories-656k.json");
 }
 
+TEST(Forward, TinyStories656kLongSequenceMatchesTransformers) {
+  const std::string dir = shared_models_dir() + "/tinystories-656k";
+  if (!fs::exists(dir)) GTEST_SKIP() << dir << " absent (../shared not mounted)";
+  expect_matches_transformers(dir, data_models_dir() + "/refs/tinystories-656k-long.json");
+}
+
 TEST(Forward, Gutenberg27mMatchesTransformers) {
   const std::string dir = shared_models_dir() + "/gutenberg-27m";
   if (!fs::exists(dir)) GTEST_SKIP() << dir << " absent (../shared not mounted)";

@@ -10,6 +10,7 @@ It writes into tests/data/models/:
       ref_logits.json: llama31-hd64 (llama3 rope scaling, transformers-4 style config rewritten by
       hand), llama31-hd128 (transformers-5 style, sharded), qwen3-hd64 (tied), qwen3-hd128,
       qwen2-bias (q/k/v biases, tied);
+  refs/tinystories-656k-long.json: the same for 500 tokens of tinystories_valid_100.txt;
   (c) refs/stories260k.json: the llama2.c checkpoint converted to an HF Llama (q/k rows permuted
       from interleaved RoPE pairs to rotate_half) and run by transformers, plus its greedy
       continuation of a short prompt.
@@ -272,11 +273,27 @@ def stories260k():
                            "greedy_text": text}))
 
 
+def long_sequence():
+    # 500 tokens of real text, so RoPE angles at large positions are compared too.
+    from tokenizers import Tokenizer
+
+    path = os.path.join(SHARED, "models", "tinystories-656k")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(SHARED, "text", "tinystories_valid_100.txt")) as f:
+        text = f.read().replace("<|endoftext|>", "\n")
+    ids = tok.encode(text).ids[:500]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    write_json(os.path.join(OUT, "refs", "tinystories-656k-long.json"),
+               logits_ref(model, ids, [257, 499]))
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["real", "tiny", "stories"]
+    what = sys.argv[1:] or ["real", "tiny", "stories", "long"]
     if "tiny" in what:
         tiny_models()
     if "stories" in what:
         stories260k()
     if "real" in what:
         real_models()
+    if "long" in what:
+        long_sequence()
