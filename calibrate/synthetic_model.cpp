@@ -67,9 +67,8 @@ void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& s) 
     for (int h = 0; h < s.n_heads; ++h)
       for (int c = 0; c < d; ++c) {
         const int pair = c % half;
-        // Anisotropic queries: energy grows with the pair index, but skips the outlier key pairs.
-        double scale = 0.4 + 2.0 * double(pair) / half;
-        if (pair == outlier_pairs[0] || pair == outlier_pairs[1]) scale = 0.1;
+        // Anisotropic queries: energy grows with the pair index (outlier pairs included).
+        const double scale = 0.4 + 2.0 * double(pair) / half;
         float* row = wq.data.data() + size_t(h * d + c) * H;
         for (int j = 0; j < H; ++j) row[j] = float(row[j] * scale);
         row[kSinkDim] = 0.f;
@@ -79,9 +78,13 @@ void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& s) 
       for (int c = 0; c < d; ++c) {
         const int pair = c % half;
         float* row = wk.data.data() + size_t(h * d + c) * H;
+        const bool outlier = pair == outlier_pairs[0] || pair == outlier_pairs[1];
+        // Outlier channels vary with the token too (x4), so clipping them away loses signal.
+        if (outlier)
+          for (int j = 0; j < H; ++j) row[j] *= 4.f;
         row[kSinkDim] = pair == sink_pair ? 0.8f : 0.f;  // BOS's key points where queries look
         // A few key channels with a large near-constant magnitude (low-frequency pairs).
-        row[kConstDim] = (pair == outlier_pairs[0] || pair == outlier_pairs[1]) ? 2.5f : 0.f;
+        row[kConstDim] = outlier ? 2.5f : 0.f;
         float* vrow = wv.data.data() + size_t(h * d + c) * H;
         const double vscale = 0.5 + 1.5 * double((c * 7) % d) / d;  // anisotropic values
         for (int j = 0; j < H; ++j) vrow[j] = float(vrow[j] * vscale);
@@ -96,8 +99,8 @@ void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& s) 
     tensors.push_back(random_matrix(g, p + "mlp.down_proj.weight", H, s.intermediate, 0.5 / std::sqrt(s.intermediate)));
   }
   tensors.push_back(ones("model.norm.weight", H));
-  // A large LM head makes next-token distributions peaked, so a perturbed cache shows in the KL.
-  tensors.push_back(random_matrix(g, "lm_head.weight", s.vocab, H, 4.0 / std::sqrt(H)));
+  // Logits of standard deviation ~1.5: distributions peaked enough for a perturbed cache to show.
+  tensors.push_back(random_matrix(g, "lm_head.weight", s.vocab, H, 1.5 / std::sqrt(H)));
   write_safetensors_f32((std::filesystem::path(dir) / "model.safetensors").string(), tensors);
 
   nlohmann::ordered_json config = {

@@ -2,7 +2,7 @@
 // pipeline (calibrate -> compile -> validate) runs with nothing from outside the repository
 // (`kvcc demo`). Random weights, but with the structure that makes KV rotation matter in real
 // models: a few key channels of large, nearly constant magnitude (low-frequency RoPE pairs), an
-// attention sink on the first token, anisotropic queries that avoid the outlier key channels,
+// attention sink on the first token, anisotropic queries,
 // and peaked next-token distributions. It is not a language model; its numbers say nothing about
 // real models and are labelled "synthetic" wherever they appear.
 #pragma once

@@ -89,7 +89,7 @@ int run_demo(const Args& a) {
   std::vector<CacheScheme> schemes;
   for (size_t i = 0; i < artifacts.size(); ++i) {
     check_artifact_matches(artifacts[i], model, names[i]);
-    schemes.push_back(scheme_from_artifact(artifacts[i], names[i]));
+    schemes.push_back(scheme_from_artifact(artifacts[i], names[i], model.config()));
   }
   ValidateData data;
   data.ids_path = eval_ids;

@@ -41,7 +41,7 @@ int run_validate(Args& a) {
         name.resize(name.size() - std::string(ext).size());
         break;
       }
-    schemes.push_back(scheme_from_artifact(artifacts[i], name));
+    schemes.push_back(scheme_from_artifact(artifacts[i], name, model.config()));
   }
   const auto docs = load_validation_documents(model, a.data);
   const bool tty = stderr_is_tty();

@@ -7,7 +7,9 @@
 // ByteLevel; decoders Sequence/Replace/ByteFallback/Fuse/Strip/ByteLevel/Metaspace; others are
 // refused by name when the file is loaded.
 #define PCRE2_CODE_UNIT_WIDTH 8
+#if defined(KVCC_HAVE_PCRE2)
 #include <pcre2.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -120,6 +122,7 @@ size_t space_before(std::string_view s, size_t i) {
   return space_at(s, start) == i - start ? i - start : 0;
 }
 
+#if defined(KVCC_HAVE_PCRE2)
 // A compiled PCRE2 pattern with Unicode classes (UTF + UCP), JIT-compiled when available.
 class Regex {
  public:
@@ -170,6 +173,17 @@ class Regex {
  private:
   pcre2_code* code_ = nullptr;
 };
+#else
+// Without PCRE2 (a runtime-only build) regex pre-tokenizers are refused by name.
+class Regex {
+ public:
+  Regex(const std::string&, bool, const std::string& where) {
+    throw Error(where + ": this kvcc was built without PCRE2 (libpcre2-dev), which regex pre-tokenizers need");
+  }
+  template <class OnMatch>
+  void for_each_match(std::string_view, const OnMatch&) const {}
+};
+#endif
 
 // A piece of text on its way through normalizer and pre-tokenizer. `at_text_start` marks the piece
 // that begins the original text (Metaspace's prepend_scheme "first" uses it).

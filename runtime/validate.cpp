@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/kv_layout.h"
 #include "formats/tokenizer.h"
@@ -28,7 +30,8 @@ const char* validate_mode_name(ValidateMode mode) {
   return mode == ValidateMode::PseudoDecode ? "pseudo-decode" : "static";
 }
 
-CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name) {
+CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
+                                 const ModelConfig& config) {
   CacheScheme s;
   s.name = name;
   s.sink = artifact.recipe.sink;
@@ -36,7 +39,35 @@ CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& na
   s.page_size = artifact.recipe.page_size;
   s.artifact = &artifact;
   const Artifact* a = &artifact;
-  s.codec = [a](int layer, int kv_head, KvSide side, const float* rows, int n, float* out) {
+  if (artifact.recipe.method == "commvq") {
+    // Codebooks decoded once per (layer, KV head); keys are coded pre-RoPE at their positions.
+    struct Books {
+      std::vector<CommvqKeyCodebook> keys;
+      std::vector<CommvqValueCodebook> values;
+      std::vector<double> inv_freq;
+    };
+    auto books = std::make_shared<Books>();
+    books->inv_freq = rope_inv_freq(config);
+    for (const HeadArtifact& h : artifact.heads) {
+      books->keys.push_back(commvq_key_codebook(h.key, artifact.head_dim, artifact.rope_style));
+      books->values.push_back(commvq_value_codebook(h.value, artifact.head_dim, true));
+    }
+    const int n_kv = artifact.n_kv_heads;
+    s.codec = [books, n_kv](int layer, int kv_head, KvSide side, const float* rows, int n,
+                            int64_t first_position, float* out) {
+      const size_t index = size_t(layer) * size_t(n_kv) + size_t(kv_head);
+      if (side == KvSide::Value) {
+        commvq_roundtrip_values(books->values[index], rows, size_t(n), out);
+        return;
+      }
+      std::vector<int32_t> positions(static_cast<size_t>(n));
+      for (int t = 0; t < n; ++t) positions[size_t(t)] = int32_t(first_position + t);
+      commvq_roundtrip_keys(books->keys[index], rows, positions.data(), size_t(n), books->inv_freq,
+                            true, out);
+    };
+    return s;
+  }
+  s.codec = [a](int layer, int kv_head, KvSide side, const float* rows, int n, int64_t, float* out) {
     const HeadArtifact& head = a->head(layer, kv_head);
     roundtrip_page(a->recipe, side == KvSide::Key ? head.key : head.value, side, a->head_dim, rows,
                    n, out);
@@ -151,7 +182,7 @@ void append_rows(const ModelConfig& c, const CacheScheme& s, int layer, LayerCac
       for (int h = 0; h < c.n_kv_heads; ++h) {
         for (int t = 0; t < P; ++t)
           std::copy_n(base + size_t(first + t) * kvdim + size_t(h) * d, d, rows.data() + size_t(t) * d);
-        s.codec(layer, h, side == 0 ? KvSide::Key : KvSide::Value, rows.data(), P, out.data());
+        s.codec(layer, h, side == 0 ? KvSide::Key : KvSide::Value, rows.data(), P, first, out.data());
         for (int t = 0; t < P; ++t)
           std::copy_n(out.data() + size_t(t) * d, d, base + size_t(first + t) * kvdim + size_t(h) * d);
       }

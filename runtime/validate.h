@@ -33,9 +33,10 @@ enum class ValidateMode { PseudoDecode, Static };
 ValidateMode validate_mode_from_name(const std::string& name);  // throws Error on an unknown name
 const char* validate_mode_name(ValidateMode mode);
 
-// Quantise + dequantise one page of n rows [n, d] of (layer, KV head, side) into out.
-using PageCodec =
-    std::function<void(int layer, int kv_head, KvSide side, const float* rows, int n, float* out)>;
+// Quantise + dequantise one page of n rows [n, d] of (layer, KV head, side) into out; the rows are
+// at positions first_position.. (CommVQ codes keys pre-RoPE, so it needs them).
+using PageCodec = std::function<void(int layer, int kv_head, KvSide side, const float* rows, int n,
+                                     int64_t first_position, float* out)>;
 
 // What one evaluated cache does: its windows and page size, and the page codec.
 struct CacheScheme {
@@ -44,9 +45,10 @@ struct CacheScheme {
   PageCodec codec;   // null: pages are kept in full precision (the reference)
   const Artifact* artifact = nullptr;  // for bit accounting; null for hand-made schemes
 };
-// The scheme an artifact's recipe describes (codec = kv_codec roundtrip_page). The artifact must
-// outlive the scheme.
-CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name);
+// The scheme an artifact's recipe describes (codec = kv_codec roundtrip_page; CommVQ:
+// commvq_roundtrip_keys/values with the model's RoPE). The artifact must outlive the scheme.
+CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
+                                 const ModelConfig& config);
 
 // Throws Error naming what differs when the artifact was compiled for another model (fingerprint,
 // layer/head counts, head_dim or RoPE convention).

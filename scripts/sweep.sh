@@ -84,7 +84,7 @@ for model in $models; do
       compile "commvq1-$win" -m commvq --key-bits 1 --value-bits 1 "${wargs[@]}"
       compile "commvq2-$win" -m commvq --key-bits 2 --value-bits 2 "${wargs[@]}"
     fi
-    echo "== $model ($win windows): validating ${#artifacts[@]} artifacts on <= $eval_tokens held-out tokens"
+    echo "== $model ($win windows): validating $(( ${#artifacts[@]} / 2 )) artifacts on <= $eval_tokens held-out tokens"
     "$kvcc" validate --model "$mpath" "${artifacts[@]}" --data "$work/heldout.txt" \
         --tokens "$eval_tokens" --json "$out/$model-$win.json" --svg "$out/$model-$win.svg" \
         2> "$work/validate-$win.log" | tee "$out/$model-$win.txt"

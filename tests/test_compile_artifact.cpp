@@ -307,3 +307,36 @@ TEST(CompileCli, CompileAndReportEndToEnd) {
   EXPECT_TRUE(std::filesystem::file_size(svg_path) > 100);
   std::filesystem::remove_all(dir);
 }
+
+TEST(CompileArtifact, ValueTargetsAndSmallHeadDims) {
+  const Stats& stats = small_stats();
+  const int d = 64;
+  for (const char* target : {"p2", "logit2"}) {
+    CompileOptions o = options_for("oscar");
+    o.value_target = target;
+    const Artifact art = compile_artifact(stats, o);
+    EXPECT_EQ(art.recipe.value_target, target);
+    const Matrix t = value_target(stats.head(0, 1), stats.reservoir(0, 1), target, d);
+    EXPECT_EQ(art.head(0, 1).value.rotation, compose_oscar(symmetric_eigen(t, d), "UHP")) << target;
+  }
+  // KIVI's default 32-channel value groups are capped at a smaller head_dim (tinystories: 16).
+  SyntheticSpec spec;
+  spec.n_layers = 1;
+  spec.n_kv_heads = 2;
+  spec.head_dim = 16;
+  spec.docs = 10;
+  spec.doc_len = 32;
+  const Stats small = make_synthetic_stats(spec);
+  const Artifact kivi = compile_artifact(small, options_for("kivi"));
+  EXPECT_EQ(kivi.recipe.group, 32);
+  EXPECT_DOUBLE_EQ(history_bits(kivi.recipe, KvSide::Value, 16), 2.0 + 32.0 / 16.0);
+  EXPECT_DOUBLE_EQ(history_bits(kivi.recipe, KvSide::Key, 16), 2.0 + 32.0 / 32.0);
+  const Reservoir& r = small.reservoir(0, 0);
+  const std::vector<float> v = roundtrip_page(kivi, 0, 0, KvSide::Value, r.value.data(), 8);
+  // One group per token: each row decodes to at most 4 distinct values.
+  for (int t = 0; t < 8; ++t) {
+    std::vector<float> row(v.begin() + t * 16, v.begin() + (t + 1) * 16);
+    std::sort(row.begin(), row.end());
+    EXPECT_LE(std::unique(row.begin(), row.end()) - row.begin(), 4);
+  }
+}

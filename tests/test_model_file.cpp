@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <unistd.h>
 
 #include "formats/error.h"
 #include "formats/hf_config.h"

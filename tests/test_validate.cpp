@@ -56,7 +56,7 @@ CacheScheme copy_scheme(int sink, int recent, int page) {
   s.sink = sink;
   s.recent = recent;
   s.page_size = page;
-  s.codec = [](int, int, KvSide, const float* rows, int n, float* out) {
+  s.codec = [](int, int, KvSide, const float* rows, int n, int64_t, float* out) {
     std::copy(rows, rows + size_t(n) * 64, out);
   };
   return s;
@@ -116,7 +116,7 @@ TEST(Validate, TwoBitCacheLosesQualityAndErrorAccumulates) {
   const ModelFile model = ModelFile::open(tiny_model_path());
   const auto docs = random_documents(model.config().vocab, {200});
   const Artifact art = identity_artifact(model, 4, 16, 8);
-  const std::vector<CacheScheme> schemes{scheme_from_artifact(art, "int2")};
+  const std::vector<CacheScheme> schemes{scheme_from_artifact(art, "int2", model.config())};
   const ValidationResult pd = validate_schemes(model, docs, schemes, ValidateMode::PseudoDecode, 32);
   const ValidationResult st = validate_schemes(model, docs, schemes, ValidateMode::Static, 32);
   const SchemeMetrics& m = pd.schemes[0];
@@ -130,7 +130,7 @@ TEST(Validate, TwoBitCacheLosesQualityAndErrorAccumulates) {
   // A sink + ring covering the whole document means nothing is quantised: exact again.
   const Artifact wide = identity_artifact(model, 4, 256, 8);
   const ValidationResult exact =
-      validate_schemes(model, docs, {scheme_from_artifact(wide, "wide")}, ValidateMode::PseudoDecode, 32);
+      validate_schemes(model, docs, {scheme_from_artifact(wide, "wide", model.config())}, ValidateMode::PseudoDecode, 32);
   EXPECT_EQ(exact.schemes[0].kl, 0.0);
   EXPECT_EQ(m.method, "identity");
   EXPECT_DOUBLE_EQ(m.nominal_bits, 2.0);

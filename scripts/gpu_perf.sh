@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Compare decode kernel variants in one GPU session: build runtime/decode.cu under several
+# compile-time settings (plus an optional "before" copy of decode.cu), run the GPU tests against
+# each tested variant, then bench_decode for every variant on the same shapes and PyTorch SDPA
+# once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
+# usage: OUT=dir BEFORE=path/to/old_decode.cu CONFIGS=... scripts/gpu_perf.sh "name:-DFLAGS" ...
+#   each argument is a variant name and its nvcc defines; variants named test* also run the tests.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+D=${BUILD:-build-gpu-perf}
+mkdir -p "$D"
+exec > >(tee -a "$OUT/perf_log.txt") 2>&1
+date -u
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+CONFIGS=${CONFIGS:-32:8:1:4096,32:8:1:32768,32:8:8:32768,32:8:8:131072,32:8:64:32768,32:8:1:131072}
+CUINC=$(dirname "$(dirname "$(command -v nvcc)")")/include
+NV="nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -lineinfo -DKVCC_HAVE_CUDA=1 -I."
+t0=$(date +%s)
+# Explicit pids: a bare `wait` would also wait for the tee above, which never ends.
+pids=()
+for f in runtime/kv_cache.cpp runtime/append_ref.cpp runtime/attention_ref.cpp; do
+  g++ -std=c++20 -O2 -DKVCC_HAVE_CUDA=1 -I. -I"$CUINC" -c "$f" -o "$D/$(basename "$f").o" &
+  pids+=($!)
+done
+$NV -c runtime/append.cu -o "$D/append.o" &
+pids+=($!)
+$NV -c bench/bench_decode.cu -o "$D/bench.o" &
+pids+=($!)
+$NV -c tests/gpu_test_cache.cu -o "$D/test.o" &
+pids+=($!)
+names=()
+for v in "$@"; do
+  name=${v%%:*}
+  flags=${v#*:}
+  names+=("$name")
+  src=runtime/decode.cu
+  if [ "$name" = before ]; then src=${BEFORE:?BEFORE must name the old decode.cu}; fi
+  # (the old file includes its headers relative to the repo root, so -I. serves both)
+  $NV $flags -Xptxas -v -c "$src" -o "$D/decode_$name.o" >"$D/ptxas_$name.txt" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || echo "COMPILE FAILED (pid $p)"; done
+COMMON="$D/append.o $D/kv_cache.cpp.o $D/append_ref.cpp.o $D/attention_ref.cpp.o"
+for name in "${names[@]}"; do
+  grep -A2 'ModeE0' "$D/ptxas_$name.txt" | grep -E 'registers|spill' | sed "s/^/$name int2 kernel: /"
+  nvcc -arch=sm_90 "$D/bench.o" "$D/decode_$name.o" $COMMON -o "$D/bench_$name" || echo "LINK FAILED $name"
+  case $name in
+    test*) nvcc -arch=sm_90 "$D/test.o" "$D/decode_$name.o" $COMMON -lgtest -lgtest_main -o "$D/test_$name" ||
+             echo "LINK FAILED test $name" ;;
+  esac
+done
+echo "build: $(( $(date +%s) - t0 )) s"
+for name in "${names[@]}"; do
+  if [ -x "$D/test_$name" ]; then
+    "$D/test_$name" --gtest_output=xml:"$OUT/gpu_tests_$name.xml" | grep -E '^\[  (PASSED|FAILED) |FAILED|decode int2' 
+    echo "gpu tests $name exit: $?"
+  fi
+done
+if [ -n "${RACECHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+  timeout 120 compute-sanitizer --tool racecheck "$D/test_$RACECHECK" --gtest_filter='GpuDecode.Int2MatchesReferenceGqa4' 2>&1 |
+    grep -E 'RACECHECK|hazard|ERROR' | head -5
+  timeout 120 compute-sanitizer --tool memcheck "$D/test_$RACECHECK" --gtest_filter='GpuDecode.Int2*OneSplit:GpuDecode.Bf16*' 2>&1 |
+    grep -E 'ERROR SUMMARY' | head -5
+fi
+# Variants interleaved per round so clock/thermal drift hits all of them alike.
+for round in 1 2; do
+  for name in "${names[@]}"; do
+    "$D/bench_$name" --configs "$CONFIGS" --out "$OUT/perf_${name}_r$round.jsonl" --reps 30 | grep decode | sed "s/^/r$round $name /"
+  done
+done
+if [ -z "${NO_SDPA:-}" ]; then
+  PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30 | tail -n 40
+fi
+echo "total: $(( $(date +%s) - t0 )) s"
