@@ -34,9 +34,10 @@ namespace {
 #ifndef KVCC_DECODE_PREFETCH
 #define KVCC_DECODE_PREFETCH 2
 #endif
-// Pages in the per-warp cp.async ring (kStages - 1 in flight while one is computed) and the CTAs
-// per SM the kernel is compiled for (3 stages fit 3 CTAs; 2 stages fit 4 CTAs in shared memory, and
-// 4 CTAs need <= 128 registers). Compile-time so that bench variants can be compared in one run.
+// Pages in each warp's cp.async ring (kStages - 1 in flight while one is computed) and the CTAs
+// per SM the kernel is compiled for (3 stages fit 3 CTAs in shared memory; 2 stages fit 4, which
+// caps registers at 128). Compile-time, so that scripts/gpu_perf.sh can compare variants in one
+// run; the defaults are the fastest measured on the H200 (docs/runtime.md, tuning log).
 #ifndef KVCC_DECODE_STAGES
 #define KVCC_DECODE_STAGES 3
 #endif
@@ -44,11 +45,12 @@ namespace {
 #define KVCC_DECODE_MIN_BLOCKS 3
 #endif
 constexpr int kStages = KVCC_DECODE_STAGES;
-// Grids of at most this many waves of resident CTAs rotate the query inside the attention kernel.
-#ifndef KVCC_FUSE_MAX_WAVES
-#define KVCC_FUSE_MAX_WAVES 1
-#endif
 static_assert(kStages >= 2, "the page ring needs at least two stages");
+// Waves of resident CTAs the default split-K plan aims at once there are many (sequence, KV head)
+// pairs (plan_splits).
+#ifndef KVCC_DECODE_WAVES
+#define KVCC_DECODE_WAVES 2
+#endif
 constexpr int kPageBytes = 4608;  // one (page, layer, head) block at P = 64, d = 128, G = d
 
 constexpr int kD = 128;      // head_dim of the tensor-core kernel
@@ -142,10 +144,7 @@ struct DecodeArgs {
   const int32_t* page_offset;
   const int32_t* page_table;
   // queries and split plan
-  const float* q_rot;  // [batch, n_heads, 128]: rotated by rotate_queries (fuse_rotation = false)
-  const float* q_raw;  // [batch, n_heads, 128]: unrotated, rotated in the CTA (fuse_rotation = true)
-  const float* rot_k;  // [n_kv, 128, 128] or null
-  bool fuse_rotation;
+  const float* q_rot;  // [batch, n_heads, 128]
   int n_heads, group_heads;
   float sm_scale_log2;  // sm_scale · log2(e)
   int paged_splits, units_per_split, total_splits, win_tiles_per_split;
@@ -423,84 +422,21 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : KVCC
   asm volatile("griddepcontrol.launch_dependents;");
   const int len = a.seq_len[b];
   const int r = a.group_heads;
-  // q_rot (or q), the pages and the windows come from earlier grids of the stream.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  // Which work this split does.
-  const bool int2_split = kMode == Mode::Int2 && split < a.paged_splits;
-  const bool paged_split = kMode == Mode::Bf16Paged;
-  const bool win_split = kMode == Mode::Int2 && split >= a.paged_splits;
-  bool int2_path = false;
-
-  // This split's INT2 pages [p0, p1) (none for window and BF16 splits).
-  const int n_pages = int2_split ? int(tiers_of(a.geo, len).hist_tokens / a.geo.page_tokens) : 0;
-  const int p0 = split * a.units_per_split;
-  const int p1 = min(n_pages, p0 + a.units_per_split);
-  const int32_t* pt = a.page_table + (int2_split ? a.page_offset[b] : 0);
-  auto page_ptr = [&](int p) { return a.pages + a.geo.page_block_offset(pt[p], a.layer, h); };
-#if KVCC_DECODE_PREFETCH == 2
-  // The first pages are requested before the query is prepared, so their DRAM latency overlaps
-  // the query rotation and normalisation (at small batch each warp has only a few pages).
-  extern __shared__ uint4 page_ring[];  // [kWarps][kStages][kPageBytes]
-  uint8_t* ring = reinterpret_cast<uint8_t*>(page_ring) + size_t(warp) * kStages * kPageBytes;
-  // Page k of this warp is p0 + warp + k·kWarps; it lands in stage k % kStages.
-  const int n_mine = p0 + warp < p1 ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
-  auto issue = [&](int k) {
-    if (k < n_mine) {
-      const uint8_t* src = page_ptr(p0 + warp + k * kWarps);
-      uint8_t* dst = ring + (k % kStages) * kPageBytes;
-#pragma unroll
-      for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
-    }
-    cp_async_commit();  // an empty group keeps the wait count uniform
-  };
-  if (int2_split) {
-#pragma unroll
-    for (int k = 0; k < kStages - 1; ++k) issue(k);
-  }
-#endif
-
-  if (a.fuse_rotation) {
-    // q·R_k in the CTA (no rotate_queries launch): thread j computes column j of every head of
-    // the group with the same fmaf order as rotate_queries, so the result is bit-identical.
-    // o_sum holds the raw queries meanwhile.
-    for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
-      const int hh = i / kD, c = i % kD;
-      o_sum[hh][c] = hh < r ? a.q_raw[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
-    }
-    __syncthreads();
-    static_assert(kThreads == kD, "one thread per channel");
-    const int j = threadIdx.x;
-    if (a.rot_k) {
-      const float* R = a.rot_k + size_t(h) * kD * kD;
-      float acc[kHeads];
-#pragma unroll
-      for (int hh = 0; hh < kHeads; ++hh) acc[hh] = 0.0f;
-#pragma unroll 16
-      for (int i = 0; i < kD; ++i) {
-        const float rij = __ldg(R + size_t(i) * kD + j);
-#pragma unroll
-        for (int hh = 0; hh < kHeads; ++hh) acc[hh] = fmaf(o_sum[hh][i], rij, acc[hh]);
-      }
-#pragma unroll
-      for (int hh = 0; hh < kHeads; ++hh) qs[hh][j] = acc[hh];
-    } else {
-#pragma unroll
-      for (int hh = 0; hh < kHeads; ++hh) qs[hh][j] = o_sum[hh][j];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int hh = 0; hh < kHeads; ++hh) o_sum[hh][j] = 0.0f;
-  } else {
-    for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
-      const int hh = i / kD, c = i % kD;
-      qs[hh][c] = hh < r ? a.q_rot[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
-      o_sum[hh][c] = 0.0f;
-    }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // q_rot comes from rotate_queries
+  for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
+    const int hh = i / kD, c = i % kD;
+    qs[hh][c] = hh < r ? a.q_rot[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
+    o_sum[hh][c] = 0.0f;
   }
   __syncthreads();
 
   WarpState st;
   state_init(st);
+  // Which work this split does.
+  const bool int2_split = kMode == Mode::Int2 && split < a.paged_splits;
+  const bool paged_split = kMode == Mode::Bf16Paged;
+  const bool win_split = kMode == Mode::Int2 && split >= a.paged_splits;
+  bool int2_path = false;
 
   if (int2_split) {
     int2_path = true;
@@ -551,7 +487,28 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : KVCC
     const float sq0[2] = {qsum[2 * t][0], qsum[2 * t + 1][0]};
     const float sq1[2] = {qsum[2 * t][1], qsum[2 * t + 1][1]};
     const float cscale = qscale * a.sm_scale_log2;
+    const KvTiers tiers = tiers_of(a.geo, len);
+    const int n_pages = int(tiers.hist_tokens / a.geo.page_tokens);
+    const int p0 = split * a.units_per_split;
+    const int p1 = min(n_pages, p0 + a.units_per_split);
+    const int32_t* pt = a.page_table + a.page_offset[b];
+    auto page_ptr = [&](int p) { return a.pages + a.geo.page_block_offset(pt[p], a.layer, h); };
 #if KVCC_DECODE_PREFETCH == 2
+    extern __shared__ uint4 page_ring[];  // [kWarps][kStages][kPageBytes]
+    uint8_t* ring = reinterpret_cast<uint8_t*>(page_ring) + size_t(warp) * kStages * kPageBytes;
+    // Page k of this warp is p0 + warp + k·kWarps; it lands in stage k % kStages.
+    const int n_mine = p0 + warp < p1 ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
+    auto issue = [&](int k) {
+      if (k < n_mine) {
+        const uint8_t* src = page_ptr(p0 + warp + k * kWarps);
+        uint8_t* dst = ring + (k % kStages) * kPageBytes;
+#pragma unroll
+        for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
+      }
+      cp_async_commit();  // an empty group keeps the wait count uniform
+    };
+#pragma unroll
+    for (int k = 0; k < kStages - 1; ++k) issue(k);
     for (int k = 0; k < n_mine; ++k) {
       issue(k + kStages - 1);
       cp_async_wait<kStages - 1>();  // page k's group is done
@@ -820,18 +777,12 @@ int resident_ctas() {
   return n;
 }
 
-// Split-K plan: about one wave of CTAs over the (sequence, KV head) pairs; window tiles grouped
-// so that a window CTA reads about as many bytes as a history split (unit_bytes per page).
-SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
-                      double unit_bytes = 64.0 * 72.0) {
+// Split-K plan for `splits_per_pair` history splits per (sequence, KV head) pair; window tiles
+// grouped so that a window CTA reads about as many bytes as a history split (unit_bytes per page).
+SplitPlan plan_for(int splits_per_pair, int max_units, int window_tiles, double unit_bytes) {
   SplitPlan p{};
-  // Default: one wave of CTAs for small batches (each extra wave costs a CTA's fixed start-up);
-  // two waves once there are many (sequence, KV head) pairs, which balances the tail
-  // (measured on the H200: batch 8 at 128K, 460 -> 387 us; batch 1 at 32K, 44 -> 52 us).
-  const int target = target_ctas > 0 ? target_ctas : resident_ctas() * (batch * n_kv >= 48 ? 2 : 1);
-  const int want = std::max(1, (target + batch * n_kv - 1) / (batch * n_kv));
   const int units = std::max(1, max_units);
-  p.units_per_split = std::max(1, (units + want - 1) / want);
+  p.units_per_split = std::max(1, (units + splits_per_pair - 1) / splits_per_pair);
   p.paged_splits = (units + p.units_per_split - 1) / p.units_per_split;
   if (window_tiles > 0) {
     const double tile_bytes = 16.0 * 2 * 256;
@@ -841,6 +792,29 @@ SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int w
   }
   p.total = p.paged_splits + p.window_splits;
   return p;
+}
+
+// Pairs below which the INT2 decode is latency-bound and gets the one-wave plan.
+constexpr int kFewPairs = 48;
+
+// Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. Default targets,
+// measured on the H200 (docs/runtime.md, tuning log):
+//  - many pairs (>= 48): two waves of resident CTAs, which balances the tail (batch 8 at 128K:
+//    460 -> 387 us against one wave);
+//  - few pairs (latency-bound): 2 CTAs per SM, and at least min_units pages per split so that no
+//    warp of a CTA idles (batch 1 at 4K / 32K / 128K: 20.7 / 35.4 / 73.5 us with one wave of 3
+//    CTAs per SM -> 18.9 / 33.3 / 66.2 us). An explicit target_ctas (tests, tuning) is used as is.
+SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
+                      int min_units = 1, double unit_bytes = 64.0 * 72.0) {
+  const int pairs = std::max(1, batch * n_kv);
+  const int units = std::max(1, max_units);
+  if (target_ctas <= 0 && pairs < kFewPairs) {
+    const int want = (2 * multiprocessors() + pairs - 1) / pairs;
+    const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
+    return plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
+  }
+  const int target = target_ctas > 0 ? target_ctas : resident_ctas() * KVCC_DECODE_WAVES;
+  return plan_for(std::max(1, (target + pairs - 1) / pairs), units, window_tiles, unit_bytes);
 }
 
 // The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
@@ -894,16 +868,9 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
     c.numAttrs = 1;
     return c;
   };
-  // Small grids rotate the query inside each attention CTA (one launch less on the critical path;
-  // the CTA's first pages are already in flight meanwhile). Larger grids keep rotate_queries,
-  // where re-reading R_k (64 KB) in every CTA would add L2 traffic without hiding any latency.
-  const dim3 grid(plan.total, a.n_kv, batch);
-  const long long ctas = (long long)grid.x * grid.y * grid.z;
-  a.q_raw = q;
-  a.rot_k = rot_k;
-  a.fuse_rotation = ctas <= (long long)KVCC_FUSE_MAX_WAVES * resident_ctas();
-  if ((stages & 1) && !a.fuse_rotation)
+  if (stages & 1)
     rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
+  const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
     if (mode == Mode::Int2) {
       prepare_int2_kernel();
@@ -933,7 +900,7 @@ size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int m
     return workspace_for(batch, n_heads, g.n_kv_heads, SplitPlan{p.total, 0, 0, 0, p.total});
   }
   const SplitPlan p =
-      plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / 16);
+      plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / 16, kWarps);
   return workspace_for(batch, n_heads, g.n_kv_heads, p);
 }
 
@@ -964,7 +931,8 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   a.group_heads = shape.n_heads / g.n_kv_heads;
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   const SplitPlan plan =
-      plan_splits(batch.batch, g.n_kv_heads, batch.max_pages, shape.target_ctas, (g.sink + g.recent) / 16);
+      plan_splits(batch.batch, g.n_kv_heads, batch.max_pages, shape.target_ctas, (g.sink + g.recent) / 16,
+                  kWarps);
   launch(Mode::Int2, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream, shape.stages);
 }
 

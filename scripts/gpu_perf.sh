@@ -3,7 +3,8 @@
 # compile-time settings (plus an optional "before" copy of decode.cu), run the GPU tests against
 # each tested variant, then bench_decode for every variant on the same shapes and PyTorch SDPA
 # once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
-# usage: OUT=dir BEFORE=path/to/old_decode.cu CONFIGS=... scripts/gpu_perf.sh "name:-DFLAGS" ...
+# usage: OUT=dir [BEFORE=old_decode.cu] [ROUNDS=2] [CONFIGS=...] [SWEEP_TARGETS="132 264"] [RACECHECK=variant] [NO_SDPA=1]
+#        scripts/gpu_perf.sh "name:-DFLAGS" ...
 #   each argument is a variant name and its nvcc defines; variants named test* also run the tests.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -65,10 +66,15 @@ if [ -n "${RACECHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
     grep -E 'ERROR SUMMARY' | head -5
 fi
 # Variants interleaved per round so clock/thermal drift hits all of them alike.
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for name in "${names[@]}"; do
     "$D/bench_$name" --configs "$CONFIGS" --out "$OUT/perf_${name}_r$round.jsonl" --reps 30 | grep decode | sed "s/^/r$round $name /"
   done
+done
+# Split-K plan sweep: the first variant with KVCC_TARGET_CTAS (CTAs the plan aims at) overridden.
+for target in ${SWEEP_TARGETS:-}; do
+  KVCC_TARGET_CTAS=$target "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_$target.jsonl" --reps 30 |
+    grep decode | sed "s/^/target=$target /"
 done
 if [ -z "${NO_SDPA:-}" ]; then
   PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30 | tail -n 40
