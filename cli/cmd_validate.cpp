@@ -22,6 +22,7 @@ struct Args {
   std::vector<std::string> artifact_paths;
   ValidateData data;
   int block = 128;
+  int sink = -1, recent = -1, page_size = -1;  // -1: the artifact's recipe
 };
 
 int run_validate(Args& a) {
@@ -32,6 +33,11 @@ int run_validate(Args& a) {
   for (const std::string& path : a.artifact_paths) {
     artifacts.push_back(read_artifact(path));
     check_artifact_matches(artifacts.back(), model, path);
+    // Windows and pages are a serving choice: evaluate the same fitted artifact under others.
+    Recipe& r = artifacts.back().recipe;
+    if (a.sink >= 0) r.sink = a.sink;
+    if (a.recent >= 0) r.recent = a.recent;
+    if (a.page_size > 0) r.page_size = a.page_size;
   }
   std::vector<CacheScheme> schemes;
   for (size_t i = 0; i < artifacts.size(); ++i) {
@@ -90,6 +96,9 @@ Command reg{"validate", 50,
                   ->capture_default_str();
               sub.add_option("--block", a->block, "tokens per pseudo-decode block")->capture_default_str();
               sub.add_option("--mode", a->mode, "pseudo-decode | static")->capture_default_str();
+              sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens");
+              sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens");
+              sub.add_option("--page-size", a->page_size, "override every artifact's page size");
               sub.add_option("--json", a->json_path, "write the metrics as JSON");
               sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
               return [a] { return run_validate(*a); };

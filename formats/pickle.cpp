@@ -250,11 +250,6 @@ struct Node {
   int64_t numel = 0;                           // Storage: element count
 };
 
-NodeP make(Node::K k) {
-  auto n = std::make_shared<Node>();
-  n->k = k;
-  return n;
-}
 
 const char* node_kind(Node::K k) {
   switch (k) {
@@ -268,6 +263,16 @@ class Unpickler {
  public:
   Unpickler(std::string_view in, const StorageLoader& load, const std::string& label)
       : in_(in), load_(load), label_(label) {}
+  // A hostile pickle can make a container hold itself (a shared_ptr cycle); emptying every node
+  // the reader made breaks such cycles so nothing leaks.
+  ~Unpickler() {
+    for (auto& n : made_) {
+      n->items.clear();
+      n->dict.clear();
+    }
+  }
+  Unpickler(const Unpickler&) = delete;
+  Unpickler& operator=(const Unpickler&) = delete;
 
   PyValue run() {
     scan();
@@ -276,6 +281,13 @@ class Unpickler {
 
  private:
   [[noreturn]] void fail(const std::string& what) const { throw Error(label_ + ": " + what); }
+
+  NodeP make(Node::K k) {
+    auto n = std::make_shared<Node>();
+    n->k = k;
+    made_.push_back(n);
+    return n;
+  }
 
   // Pass 1: every opcode must be in the subset and every GLOBAL allowed, before anything is built.
   void scan() {
@@ -597,6 +609,7 @@ class Unpickler {
   std::vector<size_t> marks_;
   std::unordered_map<uint32_t, NodeP> memo_;
   std::map<std::string, std::shared_ptr<const std::string>> storages_;
+  std::vector<NodeP> made_;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -794,27 +794,30 @@ SplitPlan plan_for(int splits_per_pair, int max_units, int window_tiles, double 
   return p;
 }
 
-// Pairs below which the INT2 decode is latency-bound and gets the one-wave plan.
+// (sequence, KV head) pairs below which decode is latency-bound whatever the context.
 constexpr int kFewPairs = 48;
 
-// Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. Default targets,
-// measured on the H200 (docs/runtime.md, tuning log):
-//  - many pairs (>= 48): two waves of resident CTAs, which balances the tail (batch 8 at 128K:
-//    460 -> 387 us against one wave);
-//  - few pairs (latency-bound): 2 CTAs per SM, and at least min_units pages per split so that no
-//    warp of a CTA idles (batch 1 at 4K / 32K / 128K: 20.7 / 35.4 / 73.5 us with one wave of 3
-//    CTAs per SM -> 18.9 / 33.3 / 66.2 us). An explicit target_ctas (tests, tuning) is used as is.
+// Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. An explicit
+// target_ctas (tests, tuning) is used as is. By default, measured on the H200 (docs/runtime.md,
+// tuning log): two waves of resident CTAs (balances the tail at long contexts and large batches),
+// unless there are few pairs or that plan gives splits of fewer than kShortSplit pages; then each
+// CTA's fixed cost (start-up, query preparation, the merge's share) dominates, and fewer, longer
+// CTAs win: 2 per SM, at least min_units pages per split so that no warp of a CTA idles.
+// (Batch 1 at 4K / 32K / 128K: 20.7 / 35.9 / 74.1 -> 18.9 / 33.9 / 66.8 us; batch 8 at 4K / 16K /
+// 32K: 55.8 / 80.5 / 113.0 -> 45.5 / 60.5 / 95.1 us. Batch 8 at 128K or batch 32 at 16K, with
+// longer splits, are 1-6% slower that way, so they keep two waves.)
+constexpr int kShortSplit = 48;
 SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
                       int min_units = 1, double unit_bytes = 64.0 * 72.0) {
   const int pairs = std::max(1, batch * n_kv);
   const int units = std::max(1, max_units);
-  if (target_ctas <= 0 && pairs < kFewPairs) {
-    const int want = (2 * multiprocessors() + pairs - 1) / pairs;
-    const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
-    return plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
-  }
-  const int target = target_ctas > 0 ? target_ctas : resident_ctas() * KVCC_DECODE_WAVES;
-  return plan_for(std::max(1, (target + pairs - 1) / pairs), units, window_tiles, unit_bytes);
+  if (target_ctas > 0) return plan_for((target_ctas + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+  const int waves_target = resident_ctas() * KVCC_DECODE_WAVES;
+  const SplitPlan waves = plan_for((waves_target + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+  if (pairs >= kFewPairs && waves.units_per_split >= kShortSplit) return waves;
+  const int want = (2 * multiprocessors() + pairs - 1) / pairs;
+  const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
+  return plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
 }
 
 // The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
