@@ -13,7 +13,6 @@
 #include "compile/fit.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
-#include "runtime/forward.h"  // rope_inv_freq: commvq keys are reconstructed at their positions
 
 namespace kvcc {
 

@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <map>
+#include <numbers>
 
 #include "formats/error.h"
 #include "formats/sha256.h"
@@ -101,6 +102,32 @@ std::string ModelFingerprint::describe_difference(const ModelFingerprint& o) con
   if (weights_sha256 != o.weights_sha256) add("weights: differ");
   if (out.empty()) add("fingerprint id: " + id.substr(0, 12) + " vs " + o.id.substr(0, 12));
   return out;
+}
+
+std::vector<double> rope_inv_freq(const ModelConfig& c) {
+  const int half = c.head_dim / 2;
+  std::vector<double> inv_freq(half);
+  for (int i = 0; i < half; ++i) inv_freq[i] = 1.0 / std::pow(c.rope_theta, double(2 * i) / c.head_dim);
+  if (c.rope_scaling.type == "llama3") {
+    // transformers' _compute_llama3_parameters: long wavelengths are slowed by `factor`, short
+    // ones kept, and the band between interpolated smoothly.
+    const RopeScaling& s = c.rope_scaling;
+    const double low_freq_wavelen = s.original_max_position / s.low_freq_factor;
+    const double high_freq_wavelen = s.original_max_position / s.high_freq_factor;
+    for (double& f : inv_freq) {
+      const double wavelen = 2 * std::numbers::pi / f;
+      if (wavelen > low_freq_wavelen) {
+        f /= s.factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth = (s.original_max_position / wavelen - s.low_freq_factor) /
+                              (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+  } else {
+    require(c.rope_scaling.type == "default", "unsupported rope scaling type " + c.rope_scaling.type);
+  }
+  return inv_freq;
 }
 
 }  // namespace kvcc

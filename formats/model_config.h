@@ -66,6 +66,10 @@ std::vector<std::pair<std::string, std::string>> fingerprint_fields(const ModelC
 // recompute it to detect an edited fingerprint).
 std::string fingerprint_id(const std::vector<std::pair<std::string, std::string>>& fields,
                            const std::string& weights_sha256);
+// RoPE inverse frequencies [head_dim/2] of a config, including llama3 rope scaling (a property of
+// the architecture, shared by the forward pass, CommVQ and its report).
+std::vector<double> rope_inv_freq(const ModelConfig&);
+
 // Builds a fingerprint from a config and the sha256 of its tensor headers.
 ModelFingerprint make_fingerprint(const ModelConfig&, const std::string& weights_sha256);
 

@@ -76,32 +76,6 @@ LayerWeights load_layer(const ModelFile& model, int layer) {
   return w;
 }
 
-std::vector<double> rope_inv_freq(const ModelConfig& c) {
-  const int half = c.head_dim / 2;
-  std::vector<double> inv_freq(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = 1.0 / std::pow(c.rope_theta, double(2 * i) / c.head_dim);
-  if (c.rope_scaling.type == "llama3") {
-    // transformers' _compute_llama3_parameters: long wavelengths are slowed by `factor`, short
-    // ones kept, and the band between interpolated smoothly.
-    const RopeScaling& s = c.rope_scaling;
-    const double low_freq_wavelen = s.original_max_position / s.low_freq_factor;
-    const double high_freq_wavelen = s.original_max_position / s.high_freq_factor;
-    for (double& f : inv_freq) {
-      const double wavelen = 2 * std::numbers::pi / f;
-      if (wavelen > low_freq_wavelen) {
-        f /= s.factor;
-      } else if (wavelen >= high_freq_wavelen) {
-        const double smooth = (s.original_max_position / wavelen - s.low_freq_factor) /
-                              (s.high_freq_factor - s.low_freq_factor);
-        f = (1 - smooth) * f / s.factor + smooth * f;
-      }
-    }
-  } else {
-    require(c.rope_scaling.type == "default", "unsupported rope scaling type " + c.rope_scaling.type);
-  }
-  return inv_freq;
-}
-
 void apply_rope(const ModelConfig& c, float* x, int T, int n_heads, int pos0) {
   const int d = c.head_dim, half = d / 2;
   const std::vector<double> inv_freq_d = rope_inv_freq(c);

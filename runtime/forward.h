@@ -22,8 +22,6 @@ struct LayerWeights {
 };
 LayerWeights load_layer(const ModelFile&, int layer);
 
-// RoPE inverse frequencies [d/2] including llama3 rope scaling.
-std::vector<double> rope_inv_freq(const ModelConfig&);
 // Applies RoPE in place to x [T, n_heads * d] at positions pos0..pos0+T-1 in the model's pair
 // convention (rotate_half or interleaved).
 void apply_rope(const ModelConfig&, float* x, int T, int n_heads, int pos0);
