@@ -66,26 +66,29 @@ for model in $models; do
   echo "== $model: calibrating on $work/calib.txt (<= $calib_tokens tokens)"
   "$kvcc" calibrate-model --model "$mpath" --data "$work/calib.txt" --tokens "$calib_tokens" \
       -o "$work/stats.h5" > "$work/calibrate.log" 2>&1
+  # Compile once (windows are recorded in the recipe but the fitted rotations and clip ratios do
+  # not depend on them); each window setting is then validated with validate's overrides.
+  wargs=(--sink 64 --recent 256 --page-size 64)
+  artifacts=()
+  compile identity -m identity "${wargs[@]}"
+  compile hadamard -m hadamard "${wargs[@]}"
+  compile kivi -m kivi "${wargs[@]}"
+  compile kvarn -m kvarn "${wargs[@]}"
+  compile turboquant2.5 -m turboquant --key-bits 2.5 --value-bits 2.5 "${wargs[@]}"
+  compile turboquant3.5 -m turboquant --key-bits 3.5 --value-bits 3.5 "${wargs[@]}"
+  for target in output p2 logit2; do
+    compile "oscar-$target" -m oscar --value-target "$target" "${wargs[@]}"
+  done
+  compile oscar-lm -m oscar-lm "${wargs[@]}"
+  if "$kvcc" compile --help 2>/dev/null | grep -q commvq; then
+    compile commvq1 -m commvq --key-bits 1 --value-bits 1 "${wargs[@]}"
+    compile commvq2 -m commvq --key-bits 2 --value-bits 2 "${wargs[@]}"
+  fi
   for win in $windows; do
-    if [[ $win == default ]]; then wargs=(--sink 64 --recent 256 --page-size 64)
-    else wargs=(--sink 4 --recent 32 --page-size 32); fi
-    artifacts=()
-    compile "identity-$win" -m identity "${wargs[@]}"
-    compile "hadamard-$win" -m hadamard "${wargs[@]}"
-    compile "kivi-$win" -m kivi "${wargs[@]}"
-    compile "kvarn-$win" -m kvarn "${wargs[@]}"
-    compile "turboquant2.5-$win" -m turboquant --key-bits 2.5 --value-bits 2.5 "${wargs[@]}"
-    compile "turboquant3.5-$win" -m turboquant --key-bits 3.5 --value-bits 3.5 "${wargs[@]}"
-    for target in output p2 logit2; do
-      compile "oscar-$target-$win" -m oscar --value-target "$target" "${wargs[@]}"
-    done
-    compile "oscar-lm-$win" -m oscar-lm "${wargs[@]}"
-    if "$kvcc" compile --help 2>/dev/null | grep -q commvq; then
-      compile "commvq1-$win" -m commvq --key-bits 1 --value-bits 1 "${wargs[@]}"
-      compile "commvq2-$win" -m commvq --key-bits 2 --value-bits 2 "${wargs[@]}"
-    fi
+    if [[ $win == default ]]; then vargs=(--sink 64 --recent 256 --page-size 64)
+    else vargs=(--sink 4 --recent 32 --page-size 32); fi
     echo "== $model ($win windows): validating $(( ${#artifacts[@]} / 2 )) artifacts on <= $eval_tokens held-out tokens"
-    "$kvcc" validate --model "$mpath" "${artifacts[@]}" --data "$work/heldout.txt" \
+    "$kvcc" validate --model "$mpath" "${artifacts[@]}" "${vargs[@]}" --data "$work/heldout.txt" \
         --tokens "$eval_tokens" --json "$out/$model-$win.json" --svg "$out/$model-$win.svg" \
         2> "$work/validate-$win.log" | tee "$out/$model-$win.txt"
   done
