@@ -19,8 +19,7 @@ JOBS=$(nproc)
 TEST=$BUILD/tests/gpu_test_cache
 BENCH=$BUILD/bench/bench_decode
 build_cmake() {
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
     cmake --build "$BUILD" --target gpu_test_cache bench_decode -j"$JOBS"
 }
 build_direct() {
