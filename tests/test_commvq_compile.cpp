@@ -105,7 +105,7 @@ TEST(CommvqCompile, RejectsBudgetsWithoutAPreset) {
   o.key_bits = o.value_bits = 3;
   EXPECT_THROW(compile_artifact(stats, o), Error);
   o.key_bits = o.value_bits = 2;
-  o.params["key_code_bits"] = "7";  // must be even: (a, b) index pairs
+  o.params.emplace("key_code_bits", "7");  // must be even: (a, b) index pairs
   EXPECT_THROW(compile_artifact(stats, o), Error);
 }
 
