@@ -139,7 +139,14 @@ Command reg{"compile", 30,
               sub.add_option("-o,--output", a->out_path, "artifact to write (.kvcc.h5)")->required();
               sub.add_option("--model-id", a->model_id, "a human name for the model, stored in the artifact");
               add_compile_options(sub, *a);
-              return [a] { return run_compile(*a); };
+              return [a, &sub] {
+                // These shape only oscar's rotation; accepting them elsewhere would hide a typo'd recipe.
+                const std::string& m = a->options.method;
+                for (const char* flag : {"--value-target", "--composition"})
+                  require(sub.count(flag) == 0 || m == "oscar" || m == "oscar-lm",
+                          std::string(flag) + " applies to oscar and oscar-lm only, not " + m);
+                return run_compile(*a);
+              };
             }};
 
 }  // namespace

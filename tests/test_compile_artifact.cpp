@@ -291,6 +291,11 @@ TEST(CompileCli, CompileAndReportEndToEnd) {
   EXPECT_NE(out.find("unknown method 'bogus'"), std::string::npos) << out;
   EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + (dir / "missing.h5").string() + " -o " + art_path, out), 0);
   EXPECT_NE(out.find("missing.h5"), std::string::npos) << out;
+  // oscar-only flags on another method are refused rather than silently ignored.
+  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path +
+                            " --method hadamard --value-target p2 -o " + (dir / "h.kvcc.h5").string(), out), 0);
+  EXPECT_NE(out.find("--value-target applies to oscar and oscar-lm only, not hadamard"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "h.kvcc.h5"));
 
   const std::string json_path = (dir / "report.json").string(), svg_path = (dir / "report.svg").string();
   ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " report " + stats_path +
