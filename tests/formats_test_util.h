@@ -14,9 +14,24 @@
 
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
+#include "formats/error.h"
 #include "formats/stats.h"
 
 namespace kvcc::testing {
+
+// The message of the kvcc::Error that f throws, or "(no error)".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+
 
 class ScratchDir {
  public:

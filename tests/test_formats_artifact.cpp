@@ -16,17 +16,7 @@
 namespace kvcc {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+using testing::error_of;
 
 void expect_equal_sides(const SideArtifact& a, const SideArtifact& b) {
   EXPECT_EQ(a.rotation, b.rotation);

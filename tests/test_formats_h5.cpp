@@ -12,18 +12,7 @@
 namespace kvcc {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+using testing::error_of;
 
 TEST(H5, DatasetsOfEveryTypeRoundTrip) {
   testing::ScratchDir dir;
