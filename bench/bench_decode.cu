@@ -222,11 +222,21 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   float* dout;
   CK(cudaMalloc(&dout, q.size() * 4));
   std::vector<HeadCodec> codecs(size_t(c.hkv));
+  // KVCC_TABLE=1 times the level-table kernel (oscar-lm codecs) on the same random pages.
+  if (const char* table_env = std::getenv("KVCC_TABLE"); table_env && std::atoi(table_env))
+    for (auto& hc : codecs) {
+      const float lv[4] = {-1.5f, -0.45f, 0.45f, 1.5f};
+      hc.key.use_table = hc.value.use_table = 1;
+      std::copy(lv, lv + 4, hc.key.levels);
+      std::copy(lv, lv + 4, hc.value.levels);
+    }
   // KVCC_TARGET_CTAS overrides the split-K plan's CTA target (for tuning runs).
   const char* target_env = std::getenv("KVCC_TARGET_CTAS");
   const char* stages_env = std::getenv("KVCC_STAGES");  // benchmarking: which decode kernels run
-  const DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), target_env ? std::atoi(target_env) : 0,
-                          stages_env ? std::atoi(stages_env) : 7};
+  DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), target_env ? std::atoi(target_env) : 0,
+                    stages_env ? std::atoi(stages_env) : 7};
+  // KVCC_RING forces the INT2 page-ring depth (2 or 3) instead of the plan's choice (A/B runs).
+  if (const char* ring_env = std::getenv("KVCC_RING")) shape.ring = std::atoi(ring_env);
 
   std::vector<DeviceBatch> batches;
   std::vector<int32_t*> bufs;
@@ -252,7 +262,7 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
     db.max_pages = int(pages_per_seq);
     batches.push_back(db);
   }
-  const size_t ws_int2 = decode_workspace_bytes(g, c.batch, c.hq, int(pages_per_seq), 0, shape.target_ctas);
+  const size_t ws_int2 = decode_workspace_bytes(g, c.batch, c.hq, int(pages_per_seq), 0, shape.target_ctas, shape.ring);
   const int bf16_pages_per_seq = (c.ctx + 63) / 64;
   const size_t ws_bf16 = decode_workspace_bytes(g, c.batch, c.hq, bf16_pages_per_seq, 64, shape.target_ctas);
   void* ws;

@@ -44,8 +44,9 @@ void add_compile_options(CLI::App& sub, Args& a) {
       "--bits", [&o](double bits) { o.key_bits = o.value_bits = bits; },
       "bits per key and value element (commvq: 1 or 2, its presets)");
   sub.add_option("--group", o.group,
-                 "channels per (scale, zero) group; kivi: also tokens per key group "
-                 "(default: head_dim; kivi 32)");
+                 "channels per (scale, zero) group (default: head_dim; kivi 32); above head_dim a "
+                 "multiple of it dividing n_kv_heads*head_dim: one group spans that many KV heads of "
+                 "a token (oscar, oscar-lm, hadamard, identity, random); kivi: also tokens per key group");
   sub.add_option("--sink", o.sink, "BF16 tokens kept at the start (default 64; kivi/turboquant 0; kvarn 128)");
   sub.add_option("--recent", o.recent,
                  "BF16 ring of the last tokens (default 256; kivi 128 = its residual window; "
@@ -64,7 +65,9 @@ void add_compile_options(CLI::App& sub, Args& a) {
                  "method parameter KEY=VALUE: turboquant variant=mse|prod, codebook=sphere|gaussian; "
                  "kvarn iterations=8");
   sub.add_flag("--no-fit-clip", a.no_fit_clip, "do not fit clip ratios (use 1.0 = no clipping)");
-  sub.add_option("--fit-rows", o.max_fit_rows, "reservoir fitting tokens per KV head for clip ratios")
+  sub.add_option("--fit-rows", o.max_fit_rows,
+                 "reservoir fitting tokens per KV head (per group of heads when --group spans heads) "
+                 "for clip ratios")
       ->capture_default_str();
   sub.add_option("--threads", o.threads, "worker threads (default: all cores)");
 }

@@ -25,7 +25,8 @@ struct ReportArgs {
   uint64_t seed = 0;
 };
 
-// "oscar,kivi,oscar:UH,oscar:logit2,oscar:layer,turboquant:prod,hadamard:noclip" -> option sets.
+// "oscar,kivi,oscar:UH,oscar:logit2,oscar:layer,turboquant:prod,hadamard:noclip,oscar:g64" -> option
+// sets (gN: group N, e.g. a group spanning KV heads).
 std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
   std::vector<CompileOptions> out;
   std::stringstream list(a.methods);
@@ -50,6 +51,8 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
       else if (mod == "prod" || mod == "mse") o.params["variant"] = mod;
       else if (mod == "noclip") o.fit_clip = false;
       else if (o.method == "commvq" && (mod == "1" || mod == "2")) o.key_bits = o.value_bits = std::stod(mod);
+      else if (mod.size() > 1 && mod[0] == 'g' && mod.find_first_not_of("0123456789", 1) == std::string::npos)
+        o.group = std::stoi(mod.substr(1));
       else throw Error("--methods: unknown modifier '" + mod + "' in '" + item + "'");
     }
     out.push_back(o);
@@ -81,16 +84,20 @@ Command reg{"report", 35,
                   "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
                   "  key, value: ||X - X^|| / ||X||\n"
                   "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
-                  "turboquant:prod, hadamard:noclip, commvq:1 and commvq:2 (the 1-/2-bit presets).\n\n"
+                  "turboquant:prod, hadamard:noclip, commvq:1 and commvq:2 (the 1-/2-bit presets),\n"
+                  "gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on head_dim 16).\n\n"
                   "Example:\n"
                   "  kvcc report stats.h5 --json report.json --svg report.svg\n"
-                  "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2");
+                  "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2\n"
+                  "  kvcc report stats.h5 --methods oscar,oscar:g64,hadamard,hadamard:g64");
               sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
               sub.add_option("--methods", a->methods, "comma-separated methods (with :modifiers)")
                   ->capture_default_str();
               sub.add_option("--key-bits", a->key_bits, "bits per key element")->capture_default_str();
               sub.add_option("--value-bits", a->value_bits, "bits per value element")->capture_default_str();
-              sub.add_option("--group", a->group, "channels per scale/zero group (default: each method's)");
+              sub.add_option("--group", a->group,
+                             "channels per scale/zero group for every method (default: each method's; "
+                             "per method: the gN modifier)");
               sub.add_option("--value-target", a->value_target, "oscar value target: output | p2 | logit2")
                   ->capture_default_str();
               sub.add_option("--granularity", a->granularity, "head | layer")->capture_default_str();

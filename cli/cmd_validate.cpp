@@ -18,7 +18,7 @@ namespace kvcc::cli {
 namespace {
 
 struct Args {
-  std::string model_path, mode = "pseudo-decode", json_path, svg_path;
+  std::string model_path, mode = "pseudo-decode", precision = "float", json_path, svg_path;
   std::vector<std::string> artifact_paths;
   ValidateData data;
   int block = 128;
@@ -27,6 +27,7 @@ struct Args {
 
 int run_validate(Args& a) {
   const ValidateMode mode = validate_mode_from_name(a.mode);
+  const ValidatePrecision precision = validate_precision_from_name(a.precision);
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<Artifact> artifacts;
   artifacts.reserve(a.artifact_paths.size());
@@ -58,7 +59,8 @@ int run_validate(Args& a) {
                                  : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
                      (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
                      (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
-      });
+      },
+      precision);
   if (tty) std::fprintf(stderr, "\n");
   std::cout << format_table(result);
   std::printf("(%.1f s; per-layer relative attention-output errors in the JSON)\n", result.seconds);
@@ -75,13 +77,29 @@ Command reg{"validate", 50,
                   "Runs MODEL over the text with each artifact's quantised KV cache and, in the same\n"
                   "pass, with a full-precision cache; reports perplexity and its change, mean\n"
                   "KL(full || quantised) of next-token distributions, top-1 agreement, per-layer\n"
-                  "relative attention-output error, nominal and effective bits.\n\n"
+                  "relative attention-output error, nominal and effective bits. Each artifact's\n"
+                  "cache policy: first --sink tokens and a ring of --recent tokens kept exact; older\n"
+                  "tokens quantised a page (--page-size) at a time by the artifact's method.\n\n"
                   "Modes: pseudo-decode (default): blocks of --block tokens attend to the quantised\n"
                   "cache of earlier blocks, then their K/V are appended, so error accumulates as in\n"
                   "decoding; static: the cache is filled from the full-precision run's K/V.\n\n"
-                  "Example:\n"
+                  "Precision: float (default) computes like the model's float32 forward pass;\n"
+                  "double is the slow exact-check mode (~1.5x the time, 1.7x the memory): the\n"
+                  "full-precision run then equals the plain forward pass to ~1e-15 whatever --block\n"
+                  "is (float: ~1e-8). Codecs still quantise float rows (their change is applied to\n"
+                  "the double rows).\n\n"
+                  "Error bars: '±se' is the standard error across documents (each document one\n"
+                  "sample; Δppl's from per-document paired NLL differences vs the full-precision\n"
+                  "run). A difference between methods within about 2 se is not established by this\n"
+                  "text: add documents. --json holds per-document metrics (for paired comparisons\n"
+                  "between methods); --svg plots KL vs effective bits with +-1 se bars.\n\n"
+                  "Examples:\n"
                   "  kvcc validate --model ../shared/models/gutenberg-27m --artifact oscar.kvcc.h5 \\\n"
-                  "      --artifact kivi.kvcc.h5 --data heldout.txt --tokens 16384 --json v.json --svg v.svg");
+                  "      --artifact kivi.kvcc.h5 --data heldout.txt --tokens 16384 --json v.json --svg v.svg\n"
+                  "  # the same artifacts at other windows (the fitted parameters do not depend on them)\n"
+                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --sink 4 --recent 32 --page-size 32\n"
+                  "  # slow exact-check mode: activations in double, numbers free of float32 GEMM noise\n"
+                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double");
               sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
               sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable)")
                   ->required();
@@ -96,6 +114,9 @@ Command reg{"validate", 50,
                   ->capture_default_str();
               sub.add_option("--block", a->block, "tokens per pseudo-decode block")->capture_default_str();
               sub.add_option("--mode", a->mode, "pseudo-decode | static")->capture_default_str();
+              sub.add_option("--precision", a->precision,
+                             "float | double (slow exact-check mode: activations in double)")
+                  ->capture_default_str();
               sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens");
               sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens");
               sub.add_option("--page-size", a->page_size, "override every artifact's page size");

@@ -127,6 +127,42 @@ void rotation_for(const Recipe& recipe, const Matrix* target, int layer, int h, 
   }
 }
 
+// Fits the quantiser shared by KV heads [h0, h0 + span) of a layer jointly on their aligned
+// reservoir rows (the same tokens in every head) and stores it in each head.
+void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOptions& options, int layer,
+                   int h0, int span, Artifact& art) {
+  const int d = stats.config.head_dim;
+  const bool lm = recipe.method == "oscar-lm";
+  std::vector<const Reservoir*> reservoirs;
+  for (int k = 0; k < span; ++k) reservoirs.push_back(&stats.reservoir(layer, h0 + k));
+  const std::vector<FitRows> rows =
+      select_aligned_rows(reservoirs, false, lm ? 4 * options.max_fit_rows : options.max_fit_rows);
+  const std::string where = "layer " + std::to_string(layer) +
+                            (span == 1 ? " KV head " + std::to_string(h0)
+                                       : " KV heads " + std::to_string(h0) + ".." + std::to_string(h0 + span - 1));
+  require(rows[0].n > 0, lm ? "oscar-lm needs reservoir fitting rows; " + where + " has none"
+                            : "stats have no reservoir fitting rows for " + where +
+                                  " (calibrate with a reservoir, or compile with --no-fit-clip)");
+  for (KvSide which : {KvSide::Key, KvSide::Value}) {
+    std::vector<SideArtifact*> sides;
+    for (int k = 0; k < span; ++k) {
+      HeadArtifact& ha = art.head(layer, h0 + k);
+      sides.push_back(which == KvSide::Key ? &ha.key : &ha.value);
+    }
+    const std::vector<const SideArtifact*> csides(sides.begin(), sides.end());
+    if (lm) {
+      const std::vector<float> y = rotated_side_by_side(csides, which, rows, true);
+      const int group = recipe.group > 0 ? recipe.group : d;
+      const std::vector<double> levels = lloyd_max_empirical(
+          normalised_coordinates(y, rows[0].n, span * d, group), side_code_bits(recipe, which));
+      for (SideArtifact* s : sides) s->levels = levels;
+    } else {
+      const double ratio = fit_clip_ratio(recipe, csides, which, rows);
+      for (SideArtifact* s : sides) s->clip_ratio = ratio;
+    }
+  }
+}
+
 void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOptions& options,
                    int layer, LevelCache& cache, Artifact& art) {
   const int d = stats.config.head_dim, n_kv = stats.config.n_kv_heads;
@@ -170,28 +206,12 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
         rotation_for(recipe, target, layer, h, which, d, side);
       }
     }
-    if (uniform_grid(m) && options.fit_clip) {
-      const FitRows rows = select_rows(stats.reservoir(layer, h), false, options.max_fit_rows);
-      require(rows.n > 0, "stats have no reservoir fitting rows for layer " + std::to_string(layer) +
-                              " KV head " + std::to_string(h) +
-                              " (calibrate with a reservoir, or compile with --no-fit-clip)");
-      ha.key.clip_ratio = fit_clip_ratio(recipe, ha.key, KvSide::Key, rows);
-      ha.value.clip_ratio = fit_clip_ratio(recipe, ha.value, KvSide::Value, rows);
-    }
-    if (m == "oscar-lm") {
-      const FitRows rows = select_rows(stats.reservoir(layer, h), false, 4 * options.max_fit_rows);
-      require(rows.n > 0, "oscar-lm needs reservoir fitting rows; layer " + std::to_string(layer) +
-                              " KV head " + std::to_string(h) + " has none");
-      const int group = recipe.group > 0 ? recipe.group : d;
-      for (KvSide which : {KvSide::Key, KvSide::Value}) {
-        SideArtifact& side = which == KvSide::Key ? ha.key : ha.value;
-        const std::vector<float>& x = which == KvSide::Key ? rows.key : rows.value;
-        std::vector<float> y(x.size());
-        rotate_rows(side.rotation, d, x.data(), rows.n, y.data());
-        side.levels = lloyd_max_empirical(normalised_coordinates(y, rows.n, d, group),
-                                          side_code_bits(recipe, which));
-      }
-    }
+  }
+  // Clip ratios (uniform grid) and level tables (oscar-lm): one fit per quantiser group of heads,
+  // i.e. per KV head unless recipe.group spans several.
+  if ((uniform_grid(m) && options.fit_clip) || m == "oscar-lm") {
+    const int span = group_span(recipe, d, n_kv);
+    for (int h0 = 0; h0 < n_kv; h0 += span) fit_quantiser(stats, recipe, options, layer, h0, span, art);
   }
 }
 
@@ -213,7 +233,7 @@ std::string utc_timestamp() {
   return buf;
 }
 
-Recipe make_recipe(const CompileOptions& o, int head_dim) {
+Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   const auto& methods = compile_methods();
   require(std::find(methods.begin(), methods.end(), o.method) != methods.end(),
           "unknown method '" + o.method + "' (expected oscar, oscar-lm, hadamard, identity, random, "
@@ -263,11 +283,14 @@ Recipe make_recipe(const CompileOptions& o, int head_dim) {
     if (tq && r.params["variant"] == "prod")
       require(bits >= 1, "turboquant prod needs at least 1 bit");
   }
-  if (r.group > 0 && !(kivi && r.group >= head_dim))
-    require(r.group <= head_dim && head_dim % r.group == 0,
-            "--group " + std::to_string(r.group) + " must divide head_dim " + std::to_string(head_dim));
   if (tq || kvarn)
     require(r.group == 0 || r.group == head_dim, o.method + " quantises whole rows; --group does not apply");
+  if (r.group > head_dim)
+    group_span(r, head_dim, n_kv_heads);  // a group spanning KV heads: checks the method and G
+  else if (r.group > 0)
+    require(head_dim % r.group == 0,
+            "--group " + std::to_string(r.group) + " must divide head_dim " + std::to_string(head_dim) +
+                " (or, for a group spanning KV heads, be a multiple of it)");
   return r;
 }
 
@@ -292,7 +315,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   art.provenance.sequences = stats.provenance.sequences;
   art.provenance.seed = stats.provenance.seed;
   art.provenance.source = "calibrated";
-  art.recipe = make_recipe(options, c.head_dim);
+  art.recipe = make_recipe(options, c.head_dim, c.n_kv_heads);
   art.heads.resize(n_heads);
 
   LevelCache cache;

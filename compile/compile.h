@@ -34,8 +34,9 @@ struct CompileOptions {
 
 const std::vector<std::string>& compile_methods();
 
-// The recipe an options set resolves to (method defaults filled in, parameters checked).
-Recipe make_recipe(const CompileOptions& options, int head_dim);
+// The recipe an options set resolves to (method defaults filled in, parameters checked; a group
+// above head_dim must span whole KV heads: formats/kv_codec.h group_span).
+Recipe make_recipe(const CompileOptions& options, int head_dim, int n_kv_heads);
 
 // Compiles every (layer, KV head). Throws Error on bad options or stats that cannot support them
 // (no reservoir rows for fitting, a non-power-of-two head_dim for H-based methods, NaNs).

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <unordered_map>
 
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
@@ -128,17 +129,42 @@ std::vector<double> lloyd_max_empirical(std::vector<float> samples, int bits, in
 // ---- Rows and error metrics -------------------------------------------------------------------
 
 FitRows select_rows(const Reservoir& res, bool heldout, int max_rows) {
-  FitRows rows;
-  rows.d = res.d;
-  const int d = res.d, r = res.group;
-  for (size_t i = 0; i < res.size() && rows.n < max_rows; ++i) {
-    if (bool(res.heldout[i]) != heldout) continue;
-    rows.key.insert(rows.key.end(), res.key.begin() + long(i * d), res.key.begin() + long((i + 1) * d));
-    rows.value.insert(rows.value.end(), res.value.begin() + long(i * d), res.value.begin() + long((i + 1) * d));
-    rows.query.insert(rows.query.end(), res.q.begin() + long(i * r * d), res.q.begin() + long((i + 1) * r * d));
-    ++rows.n;
+  return select_aligned_rows({&res}, heldout, max_rows)[0];
+}
+
+std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout,
+                                         int max_rows) {
+  require(!reservoirs.empty(), "select_aligned_rows: no reservoirs");
+  auto token = [](const Reservoir& r, size_t i) { return (uint64_t(r.doc[i]) << 32) | uint32_t(r.position[i]); };
+  // Row index of every token, per reservoir after the first.
+  std::vector<std::unordered_map<uint64_t, size_t>> index(reservoirs.size());
+  for (size_t k = 1; k < reservoirs.size(); ++k)
+    for (size_t i = 0; i < reservoirs[k]->size(); ++i) index[k].emplace(token(*reservoirs[k], i), i);
+  std::vector<FitRows> rows(reservoirs.size());
+  for (size_t k = 0; k < reservoirs.size(); ++k) rows[k].d = reservoirs[k]->d;
+  const Reservoir& first = *reservoirs[0];
+  std::vector<size_t> at(reservoirs.size());
+  for (size_t i = 0; i < first.size() && rows[0].n < max_rows; ++i) {
+    if (bool(first.heldout[i]) != heldout) continue;
+    at[0] = i;
+    bool everywhere = true;
+    for (size_t k = 1; k < reservoirs.size() && everywhere; ++k) {
+      auto it = index[k].find(token(first, i));
+      everywhere = it != index[k].end();
+      if (everywhere) at[k] = it->second;
+    }
+    if (!everywhere) continue;
+    for (size_t k = 0; k < reservoirs.size(); ++k) {
+      const Reservoir& res = *reservoirs[k];
+      const long d = res.d, r = res.group, j = long(at[k]);
+      FitRows& out = rows[k];
+      out.key.insert(out.key.end(), res.key.begin() + j * d, res.key.begin() + (j + 1) * d);
+      out.value.insert(out.value.end(), res.value.begin() + j * d, res.value.begin() + (j + 1) * d);
+      out.query.insert(out.query.end(), res.q.begin() + j * r * d, res.q.begin() + (j + 1) * r * d);
+      ++out.n;
+      out.nq += int(r);
+    }
   }
-  rows.nq = rows.n * r;
   return rows;
 }
 
@@ -207,36 +233,63 @@ double output_error(const std::vector<float>& probs, int nq, const std::vector<f
 
 double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which,
                       const FitRows& rows, double* best_error, double* no_clip_error) {
-  const int d = rows.d, n = rows.n;
+  return fit_clip_ratio(recipe, std::vector<const SideArtifact*>{&side}, which, std::vector<FitRows>{rows},
+                        best_error, no_clip_error);
+}
+
+std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& sides, KvSide which,
+                                        const std::vector<FitRows>& rows, bool float64) {
+  require(!sides.empty() && sides.size() == rows.size(), "rotated_side_by_side: one row set per side");
+  const int d = rows[0].d, n = rows[0].n, span = int(sides.size()), w = span * d;
+  std::vector<float> out(size_t(n) * w), block(size_t(n) * d);
+  for (int k = 0; k < span; ++k) {
+    require(rows[size_t(k)].n == n && rows[size_t(k)].d == d, "rotated_side_by_side: rows are not aligned");
+    const std::vector<float>& x = which == KvSide::Key ? rows[size_t(k)].key : rows[size_t(k)].value;
+    if (float64) {
+      rotate_rows(sides[size_t(k)]->rotation, d, x.data(), n, block.data());
+    } else {
+      const std::vector<float> rot(sides[size_t(k)]->rotation.begin(), sides[size_t(k)]->rotation.end());
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x.data(), d, rot.data(), d,
+                  0.0f, block.data(), d);
+    }
+    for (int t = 0; t < n; ++t) std::copy_n(&block[size_t(t) * d], d, &out[size_t(t) * w + size_t(k) * d]);
+  }
+  return out;
+}
+
+double fit_clip_ratio(const Recipe& recipe, const std::vector<const SideArtifact*>& sides, KvSide which,
+                      const std::vector<FitRows>& rows, double* best_error, double* no_clip_error) {
+  require(!sides.empty() && sides.size() == rows.size(), "clip-ratio fitting: one row set per side");
+  const int d = rows[0].d, n = rows[0].n, span = int(sides.size()), w = span * d;
   require(n > 0, "clip-ratio fitting: the reservoir has no fitting rows (heldout == 0)");
-  const std::vector<float>& x = which == KvSide::Key ? rows.key : rows.value;
-  // Errors are basis-independent, so both metrics are evaluated in the rotated basis; BLAS in
-  // float does the rotations here (fitting only; the codec's own rotation is float64).
-  const std::vector<float> rot(side.rotation.begin(), side.rotation.end());
-  std::vector<float> y(x.size());
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x.data(), d, rot.data(), d,
-              0.0f, y.data(), d);
-  std::vector<float> metric;
-  if (which == KvSide::Key) {
-    // Rᵀ (Σ q qᵀ) R: the query metric in the rotated basis.
-    const std::vector<float> m = query_metric(rows.query, rows.nq, d);
-    std::vector<float> mr(size_t(d) * d);
-    metric.resize(size_t(d) * d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0f, m.data(), d, rot.data(), d,
-                0.0f, mr.data(), d);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0f, rot.data(), d, mr.data(), d,
-                0.0f, metric.data(), d);
-  } else {
-    // Σ_i ‖Σ_j p_ij e_j‖² = Σ_jl (PᵀP)_jl e_j·e_l: one [n, n] Gram matrix serves every candidate.
-    // Attention weights only need q·k, which any common rotation preserves: use the raw rows.
-    const std::vector<float> probs = attention_probs(rows.query, rows.nq, rows.key, n, d);
-    metric.resize(size_t(n) * n);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, rows.nq, 1.0f, probs.data(), n,
-                probs.data(), n, 0.0f, metric.data(), n);
+  // Errors are basis-independent, so both metrics are evaluated in each head's rotated basis.
+  const std::vector<float> y = rotated_side_by_side(sides, which, rows, false);
+  // Per head: the key metric Rᵀ (Σ q qᵀ) R [d, d], or the value Gram matrix PᵀP [n, n]
+  // (Σ_i ‖Σ_j p_ij e_j‖² = Σ_jl (PᵀP)_jl e_j·e_l: one matrix serves every candidate).
+  std::vector<std::vector<float>> metrics(static_cast<size_t>(span));
+  for (int k = 0; k < span; ++k) {
+    const FitRows& r = rows[size_t(k)];
+    std::vector<float>& metric = metrics[size_t(k)];
+    if (which == KvSide::Key) {
+      const std::vector<float> rot(sides[size_t(k)]->rotation.begin(), sides[size_t(k)]->rotation.end());
+      const std::vector<float> m = query_metric(r.query, r.nq, d);
+      std::vector<float> mr(size_t(d) * d);
+      metric.resize(size_t(d) * d);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0f, m.data(), d, rot.data(), d,
+                  0.0f, mr.data(), d);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0f, rot.data(), d, mr.data(), d,
+                  0.0f, metric.data(), d);
+    } else {
+      // Attention weights only need q·k, which any common rotation preserves: use the raw rows.
+      const std::vector<float> probs = attention_probs(r.query, r.nq, r.key, n, d);
+      metric.resize(size_t(n) * n);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, r.nq, 1.0f, probs.data(), n,
+                  probs.data(), n, 0.0f, metric.data(), n);
+    }
   }
   const int group = recipe.group > 0 ? recipe.group : d;
-  SideArtifact candidate = side;
-  std::vector<float> yq(y.size()), err(y.size());
+  SideArtifact candidate = *sides[0];
+  std::vector<float> yq(y.size()), err(size_t(n) * d);
   double best = std::numeric_limits<double>::infinity(), best_ratio = 1.0, none = 0.0;
   int last_rank = -1;
   for (double ratio : clip_ratio_grid()) {
@@ -244,10 +297,17 @@ double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide whi
     if (rank == last_rank) continue;  // same threshold as the previous candidate
     last_rank = rank;
     candidate.clip_ratio = ratio;
-    roundtrip_rotated(recipe, candidate, which, d, y.data(), n, yq.data());
-    for (size_t i = 0; i < y.size(); ++i) err[i] = y[i] - yq[i];
-    const double e = which == KvSide::Key ? weighted_logit_error(err, n, metric, d)
-                                          : gram_error(metric, n, err, d);
+    roundtrip_rotated(recipe, candidate, which, w, y.data(), n, yq.data());
+    double e = 0.0;
+    for (int k = 0; k < span; ++k) {
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < d; ++i) {
+          const size_t at = size_t(t) * w + size_t(k) * d + size_t(i);
+          err[size_t(t) * d + size_t(i)] = y[at] - yq[at];
+        }
+      e += which == KvSide::Key ? weighted_logit_error(err, n, metrics[size_t(k)], d)
+                                : gram_error(metrics[size_t(k)], n, err, d);
+    }
     if (ratio == 1.0) none = e;
     if (e < best) {
       best = e;

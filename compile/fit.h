@@ -40,6 +40,13 @@ struct FitRows {
 // Fitting (heldout == 0) or held-out (heldout == 1) rows of a reservoir, at most max_rows tokens
 // (the first in reservoir order) with their r queries each.
 FitRows select_rows(const Reservoir& reservoir, bool heldout, int max_rows);
+// The same tokens from several reservoirs (the KV heads a spanning quantiser group covers): rows
+// k of every result are one (document, position), in the first reservoir's order. Reservoir
+// priorities depend only on (seed, document, position), so a layer's heads hold the same tokens;
+// a token missing from any reservoir (never, for kvcc's own stats) is skipped. With one
+// reservoir this is select_rows.
+std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout,
+                                         int max_rows);
 
 // The clip-ratio grid searched (1.0 = no clipping is always a candidate).
 const std::vector<double>& clip_ratio_grid();
@@ -66,9 +73,22 @@ std::vector<float> query_metric(const std::vector<float>& query, int nq, int d);
 double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which,
                       const FitRows& rows, double* best_error = nullptr,
                       double* no_clip_error = nullptr);
+// The joint fit of a quantiser group spanning the KV heads `sides` (rows: their aligned rows,
+// select_aligned_rows): candidates code the heads' rotated rows side by side (width
+// sides.size()·d, as roundtrip_layer_page does) and the error is the sum of the heads' errors,
+// each against its own queries. One side is fit_clip_ratio above.
+double fit_clip_ratio(const Recipe& recipe, const std::vector<const SideArtifact*>& sides, KvSide which,
+                      const std::vector<FitRows>& rows, double* best_error = nullptr,
+                      double* no_clip_error = nullptr);
 
 // RMS-normalised rotated coordinates (x / fp16 RMS of its group, as codec_scalar's table codec
 // normalises them) of a side's rows [n, d], for oscar-lm's empirical Lloyd–Max.
+// d is the row width: head_dim, or span·head_dim for rows of a spanning group's heads side by side.
 std::vector<float> normalised_coordinates(const std::vector<float>& rotated, int n, int d, int group);
+// The rotated rows of several heads side by side, [n, span·d] (block k = rows[k] · sides[k].rotation:
+// float64 as the codec's rotate_rows, or float BLAS, faster, where the clip search is insensitive
+// to rounding). rows: aligned (select_aligned_rows).
+std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& sides, KvSide which,
+                                        const std::vector<FitRows>& rows, bool float64);
 
 }  // namespace kvcc

@@ -67,19 +67,37 @@ HeadMetrics MethodReport::layer_mean(int layer) const {
   return m;
 }
 
-HeadMetrics evaluate_head(const Artifact& art, int layer, int head, const std::vector<float>& query,
-                          int nq, const std::vector<float>& key, const std::vector<float>& value, int n) {
-  const int d = art.head_dim;
-  std::vector<float> kq(key.size()), vq(value.size());
+std::vector<HeadMetrics> evaluate_layer(const Artifact& art, int layer, const std::vector<FitRows>& rows) {
+  const int d = art.head_dim, n_kv = art.n_kv_heads, w = n_kv * d;
+  require(int(rows.size()) == n_kv, "evaluate_layer: expected one row set per KV head");
+  const int n = rows[0].n;
+  // The layer's rows side by side, [n, n_kv·d], as the layer codec takes them.
+  std::vector<float> k(size_t(n) * w), v(size_t(n) * w), kq(k.size()), vq(v.size());
+  for (int h = 0; h < n_kv; ++h) {
+    require(rows[size_t(h)].n == n, "evaluate_layer: the KV heads' rows are not aligned");
+    for (int t = 0; t < n; ++t) {
+      std::copy_n(&rows[size_t(h)].key[size_t(t) * d], d, &k[size_t(t) * w + size_t(h) * d]);
+      std::copy_n(&rows[size_t(h)].value[size_t(t) * d], d, &v[size_t(t) * w + size_t(h) * d]);
+    }
+  }
   const int page = art.recipe.page_size > 0 ? art.recipe.page_size : n;
   for (int t0 = 0; t0 < n; t0 += page) {
     const int len = std::min(page, n - t0);
-    const std::vector<float> k_page = roundtrip_page(art, layer, head, KvSide::Key, &key[size_t(t0) * d], len);
-    const std::vector<float> v_page = roundtrip_page(art, layer, head, KvSide::Value, &value[size_t(t0) * d], len);
-    std::copy(k_page.begin(), k_page.end(), kq.begin() + long(size_t(t0) * d));
-    std::copy(v_page.begin(), v_page.end(), vq.begin() + long(size_t(t0) * d));
+    const size_t at = size_t(t0) * w;
+    roundtrip_layer_page(art, layer, KvSide::Key, &k[at], len, &kq[at]);
+    roundtrip_layer_page(art, layer, KvSide::Value, &v[at], len, &vq[at]);
   }
-  return head_metrics(d, layer, head, query, nq, key, value, kq, vq, n);
+  std::vector<HeadMetrics> out;
+  std::vector<float> hk(size_t(n) * d), hv(hk.size());
+  for (int h = 0; h < n_kv; ++h) {
+    for (int t = 0; t < n; ++t) {
+      std::copy_n(&kq[size_t(t) * w + size_t(h) * d], d, &hk[size_t(t) * d]);
+      std::copy_n(&vq[size_t(t) * w + size_t(h) * d], d, &hv[size_t(t) * d]);
+    }
+    const FitRows& r = rows[size_t(h)];
+    out.push_back(head_metrics(d, layer, h, r.query, r.nq, r.key, r.value, hk, hv, n));
+  }
+  return out;
 }
 
 HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
@@ -120,14 +138,16 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
   report.n_layers = c.n_layers;
   report.n_kv_heads = c.n_kv_heads;
   report.head_dim = c.head_dim;
-  std::vector<FitRows> heldout;
-  for (int l = 0; l < c.n_layers; ++l)
-    for (int h = 0; h < c.n_kv_heads; ++h) {
-      heldout.push_back(select_rows(stats.reservoir(l, h), true, max_rows));
-      require(heldout.back().n > 1, "stats have no held-out reservoir rows for layer " +
-                                        std::to_string(l) + " KV head " + std::to_string(h) +
-                                        " (the report evaluates on held-out documents)");
-    }
+  // Per layer, the same held-out tokens in every KV head, so that a quantiser group spanning heads
+  // codes them together (roundtrip_layer_page).
+  std::vector<std::vector<FitRows>> heldout;
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::vector<const Reservoir*> reservoirs;
+    for (int h = 0; h < c.n_kv_heads; ++h) reservoirs.push_back(&stats.reservoir(l, h));
+    heldout.push_back(select_aligned_rows(reservoirs, true, max_rows));
+    require(heldout.back()[0].n > 1, "stats have no held-out reservoir rows (shared by its KV heads) for layer " +
+                                         std::to_string(l) + " (the report evaluates on held-out documents)");
+  }
   for (const CompileOptions& opt : methods) {
     MethodReport mr;
     mr.label = opt.method;
@@ -135,6 +155,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.composition != "UHP") mr.label += "/" + opt.composition;
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != "output") mr.label += "/" + opt.value_target;
     if (!opt.fit_clip) mr.label += "/noclip";
+    if (opt.group >= 0) mr.label += "/g" + std::to_string(opt.group);
     if (opt.method == "commvq") mr.label = "commvq-" + fmt("%g", opt.key_bits);
     auto it = opt.params.find("variant");
     if (it != opt.params.end() && it->second != "mse") mr.label += "/" + it->second;
@@ -145,18 +166,20 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     mr.nominal_bits = nominal_bits(art.recipe);
     mr.effective_bits_32k = effective_bits(art.recipe, c.head_dim, 32768);
     mr.effective_bits_2k = effective_bits(art.recipe, c.head_dim, 2048);
-    for (int l = 0; l < c.n_layers; ++l)
-      for (int h = 0; h < c.n_kv_heads; ++h) {
-        const FitRows& rows = heldout[size_t(l * c.n_kv_heads + h)];
-        if (art.recipe.method == "commvq") {
-          // Keys are coded pre-RoPE: reconstructed at each held-out row's position (same rows).
-          std::vector<float> kq, vq;
-          commvq_reservoir_roundtrip(art, l, h, stats.reservoir(l, h), true, max_rows, rope_inv_freq(c), kq, vq);
-          mr.heads.push_back(head_metrics(c.head_dim, l, h, rows.query, rows.nq, rows.key, rows.value, kq, vq, rows.n));
-          continue;
-        }
-        mr.heads.push_back(evaluate_head(art, l, h, rows.query, rows.nq, rows.key, rows.value, rows.n));
+    for (int l = 0; l < c.n_layers; ++l) {
+      if (art.recipe.method != "commvq") {
+        for (HeadMetrics& h : evaluate_layer(art, l, heldout[size_t(l)])) mr.heads.push_back(h);
+        continue;
       }
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        // Keys are coded pre-RoPE: reconstructed at each held-out row's position. commvq codes
+        // whole rows per head, so the head's own held-out selection is used (as select_rows).
+        const FitRows rows = select_rows(stats.reservoir(l, h), true, max_rows);
+        std::vector<float> kq, vq;
+        commvq_reservoir_roundtrip(art, l, h, stats.reservoir(l, h), true, max_rows, rope_inv_freq(c), kq, vq);
+        mr.heads.push_back(head_metrics(c.head_dim, l, h, rows.query, rows.nq, rows.key, rows.value, kq, vq, rows.n));
+      }
+    }
     if (show_progress)
       std::cerr << "report: " << mr.label << " done (compile " << fmt("%.2f", mr.compile_seconds) << " s)\n";
     report.methods.push_back(std::move(mr));

@@ -1,16 +1,18 @@
 // The attention-level report (`kvcc report`): every method compiled in memory from one stats file
 // and evaluated on the reservoir's held-out rows (documents never used for fitting), per layer and
 // KV head. Held-out rows are cut into pages of the recipe's page size (KIVI and KVarN quantise a
-// page at a time) and coded with formats/kv_codec.h. Attention here is a proxy: each held-out
-// query attends over all held-out keys of its (layer, KV head) (softmax(q kᵀ/√d)), since the
-// reservoir holds rows from many documents; sink/recent windows are not applied (the report
-// measures the quantised tier itself).
+// page at a time) and coded with formats/kv_codec.h's layer codec (all KV heads of a layer at
+// once, on the same held-out tokens, so groups spanning KV heads are evaluated as coded).
+// Attention here is a proxy: each held-out query attends over all held-out keys of its (layer,
+// KV head) (softmax(q kᵀ/√d)), since the reservoir holds rows from many documents; sink/recent
+// windows are not applied (the report measures the quantised tier itself).
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "compile/compile.h"
+#include "compile/fit.h"
 #include "formats/artifact.h"
 #include "formats/stats.h"
 
@@ -40,12 +42,13 @@ struct AttentionReport {
   std::vector<MethodReport> methods;
 };
 
-// Metrics of one (layer, KV head) of an artifact on the given rows (model basis).
-HeadMetrics evaluate_head(const Artifact& artifact, int layer, int head, const std::vector<float>& query,
-                          int nq, const std::vector<float>& key, const std::vector<float>& value, int n);
+// Metrics of every KV head of one layer of an artifact on the given rows (model basis; one FitRows
+// per KV head, aligned: the same tokens, select_aligned_rows), coded page by page with the layer
+// codec roundtrip_layer_page, so quantiser groups spanning KV heads are evaluated as coded.
+std::vector<HeadMetrics> evaluate_layer(const Artifact& artifact, int layer, const std::vector<FitRows>& rows);
 
-// Metrics from given reconstructions kq, vq of the rows (evaluate_head's second half; commvq,
-// whose keys need their positions, reconstructs them itself).
+// Metrics from given reconstructions kq, vq of one head's rows (evaluate_layer's second half;
+// commvq, whose keys need their positions, reconstructs them itself).
 HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
                          const std::vector<float>& key, const std::vector<float>& value,
                          const std::vector<float>& kq, const std::vector<float>& vq, int n);

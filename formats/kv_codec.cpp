@@ -28,11 +28,13 @@ bool is_uniform_method(const std::string& m) {
   return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
 }
 
+// `d` is the width of the rows being coded: head_dim, or span·head_dim for a group that spans
+// several KV heads (roundtrip_layer_page concatenates the heads' rotated rows).
 int channel_group(const Recipe& recipe, int d) {
   const int g = recipe.group > 0 ? recipe.group : d;
   require(g <= d && d % g == 0, "recipe group " + std::to_string(g) +
-                                    " must divide head_dim " + std::to_string(d) +
-                                    " for the per-head codec");
+                                    " must divide the coded row width " + std::to_string(d) +
+                                    " (head_dim, or the heads a spanning group covers)");
   return g;
 }
 
@@ -302,6 +304,61 @@ std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_he
   roundtrip_page(artifact.recipe, which == KvSide::Key ? h.key : h.value, which, artifact.head_dim,
                  rows, n, out.data());
   return out;
+}
+
+bool method_spans_heads(const std::string& method) {
+  return is_uniform_method(method) || method == "oscar-lm";
+}
+
+int group_span(const Recipe& recipe, int d, int n_kv) {
+  if (recipe.group <= d || recipe.method == "kivi") return 1;  // kivi: group = key tokens
+  const int g = recipe.group;
+  require(method_spans_heads(recipe.method),
+          "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) + ": method " +
+              recipe.method + " cannot span KV heads (only oscar, oscar-lm, hadamard, identity and "
+              "random quantise per-token channel groups that can)");
+  require(g % d == 0 && (n_kv * d) % g == 0,
+          "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) +
+              ", so it must be a multiple of head_dim dividing n_kv_heads*head_dim = " +
+              std::to_string(n_kv * d) + " (a group spans whole KV heads of one token)");
+  return g / d;
+}
+
+void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
+                          float* out) {
+  require(layer >= 0 && layer < artifact.n_layers,
+          "artifact has no layer " + std::to_string(layer));
+  if (n <= 0) return;
+  const Recipe& recipe = artifact.recipe;
+  const int d = artifact.head_dim, n_kv = artifact.n_kv_heads, width = n_kv * d;
+  const int span = group_span(recipe, d, n_kv);
+  const int w = span * d;  // coded row width: the heads of one spanning group, side by side
+  std::vector<float> x(size_t(n) * d), y(size_t(n) * w), yq(size_t(n) * w), head(size_t(n) * d);
+  for (int h0 = 0; h0 < n_kv; h0 += span) {
+    auto side_of = [&](int h) -> const SideArtifact& {
+      const HeadArtifact& ha = artifact.head(layer, h);
+      return which == KvSide::Key ? ha.key : ha.value;
+    };
+    const SideArtifact& first = side_of(h0);
+    for (int k = 0; k < span; ++k) {
+      const SideArtifact& s = side_of(h0 + k);
+      // One group has one clip ratio / level table: compile stores the joint fit in every head.
+      require(s.clip_ratio == first.clip_ratio && s.levels == first.levels,
+              "artifact: layer " + std::to_string(layer) + " KV heads " + std::to_string(h0) + " and " +
+                  std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio or levels");
+      for (int t = 0; t < n; ++t)
+        std::copy_n(rows + size_t(t) * width + size_t(h0 + k) * d, d, &x[size_t(t) * d]);
+      rotate_rows(s.rotation, d, x.data(), n, head.data());
+      for (int t = 0; t < n; ++t) std::copy_n(&head[size_t(t) * d], d, &y[size_t(t) * w + size_t(k) * d]);
+    }
+    roundtrip_rotated(recipe, first, which, w, y.data(), n, yq.data());
+    for (int k = 0; k < span; ++k) {
+      for (int t = 0; t < n; ++t) std::copy_n(&yq[size_t(t) * w + size_t(k) * d], d, &head[size_t(t) * d]);
+      unrotate_rows(side_of(h0 + k).rotation, d, head.data(), n, x.data());
+      for (int t = 0; t < n; ++t)
+        std::copy_n(&x[size_t(t) * d], d, out + size_t(t) * width + size_t(h0 + k) * d);
+    }
+  }
 }
 
 double std_imbalance(const float* tile, int rows, int cols) {

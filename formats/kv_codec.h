@@ -11,6 +11,7 @@
 //   oscar, hadamard, identity, random (uniform grid, codec_scalar.h):
 //       per row, per group of G = recipe.group (0: d) consecutive channels: thr = clip_threshold
 //       (the ⌊clip_ratio·G⌋-th smallest |y|), quantize_uniform at B bits, fp16 scale and zero.
+//       G > d (also oscar-lm): a group spans G/d KV heads of one token (roundtrip_layer_page).
 //   oscar-lm (level table): per row and group, quantize_table with side.levels (2^B levels in RMS
 //       units; fp16 RMS scale).
 //   turboquant: Lloyd–Max level table on the randomly rotated row, like oscar-lm, but the groups
@@ -34,6 +35,7 @@
 //       T̂ = Ĉ · s_r · s_c.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "formats/artifact.h"
@@ -61,6 +63,24 @@ void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which
                     const float* rows, int n, float* out);
 std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
                                   const float* rows, int n);
+
+// All KV heads of one layer at once: rows and out are [n, n_kv * d] (token-major; KV head h holds
+// channels [h*d, (h+1)*d)). Equal to roundtrip_page per head when the recipe's group is <= d.
+// When recipe.group > d (a multiple of d dividing n_kv*d: small head_dim) one quantiser group spans
+// group/d consecutive KV heads of the same token: each head is rotated by its own rotation, the
+// rotated rows are quantised together per group, then each head is rotated back. The heads of a
+// group must hold the same clip ratio / level table (compile stores the joint fit in each).
+void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
+                          float* out);
+
+// Whether a method's quantiser groups may span KV heads (recipe.group > head_dim): the per-token
+// channel-group codecs oscar, oscar-lm, hadamard, identity, random. kivi's group is its key token
+// group (values stay within a head), and turboquant, kvarn, commvq code whole head rows or tiles.
+bool method_spans_heads(const std::string& method);
+// KV heads per quantiser group: 1 when recipe.group <= d (and for kivi); group/d when it spans
+// heads. Throws a clear error for a group that cannot span (method, or not a multiple of d
+// dividing n_kv*d).
+int group_span(const Recipe& recipe, int d, int n_kv);
 
 // KVarN's balancing of one tile [rows, cols] (row-major): returns the fp16-rounded column and row
 // scales of the most balanced iterate (semantics above).

@@ -11,11 +11,12 @@
 namespace kvcc {
 
 void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs,
-                     std::vector<float>& keys, std::vector<float>& values) {
+                     std::vector<float>& keys, std::vector<float>& values, int64_t length) {
   require(cache.memory() == PoolMemory::Host, "attention_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
-  const int64_t n = cache.length(seq);
+  require(length <= cache.length(seq), "attention_ref: length beyond the sequence's");
+  const int64_t n = length < 0 ? cache.length(seq) : length;
   const KvTiers t = tiers_of(g, n);
   const std::vector<int32_t>& pages = cache.page_table(seq);
   keys.assign(size_t(n) * size_t(H) * size_t(d), 0.0f);
@@ -132,14 +133,14 @@ void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, c
 
 void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k,
                  const float* v, int n_heads, const float* rot_k, const float* rot_v,
-                 const HeadCodec* codecs, float sm_scale, float* out) {
+                 const HeadCodec* codecs, float sm_scale, float* out, int64_t length) {
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
   require(n_heads % H == 0, "prefill: query heads not a multiple of KV heads");
   const int r = n_heads / H;
   std::vector<float> keys, values;
-  gather_sequence(cache, layer, seq, codecs, keys, values);
-  const int64_t n0 = cache.length(seq);
+  gather_sequence(cache, layer, seq, codecs, keys, values, length);
+  const int64_t n0 = length < 0 ? cache.length(seq) : length;
   keys.resize((size_t(n0) + size_t(T)) * size_t(H) * size_t(d));
   values.resize(keys.size());
   std::vector<double> tmp(static_cast<size_t>(d));

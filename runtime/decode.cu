@@ -1,15 +1,16 @@
 // Decode attention over the paged mixed-precision cache (and the BF16 paged baseline), on
-// tensor cores (mma.sync m16n8k16). docs/runtime.md explains the design; in short:
+// tensor cores (mma.sync). docs/runtime.md explains the design; in short:
 //
 //  - One CTA = (split, KV head, sequence), 4 warps. All query heads of the KV group (<= 8) are the
 //    n = 8 columns of the MMAs, so each K/V byte is read once per group. Keys are the M rows:
 //    Sᵀ[16 tokens × 8 heads] = K[16 × 128] · Qᵀ, then Oᵀ[128 × 8] += Vᵀ[128 × 16 tokens] · Pᵀ.
 //    Pᵀ comes from the Sᵀ accumulators by one movmatrix.trans per 8×8 block.
-//  - INT2 history: the codes become fp16 operands with one LOP3 per two codes: code bits masked
-//    into the fp16 mantissa under the exponent of 1.0 give 1 + κ·c exactly (κ = 1/4 or 1/16 by
-//    the bit position). The scale/zero fold (DESIGN.md) is applied once per token:
-//      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,
-//    with q·c recovered from the MMA as acc − Σ(q/κ), and Σ(p·s)·c as (acc − Σ p·s)/κ.
+//  - INT2 history. Keys: int8 MMAs (m16n8k32); one AND turns a code word into 4 int8 codes, the
+//    query is int8 hi + lo (made once per head by rotate_queries), so q·c is exact integer
+//    arithmetic. Values: fp16 MMAs (m16n8k16); one LOP3 turns two codes into fp16 operands
+//    1 + κ·c (code bits masked into the mantissa under the exponent of 1.0, κ = 1/4 or 1/16).
+//    The scale/zero fold (DESIGN.md) is applied once per token:
+//      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,  Σ(p·s)·c = (acc − Σ p·s)/κ.
 //  - BF16 sink and ring (and the baseline's pages) are extra splits of the same launch; one
 //    merge kernel combines the splits' (max, sum, output) by log-sum-exp and rotates by R_vᵀ.
 #include <cuda_bf16.h>
@@ -22,41 +23,39 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "formats/kv_layout.h"
 #include "runtime/kv_kernels.h"
 
 namespace kvcc {
 namespace {
 
-// How INT2 pages reach the registers. 2: cp.async into a 3-stage per-warp shared-memory ring
-// (two pages in flight, no registers held, 3 CTAs per SM); 1: two pages double-buffered in
-// registers (2 CTAs per SM); 0: one page at a time (3 CTAs per SM).
-#ifndef KVCC_DECODE_PREFETCH
-#define KVCC_DECODE_PREFETCH 2
+// Pages in each warp's cp.async ring (ring - 1 in flight while one is computed). Two builds of
+// the INT2 kernel: a 3-stage ring at 3 CTAs per SM (what shared memory fits), and a 2-stage ring
+// at 4 CTAs per SM (registers capped at 128): more warps to hide latency, less prefetch per warp.
+// The plan picks the second when there are enough long splits to fill its waves (plan_splits);
+// DecodeShape::ring forces one (tests, and A/B runs through bench_decode's KVCC_RING).
+constexpr int kRingDeep = 3, kRingWide = 2;
+constexpr int ctas_per_sm(int ring) { return ring == kRingWide ? 4 : 3; }
+// Lazy online softmax: the running max moves only when a logit exceeds it by more than this many
+// log2 units, so p <= 2^slack and most tiles skip the warp reduction and the rescale. Negative:
+// move it on every tile. p·s_v is an fp16 operand, so 2^slack·s_v must stay far below 65504.
+#ifndef KVCC_DECODE_SLACK
+#define KVCC_DECODE_SLACK 4.0f
 #endif
-// Pages in each warp's cp.async ring (kStages - 1 in flight while one is computed) and the CTAs
-// per SM the kernel is compiled for (3 stages fit 3 CTAs in shared memory; 2 stages fit 4, which
-// caps registers at 128). Compile-time, so that scripts/gpu_perf.sh can compare variants in one
-// run; the defaults are the fastest measured on the H200 (docs/runtime.md, tuning log).
-#ifndef KVCC_DECODE_STAGES
-#define KVCC_DECODE_STAGES 3
-#endif
-#ifndef KVCC_DECODE_MIN_BLOCKS
-#define KVCC_DECODE_MIN_BLOCKS 3
-#endif
-constexpr int kStages = KVCC_DECODE_STAGES;
-static_assert(kStages >= 2, "the page ring needs at least two stages");
-// Waves of resident CTAs the default split-K plan aims at once there are many (sequence, KV head)
-// pairs (plan_splits).
-#ifndef KVCC_DECODE_WAVES
-#define KVCC_DECODE_WAVES 2
-#endif
+constexpr float kSlack = KVCC_DECODE_SLACK;
 constexpr int kPageBytes = 4608;  // one (page, layer, head) block at P = 64, d = 128, G = d
 
 constexpr int kD = 128;      // head_dim of the tensor-core kernel
 constexpr int kHeads = 8;    // MMA n: query heads per KV head, padded
 constexpr int kWarps = 4;
+// Per-warp output slab of the CTA's final reduction: [kHeads][kSlabRow] floats, rows padded
+// against shared-memory bank conflicts (the final sum adds exactly 4 slabs).
+static_assert(kWarps == 4, "the slab sum is written for 4 warps");
+constexpr int kSlabRow = kD + 4, kSlabFloats = kHeads * kSlabRow;
+constexpr size_t kSlabBytes = size_t(kWarps) * kSlabFloats * sizeof(float);
 constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxTableHeads = 64;  // KV heads the level-table kernel takes (its tables are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
 
 void check_cuda(cudaError_t e, const char* what) {
@@ -77,6 +76,14 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// Integer MMA: int8 A (row) × int8 B (col), exact int32 accumulation. A = key codes, B = query.
+__device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t a) {
   uint32_t d;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
@@ -87,10 +94,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
 }
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -106,7 +109,7 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-// Two codes (bit position 2j of each 16-bit half of w) as two fp16 values 1 + κ_j·c.
+// Two value codes (bit position 2j of each 16-bit half of w) as two fp16 values 1 + κ_j·c.
 // Bits land at mantissa bits 8–9 (κ = 1/4) or 6–7 (κ = 1/16); one shift is shared by two j.
 struct CodeMasks {
   uint32_t m8, m6, one;
@@ -145,11 +148,19 @@ struct DecodeArgs {
   const int32_t* page_table;
   // queries and split plan
   const float* q_rot;  // [batch, n_heads, 128]
+  // The query of the INT2 key MMAs (rotate_queries; int8, or fp16 for the level-table kernel):
+  // per (sequence, KV head, head of the group, t) the 16 B-fragment words of thread (g = head, t)
+  // (KeyQuery::frag); per (sequence, KV head, head) its sum and logit scale (KeyQuery).
+  const uint4* qk8;    // [batch, n_kv, 8 heads, 4 t, 4]
+  const float* qk_sc;  // [batch, n_kv, 8, 2]
   int n_heads, group_heads;
   float sm_scale_log2;  // sm_scale · log2(e)
   int paged_splits, units_per_split, total_splits, win_tiles_per_split;
   float* part_o;   // [batch, n_kv, total_splits, 8, 128]
   float* part_ml;  // [batch, n_kv, total_splits, 8, 2]
+  // Level-table kernel only: per KV head and side (K, V) the code values L(0..3) as fp16,
+  // (L0 | L1 << 16, L2 | L3 << 16); (0, 1, 2, 3) for a head on the uniform grid.
+  uint32_t tables[kMaxTableHeads][2][2];
 };
 
 struct WarpState {
@@ -180,9 +191,20 @@ __device__ __forceinline__ float warp_sum_over_rows(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-// New running max for the thread's two head columns; rescales the state; returns the max to
-// subtract (0 while nothing has been seen, so exp2(-inf - 0) = 0).
+// Running max for the thread's two head columns (the tile's maxima mx0, mx1 are this thread's);
+// rescales the state when it moves; returns the max to subtract (0 while nothing has been seen,
+// so exp2(-inf - 0) = 0). kLazy (INT2 pages): the max moves only when a logit exceeds it by more
+// than kSlack, decided by one vote, so most pages skip the reductions and the rescale. The BF16
+// tiles keep the exact max (BF16 P has no fp16 range to respect; measured: the vote slowed the
+// BF16 baseline kernel at large batch).
+template <bool kLazy>
 __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float mx1, float (&msub)[2]) {
+  if (kLazy && kSlack >= 0.0f &&
+      !__any_sync(0xffffffffu, mx0 > st.m[0] + kSlack || mx1 > st.m[1] + kSlack)) {  // (-inf + slack = -inf)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) msub[c] = (st.m[c] == -INFINITY) ? 0.0f : st.m[c];
+    return;
+  }
   const float mx[2] = {warp_max_over_rows(mx0), warp_max_over_rows(mx1)};
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
@@ -201,53 +223,37 @@ __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float m
   }
 }
 
-// The bytes one warp reads for a 64-token INT2 page: per 16-token subtile s, the K code words of
-// tokens g and g+8 (8 bytes at 8t), the V code words of tokens 2t, 2t+1, 2t+8, 2t+9 (4 bytes at
-// 4g), and the (scale, zero) pairs of tokens g and g+8.
-struct PageRegs {
+// The bytes one warp reads of a 64-token INT2 page (staged in shared memory): per 16-token
+// subtile s, the K code words of tokens g and g+8 (8 bytes at 8t) and their (scale, zero) pairs;
+// then the V code words of tokens 2t, 2t+1, 2t+8, 2t+9 (4 bytes at 4g) and the (scale, zero)
+// pairs of tokens g and g+8. Keys and values are loaded separately, just before their MMAs, so
+// that fewer registers are live at once.
+struct KeyRegs {
   uint2 kw[4][2];
-  uint32_t vw[4][4], kp[4][2], vp[4][2];
+  uint32_t kp[4][2];
 };
-
-#if KVCC_DECODE_PREFETCH != 2
-__device__ __forceinline__ void load_page(const uint8_t* blk, PageRegs& d, int g, int t) {
-  const uint8_t* kc = blk;
-  const uint8_t* vc = blk + 64 * 32;
+struct ValueRegs {
+  uint32_t vw[4][4], vp[4][2];
+};
+__device__ __forceinline__ void load_keys(const uint8_t* blk, KeyRegs& d, int g, int t) {
   const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32);
-  const uint32_t* vpar = kpar + 64;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    d.kw[s][0] = __ldg(reinterpret_cast<const uint2*>(kc + (16 * s + g) * 32 + 8 * t));
-    d.kw[s][1] = __ldg(reinterpret_cast<const uint2*>(kc + (16 * s + g + 8) * 32 + 8 * t));
-    d.vw[s][0] = __ldg(reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * 32 + 4 * g));
-    d.vw[s][1] = __ldg(reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * 32 + 4 * g));
-    d.vw[s][2] = __ldg(reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * 32 + 4 * g));
-    d.vw[s][3] = __ldg(reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * 32 + 4 * g));
-    d.kp[s][0] = __ldg(kpar + 16 * s + g);
-    d.kp[s][1] = __ldg(kpar + 16 * s + g + 8);
-    d.vp[s][0] = __ldg(vpar + 16 * s + g);
-    d.vp[s][1] = __ldg(vpar + 16 * s + g + 8);
+    d.kw[s][0] = *reinterpret_cast<const uint2*>(blk + (16 * s + g) * 32 + 8 * t);
+    d.kw[s][1] = *reinterpret_cast<const uint2*>(blk + (16 * s + g + 8) * 32 + 8 * t);
+    d.kp[s][0] = kpar[16 * s + g];
+    d.kp[s][1] = kpar[16 * s + g + 8];
   }
 }
-
-#endif
-
-// The same fragments from a page block staged in shared memory.
-__device__ __forceinline__ void load_page_shared(const uint8_t* blk, PageRegs& d, int g, int t) {
-  const uint8_t* kc = blk;
+__device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, int g, int t) {
   const uint8_t* vc = blk + 64 * 32;
-  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32);
-  const uint32_t* vpar = kpar + 64;
+  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32) + 64;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    d.kw[s][0] = *reinterpret_cast<const uint2*>(kc + (16 * s + g) * 32 + 8 * t);
-    d.kw[s][1] = *reinterpret_cast<const uint2*>(kc + (16 * s + g + 8) * 32 + 8 * t);
     d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * 32 + 4 * g);
     d.vw[s][1] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * 32 + 4 * g);
     d.vw[s][2] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * 32 + 4 * g);
     d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * 32 + 4 * g);
-    d.kp[s][0] = kpar[16 * s + g];
-    d.kp[s][1] = kpar[16 * s + g + 8];
     d.vp[s][0] = vpar[16 * s + g];
     d.vp[s][1] = vpar[16 * s + g + 8];
   }
@@ -263,54 +269,109 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// One 64-token INT2 page already in registers. kq: the K B-fragments (fp16, q/qscale/κ);
-// sq1 = Σ(q/qscale/κ), sq0 = Σ(q/qscale) for the thread's two head columns;
-// cscale = qscale·sm_scale·log2e.
-__device__ __forceinline__ void int2_page(const PageRegs& d, const uint32_t (&kq)[8][2],
-                                          const float (&sq1)[2], const float (&sq0)[2],
-                                          float cscale, WarpState& st) {
+// The query side of the int8 key MMAs (made by rotate_queries). Channel c of a key code row sits
+// in byte c/4 at bits 2·f, f = c % 4; a code word masked with 0x03030303 (f = 0), 0x0C0C0C0C
+// (f = 1, codes ×4), and the same after >> 4 (f = 2, 3) gives 4 int8 codes of field f, the A
+// fragment; the B fragment is the query's int8 hi or lo part for the same channels.
+// The level-table kernel's keys are fp16 MMAs instead: each A register holds the fp16 values
+// L(c) of two codes of one token (a byte-permute lookup in the head's table), the B fragment
+// the fp16 query q/max|q|.
+constexpr int kLoScale = 254;
+struct KeyQuery {
+  // B fragments. int8: hi[f][chunk] = frag[2f + chunk], lo[f][chunk] = frag[8 + 2f + chunk];
+  // level table: MMA m's (b0, b1) = (frag[2m], frag[2m + 1]).
+  uint32_t frag[16];
+  float sum[2];    // per head column 2t + c: Σ of the query as the MMAs see it (int8: exact integer)
+  float scale[2];  // per head column: the logit scale (int8: max|q|/127/254; table: max|q|) · sm_scale · log2e
+};
+
+// Two codes as two fp16 code values: x holds them at bits 0-1 and 8-9; the selector picks bytes
+// (2c0, 2c0 + 1, 2c1, 2c1 + 1) of the 8-byte table (lo, hi).
+__device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t hi) {
+  return __byte_perm(lo, hi, x * 0x22u + 0x1010u);
+}
+
+// One 64-token INT2 page block, staged in shared memory at blk. kTable: code values from the
+// head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs.
+template <bool kTable>
+__device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, WarpState& st, int g, int t,
+                                          const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
   const CodeMasks km{0x03000300u, 0x00C000C0u, 0x3C003C00u};
-  const auto& kw = d.kw;
-  const auto& vw = d.vw;
-  const auto& kp = d.kp;
-  const auto& vp = d.vp;
+  KeyRegs kr;
+  load_keys(blk, kr, g, t);
+  const auto& kw = kr.kw;
+  const auto& kp = kr.kp;
   float sc[4][4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sc[s][i] = 0.0f;
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const int j0 = (2 * kb) & 7, j1 = (2 * kb + 1) & 7;
-      const uint32_t wg = (kb >> 2) ? kw[s][0].y : kw[s][0].x;
-      const uint32_t wg8 = (kb >> 2) ? kw[s][1].y : kw[s][1].x;
-      mma_f16(sc[s], code_pair(wg, j0, km), code_pair(wg8, j0, km), code_pair(wg, j1, km), code_pair(wg8, j1, km),
-              kq[kb][0], kq[kb][1]);
-    }
-  }
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int s = 0; s < 4; ++s)
+  for (int s = 0; s < 4; ++s) {
+    if (kTable) {
+      // MMA m = 4·word + f takes field f of the thread's code word `word` (bytes 8t + 4·word ..),
+      // bytes (0, 1) as a0 / a1 (tokens g, g + 8) and bytes (2, 3) as a2 / a3.
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int f = m & 3;
+        const uint32_t wg = (m >> 2) ? kw[s][0].y : kw[s][0].x;
+        const uint32_t wg8 = (m >> 2) ? kw[s][1].y : kw[s][1].x;
+        mma_f16(acc, table_pair((wg >> (2 * f)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg8 >> (2 * f)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg8 >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]), q.frag[2 * m], q.frag[2 * m + 1]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 2 * r + c;
+          const float x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
+          sc[s][i] = x;
+          if (c) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+        }
+      }
+      continue;
+    }
+    int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
+    // A fragment words: token g chunk 0, token g+8 chunk 0, token g chunk 1, token g+8 chunk 1.
+    const uint32_t w[4] = {kw[s][0].x, kw[s][1].x, kw[s][0].y, kw[s][1].y};
+    uint32_t w4[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w4[k] = __umulhi(w[k], 1u << 28);  // w >> 4 on the FMA pipe
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const uint32_t* src = f < 2 ? w : w4;
+      const uint32_t m = (f & 1) ? 0x0C0C0C0Cu : 0x03030303u;
+      const uint32_t a0 = src[0] & m, a1 = src[1] & m, a2 = src[2] & m, a3 = src[3] & m;
+      mma_s8(hi, a0, a1, a2, a3, q.frag[2 * f], q.frag[2 * f + 1]);
+      mma_s8(lo, a0, a1, a2, a3, q.frag[8 + 2 * f], q.frag[8 + 2 * f + 1]);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // token g (r = 0) or g + 8
       const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
-      const float sc_tok = sz.x * cscale;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {  // head column 2t + c
         const int i = 2 * r + c;
-        const float x = fmaf(-sz.y, sq0[c], sc[s][i] - sq1[c]) * sc_tok;
+        const float qc = float(hi[i] * kLoScale + lo[i]);  // exact: |.| < 2^24
+        // The logit without its per-column scale (q.scale > 0), which enters with the max.
+        const float x = fmaf(-sz.y, q.sum[c], qc) * sz.x;
         sc[s][i] = x;
         if (c) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
       }
     }
+  }
   float msub[2];
-  online_rescale(st, mx0, mx1, msub);
+  online_rescale<true>(st, mx0 * q.scale[0], mx1 * q.scale[1], msub);
+  ValueRegs vr;
+  load_values(blk, vr, g, t);
+  const auto& vw = vr.vw;
+  const auto& vp = vr.vp;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      pr[i] = fast_exp2(sc[s][i] - msub[i & 1]);
+      pr[i] = fast_exp2(fmaf(sc[s][i], q.scale[i & 1], -msub[i & 1]));
       st.l[i & 1] += pr[i];
     }
     // P' = p·s_v rounded to fp16 (the MMA operand); Σ P' and Σ P'·z from the same rounded values.
@@ -325,6 +386,20 @@ __device__ __forceinline__ void int2_page(const PageRegs& d, const uint32_t (&kq
     st.spz[1] = fmaf(f01.y, v0.y, fmaf(f23.y, v1.y, st.spz[1]));
     const uint32_t b01 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h01));
     const uint32_t b23 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h23));
+    if (kTable) {
+      // Bytes of tokens (2t, 2t + 1) interleaved: [b0, b0', b1, b1'] and [b2, b2', b3, b3'];
+      // MMA j's rows g and g + 8 are channels 16g + j and 16g + 8 + j, as on the uniform path.
+      const uint32_t i01 = __byte_perm(vw[s][0], vw[s][1], 0x5140), i01h = __byte_perm(vw[s][0], vw[s][1], 0x7362);
+      const uint32_t i23 = __byte_perm(vw[s][2], vw[s][3], 0x5140), i23h = __byte_perm(vw[s][2], vw[s][3], 0x7362);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int sh = 2 * (j & 3) + 16 * (j >> 2);
+        mma_f16(st.o[j], table_pair((i01 >> sh) & 0x0303u, tv[0], tv[1]),
+                table_pair((i01h >> sh) & 0x0303u, tv[0], tv[1]), table_pair((i23 >> sh) & 0x0303u, tv[0], tv[1]),
+                table_pair((i23h >> sh) & 0x0303u, tv[0], tv[1]), b01, b23);
+      }
+      continue;
+    }
     const uint32_t lo_a = __byte_perm(vw[s][0], vw[s][1], 0x5410);
     const uint32_t hi_a = __byte_perm(vw[s][0], vw[s][1], 0x7632);
     const uint32_t lo_b = __byte_perm(vw[s][2], vw[s][3], 0x5410);
@@ -385,7 +460,7 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
     if (i & 1) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
   }
   float msub[2];
-  online_rescale(st, mx0, mx1, msub);
+  online_rescale<false>(st, mx0, mx1, msub);
   float ps[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -409,134 +484,96 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
 
 enum class Mode { Int2, Bf16Paged };
 
-template <Mode kMode>
-__global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : KVCC_DECODE_MIN_BLOCKS) decode_kernel(DecodeArgs a) {
+// kTable: INT2 pages decoded through the per-head level tables (DecodeArgs::tables).
+template <Mode kMode, int kRing, bool kTable = false>
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(DecodeArgs a) {
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   __shared__ float qs[kHeads][kD];
-  __shared__ float o_sum[kHeads][kD];
   __shared__ float w_m[kWarps][kHeads], w_l[kWarps][kHeads];
-  __shared__ float red[kWarps];
-  __shared__ float qsum[kHeads][2];
 
   asm volatile("griddepcontrol.launch_dependents;");
   const int len = a.seq_len[b];
   const int r = a.group_heads;
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // q_rot comes from rotate_queries
-  for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
-    const int hh = i / kD, c = i % kD;
-    qs[hh][c] = hh < r ? a.q_rot[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
-    o_sum[hh][c] = 0.0f;
-  }
-  __syncthreads();
-
-  WarpState st;
-  state_init(st);
   // Which work this split does.
   const bool int2_split = kMode == Mode::Int2 && split < a.paged_splits;
   const bool paged_split = kMode == Mode::Bf16Paged;
   const bool win_split = kMode == Mode::Int2 && split >= a.paged_splits;
+  // INT2 pages reach shared memory by cp.async, kRing - 1 in flight per warp: page k of this
+  // warp is p0 + warp + k·kWarps and lands in ring stage k % kRing.
+  int p0 = 0, n_mine = 0;
+  const int32_t* pt = a.page_table;
+  if (int2_split) {
+    const int n_pages = int(tiers_of(a.geo, len).hist_tokens / a.geo.page_tokens);
+    p0 = split * a.units_per_split;
+    const int p1 = min(n_pages, p0 + a.units_per_split);
+    n_mine = p0 + warp < p1 ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
+    pt += a.page_offset[b];
+  }
+  extern __shared__ uint4 dyn_smem[];  // INT2: the page ring [kWarps][kRing][kPageBytes]; then the output slabs
+  uint8_t* ring = reinterpret_cast<uint8_t*>(dyn_smem) + size_t(warp) * kRing * kPageBytes;
+  // The page ids of 32 consecutive k, one per lane, loaded together: no dependent global load
+  // stands between a page's turn and its cp.async. (issue() runs warp-uniformly, k ascending.)
+  int ids = 0;
+  auto issue = [&](int k) {
+    if ((k & 31) == 0) ids = k + lane < n_mine ? pt[p0 + warp + (k + lane) * kWarps] : 0;
+    const int id = __shfl_sync(0xffffffffu, ids, k & 31);
+    if (k < n_mine) {
+      const uint8_t* src = a.pages + a.geo.page_block_offset(id, a.layer, h);
+      uint8_t* dst = ring + (k % kRing) * kPageBytes;
+#pragma unroll
+      for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
+    }
+    cp_async_commit();  // an empty group keeps the wait count uniform
+  };
+  // The cache does not depend on rotate_queries: the first pages' loads overlap it.
+  if (int2_split)
+#pragma unroll
+    for (int k = 0; k < kRing - 1; ++k) issue(k);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the query comes from rotate_queries
+  if (!int2_split) {
+    for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
+      const int hh = i / kD, c = i % kD;
+      qs[hh][c] = hh < r ? a.q_rot[(size_t(b) * a.n_heads + size_t(h) * r + hh) * kD + c] : 0.0f;
+    }
+    __syncthreads();
+  }
+
+  WarpState st;
+  state_init(st);
   bool int2_path = false;
 
   if (int2_split) {
     int2_path = true;
-    // Normalise q by its largest |value| in the group so that q/κ (up to 16·q) fits fp16.
-    float amax = 0.0f;
+    // The query fragments of head g (zero for padding heads) and the columns' sums and scales.
+    KeyQuery kq;
+    const size_t qb = (size_t(b) * a.n_kv + h) * kHeads;
+    const uint4 zero4 = make_uint4(0, 0, 0, 0);
+    uint4 w[4];
 #pragma unroll
-    for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) amax = fmaxf(amax, fabsf((&qs[0][0])[i]));
+    for (int k = 0; k < 4; ++k) w[k] = g < r ? a.qk8[((qb + g) * 4 + t) * 4 + k] : zero4;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    if (lane == 0) red[warp] = amax;
-    __syncthreads();
-    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    const float qscale = amax > 0.0f ? amax : 1.0f;
-    const float qinv = 1.0f / qscale;
-    // Σ over channels of exactly the fp16 operands the MMAs see: warp w sums heads 2w, 2w+1.
+    for (int k = 0; k < 16; ++k) kq.frag[k] = reinterpret_cast<const uint32_t*>(w)[k];
+    uint32_t tk[2] = {0, 0}, tv[2] = {0, 0};
+    if (kTable) {
+      tk[0] = a.tables[h][0][0];
+      tk[1] = a.tables[h][0][1];
+      tv[0] = a.tables[h][1][0];
+      tv[1] = a.tables[h][1][1];
+    }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const int hh = 2 * warp + c;
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kD / 32; ++k) {
-        const int ch = lane + 32 * k;
-        const float qn = qs[hh][ch] * qinv;
-        s0 += __half2float(__float2half_rn(qn));
-        s1 += __half2float(__float2half_rn(qn * kappa_inv(ch & 7)));
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-      }
-      if (lane == 0) {
-        qsum[hh][0] = s0;
-        qsum[hh][1] = s1;
-      }
+      const bool real = 2 * t + c < r;
+      kq.sum[c] = real ? a.qk_sc[(qb + 2 * t + c) * 2] : 0.0f;
+      kq.scale[c] = real ? a.qk_sc[(qb + 2 * t + c) * 2 + 1] : 0.0f;
     }
-    uint32_t kq[8][2];
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb)
-#pragma unroll
-      for (int slot = 0; slot < 2; ++slot) {
-        const int ri = 2 * kb + slot, w = ri >> 3, j = ri & 7;
-        const int lo = 32 * t + 16 * w + j;
-        const float ki = kappa_inv(j);
-        kq[kb][slot] = pack_half2(qs[g][lo] * qinv * ki, qs[g][lo + 8] * qinv * ki);
-      }
-    __syncthreads();
-    const float sq0[2] = {qsum[2 * t][0], qsum[2 * t + 1][0]};
-    const float sq1[2] = {qsum[2 * t][1], qsum[2 * t + 1][1]};
-    const float cscale = qscale * a.sm_scale_log2;
-    const KvTiers tiers = tiers_of(a.geo, len);
-    const int n_pages = int(tiers.hist_tokens / a.geo.page_tokens);
-    const int p0 = split * a.units_per_split;
-    const int p1 = min(n_pages, p0 + a.units_per_split);
-    const int32_t* pt = a.page_table + a.page_offset[b];
-    auto page_ptr = [&](int p) { return a.pages + a.geo.page_block_offset(pt[p], a.layer, h); };
-#if KVCC_DECODE_PREFETCH == 2
-    extern __shared__ uint4 page_ring[];  // [kWarps][kStages][kPageBytes]
-    uint8_t* ring = reinterpret_cast<uint8_t*>(page_ring) + size_t(warp) * kStages * kPageBytes;
-    // Page k of this warp is p0 + warp + k·kWarps; it lands in stage k % kStages.
-    const int n_mine = p0 + warp < p1 ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
-    auto issue = [&](int k) {
-      if (k < n_mine) {
-        const uint8_t* src = page_ptr(p0 + warp + k * kWarps);
-        uint8_t* dst = ring + (k % kStages) * kPageBytes;
-#pragma unroll
-        for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
-      }
-      cp_async_commit();  // an empty group keeps the wait count uniform
-    };
-#pragma unroll
-    for (int k = 0; k < kStages - 1; ++k) issue(k);
     for (int k = 0; k < n_mine; ++k) {
-      issue(k + kStages - 1);
-      cp_async_wait<kStages - 1>();  // page k's group is done
+      issue(k + kRing - 1);
+      cp_async_wait<kRing - 1>();  // page k's group is done
       __syncwarp();
-      PageRegs buf;
-      load_page_shared(ring + (k % kStages) * kPageBytes, buf, g, t);
-      __syncwarp();  // every lane has read stage k % kStages before it is refilled
-      int2_page(buf, kq, sq1, sq0, cscale, st);
+      int2_page<kTable>(ring + (k % kRing) * kPageBytes, kq, st, g, t, tk, tv);
+      __syncwarp();  // every lane has read stage k % kRing before it is refilled
     }
-#elif KVCC_DECODE_PREFETCH == 1
-    // Two pages in registers: the next page's loads are in flight while this one is computed.
-    PageRegs buf0, buf1;
-    int p = p0 + warp;
-    if (p < p1) load_page(page_ptr(p), buf0, g, t);
-    for (; p < p1; p += 2 * kWarps) {
-      if (p + kWarps < p1) load_page(page_ptr(p + kWarps), buf1, g, t);
-      int2_page(buf0, kq, sq1, sq0, cscale, st);
-      if (p + kWarps >= p1) break;
-      if (p + 2 * kWarps < p1) load_page(page_ptr(p + 2 * kWarps), buf0, g, t);
-      int2_page(buf1, kq, sq1, sq0, cscale, st);
-    }
-#else
-    for (int p = p0 + warp; p < p1; p += kWarps) {
-      PageRegs buf;
-      load_page(page_ptr(p), buf, g, t);
-      int2_page(buf, kq, sq1, sq0, cscale, st);
-    }
-#endif
   } else if (paged_split || win_split) {
     uint32_t kq[8][2], kq_lo[8][2];
     auto lo_part = [](float x) { return x - __bfloat162float(__float2bfloat16_rn(x)); };
@@ -619,29 +656,39 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : KVCC
     for (int w = 0; w < kWarps; ++w) mall = fmaxf(mall, w_m[w][2 * t + c]);
     factor[c] = st.m[c] == -INFINITY ? 0.0f : exp2f(st.m[c] - mall);
   }
-  // Warps add in a fixed order, so repeated runs give identical bits.
-  for (int w = 0; w < kWarps; ++w) {
-    if (w == warp) {
+  // Each warp stores its scaled output in its own slab (the page ring's memory, free now), as
+  // 16 contiguous channels per head and thread; then the warps' slabs are added in a fixed order,
+  // so repeated runs give identical bits.
+  float* slabs = reinterpret_cast<float*>(dyn_smem);
+  {
+    float* slab = slabs + warp * kSlabFloats;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float v[16];
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int c = i & 1, head = 2 * t + c;
-          int ch;
-          float v = st.o[j][i];
-          if (int2_path) {
-            ch = 16 * g + 8 * (i >> 1) + j;
-            v = (v - st.sp[c]) * kappa_inv(j) - st.spz[c];
-          } else {
-            ch = 16 * g + 2 * j + (i >> 1);
-          }
-          o_sum[head][ch] += v * factor[c];
+        for (int hf = 0; hf < 2; ++hf) {
+          const float o = st.o[j][c + 2 * hf];
+          if (int2_path && kTable)
+            v[8 * hf + j] = (o - st.spz[c]) * factor[c];  // Σ(p·s)·L(c) − Σ(p·s)·z
+          else if (int2_path)
+            v[8 * hf + j] = ((o - st.sp[c]) * kappa_inv(j) - st.spz[c]) * factor[c];
+          else
+            v[2 * j + hf] = o * factor[c];
         }
+      float4* dst = reinterpret_cast<float4*>(slab + (2 * t + c) * kSlabRow + 16 * g);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
     }
-    __syncthreads();
   }
+  __syncthreads();
   const size_t base = (size_t(b) * a.n_kv + h) * a.total_splits + split;
-  for (int i = threadIdx.x; i < r * kD; i += kThreads) a.part_o[base * kHeads * kD + i] = (&o_sum[0][0])[i];
+  for (int i = threadIdx.x; i < r * kD; i += kThreads) {
+    const int off = (i / kD) * kSlabRow + i % kD;
+    a.part_o[base * kHeads * kD + i] =
+        (slabs[off] + slabs[kSlabFloats + off]) + (slabs[2 * kSlabFloats + off] + slabs[3 * kSlabFloats + off]);
+  }
   if (threadIdx.x < r) {
     const int hh = threadIdx.x;
     float mall = -INFINITY, lsum = 0.0f;
@@ -653,24 +700,85 @@ __global__ void __launch_bounds__(kThreads, KVCC_DECODE_PREFETCH == 1 ? 2 : KVCC
   }
 }
 
-// q_rot[b, qh] = q[b, qh] · R_k[qh / r]  (one CTA per (query head, sequence), one thread per
-// column; the loop is unrolled so that many R loads are in flight).
-__global__ void rotate_queries(const float* q, const float* rot_k, int n_heads, int r, float* q_rot) {
+// q_rot[b, qh] = q[b, qh] · R_k[qh / r]. One CTA per (query head, sequence); 4 slices of threads
+// each take a quarter of R's rows per output column, so only 32 dependent loads are in series.
+// With qk8 (INT2 decode), also the query of the key MMAs in B-fragment order (DecodeArgs::qk8),
+// once per head rather than in every attention CTA:
+//  - int8 (uniform grid): T = q_rot·127/max|q_rot| (÷4 for odd code fields f = c % 4, whose
+//    codes are masked in place, ×4) = hi + lo/254, rounded, so that
+//    q·c = (max|q|/127/254)·(254·acc_hi + acc_lo) with ~15-bit precision (one int8 alone loses
+//    ~1% of a logit's precision, more than the 1e-2 test budget allows);
+//  - fp16 (level table): q_rot/max|q_rot|.
+constexpr int kRotThreads = 4 * kD;
+__global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, const float* rot_k, int n_heads, int r,
+                                                              float sm_scale_log2, float* q_rot, uint4* qk8,
+                                                              float* qk_sc, bool fp16_query) {
   asm volatile("griddepcontrol.launch_dependents;");
   __shared__ float qv[kD];
-  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  __shared__ float part[4][kD];
+  __shared__ float wmax[4];
+  __shared__ float wsum[4];
+  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   const size_t off = (size_t(b) * n_heads + qh) * kD;
-  qv[j] = q[off + j];
+  if (slice == 0) qv[j] = q[off + j];
   __syncthreads();
-  if (!rot_k) {
-    q_rot[off + j] = qv[j];
-    return;
+  float x = qv[j];
+  if (rot_k) {
+    const float* R = rot_k + size_t(qh / r) * kD * kD;
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = slice * (kD / 4); i < (slice + 1) * (kD / 4); ++i) acc = fmaf(qv[i], __ldg(R + size_t(i) * kD + j), acc);
+    part[slice][j] = acc;
+    __syncthreads();
+    x = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
   }
-  const float* R = rot_k + size_t(qh / r) * kD * kD;
-  float acc = 0.0f;
-#pragma unroll 32
-  for (int i = 0; i < kD; ++i) acc = fmaf(qv[i], __ldg(R + size_t(i) * kD + j), acc);
-  q_rot[off + j] = acc;
+  if (slice != 0) return;
+  q_rot[off + j] = x;
+  if (!qk8) return;
+  const int warp = j >> 5, lane = j & 31;
+  float amax = fabsf(x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) wmax[warp] = amax;
+  asm volatile("bar.sync 1, %0;" ::"n"(kD));  // the 4 warps of slice 0 only
+  amax = fmaxf(fmaxf(wmax[0], wmax[1]), fmaxf(wmax[2], wmax[3]));
+  const int h = qh / r, hh = qh % r, n_kv = n_heads / r;
+  // Channel j is field f = j % 4 of code byte l = j / 4 of a key row; thread t = l / 8 of the
+  // MMA warp holds it.
+  const int f = j & 3, l = j >> 2, t = l >> 3;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(qk8 + (((size_t(b) * n_kv + h) * kHeads + hh) * 4 + t) * 4);
+  float sum;  // Σ over channels of the query as the MMAs see it; exact for int8
+  float scale;
+  if (fp16_query) {
+    // Byte l is element l % 2 of word 2·(4·word + f) + half, word = (l / 4) % 2, half = (l / 2) % 2.
+    const float inv = amax > 0.0f ? 1.0f / amax : 1.0f;
+    const __half v = __float2half_rn(x * inv);
+    const int m = 4 * ((l >> 2) & 1) + f, half = (l >> 1) & 1;
+    reinterpret_cast<__half*>(dst)[(2 * m + half) * 2 + (l & 1)] = v;
+    sum = __half2float(v);
+    scale = (amax > 0.0f ? amax : 1.0f) * sm_scale_log2;
+  } else {
+    // Byte l is byte l % 4 of word (f, chunk = (l / 4) % 2): hi at 2f + chunk, lo at 8 + 2f + chunk.
+    const float unit = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const int chunk = (l >> 2) & 1, e = l & 3;
+    const int wgt = (f & 1) ? 4 : 1;
+    const float y = x * (1.0f / unit) * ((f & 1) ? 0.25f : 1.0f);
+    const float hi = rintf(y);
+    const float lo = fminf(fmaxf(rintf((y - hi) * float(kLoScale)), -127.0f), 127.0f);
+    dst[(2 * f + chunk) * 4 + e] = uint8_t(int8_t(hi));
+    dst[(8 + 2 * f + chunk) * 4 + e] = uint8_t(int8_t(lo));
+    sum = float(wgt * (int(hi) * kLoScale + int(lo)));  // |.| < 2^17: float sums stay exact
+    scale = unit / float(kLoScale) * sm_scale_log2;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) wsum[warp] = sum;
+  asm volatile("bar.sync 1, %0;" ::"n"(kD));
+  if (j == 0) {
+    float* sc = qk_sc + ((size_t(b) * n_kv + h) * kHeads + hh) * 2;
+    sc[0] = (wsum[0] + wsum[1]) + (wsum[2] + wsum[3]);  // int8: exact, |.| < 2^23
+    sc[1] = scale;
+  }
 }
 
 __device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) {
@@ -694,13 +802,19 @@ constexpr int kMergeThreads = 4 * kD;
 __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
                                                               int total_splits, int n_heads, int r,
                                                               const float* rot_v_t, float* out) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
   extern __shared__ float weights[];  // [total_splits]
   __shared__ float part[4][kD];
   __shared__ float ov[kD];
   __shared__ float red[kMergeThreads / 32];
   const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   const int h = qh / r, hh = qh % r;
+  // This thread's quarter of R_vᵀ's column j does not depend on the attention kernel: load it
+  // while that kernel still runs.
+  float rv[kD / 4];
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i)
+    rv[i] = rot_v_t ? __ldg(rot_v_t + (size_t(h) * kD + slice * (kD / 4) + i) * kD + j) : 0.0f;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   float mall = -INFINITY;
   for (int s = threadIdx.x; s < total_splits; s += kMergeThreads)
@@ -714,10 +828,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
     lsum += w * part_ml[((base + s) * kHeads + hh) * 2 + 1];
   }
   lsum = block_reduce(lsum, false, red);  // (its barriers also publish `weights`)
+  // Every split wrote its partial (zeros where it saw no token), so the loads need no guard and
+  // can all be in flight at once.
   float acc = 0.0f;
-#pragma unroll 4
-  for (int s = slice; s < total_splits; s += 4)
-    if (weights[s] != 0.0f) acc = fmaf(weights[s], part_o[((base + s) * kHeads + hh) * kD + j], acc);
+#pragma unroll 8
+  for (int s = slice; s < total_splits; s += 4) acc = fmaf(weights[s], part_o[((base + s) * kHeads + hh) * kD + j], acc);
   part[slice][j] = acc;
   __syncthreads();
   if (slice == 0) {
@@ -727,10 +842,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   __syncthreads();
   float o = slice == 0 ? ov[j] : 0.0f;
   if (rot_v_t) {
-    const float* R = rot_v_t + size_t(h) * kD * kD;
     o = 0.0f;
 #pragma unroll
-    for (int i = slice * (kD / 4); i < (slice + 1) * (kD / 4); ++i) o = fmaf(ov[i], __ldg(R + size_t(i) * kD + j), o);
+    for (int i = 0; i < kD / 4; ++i) o = fmaf(ov[slice * (kD / 4) + i], rv[i], o);
   }
   __syncthreads();
   part[slice][j] = o;
@@ -750,31 +864,47 @@ int multiprocessors() {
 
 struct SplitPlan {
   int paged_splits, units_per_split, window_splits, win_tiles_per_split, total;
+  int ring = kRingDeep;  // which INT2 kernel build runs it
 };
 
 // Dynamic shared memory of the INT2 kernel (the cp.async page ring), allowed once per process.
-constexpr size_t int2_smem_bytes() {
-  return KVCC_DECODE_PREFETCH == 2 ? size_t(kWarps) * kStages * kPageBytes : 0;
-}
-void prepare_int2_kernel() {
+constexpr size_t int2_smem_bytes(int ring) { return size_t(kWarps) * ring * kPageBytes; }
+static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
+void prepare_int2_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (int2_smem_bytes() > 0)
-      check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(int2_smem_bytes())),
-                 "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(int2_smem_bytes(kRingDeep))),
+               "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(int2_smem_bytes(kRingWide))),
+               "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingDeep))),
+               "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingWide))),
+               "decode (CUDA): shared memory attribute");
   });
 }
 
-// CTAs of the decode kernel resident at once on the whole GPU.
-int resident_ctas() {
-  static int n = [] {
-    int per_sm = 0;
-    prepare_int2_kernel();
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<Mode::Int2>, kThreads, int2_smem_bytes());
-    return std::max(1, per_sm) * multiprocessors();
-  }();
-  return n;
+// CTAs of the INT2 kernel with this ring resident at once on the whole GPU.
+int resident_ctas(int ring) {
+  static const int n[2] = {[] {
+                             int per_sm = 0;
+                             prepare_int2_kernels();
+                             cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &per_sm, decode_kernel<Mode::Int2, kRingDeep>, kThreads, int2_smem_bytes(kRingDeep));
+                             return std::max(1, per_sm) * multiprocessors();
+                           }(),
+                           [] {
+                             int per_sm = 0;
+                             prepare_int2_kernels();
+                             cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &per_sm, decode_kernel<Mode::Int2, kRingWide>, kThreads, int2_smem_bytes(kRingWide));
+                             return std::max(1, per_sm) * multiprocessors();
+                           }()};
+  return n[ring == kRingWide ? 1 : 0];
 }
 
 // Split-K plan for `splits_per_pair` history splits per (sequence, KV head) pair; window tiles
@@ -798,36 +928,61 @@ SplitPlan plan_for(int splits_per_pair, int max_units, int window_tiles, double 
 constexpr int kFewPairs = 48;
 
 // Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. An explicit
-// target_ctas (tests, tuning) is used as is. By default, measured on the H200 (docs/runtime.md,
-// tuning log): two waves of resident CTAs (balances the tail at long contexts and large batches),
-// unless there are few pairs or that plan gives splits of fewer than kShortSplit pages; then each
-// CTA's fixed cost (start-up, query preparation, the merge's share) dominates, and fewer, longer
-// CTAs win: 2 per SM, at least min_units pages per split so that no warp of a CTA idles.
-// (Batch 1 at 4K / 32K / 128K: 20.7 / 35.9 / 74.1 -> 18.9 / 33.9 / 66.8 us; batch 8 at 4K / 16K /
-// 32K: 55.8 / 80.5 / 113.0 -> 45.5 / 60.5 / 95.1 us. Batch 8 at 128K or batch 32 at 16K, with
-// longer splits, are 1-6% slower that way, so they keep two waves.)
-constexpr int kShortSplit = 48;
+// target_ctas (tests, tuning) is used as is, with the ring `ring` (0: the deep one). By default,
+// measured on the H200 (docs/runtime.md, tuning log), with many pairs: 4 waves of resident CTAs
+// of the wide-ring kernel if that leaves splits of >= 24 pages, else 2 waves if >= 48 pages (more
+// waves balance the tail; too short splits pay each CTA's fixed cost too often). Otherwise (few
+// pairs or short contexts) fewer, longer CTAs of the deep-ring kernel: 2 per SM, at least
+// min_units pages per split so that no warp of a CTA idles. (Batch 8 at 64K / 128K and batch 32
+// at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4; batch 8 at 16K: 44 us with
+// 2 per SM, 47 with 2 waves, 50 with 4.)
+struct Waves {
+  int waves, min_pages;
+};
+constexpr Waves kWavePlans[] = {{4, 24}, {2, 48}};
 SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
-                      int min_units = 1, double unit_bytes = 64.0 * 72.0) {
+                      int min_units = 1, double unit_bytes = 64.0 * 72.0, int ring = 0) {
   const int pairs = std::max(1, batch * n_kv);
   const int units = std::max(1, max_units);
-  if (target_ctas > 0) return plan_for((target_ctas + pairs - 1) / pairs, units, window_tiles, unit_bytes);
-  const int waves_target = resident_ctas() * KVCC_DECODE_WAVES;
-  const SplitPlan waves = plan_for((waves_target + pairs - 1) / pairs, units, window_tiles, unit_bytes);
-  if (pairs >= kFewPairs && waves.units_per_split >= kShortSplit) return waves;
+  if (target_ctas > 0) {
+    SplitPlan p = plan_for((target_ctas + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+    p.ring = ring > 0 ? ring : kRingDeep;
+    return p;
+  }
+  if (pairs >= kFewPairs) {
+    const int waves_ring = ring > 0 ? ring : kRingWide;
+    for (const Waves& w : kWavePlans) {
+      const int target = resident_ctas(waves_ring) * w.waves;
+      SplitPlan p = plan_for((target + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+      p.ring = waves_ring;
+      if (p.units_per_split >= w.min_pages) return p;
+    }
+  }
   const int want = (2 * multiprocessors() + pairs - 1) / pairs;
   const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
-  return plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
+  SplitPlan p = plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
+  p.ring = ring > 0 ? ring : kRingDeep;
+  return p;
 }
 
 // The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
 int bf16_target(int target_ctas) { return target_ctas > 0 ? target_ctas : 2 * multiprocessors(); }
 
+// Workspace: q_rot, the int8 query and its sums, the splits' partial outputs and (max, sum).
+struct Workspace {
+  size_t q_rot, qk8, qk_sc, part_o, part_ml, total;
+  Workspace(int batch, int n_heads, int n_kv, const SplitPlan& p) {
+    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+    q_rot = 0;
+    qk8 = up(size_t(batch) * n_heads * kD * sizeof(float));
+    qk_sc = qk8 + up(size_t(batch) * n_kv * kHeads * 16 * sizeof(uint4));
+    part_o = qk_sc + up(size_t(batch) * n_kv * kHeads * 2 * sizeof(float));
+    part_ml = part_o + up(size_t(batch) * n_kv * p.total * kHeads * kD * sizeof(float));
+    total = part_ml + size_t(batch) * n_kv * p.total * kHeads * 2 * sizeof(float);
+  }
+};
 size_t workspace_for(int batch, int n_heads, int n_kv, const SplitPlan& p) {
-  const size_t qbytes = size_t(batch) * n_heads * kD * sizeof(float);
-  const size_t obytes = size_t(batch) * n_kv * p.total * kHeads * kD * sizeof(float);
-  const size_t mlbytes = size_t(batch) * n_kv * p.total * kHeads * 2 * sizeof(float);
-  return (qbytes + 255) / 256 * 256 + (obytes + 255) / 256 * 256 + mlbytes;
+  return Workspace(batch, n_heads, n_kv, p).total;
 }
 
 void check_shape(int n_kv, int head_dim, const DecodeShape& shape) {
@@ -836,22 +991,25 @@ void check_shape(int n_kv, int head_dim, const DecodeShape& shape) {
   require(shape.n_heads > 0 && shape.n_heads % n_kv == 0,
           "decode (CUDA): query heads must be a multiple of KV heads");
   require(shape.n_heads / n_kv <= kHeads, "decode (CUDA): more than 8 query heads per KV head");
+  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
 }
 
-void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const float* q,
+void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int batch, const float* q,
             const float* rot_k, const float* rot_v_t, float* out, void* workspace,
             size_t workspace_bytes, cudaStream_t stream, int stages) {
   require(workspace_bytes >= workspace_for(batch, a.n_heads, a.n_kv, plan),
           "decode (CUDA): workspace too small");
   if (batch == 0) return;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  const size_t qbytes = (size_t(batch) * a.n_heads * kD * sizeof(float) + 255) / 256 * 256;
-  const size_t obytes =
-      (size_t(batch) * a.n_kv * plan.total * kHeads * kD * sizeof(float) + 255) / 256 * 256;
-  float* q_rot = reinterpret_cast<float*>(ws);
+  const Workspace lay(batch, a.n_heads, a.n_kv, plan);
+  float* q_rot = reinterpret_cast<float*>(ws + lay.q_rot);
+  uint4* qk8 = reinterpret_cast<uint4*>(ws + lay.qk8);
+  float* qk_sc = reinterpret_cast<float*>(ws + lay.qk_sc);
   a.q_rot = q_rot;
-  a.part_o = reinterpret_cast<float*>(ws + qbytes);
-  a.part_ml = reinterpret_cast<float*>(ws + qbytes + obytes);
+  a.qk8 = qk8;
+  a.qk_sc = qk_sc;
+  a.part_o = reinterpret_cast<float*>(ws + lay.part_o);
+  a.part_ml = reinterpret_cast<float*>(ws + lay.part_ml);
   a.paged_splits = mode == Mode::Int2 ? plan.paged_splits : plan.total;
   a.units_per_split = plan.units_per_split;
   a.win_tiles_per_split = plan.win_tiles_per_split;
@@ -872,16 +1030,22 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
     return c;
   };
   if (stages & 1)
-    rotate_queries<<<dim3(a.n_heads, batch), kD, 0, stream>>>(q, rot_k, a.n_heads, a.group_heads, q_rot);
+    rotate_queries<<<dim3(a.n_heads, batch), kRotThreads, 0, stream>>>(
+        q, rot_k, a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, mode == Mode::Int2 ? qk8 : nullptr, qk_sc, table);
   const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
     if (mode == Mode::Int2) {
-      prepare_int2_kernel();
-      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes());
-      check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2>, a), "decode (CUDA) launch");
+      prepare_int2_kernels();
+      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes(plan.ring));
+      const bool wide = plan.ring == kRingWide;
+      check_cuda(table ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, true>, a)
+                               : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, true>, a))
+                       : (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide>, a)
+                               : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep>, a)),
+                 "decode (CUDA) launch");
     } else {
-      const cudaLaunchConfig_t c = config(grid, kThreads, 0);
-      check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Bf16Paged>, a), "decode (CUDA) launch");
+      const cudaLaunchConfig_t c = config(grid, kThreads, kSlabBytes);
+      check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Bf16Paged, kRingDeep>, a), "decode (CUDA) launch");
     }
   }
   if (stages & 4) {
@@ -897,13 +1061,13 @@ void launch(Mode mode, DecodeArgs& a, const SplitPlan& plan, int batch, const fl
 }  // namespace
 
 size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
-                              int page_tokens_bf16, int target_ctas) {
+                              int page_tokens_bf16, int target_ctas, int ring) {
   if (page_tokens_bf16 > 0) {
     const SplitPlan p = plan_splits(batch, g.n_kv_heads, max_pages, bf16_target(target_ctas), 0);
     return workspace_for(batch, n_heads, g.n_kv_heads, SplitPlan{p.total, 0, 0, 0, p.total});
   }
   const SplitPlan p =
-      plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / 16, kWarps);
+      plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / 16, kWarps, 64.0 * 72.0, ring);
   return workspace_for(batch, n_heads, g.n_kv_heads, p);
 }
 
@@ -917,10 +1081,24 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   require(g.sink % 16 == 0 && g.recent % 16 == 0,
           "decode (CUDA): sink and recent windows must be multiples of 16 tokens");
   require(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
-  for (int h = 0; h < g.n_kv_heads; ++h)
-    require(!codecs[h].key.use_table && !codecs[h].value.use_table,
-            "decode (CUDA): level-table codecs are not supported by the tensor-core kernel");
+  require(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
+          "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
+  bool table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
+  require(!table || g.n_kv_heads <= kMaxTableHeads,
+          "decode (CUDA): level-table codecs need <= " + std::to_string(kMaxTableHeads) + " KV heads");
   DecodeArgs a{};
+  if (table) {
+    // Code values as fp16: the level table, or the uniform grid's 0..3 (its zero is in the pages).
+    for (int h = 0; h < g.n_kv_heads; ++h)
+      for (int side = 0; side < 2; ++side) {
+        const SideCodec& sc = side ? codecs[h].value : codecs[h].key;
+        uint16_t v[4];
+        for (int c = 0; c < 4; ++c) v[c] = f16_from_float(sc.use_table ? sc.levels[c] : float(c));
+        a.tables[h][side][0] = uint32_t(v[0]) | (uint32_t(v[1]) << 16);
+        a.tables[h][side][1] = uint32_t(v[2]) | (uint32_t(v[3]) << 16);
+      }
+  }
   a.pages = pages;
   a.windows = reinterpret_cast<const __nv_bfloat16*>(windows);
   a.geo = g;
@@ -935,8 +1113,9 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   const SplitPlan plan =
       plan_splits(batch.batch, g.n_kv_heads, batch.max_pages, shape.target_ctas, (g.sink + g.recent) / 16,
-                  kWarps);
-  launch(Mode::Int2, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream, shape.stages);
+                  kWarps, 64.0 * 72.0, shape.ring);
+  launch(Mode::Int2, table, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
+         shape.stages);
 }
 
 void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint16_t* bf16_pages,
@@ -958,7 +1137,8 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   SplitPlan plan = plan_splits(batch.batch, n_kv_heads, batch.max_pages, bf16_target(shape.target_ctas), 0);
   plan = SplitPlan{plan.total, plan.units_per_split, 0, 0, plan.total};
-  launch(Mode::Bf16Paged, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream, shape.stages);
+  launch(Mode::Bf16Paged, false, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
+         shape.stages);
 }
 
 }  // namespace kvcc

@@ -13,26 +13,40 @@ namespace kvcc {
 
 namespace {
 
-// y [T, out] = x [T, in] · Wᵀ (W [out, in], nn.Linear layout) + beta·y.
-void linear(const float* x, int T, int in, const float* w, int out, float* y, float beta = 0.f) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, out, in, 1.f, x, in, w, in, beta, y, out);
+// C [M, N] = alpha · A [M, K] · op(B) + beta · C, row-major; op(B) = Bᵀ when trans_b (B [N, K]).
+void gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+          float beta, float* C, int ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
+              ldb, beta, C, ldc);
+}
+void gemm(bool trans_b, int M, int N, int K, double alpha, const double* A, int lda, const double* B,
+          int ldb, double beta, double* C, int ldc) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
+              ldb, beta, C, ldc);
 }
 
-// HF LlamaRMSNorm: x · rsqrt(mean(x²) + eps) · w, in float32 (the mean is accumulated in double,
+// y [T, out] = x [T, in] · Wᵀ (W [out, in], nn.Linear layout) + beta·y.
+template <typename S>
+void linear(const S* x, int T, int in, const S* w, int out, S* y, S beta = S(0)) {
+  gemm(true, T, out, in, S(1), x, in, w, in, beta, y, out);
+}
+
+// HF LlamaRMSNorm: x · rsqrt(mean(x²) + eps) · w, in Scalar (the mean is accumulated in double,
 // which only removes summation-order noise).
-void rms_norm(const float* x, int rows, int n, int stride, const float* w, double eps, float* y,
-              int out_stride) {
+template <typename S>
+void rms_norm(const S* x, int rows, int n, int stride, const S* w, double eps, S* y, int out_stride) {
   for (int r = 0; r < rows; ++r) {
-    const float* xr = x + size_t(r) * stride;
-    float* yr = y + size_t(r) * out_stride;
+    const S* xr = x + size_t(r) * stride;
+    S* yr = y + size_t(r) * out_stride;
     double sum_sq = 0;
     for (int i = 0; i < n; ++i) sum_sq += double(xr[i]) * xr[i];
-    const float inv = float(1.0 / std::sqrt(sum_sq / n + eps));
+    const S inv = S(1.0 / std::sqrt(sum_sq / n + eps));
     for (int i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
   }
 }
 
-void add_bias(float* y, int T, int n, const std::vector<float>& bias) {
+template <typename S>
+void add_bias(S* y, int T, int n, const std::vector<S>& bias) {
   if (bias.empty()) return;
   for (int t = 0; t < T; ++t)
     for (int i = 0; i < n; ++i) y[size_t(t) * n + i] += bias[i];
@@ -44,6 +58,8 @@ std::vector<float> load_checked(const ModelFile& model, const std::string& name,
                                  " elements, expected " + std::to_string(numel));
   return v;
 }
+
+std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
 
 }  // namespace
 
@@ -76,28 +92,48 @@ LayerWeights load_layer(const ModelFile& model, int layer) {
   return w;
 }
 
-void apply_rope(const ModelConfig& c, float* x, int T, int n_heads, int pos0) {
+BasicLayerWeights<double> to_double(const LayerWeights& w) {
+  BasicLayerWeights<double> d;
+  d.attn_norm = widen(w.attn_norm);
+  d.wq = widen(w.wq);
+  d.wk = widen(w.wk);
+  d.wv = widen(w.wv);
+  d.wo = widen(w.wo);
+  d.bq = widen(w.bq);
+  d.bk = widen(w.bk);
+  d.bv = widen(w.bv);
+  d.q_norm = widen(w.q_norm);
+  d.k_norm = widen(w.k_norm);
+  d.mlp_norm = widen(w.mlp_norm);
+  d.w_gate = widen(w.w_gate);
+  d.w_up = widen(w.w_up);
+  d.w_down = widen(w.w_down);
+  return d;
+}
+
+template <typename S>
+void apply_rope(const ModelConfig& c, S* x, int T, int n_heads, int pos0) {
   const int d = c.head_dim, half = d / 2;
   const std::vector<double> inv_freq_d = rope_inv_freq(c);
   // HF and llama2.c both form the angle as a float32 product position · inv_freq; doing the same
   // keeps long-position angles identical to theirs.
   std::vector<float> inv_freq(inv_freq_d.begin(), inv_freq_d.end());
-  std::vector<float> cos_t(half), sin_t(half);
+  std::vector<S> cos_t(half), sin_t(half);
   const size_t row = size_t(n_heads) * d;
   for (int t = 0; t < T; ++t) {
     const float pos = float(pos0 + t);
     for (int i = 0; i < half; ++i) {
       const float angle = pos * inv_freq[i];
-      cos_t[i] = float(std::cos(double(angle)));
-      sin_t[i] = float(std::sin(double(angle)));
+      cos_t[i] = S(std::cos(double(angle)));
+      sin_t[i] = S(std::sin(double(angle)));
     }
     for (int h = 0; h < n_heads; ++h) {
-      float* v = x + t * row + size_t(h) * d;
+      S* v = x + t * row + size_t(h) * d;
       for (int i = 0; i < half; ++i) {
         // rotate_half pairs (i, i + d/2); interleaved pairs (2i, 2i + 1).
-        float& a = c.rope_style == RopeStyle::RotateHalf ? v[i] : v[2 * i];
-        float& b = c.rope_style == RopeStyle::RotateHalf ? v[i + half] : v[2 * i + 1];
-        const float x0 = a, x1 = b;
+        S& a = c.rope_style == RopeStyle::RotateHalf ? v[i] : v[2 * i];
+        S& b = c.rope_style == RopeStyle::RotateHalf ? v[i + half] : v[2 * i + 1];
+        const S x0 = a, x1 = b;
         a = x0 * cos_t[i] - x1 * sin_t[i];
         b = x1 * cos_t[i] + x0 * sin_t[i];
       }
@@ -105,21 +141,29 @@ void apply_rope(const ModelConfig& c, float* x, int T, int n_heads, int pos0) {
   }
 }
 
-void embed(const ModelFile& model, const int32_t* ids, int T, float* x) {
+template <typename S>
+void embed(const ModelFile& model, const int32_t* ids, int T, S* x) {
   const ModelConfig& c = model.config();
+  std::vector<float> row(std::is_same_v<S, float> ? 0 : size_t(c.hidden));
   for (int t = 0; t < T; ++t) {
     require(ids[t] >= 0 && ids[t] < c.vocab, "token id " + std::to_string(ids[t]) + " at position " +
                                                  std::to_string(t) + " is outside the vocabulary (" +
                                                  std::to_string(c.vocab) + ")");
-    model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, x + size_t(t) * c.hidden);
+    if constexpr (std::is_same_v<S, float>) {
+      model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, x + size_t(t) * c.hidden);
+    } else {
+      model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, row.data());
+      std::copy(row.begin(), row.end(), x + size_t(t) * c.hidden);
+    }
   }
 }
 
-void attention_qkv(const ModelConfig& c, const LayerWeights& w, const float* x, int T, int pos0,
-                   float* q, float* key_pre, float* key, float* value) {
+template <typename S>
+void attention_qkv(const ModelConfig& c, const BasicLayerWeights<S>& w, const S* x, int T, int pos0, S* q,
+                   std::type_identity_t<S>* key_pre, S* key, S* value) {
   if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int hidden = c.hidden, d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
-  std::vector<float> xn(size_t(T) * hidden);
+  std::vector<S> xn(size_t(T) * hidden);
   rms_norm(x, T, hidden, hidden, w.attn_norm.data(), c.rms_eps, xn.data(), hidden);
   linear(xn.data(), T, hidden, w.wq.data(), qdim, q);
   linear(xn.data(), T, hidden, w.wk.data(), kvdim, key);
@@ -136,96 +180,150 @@ void attention_qkv(const ModelConfig& c, const LayerWeights& w, const float* x, 
   apply_rope(c, key, T, c.n_kv_heads, pos0);
 }
 
-void causal_attention(const ModelConfig& c, int T, const float* q, const float* key,
-                      const float* value, float* out, AttentionObserver* observer,
-                      const SequenceTaps* taps) {
+namespace {
+
+// The attention of prefix_causal_attention, reporting each head's probabilities and output to the
+// observer (n0 = 0 only: the observer's probs are [T, T]).
+template <typename S>
+void attend(const ModelConfig& c, int64_t n0, int T, const S* q, const S* key, const S* value, S* out,
+            AttentionObserver* observer, const SequenceTaps* taps) {
   if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d, group = c.group();
-  require(!observer || taps, "causal_attention: an observer needs the caller's SequenceTaps");
-  if (observer) observer->on_qkv(*taps);
-  const float scale = float(1.0 / std::sqrt(double(d)));
-  std::vector<float> probs(size_t(T) * T);  // one head at a time: [T, T]
-  std::vector<float> head_out(size_t(T) * d);
+  const int N = int(n0 + T);
+  const S scale = S(1.0 / std::sqrt(double(d)));
+  std::vector<S> probs(size_t(T) * N);  // one head at a time: [T, N]
+  std::vector<S> head_out(size_t(T) * d);
   for (int h = 0; h < c.n_heads; ++h) {
     const int kv = h / group;
     // scores = scale · Q_h K_kvᵀ (strided views into the [T, heads·d] rows)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, d, scale, q + size_t(h) * d, qdim,
-                key + size_t(kv) * d, kvdim, 0.f, probs.data(), T);
+    gemm(true, T, N, d, scale, q + size_t(h) * d, qdim, key + size_t(kv) * d, kvdim, S(0), probs.data(), N);
     for (int i = 0; i < T; ++i) {
-      float* row = probs.data() + size_t(i) * T;
-      float max_score = row[0];
-      for (int j = 1; j <= i; ++j) max_score = std::max(max_score, row[j]);
+      S* row = probs.data() + size_t(i) * N;
+      const int last = int(n0) + i;
+      S max_score = row[0];
+      for (int j = 1; j <= last; ++j) max_score = std::max(max_score, row[j]);
       double sum = 0;
-      for (int j = 0; j <= i; ++j) {
+      for (int j = 0; j <= last; ++j) {
         row[j] = std::exp(row[j] - max_score);
         sum += row[j];
       }
-      const float inv = float(1.0 / sum);
-      for (int j = 0; j <= i; ++j) row[j] *= inv;
-      std::fill(row + i + 1, row + T, 0.f);
+      const S inv = S(1.0 / sum);
+      for (int j = 0; j <= last; ++j) row[j] *= inv;
+      std::fill(row + last + 1, row + N, S(0));
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, d, T, 1.f, probs.data(), T,
-                value + size_t(kv) * d, kvdim, 0.f, head_out.data(), d);
+    gemm(false, T, d, N, S(1), probs.data(), N, value + size_t(kv) * d, kvdim, S(0), head_out.data(), d);
     for (int t = 0; t < T; ++t)
       std::copy(head_out.data() + size_t(t) * d, head_out.data() + size_t(t + 1) * d,
                 out + size_t(t) * qdim + size_t(h) * d);
-    if (observer) observer->on_probs(*taps, h, probs.data(), head_out.data());
+    if constexpr (std::is_same_v<S, float>)
+      if (observer) observer->on_probs(*taps, h, probs.data(), head_out.data());
   }
 }
 
-void attention_output_and_mlp(const ModelConfig& c, const LayerWeights& w, const float* attn, int T,
-                              float* x) {
+}  // namespace
+
+template <typename S>
+void prefix_causal_attention(const ModelConfig& c, int64_t n0, int T, const S* q, const S* key, const S* value,
+                             S* out) {
+  require(n0 >= 0, "prefix_causal_attention: negative prefix length");
+  attend(c, n0, T, q, key, value, out, nullptr, nullptr);
+}
+
+template <typename S>
+void causal_attention(const ModelConfig& c, int T, const S* q, const S* key, const S* value, S* out,
+                      AttentionObserver* observer, const SequenceTaps* taps) {
+  if (T <= 0) return;
+  require(!observer || taps, "causal_attention: an observer needs the caller's SequenceTaps");
+  require(!observer || std::is_same_v<S, float>, "causal_attention: observers see float32 activations only");
+  if (observer) observer->on_qkv(*taps);
+  attend(c, 0, T, q, key, value, out, observer, taps);
+}
+
+template <typename S>
+void attention_output_and_mlp(const ModelConfig& c, const BasicLayerWeights<S>& w, const S* attn, int T, S* x) {
   if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const int hidden = c.hidden, qdim = c.n_heads * c.head_dim, inter = c.intermediate;
-  linear(attn, T, qdim, w.wo.data(), hidden, x, 1.f);  // residual: x += attn · Woᵀ
-  std::vector<float> xn(size_t(T) * hidden);
+  linear(attn, T, qdim, w.wo.data(), hidden, x, S(1));  // residual: x += attn · Woᵀ
+  std::vector<S> xn(size_t(T) * hidden);
   rms_norm(x, T, hidden, hidden, w.mlp_norm.data(), c.rms_eps, xn.data(), hidden);
-  std::vector<float> gate(size_t(T) * inter), up(size_t(T) * inter);
+  std::vector<S> gate(size_t(T) * inter), up(size_t(T) * inter);
   linear(xn.data(), T, hidden, w.w_gate.data(), inter, gate.data());
   linear(xn.data(), T, hidden, w.w_up.data(), inter, up.data());
   for (size_t i = 0; i < gate.size(); ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.f + std::exp(-g)) * up[i];  // SiLU(gate) · up
+    const S g = gate[i];
+    gate[i] = g / (S(1) + std::exp(-g)) * up[i];  // SiLU(gate) · up
   }
-  linear(gate.data(), T, inter, w.w_down.data(), hidden, x, 1.f);
+  linear(gate.data(), T, inter, w.w_down.data(), hidden, x, S(1));
 }
 
-void layer_forward(const ModelConfig& c, const LayerWeights& w, int layer, uint32_t doc, float* x,
-                   int T, AttentionObserver* observer) {
+template <typename S>
+void layer_forward(const ModelConfig& c, const BasicLayerWeights<S>& w, int layer, uint32_t doc, S* x, int T,
+                   AttentionObserver* observer) {
   if (T <= 0) return;  // BLAS rejects empty leading dimensions
   const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
-  std::vector<float> q(T * qdim), key(T * kvdim), value(T * kvdim), attn(T * qdim);
-  std::vector<float> key_pre(observer ? T * kvdim : 0);
+  std::vector<S> q(T * qdim), key(T * kvdim), value(T * kvdim), attn(T * qdim);
+  std::vector<S> key_pre(observer ? T * kvdim : 0);
   attention_qkv(c, w, x, T, 0, q.data(), observer ? key_pre.data() : nullptr, key.data(), value.data());
   SequenceTaps taps;
-  taps.layer = layer;
-  taps.doc = doc;
-  taps.T = T;
-  taps.q = q.data();
-  taps.key_pre = observer ? key_pre.data() : nullptr;
-  taps.key = key.data();
-  taps.value = value.data();
+  if constexpr (std::is_same_v<S, float>) {
+    taps.layer = layer;
+    taps.doc = doc;
+    taps.T = T;
+    taps.q = q.data();
+    taps.key_pre = observer ? key_pre.data() : nullptr;
+    taps.key = key.data();
+    taps.value = value.data();
+  }
   causal_attention(c, T, q.data(), key.data(), value.data(), attn.data(), observer, &taps);
   attention_output_and_mlp(c, w, attn.data(), T, x);
 }
 
-void final_logits(const ModelFile& model, const float* x, int T, float* logits) {
+template <typename S>
+void final_logits(const ModelFile& model, const S* x, int T, S* logits) {
   if (T <= 0) return;
   const ModelConfig& c = model.config();
   const int hidden = c.hidden, vocab = c.vocab;
-  const std::vector<float> norm = load_checked(model, "model.norm.weight", size_t(hidden));
-  std::vector<float> xn(size_t(T) * hidden);
+  const std::vector<float> norm_f = load_checked(model, "model.norm.weight", size_t(hidden));
+  const std::vector<S> norm(norm_f.begin(), norm_f.end());
+  std::vector<S> xn(size_t(T) * hidden);
   rms_norm(x, T, hidden, hidden, norm.data(), c.rms_eps, xn.data(), hidden);
   const std::string head = c.tied_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
   // The head is converted a block of vocabulary rows at a time, bounding memory for large vocabs.
   constexpr int kRowsPerBlock = 8192;
-  std::vector<float> block(size_t(std::min(vocab, kRowsPerBlock)) * hidden);
+  const size_t block_size = size_t(std::min(vocab, kRowsPerBlock)) * hidden;
+  std::vector<float> block(block_size);
+  std::vector<S> wide(std::is_same_v<S, float> ? 0 : block_size);
   for (int r0 = 0; r0 < vocab; r0 += kRowsPerBlock) {
     const int rows = std::min(kRowsPerBlock, vocab - r0);
     model.tensor_rows_f32(head, r0, rows, block.data());
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, rows, hidden, 1.f, xn.data(), hidden,
-                block.data(), hidden, 0.f, logits + r0, vocab);
+    const S* w;
+    if constexpr (std::is_same_v<S, float>) {
+      w = block.data();
+    } else {
+      std::copy(block.begin(), block.begin() + size_t(rows) * hidden, wide.begin());
+      w = wide.data();
+    }
+    gemm(true, T, rows, hidden, S(1), xn.data(), hidden, w, hidden, S(0), logits + r0, vocab);
   }
 }
+
+// The two precisions (forward.h).
+#define KVCC_FORWARD_INSTANTIATE(S)                                                                         \
+  template void apply_rope<S>(const ModelConfig&, S*, int, int, int);                                        \
+  template void embed<S>(const ModelFile&, const int32_t*, int, S*);                                         \
+  template void attention_qkv<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int, int, S*, S*, \
+                                 S*, S*);                                                                    \
+  template void prefix_causal_attention<S>(const ModelConfig&, int64_t, int, const S*, const S*, const S*,   \
+                                           S*);                                                              \
+  template void causal_attention<S>(const ModelConfig&, int, const S*, const S*, const S*, S*,               \
+                                    AttentionObserver*, const SequenceTaps*);                                \
+  template void attention_output_and_mlp<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int,  \
+                                            S*);                                                             \
+  template void layer_forward<S>(const ModelConfig&, const BasicLayerWeights<S>&, int, uint32_t, S*, int,    \
+                                 AttentionObserver*);                                                        \
+  template void final_logits<S>(const ModelFile&, const S*, int, S*);
+KVCC_FORWARD_INSTANTIATE(float)
+KVCC_FORWARD_INSTANTIATE(double)
+#undef KVCC_FORWARD_INSTANTIATE
 
 }  // namespace kvcc

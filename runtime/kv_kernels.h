@@ -1,8 +1,9 @@
 // CUDA kernels of the paged INT2 KV cache (device pointers, explicit streams). Each has a CPU
 // reference with the same semantics (runtime/append_ref.h, runtime/attention_ref.h). Compiled only
 // with KVCC_HAVE_CUDA. The GPU decode kernel supports head_dim 128, one (scale, zero) group per
-// row (group = head_dim), up to 8 query heads per KV head, and the uniform grid; the CPU
-// reference covers the rest, and the launchers throw Error outside that range.
+// row (group = head_dim), up to 8 query heads per KV head, the uniform grid and the level table
+// (<= 64 KV heads then); the CPU reference covers the rest, and the launchers throw Error
+// outside that range.
 #pragma once
 #if defined(KVCC_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -31,17 +32,18 @@ struct DecodeShape {
   float sm_scale = 0; // softmax scale, usually 1/sqrt(d)
   int target_ctas = 0;  // 0: the kernel's own plan (about one or two waves)
   int stages = 7;       // benchmarking only: bit 0 rotate q, bit 1 attention, bit 2 merge
+  int ring = 0;         // tests only: 0 the plan's choice, 2 or 3 that INT2 page-ring depth
 };
 
 // Bytes of workspace decode_int2 (page_tokens_bf16 = 0) or decode_bf16_paged (its page size;
-// only g.n_kv_heads is used then) needs for this batch shape and DecodeShape::target_ctas.
+// only g.n_kv_heads is used then) needs for this batch shape, DecodeShape::target_ctas and ::ring.
 size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
-                              int page_tokens_bf16 = 0, int target_ctas = 0);
+                              int page_tokens_bf16 = 0, int target_ctas = 0, int ring = 0);
 
 // INT2 decode attention over the mixed cache (sink + INT2 history + ring) of one layer.
 // q: [batch, n_heads, d] fp32 post-RoPE, unrotated. rot_k: [n_kv, d, d]; rot_v_t: [n_kv, d, d]
 // holding R_vᵀ (so the output rotation reads rows coalesced). out: [batch, n_heads, d] fp32.
-// codecs: host array [n_kv] (checked: level tables are not supported by this kernel).
+// codecs: host array [n_kv]; any level table selects the (slower) table kernel for the launch.
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                  const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape,
                  const float* q, const float* rot_k, const float* rot_v_t, float* out,
@@ -72,6 +74,31 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
                const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
                const float* rot_k, const float* rot_v, void* workspace, size_t workspace_bytes,
                cudaStream_t stream);
+
+// Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
+// prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as
+// stored (BF16 sink, INT2 history, BF16 ring) and to themselves, rotated and BF16-rounded as the
+// ring will hold them. Does not modify the cache (append the tokens afterwards). Scope: head_dim
+// 128, group = head_dim, 64-token pages, any sink / recent sizes, any query-head group, uniform
+// grid and level-table codecs, up to kPrefillMaxKvHeads KV heads.
+// q: device [T, n_heads, d], k, v: device [T, n_kv, d], fp32 post-RoPE, unrotated.
+// page_table: device, the sequence's first history_pages(length) page ids. rot_k, rot_v, rot_v_t:
+// device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity). out: device [T, n_heads, d] fp32.
+// codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same arguments.
+constexpr int kPrefillMaxKvHeads = 64;
+struct PrefillShape {
+  int n_heads = 0;     // query heads, a multiple of the KV heads
+  float sm_scale = 0;  // softmax scale, usually 1/sqrt(d)
+  int splits = 0;      // key-range splits per query tile (0: the kernel's plan; tests, tuning)
+  int warps = 0;       // query rows per CTA / 16: 4 or 8 (0: the kernel's choice; tuning)
+};
+size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape);
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
+                  int seq_slot, int64_t length, const int32_t* page_table, int T,
+                  const HeadCodec* codecs, const PrefillShape& shape, const float* q,
+                  const float* k, const float* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream);
 
 }  // namespace kvcc
 #endif

@@ -86,6 +86,12 @@ int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const 
   if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out") || (n_seqs > 0 && bad(seqs, "seqs"))) return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->decode(layer, std::vector<int>(seqs, seqs + n_seqs), q, out, stream); });
 }
+int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, const float* k, const float* v,
+                 float* out, void* stream) {
+  if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
+    return KVCC_BAD_ARGUMENT;
+  return guarded([&] { rt->rt->prefill(layer, seq, T, q, k, v, out, stream); });
+}
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes) {
   if (bad(rt, "runtime") || bad(bytes, "bytes")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { *bytes = int64_t(rt->rt->cache().bytes_in_use()); });

@@ -27,6 +27,11 @@ int kvcc_sequence_length(kvcc_runtime* rt, int seq, int64_t* length);
 int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts);
 int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream);
 int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const float* q, float* out, void* stream);
+/* T new tokens of one sequence attend to its cache and causally to themselves (see kvcc_runtime.h):
+ * q, out [T, n_heads, d], k, v [T, n_kv, d]. Before kvcc_begin_append, or between it and
+ * kvcc_append of this layer. */
+int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, const float* k, const float* v,
+                 float* out, void* stream);
 
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
 const char* kvcc_last_error(void);

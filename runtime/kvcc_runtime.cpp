@@ -1,5 +1,6 @@
 #include "runtime/kvcc_runtime.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -37,6 +38,11 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
           "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves oscar, "
           "oscar-lm, hadamard, identity, random)");
   require(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
+  // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there.
+  require(a.recipe.group <= a.head_dim,
+          "artifact: group " + std::to_string(a.recipe.group) + " spans several KV heads (head_dim " +
+              std::to_string(a.head_dim) + "); the paged runtime stores quantiser parameters per KV head, "
+              "so it serves --group <= head_dim only (spanning groups are evaluated by kvcc report / validate)");
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   for (const HeadArtifact& h : a.heads)
     for (const SideArtifact* s : {&h.key, &h.value}) {
@@ -68,6 +74,21 @@ struct Runtime::DeviceState {
     ws_cap = 0;
     require(cudaMalloc(&ws, bytes) == cudaSuccess, "runtime: cannot allocate " + std::to_string(bytes) + " bytes of workspace");
     ws_cap = bytes;
+  }
+  // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
+  int32_t* upload_batch(const std::vector<int32_t>& host, cudaStream_t s) {
+    if (host.empty()) return batch;
+    if (host.size() > batch_cap) {
+      cudaFree(batch);
+      batch = nullptr;
+      batch_cap = 0;
+      require(cudaMalloc(&batch, host.size() * 2 * sizeof(int32_t)) == cudaSuccess, "runtime: cannot allocate batch");
+      batch_cap = host.size() * 2;
+    }
+    require(cudaMemcpyAsync(batch, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s) ==
+                cudaSuccess,
+            "runtime: cannot copy the batch");
+    return batch;
   }
 };
 #else
@@ -150,11 +171,13 @@ void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>&
   pending_seqs_ = seqs;
   pending_counts_ = counts;
   pending_old_ = old;
+  appended_.assign(size_t(geometry().n_layers), 0);
 }
 
 void Runtime::append(int layer, const float* k, const float* v, void* stream) {
   const KvGeometry& g = geometry();
   require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  if (!appended_.empty()) appended_[size_t(layer)] = 1;  // prefill must not read this layer's step any more
   if (cache_->memory() == PoolMemory::Host) {
     append_ref(*cache_, layer, make_append_batch(pending_seqs_, pending_old_, pending_counts_), k, v, rot_k(layer),
                rot_v(layer), codecs(layer));
@@ -200,16 +223,8 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
     max_pages = std::max(max_pages, int(pt.size()));
   }
   // Page offsets were taken before each insert, relative to the table start.
-  if (host.size() > dev_->batch_cap) {
-    cudaFree(dev_->batch);
-    dev_->batch = nullptr;
-    require(cudaMalloc(&dev_->batch, host.size() * 2 * sizeof(int32_t)) == cudaSuccess, "runtime: cannot allocate batch");
-    dev_->batch_cap = host.size() * 2;
-  }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  require(cudaMemcpyAsync(dev_->batch, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s) ==
-              cudaSuccess,
-          "runtime: cannot copy the batch");
+  dev_->upload_batch(host, s);
   DeviceBatch db;
   db.batch = n;
   db.seq_slot = dev_->batch;
@@ -223,6 +238,47 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
               dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v_t ? dev_->rot_v_t + off : nullptr, out, dev_->ws,
               dev_->ws_cap, s);
+#else
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
+int64_t Runtime::prefill_length(int layer, int seq, int T) const {
+  const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
+  const auto it = std::find(pending_seqs_.begin(), pending_seqs_.end(), seq);
+  if (!step_open || it == pending_seqs_.end()) return cache_->length(seq);
+  const size_t i = size_t(it - pending_seqs_.begin());
+  require(!appended_[size_t(layer)], "runtime: prefill of layer " + std::to_string(layer) + ", sequence " +
+                                         std::to_string(seq) +
+                                         " after that layer's append in this step (call prefill first: the new "
+                                         "tokens attend to themselves through k and v)");
+  require(T == pending_counts_[i], "runtime: prefill of " + std::to_string(T) + " tokens, but begin_append gave " +
+                                       std::to_string(pending_counts_[i]) + " for sequence " + std::to_string(seq));
+  return pending_old_[i];
+}
+
+void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
+                      void* stream) {
+  const KvGeometry& g = geometry();
+  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  require(T >= 0, "runtime: negative token count");
+  const int64_t length = prefill_length(layer, seq, T);
+  if (cache_->memory() == PoolMemory::Host) {
+    prefill_ref(*cache_, layer, seq, T, q, k, v, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer),
+                options_.sm_scale, out, length);
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const std::vector<int32_t>& pt = cache_->page_table(seq);
+  const std::vector<int32_t> hist(pt.begin(), pt.begin() + history_pages(g, length));
+  const int32_t* table = dev_->upload_batch(hist, s);
+  const PrefillShape shape{engine_.n_heads, options_.sm_scale};
+  dev_->ensure_ws(prefill_workspace_bytes(g, length, T, shape));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,
+               k, v, dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v ? dev_->rot_v + off : nullptr,
+               dev_->rot_v_t ? dev_->rot_v_t + off : nullptr, out, dev_->ws, dev_->ws_cap, s);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -1,5 +1,5 @@
 // The C++ API an inference engine links (runtime + formats only): an artifact's rotations and
-// quantizer parameters, the paged INT2 cache, and the append / decode kernels.
+// quantizer parameters, the paged INT2 cache, and the append / decode / prefill kernels.
 //
 // One Runtime serves one model. With PoolMemory::Device (needs CUDA) all tensor arguments are
 // device pointers and work is queued on the given stream; with PoolMemory::Host the same calls run
@@ -9,6 +9,10 @@
 //   decode(layer, seqs, q, out, stream)
 // k, v: [sum(counts), n_kv, d] float32 post-RoPE, unrotated, sequences in order;
 // q, out: [n_seqs, n_heads, d] float32 (q post-RoPE, unrotated; out in the model's basis).
+// Prefill / extend of one sequence by T tokens: prefill(layer, seq, T, q, k, v, out, stream) with
+// q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets). It
+// reads the cache as it was before these tokens, so call it before begin_append, or after
+// begin_append (T = the sequence's count) and before append(layer).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -52,6 +56,8 @@ class Runtime {
   void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts);
   void append(int layer, const float* k, const float* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
+  void prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
+               void* stream = nullptr);
 
  private:
   struct DeviceState;
@@ -62,6 +68,9 @@ class Runtime {
   std::vector<float> rot_k_, rot_v_;       // [layers * n_kv * d * d], empty: identity
   std::vector<int> pending_seqs_, pending_counts_;
   std::vector<int64_t> pending_old_;
+  std::vector<char> appended_;  // [layers]: append(layer) done in the current step
+  // The length prefill reads: before the open step's tokens (checked), else the current one.
+  int64_t prefill_length(int layer, int seq, int T) const;
   std::unique_ptr<DeviceState> dev_;
 };
 

@@ -1,7 +1,5 @@
 #include "runtime/validate.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 
 #include "formats/codec_commvq.h"
 #include "formats/error.h"
@@ -28,6 +27,16 @@ ValidateMode validate_mode_from_name(const std::string& name) {
 
 const char* validate_mode_name(ValidateMode mode) {
   return mode == ValidateMode::PseudoDecode ? "pseudo-decode" : "static";
+}
+
+ValidatePrecision validate_precision_from_name(const std::string& name) {
+  if (name == "float") return ValidatePrecision::Float;
+  if (name == "double") return ValidatePrecision::Double;
+  throw Error("unknown validation precision '" + name + "' (float | double)");
+}
+
+const char* validate_precision_name(ValidatePrecision precision) {
+  return precision == ValidatePrecision::Float ? "float" : "double";
 }
 
 CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
@@ -52,25 +61,30 @@ CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& na
       books->keys.push_back(commvq_key_codebook(h.key, artifact.head_dim, artifact.rope_style));
       books->values.push_back(commvq_value_codebook(h.value, artifact.head_dim, true));
     }
-    const int n_kv = artifact.n_kv_heads;
-    s.codec = [books, n_kv](int layer, int kv_head, KvSide side, const float* rows, int n,
-                            int64_t first_position, float* out) {
-      const size_t index = size_t(layer) * size_t(n_kv) + size_t(kv_head);
-      if (side == KvSide::Value) {
-        commvq_roundtrip_values(books->values[index], rows, size_t(n), out);
-        return;
-      }
+    const int n_kv = artifact.n_kv_heads, d = artifact.head_dim;
+    s.codec = [books, n_kv, d](int layer, KvSide side, const float* rows, int n, int64_t first_position,
+                               float* out) {
+      const size_t kvdim = size_t(n_kv) * d;
+      std::vector<float> head_rows(size_t(n) * d), head_out(size_t(n) * d);
       std::vector<int32_t> positions(static_cast<size_t>(n));
       for (int t = 0; t < n; ++t) positions[size_t(t)] = int32_t(first_position + t);
-      commvq_roundtrip_keys(books->keys[index], rows, positions.data(), size_t(n), books->inv_freq,
-                            true, out);
+      for (int h = 0; h < n_kv; ++h) {  // CommVQ's codebooks are per KV head
+        for (int t = 0; t < n; ++t)
+          std::copy_n(rows + size_t(t) * kvdim + size_t(h) * d, d, head_rows.data() + size_t(t) * d);
+        const size_t index = size_t(layer) * size_t(n_kv) + size_t(h);
+        if (side == KvSide::Value)
+          commvq_roundtrip_values(books->values[index], head_rows.data(), size_t(n), head_out.data());
+        else
+          commvq_roundtrip_keys(books->keys[index], head_rows.data(), positions.data(), size_t(n),
+                                books->inv_freq, true, head_out.data());
+        for (int t = 0; t < n; ++t)
+          std::copy_n(head_out.data() + size_t(t) * d, d, out + size_t(t) * kvdim + size_t(h) * d);
+      }
     };
     return s;
   }
-  s.codec = [a](int layer, int kv_head, KvSide side, const float* rows, int n, int64_t, float* out) {
-    const HeadArtifact& head = a->head(layer, kv_head);
-    roundtrip_page(a->recipe, side == KvSide::Key ? head.key : head.value, side, a->head_dim, rows,
-                   n, out);
+  s.codec = [a](int layer, KvSide side, const float* rows, int n, int64_t, float* out) {
+    roundtrip_layer_page(*a, layer, side, rows, n, out);
   };
   return s;
 }
@@ -108,6 +122,25 @@ double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::
   return bits / elements;
 }
 
+double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
+  require(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
+  const size_t D = values.size();
+  if (D < 2) return std::numeric_limits<double>::quiet_NaN();
+  double w_sum = 0, wx_sum = 0;
+  for (size_t i = 0; i < D; ++i) {
+    require(weights[i] > 0, "clustered_standard_error: weights must be positive");
+    w_sum += weights[i];
+    wx_sum += weights[i] * values[i];
+  }
+  const double mean = wx_sum / w_sum;
+  double ss = 0;
+  for (size_t i = 0; i < D; ++i) {
+    const double r = weights[i] * (values[i] - mean);
+    ss += r * r;
+  }
+  return std::sqrt(double(D) / double(D - 1) * ss) / w_sum;
+}
+
 namespace {
 
 // History tokens (post-sink, whole pages) of a sequence of n tokens: the runtime's tiers_of. With
@@ -123,75 +156,47 @@ int64_t history_tokens(const CacheScheme& s, int64_t n) {
 
 // One layer's cache of one sequence as attention sees it: [length, kv_dim] keys and values, with
 // quantised pages replaced by their dequantised rows.
+template <typename S>
 struct LayerCache {
-  std::vector<float> keys, values;
+  std::vector<S> keys, values;
   int64_t length = 0, quantised = 0;  // quantised: post-sink tokens already in pages
 };
 
-// T queries at positions n0..n0+T-1 attending to keys/values [n0+T, kv_dim] causally. The same
-// arithmetic as causal_attention (runtime/forward.cpp), so a full-precision cache reproduces the
-// plain forward pass bit for bit.
-void block_attention(const ModelConfig& c, int64_t n0, int T, const float* q, const float* key,
-                     const float* value, float* out) {
-  const int d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d, group = c.group();
-  const int N = int(n0 + T);
-  const float scale = float(1.0 / std::sqrt(double(d)));
-  std::vector<float> probs(size_t(T) * N), head_out(size_t(T) * d);
-  for (int h = 0; h < c.n_heads; ++h) {
-    const int kv = h / group;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, N, d, scale, q + size_t(h) * d, qdim,
-                key + size_t(kv) * d, kvdim, 0.f, probs.data(), N);
-    for (int i = 0; i < T; ++i) {
-      float* row = probs.data() + size_t(i) * N;
-      const int last = int(n0) + i;
-      float max_score = row[0];
-      for (int j = 1; j <= last; ++j) max_score = std::max(max_score, row[j]);
-      double sum = 0;
-      for (int j = 0; j <= last; ++j) {
-        row[j] = std::exp(row[j] - max_score);
-        sum += row[j];
-      }
-      const float inv = float(1.0 / sum);
-      for (int j = 0; j <= last; ++j) row[j] *= inv;
-      std::fill(row + last + 1, row + N, 0.f);
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, d, N, 1.f, probs.data(), N,
-                value + size_t(kv) * d, kvdim, 0.f, head_out.data(), d);
-    for (int t = 0; t < T; ++t)
-      std::copy(head_out.data() + size_t(t) * d, head_out.data() + size_t(t + 1) * d,
-                out + size_t(t) * qdim + size_t(h) * d);
-  }
-}
-
 // Appends T rows to the cache and quantises the pages the policy now moves into history. Pages
-// are quantised from the full-precision rows (the ring holds them unquantised until then).
-void append_rows(const ModelConfig& c, const CacheScheme& s, int layer, LayerCache& cache,
-                 const float* key, const float* value, int T) {
-  const int d = c.head_dim, kvdim = c.n_kv_heads * d;
+// are quantised from the full-precision rows (the ring holds them unquantised until then); a
+// page's rows [P, kv_dim] are contiguous in the cache and go to the codec as one block.
+template <typename S>
+void append_rows(const ModelConfig& c, const CacheScheme& s, int layer, LayerCache<S>& cache, const S* key,
+                 const S* value, int T) {
+  const size_t kvdim = size_t(c.n_kv_heads) * c.head_dim;
   cache.keys.insert(cache.keys.end(), key, key + size_t(T) * kvdim);
   cache.values.insert(cache.values.end(), value, value + size_t(T) * kvdim);
   cache.length += T;
   if (!s.codec) return;
   const int64_t target = history_tokens(s, cache.length);
   const int P = s.page_size;
-  std::vector<float> rows(size_t(P) * d), out(size_t(P) * d);
+  const size_t page = size_t(P) * kvdim;
+  std::vector<float> rows(std::is_same_v<S, float> ? 0 : page), out(page);
   for (; cache.quantised < target; cache.quantised += P) {
     const int64_t first = std::min<int64_t>(cache.length, s.sink) + cache.quantised;
-    for (int side = 0; side < 2; ++side) {
-      float* base = (side == 0 ? cache.keys : cache.values).data();
-      for (int h = 0; h < c.n_kv_heads; ++h) {
-        for (int t = 0; t < P; ++t)
-          std::copy_n(base + size_t(first + t) * kvdim + size_t(h) * d, d, rows.data() + size_t(t) * d);
-        s.codec(layer, h, side == 0 ? KvSide::Key : KvSide::Value, rows.data(), P, first, out.data());
-        for (int t = 0; t < P; ++t)
-          std::copy_n(out.data() + size_t(t) * d, d, base + size_t(first + t) * kvdim + size_t(h) * d);
+    for (const KvSide side : {KvSide::Key, KvSide::Value}) {
+      S* base = (side == KvSide::Key ? cache.keys : cache.values).data() + size_t(first) * kvdim;
+      if constexpr (std::is_same_v<S, float>) {
+        s.codec(layer, side, base, P, first, out.data());
+        std::copy(out.begin(), out.end(), base);
+      } else {
+        // Double mode (header): the codec sees the page in float; its change is applied in double.
+        for (size_t i = 0; i < page; ++i) rows[i] = float(base[i]);
+        s.codec(layer, side, rows.data(), P, first, out.data());
+        for (size_t i = 0; i < page; ++i) base[i] += double(out[i]) - double(rows[i]);
       }
     }
   }
 }
 
 // log-softmax of one logits row in double.
-void log_softmax(const float* logits, int V, std::vector<double>& out) {
+template <typename S>
+void log_softmax(const S* logits, int V, std::vector<double>& out) {
   out.resize(size_t(V));
   double m = -std::numeric_limits<double>::infinity();
   for (int v = 0; v < V; ++v) m = std::max(m, double(logits[v]));
@@ -201,53 +206,37 @@ void log_softmax(const float* logits, int V, std::vector<double>& out) {
   for (int v = 0; v < V; ++v) out[size_t(v)] = double(logits[v]) - lse;
 }
 
+// Sums over predictions: of all documents (in the order the float results have always been
+// summed) and of the current document.
 struct Accum {
   double nll = 0, kl = 0, top1 = 0;
+  double doc_nll = 0, doc_kl = 0, doc_top1 = 0;
   std::vector<double> err_num, err_den;
 };
 
-}  // namespace
-
-ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
-                                  const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
-                                  const std::function<void(const ValidateProgress&)>& progress) {
-  const auto t0 = std::chrono::steady_clock::now();
+// The lockstep run of validate_schemes in precision S (float or double): fills result's counts,
+// per-document lists and acc (index 0 the reference, 1.. the schemes).
+template <typename S>
+void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
+                   const std::vector<const CacheScheme*>& runs, ValidateMode mode, int block,
+                   const std::function<void(const ValidateProgress&)>& progress, ValidateProgress prog,
+                   std::chrono::steady_clock::time_point t0, ValidationResult& result, std::vector<Accum>& acc,
+                   std::vector<std::vector<DocumentMetrics>>& per_doc) {
   const ModelConfig& c = model.config();
-  require(block > 0, "validation block size must be positive");
-  for (const CacheScheme& s : schemes)
-    require(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
-            "scheme " + s.name + ": page size must be positive and windows non-negative");
-  ValidationResult result;
-  result.model = model.path();
-  result.mode = validate_mode_name(mode);
-  result.block = block;
-  uint64_t tokens_total = 0;
-  for (const auto& doc : documents)
-    if (doc.size() >= 2) tokens_total += doc.size();
-  require(tokens_total > 0, "no document with at least 2 tokens to validate on (empty text?)");
-
-  std::vector<LayerWeights> weights;
-  for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer(model, l));
-
+  std::vector<BasicLayerWeights<S>> weights;
+  for (int l = 0; l < c.n_layers; ++l) {
+    if constexpr (std::is_same_v<S, float>)
+      weights.push_back(load_layer(model, l));
+    else
+      weights.push_back(to_double(load_layer(model, l)));
+  }
   const int hidden = c.hidden, V = c.vocab;
   const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
-  const size_t S = schemes.size();
-  // Index 0 is the full-precision reference, 1..S the schemes.
-  std::vector<const CacheScheme*> runs(S + 1);
-  CacheScheme reference;
-  reference.name = "full precision";
-  runs[0] = &reference;
-  for (size_t i = 0; i < S; ++i) runs[i + 1] = &schemes[i];
-  std::vector<Accum> acc(S + 1);
-  for (Accum& a : acc) a.err_num.assign(size_t(c.n_layers), 0), a.err_den.assign(size_t(c.n_layers), 0);
-
-  ValidateProgress prog;
-  prog.documents_total = documents.size();
-  prog.tokens_total = tokens_total;
-  std::vector<float> x, q, key, value, attn, logits;
-  std::vector<std::vector<float>> ref_attn(size_t(c.n_layers)), ref_key(size_t(c.n_layers)),
+  const size_t R = runs.size();
+  std::vector<S> x, q, key, value, attn, logits, all_k, all_v;
+  std::vector<std::vector<S>> ref_attn(size_t(c.n_layers)), ref_key(size_t(c.n_layers)),
       ref_value(size_t(c.n_layers));
-  std::vector<float> ref_logits;
+  std::vector<S> ref_logits;
   std::vector<double> lp_ref, lp_q;
   for (const auto& doc : documents) {
     ++prog.documents_done;
@@ -256,11 +245,12 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
     result.documents++;
     result.tokens += uint64_t(n);
     result.doc_lengths.push_back(n);
-    std::vector<std::vector<LayerCache>> caches(S + 1, std::vector<LayerCache>(size_t(c.n_layers)));
+    for (Accum& a : acc) a.doc_nll = a.doc_kl = a.doc_top1 = 0;
+    std::vector<std::vector<LayerCache<S>>> caches(R, std::vector<LayerCache<S>>(size_t(c.n_layers)));
     for (int64_t b0 = 0; b0 < n; b0 += block) {
       const int T = int(std::min<int64_t>(block, n - b0));
       const int predict = int(std::min<int64_t>(T, n - 1 - b0));  // positions with a next token
-      for (size_t r = 0; r <= S; ++r) {
+      for (size_t r = 0; r < R; ++r) {
         const CacheScheme& s = *runs[r];
         x.resize(size_t(T) * hidden);
         embed(model, doc.data() + b0, T, x.data());
@@ -269,14 +259,15 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
         value.resize(size_t(T) * kvdim);
         attn.resize(size_t(T) * qdim);
         for (int l = 0; l < c.n_layers; ++l) {
-          LayerCache& cache = caches[r][size_t(l)];
+          LayerCache<S>& cache = caches[r][size_t(l)];
           attention_qkv(c, weights[size_t(l)], x.data(), T, int(b0), q.data(), nullptr, key.data(),
                         value.data());
           // The block attends to the cache as stored plus its own rows in full precision.
-          std::vector<float> all_k(cache.keys), all_v(cache.values);
+          all_k = cache.keys;
+          all_v = cache.values;
           all_k.insert(all_k.end(), key.begin(), key.end());
           all_v.insert(all_v.end(), value.begin(), value.end());
-          block_attention(c, cache.length, T, q.data(), all_k.data(), all_v.data(), attn.data());
+          prefix_causal_attention(c, cache.length, T, q.data(), all_k.data(), all_v.data(), attn.data());
           if (r == 0) {
             ref_attn[size_t(l)] = attn;
             ref_key[size_t(l)] = key;
@@ -284,9 +275,9 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
           } else {
             double num = 0, den = 0;
             for (size_t i = 0; i < attn.size(); ++i) {
-              const double diff = double(attn[i]) - ref_attn[size_t(l)][i];
+              const double diff = double(attn[i]) - double(ref_attn[size_t(l)][i]);
               num += diff * diff;
-              den += double(ref_attn[size_t(l)][i]) * ref_attn[size_t(l)][i];
+              den += double(ref_attn[size_t(l)][i]) * double(ref_attn[size_t(l)][i]);
             }
             acc[r].err_num[size_t(l)] += num;
             acc[r].err_den[size_t(l)] += den;
@@ -298,22 +289,26 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
         }
         logits.resize(size_t(T) * V);
         final_logits(model, x.data(), T, logits.data());
-        for (float v : logits)
+        for (S v : logits)
           require(std::isfinite(v), "non-finite logits in validation (" + s.name + ", position " +
                                         std::to_string(b0) + "+): the model or artifact holds NaNs");
         if (r == 0) ref_logits = logits;
+        Accum& a = acc[r];
         for (int t = 0; t < predict; ++t) {
           const int target = doc[size_t(b0 + t + 1)];
           log_softmax(logits.data() + size_t(t) * V, V, lp_q);
-          acc[r].nll -= lp_q[size_t(target)];
+          a.nll -= lp_q[size_t(target)];
+          a.doc_nll -= lp_q[size_t(target)];
           if (r == 0) continue;
           log_softmax(ref_logits.data() + size_t(t) * V, V, lp_ref);
           double kl = 0;
           for (int v = 0; v < V; ++v) kl += std::exp(lp_ref[size_t(v)]) * (lp_ref[size_t(v)] - lp_q[size_t(v)]);
-          acc[r].kl += std::max(kl, 0.0);
+          a.kl += std::max(kl, 0.0);
+          a.doc_kl += std::max(kl, 0.0);
           const auto am_ref = std::max_element(lp_ref.begin(), lp_ref.end()) - lp_ref.begin();
           const auto am_q = std::max_element(lp_q.begin(), lp_q.end()) - lp_q.begin();
-          acc[r].top1 += am_ref == am_q ? 1.0 : 0.0;
+          a.top1 += am_ref == am_q ? 1.0 : 0.0;
+          a.doc_top1 += am_ref == am_q ? 1.0 : 0.0;
         }
       }
       result.predictions += uint64_t(predict);
@@ -321,10 +316,66 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
       prog.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (progress) progress(prog);
     }
+    const double p = double(n - 1);
+    const double ref_nll = acc[0].doc_nll / p;
+    result.reference_doc_nll.push_back(ref_nll);
+    for (size_t r = 1; r < R; ++r) {
+      DocumentMetrics m;
+      m.nll = acc[r].doc_nll / p;
+      m.kl = acc[r].doc_kl / p;
+      m.top1_agreement = acc[r].doc_top1 / p;
+      m.ppl_rel_change = std::exp(m.nll - ref_nll) - 1.0;
+      per_doc[r - 1].push_back(m);
+    }
   }
+}
+
+}  // namespace
+
+ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
+                                  const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
+                                  const std::function<void(const ValidateProgress&)>& progress,
+                                  ValidatePrecision precision) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ModelConfig& c = model.config();
+  require(block > 0, "validation block size must be positive");
+  for (const CacheScheme& s : schemes)
+    require(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
+            "scheme " + s.name + ": page size must be positive and windows non-negative");
+  ValidationResult result;
+  result.model = model.path();
+  result.mode = validate_mode_name(mode);
+  result.precision = validate_precision_name(precision);
+  result.block = block;
+  uint64_t tokens_total = 0;
+  for (const auto& doc : documents)
+    if (doc.size() >= 2) tokens_total += doc.size();
+  require(tokens_total > 0, "no document with at least 2 tokens to validate on (empty text?)");
+
+  const size_t S = schemes.size();
+  // Index 0 is the full-precision reference, 1..S the schemes.
+  std::vector<const CacheScheme*> runs(S + 1);
+  CacheScheme reference;
+  reference.name = "full precision";
+  runs[0] = &reference;
+  for (size_t i = 0; i < S; ++i) runs[i + 1] = &schemes[i];
+  std::vector<Accum> acc(S + 1);
+  for (Accum& a : acc) a.err_num.assign(size_t(c.n_layers), 0), a.err_den.assign(size_t(c.n_layers), 0);
+  std::vector<std::vector<DocumentMetrics>> per_doc(S);
+
+  ValidateProgress prog;
+  prog.documents_total = documents.size();
+  prog.tokens_total = tokens_total;
+  if (precision == ValidatePrecision::Double)
+    run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc);
+  else
+    run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc);
+
   const double P = double(result.predictions);
   result.reference_nll = acc[0].nll / P;
   result.reference_perplexity = std::exp(result.reference_nll);
+  std::vector<double> weights;  // predictions per document
+  for (int64_t len : result.doc_lengths) weights.push_back(double(len - 1));
   for (size_t i = 0; i < S; ++i) {
     const Accum& a = acc[i + 1];
     SchemeMetrics m;
@@ -334,6 +385,15 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
     m.ppl_rel_change = m.perplexity / result.reference_perplexity - 1.0;
     m.kl = a.kl / P;
     m.top1_agreement = a.top1 / P;
+    m.per_document = std::move(per_doc[i]);
+    std::vector<double> kl, nll_diff;
+    for (size_t d = 0; d < m.per_document.size(); ++d) {
+      kl.push_back(m.per_document[d].kl);
+      nll_diff.push_back(m.per_document[d].nll - result.reference_doc_nll[d]);
+    }
+    m.kl_stderr = clustered_standard_error(kl, weights);
+    // d(e^Δ − 1)/dΔ = e^Δ at the mean paired difference Δ = nll − reference nll.
+    m.ppl_rel_change_stderr = (1.0 + m.ppl_rel_change) * clustered_standard_error(nll_diff, weights);
     for (int l = 0; l < c.n_layers; ++l)
       m.layer_rel_error.push_back(a.err_den[size_t(l)] > 0 ? a.err_num[size_t(l)] / a.err_den[size_t(l)] : 0.0);
     if (const Artifact* art = schemes[i].artifact) {
@@ -387,37 +447,64 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
 std::string format_table(const ValidationResult& r) {
   std::ostringstream o;
   char line[512];
-  std::snprintf(line, sizeof line, "%s, %s, block %d: %llu documents, %llu tokens; full-precision ppl %.4f\n",
-                r.model.c_str(), r.mode.c_str(), r.block, (unsigned long long)r.documents,
+  std::snprintf(line, sizeof line,
+                "%s, %s, block %d, %s: %llu documents, %llu tokens; full-precision ppl %.4f\n", r.model.c_str(),
+                r.mode.c_str(), r.block, r.precision.c_str(), (unsigned long long)r.documents,
                 (unsigned long long)r.tokens, r.reference_perplexity);
   o << line;
-  std::snprintf(line, sizeof line, "%-28s %-10s %7s %7s %10s %9s %10s %7s %10s\n", "scheme", "method", "nominal",
-                "eff.", "ppl", "Δppl %", "KL", "top-1", "max layer");
+  std::snprintf(line, sizeof line, "%-28s %-10s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme", "method",
+                "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
   o << line;
+  // A standard error needs 2 documents; "-" otherwise.
+  auto se = [](double v, const char* fmt) {
+    char b[32];
+    if (std::isnan(v)) return std::string("-");
+    std::snprintf(b, sizeof b, fmt, v);
+    return std::string(b);
+  };
   for (const SchemeMetrics& m : r.schemes) {
     const double max_err = m.layer_rel_error.empty()
                                ? 0.0
                                : *std::max_element(m.layer_rel_error.begin(), m.layer_rel_error.end());
-    std::snprintf(line, sizeof line, "%-28s %-10s %7.3f %7.3f %10.4f %+9.3f %10.3e %7.4f %10.3e\n",
+    std::snprintf(line, sizeof line, "%-28s %-10s %7.3f %7.3f %10.4f %+9.3f %7s %10.3e %9s %7.4f %10.3e\n",
                   m.name.c_str(), m.method.c_str(), m.nominal_bits, m.effective_bits, m.perplexity,
-                  100.0 * m.ppl_rel_change, m.kl, m.top1_agreement, max_err);
+                  100.0 * m.ppl_rel_change, se(100.0 * m.ppl_rel_change_stderr, "%.3f").c_str(), m.kl,
+                  se(m.kl_stderr, "%.2e").c_str(), m.top1_agreement, max_err);
     o << line;
   }
+  o << "(±se: standard error across documents; Δppl's from per-document paired NLL differences)\n";
   return o.str();
 }
 
 std::string to_json(const ValidationResult& r) {
+  // NaN (a standard error of one document) is written as null.
+  auto num = [](double v) { return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v); };
   nlohmann::json j;
   j["model"] = r.model;
   j["mode"] = r.mode;
+  j["precision"] = r.precision;
   j["block"] = r.block;
   j["documents"] = r.documents;
   j["tokens"] = r.tokens;
   j["predictions"] = r.predictions;
-  j["reference"] = {{"nll", r.reference_nll}, {"perplexity", r.reference_perplexity}};
+  j["doc_lengths"] = r.doc_lengths;
+  j["reference"] = {{"nll", r.reference_nll},
+                    {"perplexity", r.reference_perplexity},
+                    {"per_document_nll", r.reference_doc_nll}};
+  j["stderr"] = "across documents (clusters): kl_stderr of the token-weighted mean KL; ppl_rel_change_stderr "
+                "from the per-document paired NLL differences against the reference (delta method)";
   j["seconds"] = r.seconds;
   j["schemes"] = nlohmann::json::array();
-  for (const SchemeMetrics& m : r.schemes)
+  for (const SchemeMetrics& m : r.schemes) {
+    nlohmann::json docs = nlohmann::json::array();
+    for (size_t d = 0; d < m.per_document.size(); ++d) {
+      const DocumentMetrics& dm = m.per_document[d];
+      docs.push_back({{"tokens", d < r.doc_lengths.size() ? r.doc_lengths[d] : 0},
+                      {"nll", dm.nll},
+                      {"ppl_rel_change", dm.ppl_rel_change},
+                      {"kl", dm.kl},
+                      {"top1_agreement", dm.top1_agreement}});
+    }
     j["schemes"].push_back({{"name", m.name},
                             {"method", m.method},
                             {"nominal_bits", m.nominal_bits},
@@ -425,22 +512,32 @@ std::string to_json(const ValidationResult& r) {
                             {"nll", m.nll},
                             {"perplexity", m.perplexity},
                             {"ppl_rel_change", m.ppl_rel_change},
+                            {"ppl_rel_change_stderr", num(m.ppl_rel_change_stderr)},
                             {"kl", m.kl},
+                            {"kl_stderr", num(m.kl_stderr)},
                             {"top1_agreement", m.top1_agreement},
-                            {"layer_rel_error", m.layer_rel_error}});
+                            {"layer_rel_error", m.layer_rel_error},
+                            {"per_document", docs}});
+  }
   return j.dump(2) + "\n";
 }
 
 std::string to_svg(const ValidationResult& r) {
-  // KL on a log axis against effective bits; one labelled point per scheme.
+  // KL on a log axis against effective bits; one labelled point per scheme with its error bar.
   const double W = 720, H = 440, L = 80, R = 200, T = 40, B = 60;
   double bmin = 1e9, bmax = -1e9, kmin = 1e9, kmax = -1e9;
+  // A bar spans KL ± its standard error on the log axis; a lower end at or below 0 is drawn a
+  // decade below the point (so it does not stretch the axis).
+  auto bar = [](const SchemeMetrics& m) {
+    const double se = std::isnan(m.kl_stderr) ? 0.0 : m.kl_stderr, k = std::log10(std::max(m.kl, 1e-9));
+    return std::pair{std::max(std::log10(std::max(m.kl - se, 1e-9)), k - 1), std::log10(std::max(m.kl + se, 1e-9))};
+  };
   for (const SchemeMetrics& m : r.schemes) {
     bmin = std::min(bmin, m.effective_bits);
     bmax = std::max(bmax, m.effective_bits);
-    const double k = std::log10(std::max(m.kl, 1e-9));
-    kmin = std::min(kmin, k);
-    kmax = std::max(kmax, k);
+    const auto [lo, hi] = bar(m);
+    kmin = std::min(kmin, lo);
+    kmax = std::max(kmax, hi);
   }
   if (r.schemes.empty()) bmin = 0, bmax = 1, kmin = -3, kmax = 0;
   bmin -= 0.1, bmax += 0.1;
@@ -467,8 +564,16 @@ std::string to_svg(const ValidationResult& r) {
   o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 16 << "\" text-anchor=\"middle\">effective bits per element</text>\n";
   o << "<text x=\"18\" y=\"" << (T + H - B) / 2 << "\" transform=\"rotate(-90 18 " << (T + H - B) / 2
     << ")\" text-anchor=\"middle\">mean KL(full ‖ quantised), nats</text>\n";
+  o << "<text x=\"" << W - R + 10 << "\" y=\"" << T + 12
+    << "\" font-size=\"11\">bars: ±1 s.e. across documents</text>\n";
   for (const SchemeMetrics& m : r.schemes) {
     const double x = px(m.effective_bits), y = py(std::log10(std::max(m.kl, 1e-9)));
+    const auto [lo, hi] = bar(m);
+    const double y_lo = py(lo), y_hi = py(hi);
+    o << "<line x1=\"" << x << "\" y1=\"" << y_lo << "\" x2=\"" << x << "\" y2=\"" << y_hi
+      << "\" stroke=\"#1f77b4\"/>\n<line x1=\"" << x - 4 << "\" y1=\"" << y_lo << "\" x2=\"" << x + 4 << "\" y2=\""
+      << y_lo << "\" stroke=\"#1f77b4\"/>\n<line x1=\"" << x - 4 << "\" y1=\"" << y_hi << "\" x2=\"" << x + 4
+      << "\" y2=\"" << y_hi << "\" stroke=\"#1f77b4\"/>\n";
     o << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"4\" fill=\"#1f77b4\"/>\n<text x=\"" << x + 6
       << "\" y=\"" << y + 4 << "\">" << m.name << "</text>\n";
   }

@@ -5,8 +5,9 @@
 // Cache policy (the CUDA runtime's, formats/kv_layout.h tiers_of): per layer and KV head the first
 // S tokens stay full precision (sink), the last post-sink tokens stay full precision in a ring of
 // W, and when a token arrives while the ring holds W its oldest P tokens are quantised as one page
-// by the artifact's method (formats/kv_codec.h roundtrip_page); a page never changes afterwards.
-// One difference from the runtime: the windows here hold float32, the runtime's hold BF16.
+// by the artifact's method (formats/kv_codec.h roundtrip_layer_page, all KV heads of the layer at
+// once); a page never changes afterwards. One difference from the runtime: the windows here hold
+// float32 (or double), the runtime's hold BF16.
 //
 // Modes:
 //   pseudo-decode (KVarN §3.2): each document in blocks of B tokens; per layer the block's queries
@@ -17,6 +18,19 @@
 //   static: the same, but the K/V appended to the cache are those of the full-precision run (the
 //     prefix computed in full precision, then quantised): error does not feed back through the
 //     cache, only through the block's own layers.
+//
+// Precision: float (default) runs every layer operation in float32 as the plain forward pass does;
+// double runs the same operations in double (runtime/forward.h), the slow exact-check mode: the
+// full-precision reference then equals the plain double forward pass to ~1e-15 relative whatever
+// the block size (in float, GEMM accumulation order follows the block shape: ~1e-8). Codecs take
+// float rows: in double mode a page is rounded to float for the codec and the stored page is the
+// double rows plus the codec's change, x + (codec(fl(x)) − fl(x)): a codec that returns its input
+// unchanged leaves the double rows exact, a real codec's error is the one it makes in float.
+//
+// Error bars: documents are the independent samples. Every mean here is token-weighted (Σ over
+// predictions / count); its standard error treats each document as one cluster (see
+// clustered_standard_error). Δppl's is that of the per-document paired differences of NLL
+// against the reference run, carried through exp (delta method).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -33,9 +47,15 @@ enum class ValidateMode { PseudoDecode, Static };
 ValidateMode validate_mode_from_name(const std::string& name);  // throws Error on an unknown name
 const char* validate_mode_name(ValidateMode mode);
 
-// Quantise + dequantise one page of n rows [n, d] of (layer, KV head, side) into out; the rows are
-// at positions first_position.. (CommVQ codes keys pre-RoPE, so it needs them).
-using PageCodec = std::function<void(int layer, int kv_head, KvSide side, const float* rows, int n,
+enum class ValidatePrecision { Float, Double };
+ValidatePrecision validate_precision_from_name(const std::string& name);  // float | double
+const char* validate_precision_name(ValidatePrecision precision);
+
+// Quantise + dequantise one page of n tokens of all KV heads of (layer, side): rows and out are
+// [n, n_kv * d] (token-major; KV head h holds channels [h*d, (h+1)*d)), at positions
+// first_position.. (CommVQ codes keys pre-RoPE, so it needs them). Per layer because a quantiser
+// group may span several KV heads (small head_dim).
+using PageCodec = std::function<void(int layer, KvSide side, const float* rows, int n,
                                      int64_t first_position, float* out)>;
 
 // What one evaluated cache does: its windows and page size, and the page codec.
@@ -45,8 +65,9 @@ struct CacheScheme {
   PageCodec codec;   // null: pages are kept in full precision (the reference)
   const Artifact* artifact = nullptr;  // for bit accounting; null for hand-made schemes
 };
-// The scheme an artifact's recipe describes (codec = kv_codec roundtrip_page; CommVQ:
-// commvq_roundtrip_keys/values with the model's RoPE). The artifact must outlive the scheme.
+// The scheme an artifact's recipe describes (codec = kv_codec roundtrip_layer_page; CommVQ:
+// commvq_roundtrip_keys/values per KV head with the model's RoPE). The artifact must outlive the
+// scheme.
 CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
                                  const ModelConfig& config);
 
@@ -55,6 +76,12 @@ CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& na
 void check_artifact_matches(const Artifact& artifact, const ModelFile& model,
                             const std::string& artifact_name);
 
+// One scheme on one document: means over that document's predictions.
+struct DocumentMetrics {
+  double nll = 0, kl = 0, top1_agreement = 0;
+  double ppl_rel_change = 0;  // exp(nll − reference nll of the document) − 1
+};
+
 struct SchemeMetrics {
   std::string name, method;
   double nll = 0;            // mean negative log-likelihood (nats) of the next token
@@ -62,15 +89,20 @@ struct SchemeMetrics {
   double ppl_rel_change = 0;  // perplexity / reference perplexity − 1
   double kl = 0;             // mean KL(full ‖ quantised) of next-token distributions (nats)
   double top1_agreement = 0; // fraction of positions whose argmax equals the reference's
+  // Standard errors across documents (NaN with fewer than 2): of kl, and of ppl_rel_change from
+  // the per-document paired NLL differences against the reference (header comment).
+  double kl_stderr = 0, ppl_rel_change_stderr = 0;
   std::vector<double> layer_rel_error;  // per layer: Σ‖o − o_ref‖² / Σ‖o_ref‖² of attention outputs
   double nominal_bits = 0, effective_bits = 0;  // 0 for schemes without an artifact
+  std::vector<DocumentMetrics> per_document;    // in the order of ValidationResult::doc_lengths
 };
 
 struct ValidationResult {
-  std::string model, mode;
+  std::string model, mode, precision;
   int block = 0;
   uint64_t documents = 0, tokens = 0, predictions = 0;
-  std::vector<int64_t> doc_lengths;
+  std::vector<int64_t> doc_lengths;       // tokens of each evaluated document (predictions: length − 1)
+  std::vector<double> reference_doc_nll;  // the reference's mean NLL per document
   double reference_nll = 0, reference_perplexity = 0;
   std::vector<SchemeMetrics> schemes;
   double seconds = 0;
@@ -86,7 +118,14 @@ struct ValidateProgress {
 // documents: token ids; each needs at least 2 tokens. Throws Error on no usable document.
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
-                                  const std::function<void(const ValidateProgress&)>& progress = {});
+                                  const std::function<void(const ValidateProgress&)>& progress = {},
+                                  ValidatePrecision precision = ValidatePrecision::Float);
+
+// Standard error of the weighted mean μ = Σ wᵢxᵢ / Σ wᵢ of per-document values xᵢ (weights wᵢ:
+// the documents' prediction counts) with documents as independent clusters:
+// √(D/(D−1) · Σ wᵢ²(xᵢ − μ)²) / Σ wᵢ; with equal weights it is the sample s.d. / √D. NaN when
+// fewer than 2 documents.
+double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights);
 
 // Token-weighted effective bits over the evaluated documents: Σ_docs len·effective_bits(len) / Σ len,
 // i.e. the bits of every document's final cache over its elements.
@@ -106,7 +145,8 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
 // Output forms.
 std::string format_table(const ValidationResult& result);
 std::string to_json(const ValidationResult& result);  // pretty JSON
-// Quality (KL, log scale) against effective bits, one labelled point per scheme.
+// Quality (KL, log scale) against effective bits, one labelled point per scheme with a ±1
+// standard-error bar.
 std::string to_svg(const ValidationResult& result);
 
 }  // namespace kvcc

@@ -4,8 +4,10 @@
 # each tested variant, then bench_decode for every variant on the same shapes and PyTorch SDPA
 # once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
 # usage: OUT=dir [BEFORE=old_decode.cu] [ROUNDS=2] [CONFIGS=...] [SWEEP_TARGETS="132 264"] [RACECHECK=variant] [NO_SDPA=1]
+#        [PARTS=configs (time the pipeline stages of the first variant)]
 #        scripts/gpu_perf.sh "name:-DFLAGS" ...
-#   each argument is a variant name and its nvcc defines; variants named test* also run the tests.
+#   each argument is a variant name and its nvcc defines (or @path: another decode.cu); variants
+#   named test* also run the tests.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -38,6 +40,8 @@ for v in "$@"; do
   names+=("$name")
   src=runtime/decode.cu
   if [ "$name" = before ]; then src=${BEFORE:?BEFORE must name the old decode.cu}; fi
+  # "name:@path/to/decode.cu" builds another copy of decode.cu (a snapshot) without extra flags.
+  if [ "${flags#@}" != "$flags" ]; then src=${flags#@}; flags=; fi
   # (the old file includes its headers relative to the repo root, so -I. serves both)
   $NV $flags -Xptxas -v -c "$src" -o "$D/decode_$name.o" >"$D/ptxas_$name.txt" 2>&1 &
   pids+=($!)
@@ -53,6 +57,16 @@ for name in "${names[@]}"; do
   esac
 done
 echo "build: $(( $(date +%s) - t0 )) s"
+# Static SASS of each variant's INT2 kernel (the page loop is unrolled, so these counts track the
+# per-page instruction mix): total and the opcodes that carry the work.
+for name in "${names[@]}"; do
+  cuobjdump --dump-sass "$D/decode_$name.o" 2>/dev/null |
+    awk 'function dump() { if (tot) { printf "%s total %d:", fn, tot; for (o in n) if (n[o] >= 16) printf " %s=%d", o, n[o]; printf "\n" } delete n; tot = 0 }
+      /Function :/ { dump(); on = ($0 ~ /ModeE0/); fn = ($0 ~ /Li2E/) ? "ring2" : "ring3" }
+      on && /^ +\/\*[0-9a-f]+\*\// { split($2, p, "."); op = p[1]; if (op ~ /^@/) { split($3, p, "."); op = p[1] } n[op]++; tot++ }
+      END { dump() }' |
+    sed "s/^/$name sass: /"
+done
 for name in "${names[@]}"; do
   if [ -x "$D/test_$name" ]; then
     "$D/test_$name" --gtest_output=xml:"$OUT/gpu_tests_$name.xml" | grep -E '^\[  (PASSED|FAILED) |FAILED|decode int2' 
@@ -60,9 +74,11 @@ for name in "${names[@]}"; do
   fi
 done
 if [ -n "${RACECHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
-  timeout 120 compute-sanitizer --tool racecheck "$D/test_$RACECHECK" --gtest_filter='GpuDecode.Int2MatchesReferenceGqa4' 2>&1 |
+  timeout 120 compute-sanitizer --tool racecheck "$D/test_$RACECHECK" \
+    --gtest_filter='GpuDecode.Int2MatchesReferenceGqa4:GpuDecode.Int2MatchesReferenceWideRing:GpuDecode.Int2LevelTable*' 2>&1 |
     grep -E 'RACECHECK|hazard|ERROR' | head -5
-  timeout 120 compute-sanitizer --tool memcheck "$D/test_$RACECHECK" --gtest_filter='GpuDecode.Int2*OneSplit:GpuDecode.Bf16*' 2>&1 |
+  timeout 120 compute-sanitizer --tool memcheck "$D/test_$RACECHECK" \
+    --gtest_filter='GpuDecode.Int2*OneSplit:GpuDecode.Int2*WideRing:GpuDecode.Int2LevelTable*:GpuDecode.Bf16*' 2>&1 |
     grep -E 'ERROR SUMMARY' | head -5
 fi
 # Variants interleaved per round so clock/thermal drift hits all of them alike.
@@ -71,6 +87,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     "$D/bench_$name" --configs "$CONFIGS" --out "$OUT/perf_${name}_r$round.jsonl" --reps 30 | grep decode | sed "s/^/r$round $name /"
   done
 done
+# Where small-batch time goes (KVCC_STAGES bits: 1 rotate q, 2 attention, 4 merge), first variant.
+if [ -n "${PARTS:-}" ]; then
+  for st in 2 1 4; do
+    KVCC_STAGES=$st "$D/bench_${names[0]}" --configs "$PARTS" --out /tmp/parts.jsonl --reps 20 | grep decode | sed "s/^/stages=$st /"
+  done
+fi
 # Split-K plan sweep: the first variant with KVCC_TARGET_CTAS (CTAs the plan aims at) overridden.
 for target in ${SWEEP_TARGETS:-}; do
   KVCC_TARGET_CTAS=$target "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_$target.jsonl" --reps 30 |

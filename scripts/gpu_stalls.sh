@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Warp stall reasons of the INT2 decode kernel (one batch-8, 128K-token launch), from Nsight
-# Compute's per-issue stall ratios. usage: OUT=dir scripts/gpu_stalls.sh
+# Warp stall reasons and issue statistics of the INT2 decode kernel (one launch per shape), from
+# Nsight Compute. usage: OUT=dir [CONFIGS="32:8:8:131072 32:8:1:32768"] scripts/gpu_stalls.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -15,8 +15,11 @@ $NV -c bench/bench_decode.cu -o $D/bench.o &
 $NV -c runtime/decode.cu -o $D/decode.o &
 wait
 nvcc -arch=sm_90 $D/bench.o $D/decode.o $D/append.o $D/kv_cache.o -o $D/bench_decode || exit 1
-timeout 150 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
-  --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,dram__bytes_read.sum,gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg' \
-  $D/bench_decode --configs ${CONFIG:-32:8:8:131072} --out /tmp/q.jsonl --reps 3 > "$OUT/stalls.txt" 2>&1
-echo "ncu exit $?" >> "$OUT/stalls.txt"
-grep -E 'stalled|pipe|sectors|bytes|duration|cycles' "$OUT/stalls.txt" | awk '{ if ($NF+0 > 0.05 || $0 ~ /pipe|sectors|bytes|duration|cycles/) print }'
+for cfg in ${CONFIGS:-32:8:8:131072}; do
+  timeout 150 ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,smsp__warps_eligible.avg.per_cycle_active,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,dram__bytes_read.sum,gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg' \
+    $D/bench_decode --configs "$cfg" --out /tmp/q.jsonl --reps 3 > "$OUT/stalls_${cfg//:/_}.txt" 2>&1
+  echo "== $cfg (ncu exit $?)"
+  grep -E 'stalled|pipe|inst_executed|issue_active|warps_|bytes|duration|cycles' "$OUT/stalls_${cfg//:/_}.txt" |
+    awk '{ if ($NF+0 > 0.05 || $0 !~ /stalled/) print $1, $NF }'
+done

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# The comparison sweep (docs/validation.md): for each real model in ../shared/models, calibrate on
-# the first half of its text (split by documents), compile every method at ~2 bits, and validate
-# on the other half under pseudo-decode. gutenberg-27m runs with the default windows (sink 64 /
-# recent 256) and small ones (4 / 32); the tiny models with the small windows.
+# The comparison sweep (docs/validation.md "The comparison sweep"): for each real model in
+# ../shared/models, calibrate on the first half of its text (split by documents), compile every
+# method at ~2 bits, and validate on the other half under pseudo-decode.
+#   gutenberg-27m: windows default (sink 64 / recent 256 / pages 64), small (4 / 32 / 32) and
+#                  matched (4 / 128 / 128: KIVI's key token group and KVarN's tile are the
+#                  128-token page, so KIVI-2 with 128-token key groups costs the same bits as the
+#                  INT2 grids at G = 128; that row, kivi128, only runs with pages of >= 128).
+#   tinystories-656k, stories260k: small windows; the per-token grid methods use quantiser groups
+#                  spanning KV heads (G = 64 and 32 channels: 4 heads of d = 16 / 8) when kvcc
+#                  supports it, else G = head_dim (4 / 6 bits of scale overhead per element).
 #
-#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--calib-tokens N] [--eval-tokens N] [--models "a b"]
+#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--calib-tokens N] [--eval-tokens N]
+#                    [--models "a b"] [--windows "default small matched"] [--reuse]
 #
-# Token caps keep it to ~20 minutes on 2 cores. Results: DIR/<model>-<windows>.{json,svg,txt}.
+# --windows replaces every model's window list; --reuse keeps stats.h5 and artifacts already in
+# DIR (re-validate without recalibrating). Defaults (65536 calibration tokens, 16384 evaluation
+# tokens = 11 gutenberg documents) take ~1 h 40 min on a shared 2-core machine; docs/validation.md
+# gives the measured times. Results: DIR/<model>-<windows>.{json,svg,txt}; logs in DIR/<model>/.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 shared="$root/../shared"
 kvcc="$root/build/cli/kvcc"
 out="$root/sweep-out"
-calib_tokens=32768
+calib_tokens=65536
 eval_tokens=16384
 models="gutenberg-27m tinystories-656k stories260k"
+windows_override=""
+reuse=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kvcc) kvcc="$2"; shift 2 ;;
@@ -22,14 +34,20 @@ while [[ $# -gt 0 ]]; do
     --calib-tokens) calib_tokens="$2"; shift 2 ;;
     --eval-tokens) eval_tokens="$2"; shift 2 ;;
     --models) models="$2"; shift 2 ;;
+    --windows) windows_override="$2"; shift 2 ;;
+    --reuse) reuse=1; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "sweep.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [[ -x "$kvcc" ]] || { echo "sweep.sh: no kvcc binary at $kvcc (use --kvcc)" >&2; exit 1; }
 [[ -d "$shared/models" ]] || { echo "sweep.sh: $shared/models is missing" >&2; exit 1; }
 mkdir -p "$out"
+# Quantiser groups spanning KV heads (the tiny models) need a kvcc that has them.
+spans_heads=0
+"$kvcc" compile --help 2>/dev/null | grep -q "KV heads of" && spans_heads=1
 
-# Writes the first (half=1) or second (half=2) half of TEXT's documents to OUT.
+# Writes the first (half=1) or second (half=2) half of TEXT's documents to DEST.
 split_half() {
   local text="$1" half="$2" dest="$3"
   local n
@@ -39,56 +57,73 @@ split_half() {
       "$text" > "$dest.tmp" && mv "$dest.tmp" "$dest"
 }
 
-# compile NAME ARGS...: one artifact into $work/NAME.kvcc.h5
+# compile LIST NAME ARGS...: one artifact into $work/NAME.kvcc.h5, appended to the array LIST.
 compile() {
-  local name="$1"; shift
-  if "$kvcc" compile "$work/stats.h5" -o "$work/$name.kvcc.h5" "$@" > "$work/$name.compile.log" 2>&1; then
-    artifacts+=(--artifact "$work/$name.kvcc.h5")
+  local -n list="$1"
+  local name="$2"; shift 2
+  local file="$work/$name.kvcc.h5"
+  if [[ $reuse == 1 && -f $file ]] || \
+     "$kvcc" compile "$work/stats.h5" -o "$file" "$@" > "$work/$name.compile.log" 2>&1; then
+    list+=(--artifact "$file")
   else
     echo "  compile $name failed: $(tail -1 "$work/$name.compile.log")" >&2
   fi
 }
 
 for model in $models; do
+  grid_group=()  # --group for the per-token grid methods (identity, hadamard, oscar, oscar-lm)
   case "$model" in
     gutenberg-27m) text="$shared/text/gutenberg_heldout.txt"; mpath="$shared/models/gutenberg-27m"
-                   windows="default small" ;;
+                   windows="default small matched" ;;
     tinystories-656k) text="$shared/text/tinystories_valid_100.txt"; mpath="$shared/models/tinystories-656k"
-                   windows="small" ;;
+                   windows="small"; [[ $spans_heads == 1 ]] && grid_group=(--group 64) ;;
     stories260k) text="$shared/text/tinystories_valid_100.txt"; mpath="$shared/models/stories260k/stories260K.bin"
-                   windows="small" ;;
+                   windows="small"; [[ $spans_heads == 1 ]] && grid_group=(--group 32) ;;
     *) echo "sweep.sh: unknown model $model" >&2; exit 2 ;;
   esac
+  [[ -n $windows_override ]] && windows="$windows_override"
   work="$out/$model"
   mkdir -p "$work"
   split_half "$text" 1 "$work/calib.txt"
   split_half "$text" 2 "$work/heldout.txt"
-  echo "== $model: calibrating on $work/calib.txt (<= $calib_tokens tokens)"
-  "$kvcc" calibrate-model --model "$mpath" --data "$work/calib.txt" --tokens "$calib_tokens" \
-      -o "$work/stats.h5" > "$work/calibrate.log" 2>&1
-  # Compile once (windows are recorded in the recipe but the fitted rotations and clip ratios do
-  # not depend on them); each window setting is then validated with validate's overrides.
-  wargs=(--sink 64 --recent 256 --page-size 64)
-  artifacts=()
-  compile identity -m identity "${wargs[@]}"
-  compile hadamard -m hadamard "${wargs[@]}"
-  compile kivi -m kivi "${wargs[@]}"
-  compile kvarn -m kvarn "${wargs[@]}"
-  compile turboquant2.5 -m turboquant --key-bits 2.5 --value-bits 2.5 "${wargs[@]}"
-  compile turboquant3.5 -m turboquant --key-bits 3.5 --value-bits 3.5 "${wargs[@]}"
-  for target in output p2 logit2; do
-    compile "oscar-$target" -m oscar --value-target "$target" "${wargs[@]}"
-  done
-  compile oscar-lm -m oscar-lm "${wargs[@]}"
-  if "$kvcc" compile --help 2>/dev/null | grep -q commvq; then
-    compile commvq1 -m commvq --key-bits 1 --value-bits 1 "${wargs[@]}"
-    compile commvq2 -m commvq --key-bits 2 --value-bits 2 "${wargs[@]}"
+  if [[ $reuse == 1 && -f $work/stats.h5 ]]; then
+    echo "== $model: reusing $work/stats.h5"
+  else
+    echo "== $model: calibrating on $work/calib.txt (<= $calib_tokens tokens)"
+    "$kvcc" calibrate-model --model "$mpath" --data "$work/calib.txt" --tokens "$calib_tokens" \
+        -o "$work/stats.h5" > "$work/calibrate.log" 2>&1
   fi
+  # Compile once: windows are recorded in the recipe, but the fitted rotations and clip ratios do
+  # not depend on them; each window setting is validated with validate's overrides.
+  echo "== $model: compiling${grid_group[*]:+ (grid methods ${grid_group[*]})}"
+  wargs=(--sink 64 --recent 256 --page-size 64)
+  artifacts=() artifacts_p128=()
+  compile artifacts identity -m identity "${grid_group[@]}" "${wargs[@]}"
+  compile artifacts hadamard -m hadamard "${grid_group[@]}" "${wargs[@]}"
+  compile artifacts kivi -m kivi "${wargs[@]}"
+  compile artifacts kvarn -m kvarn "${wargs[@]}"
+  compile artifacts turboquant2.5 -m turboquant --key-bits 2.5 --value-bits 2.5 "${wargs[@]}"
+  compile artifacts turboquant3.5 -m turboquant --key-bits 3.5 --value-bits 3.5 "${wargs[@]}"
+  for target in output p2 logit2; do
+    compile artifacts "oscar-$target" -m oscar --value-target "$target" "${grid_group[@]}" "${wargs[@]}"
+  done
+  compile artifacts oscar-lm -m oscar-lm "${grid_group[@]}" "${wargs[@]}"
+  compile artifacts commvq1 -m commvq --bits 1 "${wargs[@]}"
+  compile artifacts commvq2 -m commvq --bits 2 "${wargs[@]}"
+  # KIVI with 128-token key groups: 2.25 bits per element like the INT2 grids at G = 128. A key
+  # group cannot span pages, so it only means that with pages of >= 128 tokens.
+  compile artifacts_p128 kivi128 -m kivi --group 128 "${wargs[@]}"
   for win in $windows; do
-    if [[ $win == default ]]; then vargs=(--sink 64 --recent 256 --page-size 64)
-    else vargs=(--sink 4 --recent 32 --page-size 32); fi
-    echo "== $model ($win windows): validating $(( ${#artifacts[@]} / 2 )) artifacts on <= $eval_tokens held-out tokens"
-    "$kvcc" validate --model "$mpath" "${artifacts[@]}" "${vargs[@]}" --data "$work/heldout.txt" \
+    case "$win" in
+      default) vargs=(--sink 64 --recent 256 --page-size 64); page=64 ;;
+      small) vargs=(--sink 4 --recent 32 --page-size 32); page=32 ;;
+      matched) vargs=(--sink 4 --recent 128 --page-size 128); page=128 ;;
+      *) echo "sweep.sh: unknown windows $win (default | small | matched)" >&2; exit 2 ;;
+    esac
+    run=("${artifacts[@]}")
+    (( page >= 128 )) && run+=("${artifacts_p128[@]}")
+    echo "== $model ($win windows: ${vargs[*]}): validating $(( ${#run[@]} / 2 )) artifacts on <= $eval_tokens held-out tokens"
+    "$kvcc" validate --model "$mpath" "${run[@]}" "${vargs[@]}" --data "$work/heldout.txt" \
         --tokens "$eval_tokens" --json "$out/$model-$win.json" --svg "$out/$model-$win.svg" \
         2> "$work/validate-$win.log" | tee "$out/$model-$win.txt"
   done

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "formats/model_file.h"
@@ -24,17 +25,20 @@ inline nlohmann::json read_json_file(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
-// Full forward of one sequence: logits [T, vocab].
-inline std::vector<float> model_logits(const ModelFile& model, const std::vector<int32_t>& ids) {
+// Full forward of one sequence: logits [T, vocab], in float32 or (S = double) in double.
+template <typename S = float>
+std::vector<S> model_logits(const ModelFile& model, const std::vector<int32_t>& ids) {
   const ModelConfig& c = model.config();
   const int T = int(ids.size());
-  std::vector<float> x(size_t(T) * c.hidden);
+  std::vector<S> x(size_t(T) * c.hidden);
   embed(model, ids.data(), T, x.data());
   for (int l = 0; l < c.n_layers; ++l) {
-    const LayerWeights w = load_layer(model, l);
-    layer_forward(c, w, l, 0, x.data(), T);
+    if constexpr (std::is_same_v<S, float>)
+      layer_forward(c, load_layer(model, l), l, 0, x.data(), T);
+    else
+      layer_forward(c, to_double(load_layer(model, l)), l, 0, x.data(), T);
   }
-  std::vector<float> logits(size_t(T) * c.vocab);
+  std::vector<S> logits(size_t(T) * c.vocab);
   final_logits(model, x.data(), T, logits.data());
   return logits;
 }
@@ -45,10 +49,11 @@ struct RefComparison {
   double relative() const { return max_abs_diff / max_abs_ref; }
 };
 
-// max |ours − ref| / max |ref| over the reference positions.
-inline RefComparison compare_to_reference(const ModelFile& model, const nlohmann::json& ref) {
+// max |ours − ref| / max |ref| over the reference positions (our forward in float32 or double).
+template <typename S = float>
+RefComparison compare_to_reference(const ModelFile& model, const nlohmann::json& ref) {
   const std::vector<int32_t> ids = ref["ids"].get<std::vector<int32_t>>();
-  const std::vector<float> logits = model_logits(model, ids);
+  const std::vector<S> logits = model_logits<S>(model, ids);
   const int vocab = model.config().vocab;
   RefComparison cmp;
   const auto positions = ref["positions"].get<std::vector<int>>();

@@ -16,6 +16,7 @@
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
+#include "cache_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -30,34 +31,10 @@ T* to_device(const std::vector<T>& v) {
   return p;
 }
 
-std::vector<float> random_rotations(int heads, int d, std::mt19937& rng) {
-  std::normal_distribution<double> nd;
-  std::vector<float> out;
-  for (int h = 0; h < heads; ++h) {
-    std::vector<double> m(size_t(d) * d);
-    for (auto& x : m) x = nd(rng);
-    for (int j = 0; j < d; ++j) {
-      for (int k = 0; k < j; ++k) {
-        double dot = 0;
-        for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
-        for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
-      }
-      double nrm = 0;
-      for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
-      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
-    }
-    for (double x : m) out.push_back(float(x));
-  }
-  return out;
-}
-
-std::vector<float> transpose_heads(const std::vector<float>& r, int heads, int d) {
-  std::vector<float> t(r.size());
-  for (int h = 0; h < heads; ++h)
-    for (int i = 0; i < d; ++i)
-      for (int j = 0; j < d; ++j) t[(size_t(h) * d + j) * d + i] = r[(size_t(h) * d + i) * d + j];
-  return t;
-}
+using testing::random_rotations;
+using testing::rel;
+using testing::test_geometry;
+using testing::transpose_heads;
 
 // The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
 struct Twin {
@@ -138,18 +115,6 @@ struct Twin {
     EXPECT_EQ(diffs, 0u) << "first differing byte " << first << " of " << d.size();
   }
 };
-
-KvGeometry test_geometry(int layers, int heads) {
-  KvGeometry g;
-  g.n_layers = layers;
-  g.n_kv_heads = heads;
-  g.head_dim = 128;
-  g.group = 128;
-  g.page_tokens = 64;
-  g.sink = 64;
-  g.recent = 256;
-  return g;
-}
 
 TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) {
   Twin w(test_geometry(2, 2), 64, 6);
@@ -239,17 +204,17 @@ struct DevBatch {
   }
 };
 
-double rel(const float* got, const float* want, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num += double(got[i] - want[i]) * double(got[i] - want[i]);
-    den += double(want[i]) * double(want[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
-void run_decode_check(int n_heads, int target_ctas) {
+// ring: the INT2 kernel build (DecodeShape::ring; 0 = the plan's choice). table: level tables on
+// both sides of half the heads (asymmetric, so the table is not an affine map of the code).
+void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false) {
   Twin w(test_geometry(2, 4), 256, 10);
+  if (table)
+    for (size_t i = 0; i < w.codecs.size(); i += 2) {
+      const float lk[4] = {-1.62f, -0.41f, 0.37f, 1.71f}, lv[4] = {-1.48f, -0.52f, 0.44f, 1.55f};
+      w.codecs[i].key.use_table = w.codecs[i].value.use_table = 1;
+      std::copy(lk, lk + 4, w.codecs[i].key.levels);
+      std::copy(lv, lv + 4, w.codecs[i].value.levels);
+    }
   const int e = w.add(), s1 = w.add(), s2 = w.add(), s3 = w.add(), s4 = w.add(), s5 = w.add();
   // Lengths: empty, inside the sink, ring exactly full (no history), one page, long, a fork.
   w.append({s1, s2, s3, s4, s5}, {30, 320, 321, 1000, 4000});
@@ -271,7 +236,8 @@ void run_decode_check(int n_heads, int target_ctas) {
 
   DevBatch db(w.dev, seqs);
   DecodeShape shape{n_heads, scale, target_ctas};
-  const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, target_ctas);
+  shape.ring = ring;
+  const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, target_ctas, ring);
   void* ws;
   ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
   float *dq = to_device(q), *drk = to_device(rk), *drvt = to_device(rvt), *dout;
@@ -310,6 +276,9 @@ void run_decode_check(int n_heads, int target_ctas) {
 TEST(GpuDecode, Int2MatchesReferenceGqa4) { run_decode_check(16, 0); }
 TEST(GpuDecode, Int2MatchesReferenceGqa8ManySplits) { run_decode_check(32, 4000); }
 TEST(GpuDecode, Int2MatchesReferenceGqa5OneSplit) { run_decode_check(20, 1); }
+TEST(GpuDecode, Int2MatchesReferenceWideRing) { run_decode_check(20, 64, 2); }
+TEST(GpuDecode, Int2LevelTableMatchesReference) { run_decode_check(16, 0, 0, true); }
+TEST(GpuDecode, Int2LevelTableMatchesReferenceWideRing) { run_decode_check(20, 64, 2, true); }
 
 TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const int H = 2, n_heads = 10, P = 64, d = 128;

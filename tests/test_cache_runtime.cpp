@@ -17,28 +17,12 @@
 #include "runtime/kv_cache.h"
 #include "runtime/kvcc_c.h"
 #include "runtime/kvcc_runtime.h"
+#include "cache_test_util.h"
 
 namespace kvcc {
 namespace {
 
 constexpr int kLayers = 2, kHeads = 4, kKv = 2, kD = 32;
-
-std::vector<double> orthogonal(int d, std::mt19937& rng) {
-  std::normal_distribution<double> nd;
-  std::vector<double> m(size_t(d) * d);
-  for (auto& x : m) x = nd(rng);
-  for (int j = 0; j < d; ++j) {
-    for (int k = 0; k < j; ++k) {
-      double dot = 0;
-      for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
-      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
-    }
-    double nrm = 0;
-    for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
-    for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
-  }
-  return m;
-}
 
 Artifact make_artifact() {
   std::mt19937 rng(42);
@@ -63,8 +47,8 @@ Artifact make_artifact() {
   a.recipe.page_size = 16;
   for (int i = 0; i < kLayers * kKv; ++i) {
     HeadArtifact h;
-    h.key.rotation = orthogonal(kD, rng);
-    h.value.rotation = orthogonal(kD, rng);
+    h.key.rotation = testing::random_orthogonal(1, kD, rng);
+    h.value.rotation = testing::random_orthogonal(1, kD, rng);
     h.key.clip_ratio = 0.9 + 0.02 * i;
     h.value.clip_ratio = 0.95;
     a.heads.push_back(h);
@@ -74,11 +58,28 @@ Artifact make_artifact() {
 
 std::string artifact_path() {
   static const std::string path = [] {
-    const std::string p = testing::TempDir() + "kvcc_runtime_test.kvcc.h5";
+    const std::string p = ::testing::TempDir() + "kvcc_runtime_test.kvcc.h5";
     write_artifact(make_artifact(), p);
     return p;
   }();
   return path;
+}
+
+// The artifact's parameters as the reference kernels take them: rotations [layers * n_kv, d, d]
+// and codecs [layers * n_kv].
+void reference_params(const Artifact& art, std::vector<float>& rk, std::vector<float>& rv,
+                      std::vector<HeadCodec>& codecs) {
+  rk.assign(size_t(kLayers) * kKv * kD * kD, 0.0f);
+  rv.assign(rk.size(), 0.0f);
+  codecs.assign(size_t(kLayers) * kKv, HeadCodec{});
+  for (size_t i = 0; i < art.heads.size(); ++i) {
+    for (size_t e = 0; e < size_t(kD) * kD; ++e) {
+      rk[i * kD * kD + e] = float(art.heads[i].key.rotation[e]);
+      rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
+    }
+    codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
+    codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
+  }
 }
 
 RuntimeOptions host_options() {
@@ -121,16 +122,9 @@ TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
   // The same appends into a plain host cache through the reference kernels, with the artifact's
   // parameters converted here.
   KvCache ref(KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host});
-  std::vector<float> rk(size_t(kLayers) * kKv * kD * kD), rv(rk.size());
-  std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
-  for (size_t i = 0; i < art.heads.size(); ++i) {
-    for (size_t e = 0; e < size_t(kD) * kD; ++e) {
-      rk[i * kD * kD + e] = float(art.heads[i].key.rotation[e]);
-      rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
-    }
-    codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
-    codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
-  }
+  std::vector<float> rk, rv;
+  std::vector<HeadCodec> codecs;
+  reference_params(art, rk, rv, codecs);
   const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
   ref.add_sequence();
   ref.add_sequence();
@@ -160,6 +154,88 @@ TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
                1.0f / std::sqrt(float(kD)), want.data());
     for (size_t i = 0; i < q.size(); ++i) EXPECT_EQ(got[i], want[i]) << "layer " << l << " element " << i;
   }
+}
+
+// Prefill on a host pool is prefill_ref over the cache as it was before the step's tokens, whether
+// called before begin_append or inside the step (before that layer's append); misuse is refused.
+TEST(CacheRuntime, PrefillReadsTheCacheBeforeTheStep) {
+  const Artifact art = make_artifact();
+  auto rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+  KvCache ref(KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host});
+  std::vector<float> rk, rv;
+  std::vector<HeadCodec> codecs;
+  reference_params(art, rk, rv, codecs);
+  const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
+  ref.add_sequence();
+  ref.add_sequence();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  const float scale = 1.0f / std::sqrt(float(kD));
+  // Steps: from empty; history appears (sink 8 + ring 32 + pages of 16); one token each.
+  const std::vector<std::vector<int>> steps = {{20, 70}, {45, 1}, {1, 30}};
+  for (size_t step = 0; step < steps.size(); ++step) {
+    const std::vector<int>& counts = steps[step];
+    const bool inside = step != 1;  // step 1 calls prefill before begin_append
+    const std::vector<int64_t> old = {ref.length(a), ref.length(b)};
+    if (inside) rt->begin_append({a, b}, counts);
+    std::vector<std::vector<float>> ks(kLayers), vs(kLayers);
+    for (int l = 0; l < kLayers; ++l) {
+      const int rows = counts[0] + counts[1];
+      ks[l].resize(size_t(rows) * kKv * kD);
+      vs[l].resize(ks[l].size());
+      for (auto& x : ks[l]) x = nd(rng);
+      for (auto& x : vs[l]) x = nd(rng);
+      std::vector<float> q(size_t(rows) * kHeads * kD);
+      for (auto& x : q) x = nd(rng);
+      std::vector<float> got(q.size(), NAN), want(q.size(), NAN);
+      const size_t off = size_t(l) * kKv * kD * kD;
+      size_t qo = 0, ko = 0;
+      for (int i = 0; i < 2; ++i) {
+        const int seq = i ? b : a, T = counts[size_t(i)];
+        rt->prefill(l, seq, T, q.data() + qo, ks[l].data() + ko, vs[l].data() + ko, got.data() + qo);
+        prefill_ref(ref, l, seq, T, q.data() + qo, ks[l].data() + ko, vs[l].data() + ko, kHeads, rk.data() + off,
+                    rv.data() + off, codecs.data() + size_t(l) * kKv, scale, want.data() + qo);
+        qo += size_t(T) * kHeads * kD;
+        ko += size_t(T) * kKv * kD;
+      }
+      for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(got[i], want[i]) << "step " << step << " layer " << l << " " << i;
+      if (inside) {
+        rt->append(l, ks[l].data(), vs[l].data());
+        // This layer's step is in the cache now: prefill of it would attend to the tokens twice
+        // (after the last layer the step is complete and prefill starts the next one).
+        if (l + 1 < kLayers) {
+          EXPECT_THROW(rt->prefill(l, a, counts[0], q.data(), ks[l].data(), vs[l].data(), got.data()), Error);
+        }
+      }
+    }
+    if (!inside) {
+      rt->begin_append({a, b}, counts);
+      EXPECT_THROW(rt->prefill(0, a, counts[0] + 1, nullptr, nullptr, nullptr, nullptr), Error);  // not the step's count
+      for (int l = 0; l < kLayers; ++l) rt->append(l, ks[l].data(), vs[l].data());
+    }
+    ref.grow_batch({a, b}, {counts[0], counts[1]});
+    const AppendBatch batch = make_append_batch({a, b}, old, counts);
+    for (int l = 0; l < kLayers; ++l)
+      append_ref(ref, l, batch, ks[l].data(), vs[l].data(), rk.data() + size_t(l) * kKv * kD * kD,
+                 rv.data() + size_t(l) * kKv * kD * kD, codecs.data() + size_t(l) * kKv);
+    ASSERT_EQ(std::memcmp(rt->cache().pages_base(), ref.pages_base(), ref.pool_bytes()), 0) << "step " << step;
+  }
+  std::vector<float> q(size_t(kHeads) * kD, 0.1f), k(size_t(kKv) * kD, 0.2f), out(q.size());
+  EXPECT_THROW(rt->prefill(kLayers, a, 1, q.data(), k.data(), k.data(), out.data()), Error);
+  // The C ABI over the same call.
+  kvcc_runtime* c = nullptr;
+  ASSERT_EQ(kvcc_runtime_load(artifact_path().c_str(), kLayers, kHeads, kKv, kD, 4, 2, 0, &c), KVCC_OK);
+  int s = -1;
+  ASSERT_EQ(kvcc_add_sequence(c, &s), KVCC_OK);
+  out.assign(out.size(), NAN);
+  ASSERT_EQ(kvcc_prefill(c, 0, s, 1, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_OK) << kvcc_last_error();
+  // One token over an empty cache attends to itself alone: the output is its value.
+  for (int hh = 0; hh < kHeads; ++hh)
+    for (int ch = 0; ch < kD; ++ch) EXPECT_NEAR(out[size_t(hh) * kD + ch], 0.2f, 3e-3f);
+  EXPECT_EQ(kvcc_prefill(c, 0, s, 1, nullptr, k.data(), k.data(), out.data(), nullptr), KVCC_BAD_ARGUMENT);
+  EXPECT_EQ(kvcc_prefill(c, 9, s, 1, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("layer"), std::string::npos) << kvcc_last_error();
+  kvcc_runtime_free(c);
 }
 
 TEST(CacheRuntime, CAbiStatusCodesAndErrors) {

@@ -222,13 +222,14 @@ TEST(CompileReport, HeldOutMetricsAreSaneAndOscarBeatsIdentity) {
     EXPECT_LT(a.logit_rel, 1.0) << m.label;
     EXPECT_GT(a.output_rel, 0.0) << m.label;
   }
-  // The metric itself: evaluate_head of an exact (8-bit, no clip) codec is near zero.
+  // The metric itself: evaluate_layer of an exact (8-bit, no clip) codec is near zero.
   CompileOptions fine = options_for("identity");
   fine.key_bits = fine.value_bits = 8;
   fine.fit_clip = false;
   const Artifact art = compile_artifact(small_stats(), fine);
-  const FitRows rows = select_rows(small_stats().reservoir(0, 0), true, 64);
-  const HeadMetrics near = evaluate_head(art, 0, 0, rows.query, rows.nq, rows.key, rows.value, rows.n);
+  std::vector<const Reservoir*> layer0;
+  for (int h = 0; h < art.n_kv_heads; ++h) layer0.push_back(&small_stats().reservoir(0, h));
+  const HeadMetrics near = evaluate_layer(art, 0, select_aligned_rows(layer0, true, 64))[0];
   EXPECT_LT(near.logit_rel, 0.01);
   EXPECT_LT(near.key_rel, 0.01);
   EXPECT_GT(near.key_rel, 0.0);

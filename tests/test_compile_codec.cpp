@@ -1,5 +1,6 @@
-// The per-method KV codec (formats/kv_codec.h) against naive references, Lloyd–Max against the
-// published centroids, KVarN's balancing, clip-ratio fitting, and the bit accounting.
+// The per-method KV codec (formats/kv_codec.h) against naive references (also the layer codec
+// with groups spanning KV heads), Lloyd–Max against the published centroids, KVarN's balancing,
+// clip-ratio fitting (per head and joint), and the bit accounting.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -123,6 +124,128 @@ TEST(KvCodec, LevelTableUsesNearestLevelTimesRms) {
   }
   side.levels = {0.0, 1.0};  // wrong size for 2 bits
   EXPECT_THROW(roundtrip_page(r, side, KvSide::Key, d, x.data(), n, got.data()), Error);
+}
+
+namespace {
+
+// One layer of n_kv heads, head_dim d, a different random rotation per head and side.
+Artifact layer_artifact(const Recipe& recipe, int n_kv, int d, double clip_ratio) {
+  Artifact a;
+  a.n_layers = 1;
+  a.n_kv_heads = a.n_heads = n_kv;
+  a.head_dim = d;
+  a.recipe = recipe;
+  a.heads.resize(size_t(n_kv));
+  for (int h = 0; h < n_kv; ++h)
+    for (SideArtifact* s : {&a.heads[size_t(h)].key, &a.heads[size_t(h)].value}) {
+      s->rotation = random_orthogonal(d, uint64_t(100 + 2 * h + (s == &a.heads[size_t(h)].value)));
+      s->clip_ratio = clip_ratio;
+      if (recipe.method == "oscar-lm") s->levels = {-1.6, -0.5, 0.4, 1.5};
+    }
+  return a;
+}
+
+// x·R (transpose: x·Rᵀ) of one row, float64 accumulation in the codec's order.
+std::vector<float> rotate_by_hand(const std::vector<double>& r, int d, const float* x, bool transpose) {
+  std::vector<float> y(static_cast<size_t>(d));
+  for (int j = 0; j < d; ++j) {
+    double s = 0;
+    for (int k = 0; k < d; ++k) s += double(x[k]) * (transpose ? r[size_t(j) * d + k] : r[size_t(k) * d + j]);
+    y[size_t(j)] = float(s);
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST(LayerCodec, GroupUpToHeadDimIsRoundtripPagePerHead) {
+  const int n_kv = 4, d = 16, n = 24, w = n_kv * d;
+  const std::vector<float> x = gaussian_rows(n, w, 21, 3.0);
+  for (int group : {0, 8, 16})
+    for (const char* method : {"oscar", "oscar-lm", "kivi"}) {
+      Artifact a = layer_artifact(recipe_for(method, 2, group), n_kv, d, 0.9);
+      a.heads[2].key.clip_ratio = a.heads[2].value.clip_ratio = 0.8;  // heads may differ at G <= d
+      for (KvSide which : {KvSide::Key, KvSide::Value}) {
+        std::vector<float> got(x.size());
+        roundtrip_layer_page(a, 0, which, x.data(), n, got.data());
+        for (int h = 0; h < n_kv; ++h) {
+          std::vector<float> rows(size_t(n) * d);
+          for (int t = 0; t < n; ++t) std::copy_n(&x[size_t(t) * w + size_t(h) * d], d, &rows[size_t(t) * d]);
+          const std::vector<float> want = roundtrip_page(a, 0, h, which, rows.data(), n);
+          for (int t = 0; t < n; ++t)
+            for (int i = 0; i < d; ++i)
+              ASSERT_EQ(got[size_t(t) * w + size_t(h) * d + i], want[size_t(t) * d + i])
+                  << method << " G=" << group << " head " << h;
+        }
+      }
+    }
+}
+
+TEST(LayerCodec, SpanningGroupQuantisesConcatenatedRotatedRows) {
+  const int n_kv = 4, d = 16, n = 12, w = n_kv * d;
+  const std::vector<float> x = gaussian_rows(n, w, 22, 4.0);
+  for (const char* method : {"oscar", "oscar-lm"})
+    for (int group : {32, 64}) {
+      const int span = group / d;
+      const Artifact a = layer_artifact(recipe_for(method, 2, group), n_kv, d, 0.9);
+      const std::vector<double> levels = a.heads[0].key.levels;
+      for (KvSide which : {KvSide::Key, KvSide::Value}) {
+        std::vector<float> got(x.size());
+        roundtrip_layer_page(a, 0, which, x.data(), n, got.data());
+        for (int t = 0; t < n; ++t)
+          for (int h0 = 0; h0 < n_kv; h0 += span) {
+            // Reference: rotate each head by hand, concatenate, quantise as one group, rotate back.
+            std::vector<float> y, yq(static_cast<size_t>(group));
+            for (int k = 0; k < span; ++k) {
+              const SideArtifact& s = which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
+              const std::vector<float> yk = rotate_by_hand(s.rotation, d, &x[size_t(t) * w + size_t(h0 + k) * d], false);
+              y.insert(y.end(), yk.begin(), yk.end());
+            }
+            if (std::string(method) == "oscar") {
+              naive_uniform(y.data(), group, 0.9, 2, yq.data());
+            } else {
+              double ss = 0;
+              for (float v : y) ss += double(v) * v;
+              const float rms = round_f16(float(std::sqrt(ss / group)));
+              for (int i = 0; i < group; ++i) {
+                double best = levels[0];
+                for (double l : levels)
+                  if (std::fabs(y[size_t(i)] / rms - l) < std::fabs(y[size_t(i)] / rms - best)) best = l;
+                yq[size_t(i)] = float(best) * rms;
+              }
+            }
+            for (int k = 0; k < span; ++k) {
+              const SideArtifact& s = which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
+              const std::vector<float> want = rotate_by_hand(s.rotation, d, &yq[size_t(k) * d], true);
+              for (int i = 0; i < d; ++i)
+                ASSERT_EQ(got[size_t(t) * w + size_t(h0 + k) * d + i], want[size_t(i)])
+                    << method << " G=" << group << " token " << t << " head " << h0 + k;
+            }
+          }
+      }
+    }
+}
+
+TEST(LayerCodec, SpanningGroupNeedsOneQuantiserAndWholeHeads) {
+  const int n_kv = 4, d = 16, n = 4;
+  const std::vector<float> x = gaussian_rows(n, n_kv * d, 23);
+  std::vector<float> out(x.size());
+  Artifact a = layer_artifact(recipe_for("hadamard", 2, 32), n_kv, d, 0.9);
+  a.heads[3].value.clip_ratio = 0.8;  // heads 2 and 3 share a group but not a clip ratio
+  EXPECT_NO_THROW(roundtrip_layer_page(a, 0, KvSide::Key, x.data(), n, out.data()));
+  EXPECT_THROW(roundtrip_layer_page(a, 0, KvSide::Value, x.data(), n, out.data()), Error);
+  for (int bad : {24, 48, 128}) {  // not a multiple of d, does not divide n_kv·d, more than n_kv·d
+    a.recipe.group = bad;
+    EXPECT_THROW(roundtrip_layer_page(a, 0, KvSide::Key, x.data(), n, out.data()), Error) << bad;
+    EXPECT_THROW(group_span(a.recipe, d, n_kv), Error) << bad;
+  }
+  for (const char* m : {"turboquant", "kvarn", "commvq"}) {
+    EXPECT_THROW(group_span(recipe_for(m, 2, 32), d, n_kv), Error) << m;
+    EXPECT_FALSE(method_spans_heads(m));
+  }
+  EXPECT_EQ(group_span(recipe_for("kivi", 2, 32), d, n_kv), 1);  // kivi's group is key tokens
+  EXPECT_EQ(group_span(recipe_for("oscar", 2, 64), d, n_kv), 4);
+  EXPECT_EQ(group_span(recipe_for("oscar-lm", 2, 16), d, n_kv), 1);
 }
 
 TEST(KvCodec, KiviKeysArePerChannelOverTokenGroups) {
@@ -311,6 +434,83 @@ TEST(ClipFit, NeverWorseThanNoClippingAndClipsHeavyTails) {
     }
     EXPECT_NEAR(best, direct, 1e-3 * direct);
   }
+}
+
+TEST(ClipFit, JointFitOfASpanningGroupIsNeverWorseThanNoClipping) {
+  // Four heads of d = 16 side by side in one group of 64; each head has its own queries.
+  const int n_kv = 4, d = 16, n = 96, r = 2, group = 64;
+  GaussianStream g(31);
+  std::vector<FitRows> rows(static_cast<size_t>(n_kv));
+  for (FitRows& fr : rows) {
+    fr.d = d;
+    fr.n = n;
+    fr.nq = n * r;
+    for (int i = 0; i < n * d; ++i) {
+      fr.key.push_back(float(g.next() / (std::fabs(g.next()) + 0.05)));  // heavy tails
+      fr.value.push_back(float(g.next() / (std::fabs(g.next()) + 0.05)));
+    }
+    for (int i = 0; i < fr.nq * d; ++i) fr.query.push_back(float(g.next()));
+  }
+  Artifact a = layer_artifact(recipe_for("random", 2, group), n_kv, d, 1.0);
+  for (KvSide which : {KvSide::Key, KvSide::Value}) {
+    std::vector<const SideArtifact*> sides;
+    for (const HeadArtifact& h : a.heads) sides.push_back(which == KvSide::Key ? &h.key : &h.value);
+    double best = 0, none = 0;
+    const double ratio = fit_clip_ratio(a.recipe, sides, which, rows, &best, &none);
+    EXPECT_LE(best, none);
+    EXPECT_LT(ratio, 1.0);
+    // The chosen ratio's error recomputed with the layer codec, head by head against its queries.
+    for (HeadArtifact& h : a.heads) (which == KvSide::Key ? h.key : h.value).clip_ratio = ratio;
+    std::vector<float> x(size_t(n) * n_kv * d), xq(x.size());
+    for (int h = 0; h < n_kv; ++h)
+      for (int t = 0; t < n; ++t)
+        std::copy_n(&(which == KvSide::Key ? rows[size_t(h)].key : rows[size_t(h)].value)[size_t(t) * d], d,
+                    &x[(size_t(t) * n_kv + size_t(h)) * d]);
+    roundtrip_layer_page(a, 0, which, x.data(), n, xq.data());
+    double direct = 0;
+    for (int h = 0; h < n_kv; ++h) {
+      const FitRows& fr = rows[size_t(h)];
+      auto err = [&](int t, int i) {
+        const size_t at = (size_t(t) * n_kv + size_t(h)) * d + size_t(i);
+        return double(x[at]) - xq[at];
+      };
+      if (which == KvSide::Key) {
+        for (int q = 0; q < fr.nq; ++q)
+          for (int t = 0; t < n; ++t) {
+            double s = 0;
+            for (int i = 0; i < d; ++i) s += double(fr.query[size_t(q) * d + i]) * err(t, i);
+            direct += s * s;
+          }
+      } else {
+        const std::vector<float> p = attention_probs(fr.query, fr.nq, fr.key, n, d);
+        for (int q = 0; q < fr.nq; ++q)
+          for (int i = 0; i < d; ++i) {
+            double s = 0;
+            for (int t = 0; t < n; ++t) s += double(p[size_t(q) * n + t]) * err(t, i);
+            direct += s * s;
+          }
+      }
+    }
+    EXPECT_NEAR(best, direct, 2e-3 * direct) << kv_side_name(which);
+  }
+}
+
+TEST(Bits, SpanningGroupsCountOneScaleAndZeroPerGroup) {
+  // head_dim 16, 4 KV heads: G = 16 -> 2 + 32/16 = 4 bits; 32 -> 3; 64 (all heads) -> 2.5.
+  for (auto [group, bits] : {std::pair{16, 4.0}, {32, 3.0}, {64, 2.5}}) {
+    Recipe r = recipe_for("oscar", 2, group);
+    EXPECT_DOUBLE_EQ(history_bits(r, KvSide::Key, 16), bits) << group;
+    EXPECT_DOUBLE_EQ(history_bits(r, KvSide::Value, 16), bits) << group;
+  }
+  EXPECT_DOUBLE_EQ(history_bits(recipe_for("oscar-lm", 2, 64), KvSide::Key, 16), 2.25);  // RMS only
+  // 2048 tokens, 64 sink + 256 recent in BF16: (320·16 + 1728·2.5) / 2048.
+  Recipe r = recipe_for("hadamard", 2, 64);
+  r.sink = 64;
+  r.recent = 256;
+  EXPECT_DOUBLE_EQ(effective_bits(r, 16, 2048), 4.609375);
+  // kivi keeps values within a head: G = 32 tokens for keys (3 bits), 16 channels for values (4).
+  EXPECT_DOUBLE_EQ(history_bits(recipe_for("kivi", 2, 32), KvSide::Key, 16), 3.0);
+  EXPECT_DOUBLE_EQ(history_bits(recipe_for("kivi", 2, 32), KvSide::Value, 16), 4.0);
 }
 
 TEST(Bits, EffectiveBitsMatchPublishedAccounting) {

@@ -53,6 +53,27 @@ TEST_P(TinyModel, RopeInverseFrequenciesMatchTransformers) {
     EXPECT_NEAR(ours[i], ref[i], 1e-6 * ref[i]) << GetParam() << " pair " << i;
 }
 
+// The same operations in double (validation's exact-check mode) match transformers as well, and
+// differ from float32 by float rounding only (and do differ: the arithmetic is double).
+TEST_P(TinyModel, DoubleForwardMatchesTransformersAndFloat) {
+  const std::string dir = data_models_dir() + "/" + GetParam();
+  const ModelFile model = ModelFile::open(dir);
+  const nlohmann::json ref = read_json_file(dir + "/ref_logits.json");
+  const RefComparison cmp = compare_to_reference<double>(model, ref);
+  EXPECT_LT(cmp.relative(), kRelTol) << GetParam();
+  const std::vector<int32_t> ids = ref["ids"].get<std::vector<int32_t>>();
+  const std::vector<float> f = model_logits<float>(model, ids);
+  const std::vector<double> d = model_logits<double>(model, ids);
+  ASSERT_EQ(f.size(), d.size());
+  double max_diff = 0, max_abs = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    max_diff = std::max(max_diff, std::abs(double(f[i]) - d[i]));
+    max_abs = std::max(max_abs, std::abs(d[i]));
+  }
+  EXPECT_LT(max_diff, 1e-5 * max_abs) << GetParam();
+  EXPECT_GT(max_diff, 0.0) << GetParam();
+}
+
 INSTANTIATE_TEST_SUITE_P(Forward, TinyModel,
                          ::testing::Values("llama31-hd64", "llama31-hd128", "qwen3-hd64",
                                            "qwen3-hd128", "qwen2-bias"));
@@ -181,6 +202,48 @@ TEST(Forward, LayerOperationsComposeToLayerForward) {
   causal_attention(c, T, q.data(), key.data(), value.data(), attn.data());
   attention_output_and_mlp(c, w, attn.data(), T, x.data());
   EXPECT_EQ(x, whole);
+}
+
+// prefix_causal_attention (validation's blocks over a cache) equals the last rows of causal
+// attention over the whole sequence: bit for bit at n0 = 0, to rounding (1e-14 in double) after
+// a prefix.
+template <typename S>
+void check_prefix_attention(double tol) {
+  const ModelFile model = ModelFile::open(data_models_dir() + "/llama31-hd64");  // GQA: 4 q / 2 kv heads
+  const ModelConfig& c = model.config();
+  const int N = 29, n0 = 18, T = N - n0;
+  const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal;
+  std::vector<S> q(N * qdim), k(N * kvdim), v(N * kvdim), full(N * qdim), part(T * qdim), same(N * qdim);
+  for (S& x : q) x = S(normal(rng));
+  for (S& x : k) x = S(normal(rng));
+  for (S& x : v) x = S(normal(rng));
+  causal_attention(c, N, q.data(), k.data(), v.data(), full.data());
+  prefix_causal_attention(c, 0, N, q.data(), k.data(), v.data(), same.data());
+  EXPECT_EQ(same, full);
+  prefix_causal_attention(c, n0, T, q.data() + n0 * qdim, k.data(), v.data(), part.data());
+  for (size_t i = 0; i < part.size(); ++i) ASSERT_NEAR(part[i], full[n0 * qdim + i], tol) << i;
+}
+
+TEST(Forward, PrefixCausalAttentionEqualsRowsOfFullAttention) {
+  check_prefix_attention<float>(1e-5);
+  check_prefix_attention<double>(1e-14);
+}
+
+// Calibration's observer sees float32 activations; a double forward pass refuses one.
+TEST(Forward, DoubleForwardRefusesObserver) {
+  const ModelFile model = ModelFile::open(data_models_dir() + "/llama31-hd64");
+  const ModelConfig& c = model.config();
+  const int T = 5;
+  const std::vector<int32_t> ids = {1, 7, 9, 2, 30};
+  std::vector<double> x(size_t(T) * c.hidden);
+  embed(model, ids.data(), T, x.data());
+  struct Noop : AttentionObserver {
+    void on_qkv(const SequenceTaps&) override {}
+    void on_probs(const SequenceTaps&, int, const float*, const float*) override {}
+  } noop;
+  EXPECT_THROW(layer_forward(c, to_double(load_layer(model, 0)), 0, 0, x.data(), T, &noop), Error);
 }
 
 // Queries and keys at positions pos0.. equal the corresponding rows of a run from position 0.

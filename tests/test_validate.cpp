@@ -1,12 +1,15 @@
 // Validation (runtime/validate.h): the pseudo-decode path with a full-precision "quantiser"
-// reproduces the plain forward pass; KL against itself is 0; effective bits for a hand-worked
-// case; artifacts for another model and empty inputs are refused.
+// reproduces the plain forward pass (exactly in double, at any block size); KL against itself is
+// 0; the per-layer codec equals the per-head one at group <= d; standard errors and effective bits
+// for hand-worked cases; artifacts for another model and empty inputs are refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 
 #include "formats/error.h"
@@ -30,15 +33,17 @@ std::vector<std::vector<int32_t>> random_documents(int vocab, const std::vector<
   return docs;
 }
 
-// Mean next-token NLL of the plain forward pass (whole documents at once), log-softmax in double.
+// Mean next-token NLL of the plain forward pass (whole documents at once, in S = float or double),
+// log-softmax in double.
+template <typename S = float>
 double plain_forward_nll(const ModelFile& model, const std::vector<std::vector<int32_t>>& docs) {
   const int V = model.config().vocab;
   double nll = 0;
   uint64_t count = 0;
   for (const auto& doc : docs) {
-    const std::vector<float> logits = testing::model_logits(model, doc);
+    const std::vector<S> logits = testing::model_logits<S>(model, doc);
     for (size_t t = 0; t + 1 < doc.size(); ++t) {
-      const float* row = logits.data() + t * size_t(V);
+      const S* row = logits.data() + t * size_t(V);
       double m = row[0];
       for (int v = 1; v < V; ++v) m = std::max(m, double(row[v]));
       double sum = 0;
@@ -50,14 +55,17 @@ double plain_forward_nll(const ModelFile& model, const std::vector<std::vector<i
   return nll / double(count);
 }
 
-CacheScheme copy_scheme(int sink, int recent, int page) {
+// A scheme whose codec returns every page unchanged: a full-precision "quantiser" that still goes
+// through the page machinery (sink, ring, pages).
+CacheScheme copy_scheme(const ModelConfig& c, int sink, int recent, int page) {
   CacheScheme s;
   s.name = "identity-codec";
   s.sink = sink;
   s.recent = recent;
   s.page_size = page;
-  s.codec = [](int, int, KvSide, const float* rows, int n, int64_t, float* out) {
-    std::copy(rows, rows + size_t(n) * 64, out);
+  const size_t kvdim = size_t(c.n_kv_heads) * c.head_dim;
+  s.codec = [kvdim](int, KvSide, const float* rows, int n, int64_t, float* out) {
+    std::copy(rows, rows + size_t(n) * kvdim, out);
   };
   return s;
 }
@@ -92,16 +100,19 @@ TEST(Validate, FullPrecisionCodecReproducesPlainForward) {
   // One block per document runs the same float operations as the plain forward pass: equal to
   // 1e-9 relative (in practice bit for bit), with pages going through the codec.
   const ValidationResult one_block =
-      validate_schemes(model, docs, {copy_scheme(4, 16, 8)}, ValidateMode::PseudoDecode, 256);
+      validate_schemes(model, docs, {copy_scheme(model.config(), 4, 16, 8)}, ValidateMode::PseudoDecode, 256);
   EXPECT_NEAR(one_block.reference_nll, plain, 1e-9 * plain);
   EXPECT_NEAR(one_block.schemes[0].nll, plain, 1e-9 * plain);
   for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
     const ValidationResult r =
-        validate_schemes(model, docs, {copy_scheme(4, 16, 8), copy_scheme(0, 8, 8)}, mode, 32);
+        validate_schemes(model, docs, {copy_scheme(model.config(), 4, 16, 8), copy_scheme(model.config(), 0, 8, 8)},
+                         mode, 32);
     EXPECT_EQ(r.predictions, 149u + 36u + 1u);
     // Blocks of 32 change only the shapes of the float32 GEMMs (OpenBLAS accumulates in a
     // shape-dependent order), so the plain pass agrees to float rounding, not bit for bit.
     EXPECT_NEAR(r.reference_nll, plain, 1e-6 * plain);
+    std::printf("  float, blocks of 32, %s: |reference − plain| / plain = %.1e\n", r.mode.c_str(),
+                std::abs(r.reference_nll - plain) / plain);
     for (const SchemeMetrics& m : r.schemes) {
       // Against the full-precision run of the same blocks: identical to the last bit.
       EXPECT_EQ(m.nll, r.reference_nll) << m.name;
@@ -110,6 +121,161 @@ TEST(Validate, FullPrecisionCodecReproducesPlainForward) {
       for (double e : m.layer_rel_error) EXPECT_EQ(e, 0.0);
     }
   }
+}
+
+// Issue #6's Done-when: in double, the pseudo-decode path with a full-precision quantiser
+// reproduces the plain forward pass to 1e-9 relative (in practice ~1e-15) at any block size, with
+// sink, ring and pages in place; float at blocks of 32 only reaches ~1e-8 (GEMM blocking).
+TEST(Validate, DoublePrecisionReproducesPlainForwardAtAnyBlock) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {200, 37, 2});
+  const double plain = plain_forward_nll<double>(model, docs);
+  for (int block : {32, 128}) {
+    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+      const ValidationResult r = validate_schemes(
+          model, docs, {copy_scheme(c, 4, 16, 8), copy_scheme(c, 0, 8, 8), copy_scheme(c, 4, 24, 16)}, mode,
+          block, {}, ValidatePrecision::Double);
+      EXPECT_EQ(r.precision, "double");
+      EXPECT_EQ(r.predictions, 199u + 36u + 1u);
+      EXPECT_NEAR(r.reference_nll, plain, 1e-9 * plain) << "block " << block;
+      std::printf("  block %d, %s: |reference − plain| / plain = %.1e\n", block, r.mode.c_str(),
+                  std::abs(r.reference_nll - plain) / plain);
+      for (const SchemeMetrics& m : r.schemes) {
+        EXPECT_NEAR(m.nll, plain, 1e-9 * plain) << "block " << block;
+        // The codec's change (zero) is applied in double: the pages stay exact, KL exactly 0.
+        EXPECT_EQ(m.nll, r.reference_nll);
+        EXPECT_EQ(m.kl, 0.0);
+        EXPECT_EQ(m.top1_agreement, 1.0);
+        for (double e : m.layer_rel_error) EXPECT_EQ(e, 0.0);
+      }
+    }
+  }
+}
+
+// The same on a real model (head_dim 128, 8 layers), where float32 at blocks of 32 drifts by ~1e-8.
+TEST(Validate, DoublePrecisionReproducesPlainForwardOnGutenberg27m) {
+  const std::string dir = testing::shared_models_dir() + "/gutenberg-27m";
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " absent (../shared not mounted)";
+  const ModelFile model = ModelFile::open(dir);
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {300});
+  const double plain = plain_forward_nll<double>(model, docs);
+  const ValidationResult d = validate_schemes(model, docs, {copy_scheme(c, 4, 32, 32)},
+                                              ValidateMode::PseudoDecode, 32, {}, ValidatePrecision::Double);
+  EXPECT_NEAR(d.reference_nll, plain, 1e-9 * plain);
+  EXPECT_EQ(d.schemes[0].nll, d.reference_nll);
+  EXPECT_EQ(d.schemes[0].kl, 0.0);
+  const ValidationResult f = validate_schemes(model, docs, {}, ValidateMode::PseudoDecode, 32);
+  const double plain_f = plain_forward_nll<float>(model, docs);
+  std::printf("  gutenberg-27m, 300 tokens, blocks of 32: |reference − plain| / plain = %.1e (double), "
+              "%.1e (float)\n",
+              std::abs(d.reference_nll - plain) / plain, std::abs(f.reference_nll - plain_f) / plain_f);
+}
+
+// The per-layer codec (roundtrip_layer_page on all KV heads at once) gives the same numbers as
+// the per-head codec (roundtrip_page on each head) for an artifact with groups within a head.
+TEST(Validate, PerLayerCodecEqualsPerHeadCodecAtGroupWithinHead) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  ASSERT_GT(c.n_kv_heads, 1);
+  Artifact art = identity_artifact(model, 4, 16, 8);
+  art.recipe.method = "random";
+  art.recipe.group = 32;  // two groups per 64-channel head
+  // A different signed permutation per (layer, head, side), so a mixed-up head shows.
+  std::mt19937 rng(11);
+  for (HeadArtifact& h : art.heads)
+    for (SideArtifact* side : {&h.key, &h.value}) {
+      std::vector<int> perm(size_t(c.head_dim));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      side->rotation.assign(size_t(c.head_dim) * c.head_dim, 0.0);
+      for (int i = 0; i < c.head_dim; ++i)
+        side->rotation[size_t(i) * c.head_dim + perm[size_t(i)]] = (rng() & 1) ? 1.0 : -1.0;
+    }
+  CacheScheme per_head;
+  per_head.name = "per-head";
+  per_head.sink = 4;
+  per_head.recent = 16;
+  per_head.page_size = 8;
+  const int d = c.head_dim, n_kv = c.n_kv_heads;
+  per_head.codec = [&art, d, n_kv](int layer, KvSide side, const float* rows, int n, int64_t, float* out) {
+    const size_t kvdim = size_t(n_kv) * d;
+    for (int h = 0; h < n_kv; ++h) {
+      std::vector<float> head(size_t(n) * d);
+      for (int t = 0; t < n; ++t) std::copy_n(rows + t * kvdim + size_t(h) * d, d, head.data() + size_t(t) * d);
+      const std::vector<float> q = roundtrip_page(art, layer, h, side, head.data(), n);
+      for (int t = 0; t < n; ++t) std::copy_n(q.data() + size_t(t) * d, d, out + t * kvdim + size_t(h) * d);
+    }
+  };
+  const auto docs = random_documents(c.vocab, {120, 60});
+  const ValidationResult r = validate_schemes(
+      model, docs, {scheme_from_artifact(art, "per-layer", c), per_head}, ValidateMode::PseudoDecode, 32);
+  const SchemeMetrics &layer = r.schemes[0], &head = r.schemes[1];
+  EXPECT_GT(layer.kl, 1e-4);  // the codec does quantise
+  EXPECT_EQ(layer.nll, head.nll);
+  EXPECT_EQ(layer.kl, head.kl);
+  EXPECT_EQ(layer.top1_agreement, head.top1_agreement);
+  EXPECT_EQ(layer.layer_rel_error, head.layer_rel_error);
+}
+
+// Hand-worked: values {1, 2, 4} with weights {1, 1, 2}: μ = 11/4, Σ wᵢ²(xᵢ − μ)² = 1.75² + 0.75² +
+// 2.5² = 9.875, √(3/2 · 9.875) / 4. Equal weights: the sample s.d. / √D (here 1/√3).
+TEST(Validate, ClusteredStandardErrorHandWorked) {
+  EXPECT_NEAR(clustered_standard_error({1, 2, 4}, {1, 1, 2}), std::sqrt(1.5 * 9.875) / 4.0, 1e-15);
+  EXPECT_NEAR(clustered_standard_error({1, 2, 3}, {5, 5, 5}), 1.0 / std::sqrt(3.0), 1e-15);
+  EXPECT_TRUE(std::isnan(clustered_standard_error({1}, {1})));
+  EXPECT_EQ(clustered_standard_error({2, 2}, {1, 3}), 0.0);
+  EXPECT_THROW(clustered_standard_error({1, 2}, {1}), Error);
+}
+
+// Per-document metrics recombine to the totals, and the standard errors are those of the
+// per-document values (KL) and paired NLL differences (Δppl), in the table, JSON and SVG.
+TEST(Validate, PerDocumentMetricsAndErrorBars) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {90, 64, 130});
+  const Artifact art = identity_artifact(model, 4, 16, 8);
+  const ValidationResult r = validate_schemes(model, docs, {scheme_from_artifact(art, "int2", c)},
+                                              ValidateMode::PseudoDecode, 32);
+  const SchemeMetrics& m = r.schemes[0];
+  ASSERT_EQ(m.per_document.size(), 3u);
+  ASSERT_EQ(r.reference_doc_nll.size(), 3u);
+  std::vector<double> w, kl, diff;
+  double nll = 0, ref = 0, kl_sum = 0;
+  for (size_t d = 0; d < 3; ++d) {
+    w.push_back(double(r.doc_lengths[d] - 1));
+    kl.push_back(m.per_document[d].kl);
+    diff.push_back(m.per_document[d].nll - r.reference_doc_nll[d]);
+    nll += w[d] * m.per_document[d].nll;
+    ref += w[d] * r.reference_doc_nll[d];
+    kl_sum += w[d] * m.per_document[d].kl;
+    EXPECT_NEAR(m.per_document[d].ppl_rel_change, std::exp(diff[d]) - 1.0, 1e-12);
+  }
+  const double P = double(r.predictions);
+  EXPECT_NEAR(nll / P, m.nll, 1e-12);
+  EXPECT_NEAR(ref / P, r.reference_nll, 1e-12);
+  EXPECT_NEAR(kl_sum / P, m.kl, 1e-12);
+  EXPECT_GT(m.kl_stderr, 0.0);
+  EXPECT_DOUBLE_EQ(m.kl_stderr, clustered_standard_error(kl, w));
+  EXPECT_DOUBLE_EQ(m.ppl_rel_change_stderr, (1.0 + m.ppl_rel_change) * clustered_standard_error(diff, w));
+
+  const nlohmann::json j = nlohmann::json::parse(to_json(r));
+  EXPECT_EQ(j["precision"], "float");
+  EXPECT_DOUBLE_EQ(j["schemes"][0]["kl_stderr"].get<double>(), m.kl_stderr);
+  EXPECT_DOUBLE_EQ(j["schemes"][0]["ppl_rel_change_stderr"].get<double>(), m.ppl_rel_change_stderr);
+  ASSERT_EQ(j["schemes"][0]["per_document"].size(), 3u);
+  EXPECT_EQ(j["schemes"][0]["per_document"][2]["tokens"], 130);
+  EXPECT_DOUBLE_EQ(j["schemes"][0]["per_document"][1]["kl"].get<double>(), m.per_document[1].kl);
+  EXPECT_NE(format_table(r).find("±se"), std::string::npos);
+  // The SVG draws the error bars (lines in the points' colour).
+  EXPECT_NE(to_svg(r).find("stroke=\"#1f77b4\""), std::string::npos);
+
+  // One document: no standard error (null in the JSON, "-" in the table).
+  const ValidationResult one = validate_schemes(model, {docs[0]}, {scheme_from_artifact(art, "int2", c)},
+                                                ValidateMode::PseudoDecode, 32);
+  EXPECT_TRUE(std::isnan(one.schemes[0].kl_stderr));
+  EXPECT_TRUE(nlohmann::json::parse(to_json(one))["schemes"][0]["kl_stderr"].is_null());
 }
 
 TEST(Validate, TwoBitCacheLosesQualityAndErrorAccumulates) {
@@ -180,6 +346,7 @@ TEST(Validate, RefusesEmptyInput) {
   EXPECT_THROW(load_validation_documents(model, data), Error);
   std::filesystem::remove(path);
   EXPECT_THROW(validate_mode_from_name("decode"), Error);
+  EXPECT_THROW(validate_precision_from_name("half"), Error);
 }
 
 }  // namespace

@@ -1,0 +1,157 @@
+// Prefill / extend benchmark of the INT2 paged cache (runtime/prefill.cu): T new tokens over a
+// context of ctx cached tokens, one layer, the whole call (rotations, attention, merge). CUDA
+// events around each call after warm-up, median of the repetitions; random codes with sane
+// scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
+// history plus the causal half of the new block), as flash-attention benchmarks do.
+//
+// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 4,8] [--reps N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "formats/kv_layout.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kv_kernels.h"
+
+using namespace kvcc;
+
+namespace {
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)));
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+std::vector<int> parse_ints(const std::string& s, char sep) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) out.push_back(std::atoi(item.c_str()));
+  return out;
+}
+
+void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, int reps) {
+  KvGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = n_kv;
+  g.head_dim = 128;
+  g.group = 128;
+  const int64_t pages = history_pages(g, ctx);
+  KvCache cache(KvCacheConfig{g, std::max<int64_t>(1, pages), 1, PoolMemory::Device});
+  const int seq = cache.add_sequence();
+  cache.grow(seq, ctx);
+  std::mt19937 rng(3);
+  std::vector<uint8_t> pool(cache.pool_bytes());
+  for (auto& x : pool) x = uint8_t(rng());
+  for (int64_t p = 0; p < pages; ++p)  // (scale, zero) = (~0.05..0.06, 1.5) in fp16, K and V
+    for (int h = 0; h < n_kv; ++h) {
+      uint16_t* prm = reinterpret_cast<uint16_t*>(pool.data() + g.page_block_offset(p, 0, h) + g.k_params_offset());
+      for (int i = 0; i < 2 * g.page_tokens; ++i) {
+        prm[2 * i] = uint16_t(0x2A66 + (rng() & 0xFF));
+        prm[2 * i + 1] = 0x3E00;
+      }
+    }
+  const size_t win_off = size_t(reinterpret_cast<const uint8_t*>(cache.windows_base()) - cache.pages_base());
+  uint16_t* win = reinterpret_cast<uint16_t*>(pool.data() + win_off);
+  for (size_t i = 0; i < g.window_slot_bytes() / 2; ++i) win[i] = uint16_t(0x3F80 ^ (rng() & 0x807F));  // ±[1, 2)
+  CK(cudaMemcpy(cache.pages_base(), pool.data(), pool.size(), cudaMemcpyHostToDevice));
+  const auto& pt = cache.page_table(seq);
+  int32_t* table = upload(std::vector<int32_t>(pt.begin(), pt.begin() + pages));
+  std::normal_distribution<float> nd;
+  std::vector<float> q(size_t(T) * n_heads * 128), kv(size_t(T) * n_kv * 128), rot(size_t(n_kv) * 128 * 128);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : kv) x = nd(rng);
+  for (auto& x : rot) x = nd(rng) / std::sqrt(128.0f);  // timing only: any dense matrix
+  float *dq = upload(q), *dkv = upload(kv), *drot = upload(rot), *dout = nullptr;
+  CK(cudaMalloc(&dout, q.size() * sizeof(float)));
+  const std::vector<HeadCodec> codecs(static_cast<size_t>(n_kv));
+  const double keys = double(ctx) * T + 0.5 * double(T) * T;
+  const double flops = 4.0 * n_heads * 128 * keys;
+  for (int w : warps) {
+    PrefillShape shape{n_heads, 1.0f / std::sqrt(128.0f), 0, w};
+    const size_t wsb = prefill_workspace_bytes(g, ctx, T, shape);
+    void* ws = nullptr;
+    CK(cudaMalloc(&ws, wsb));
+    auto call = [&] {
+      prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, seq, ctx, table, T, codecs.data(), shape, dq, dkv,
+                   dkv, drot, drot, drot, dout, ws, wsb, nullptr);
+    };
+    for (int i = 0; i < 3; ++i) call();
+    CK(cudaDeviceSynchronize());
+    std::vector<float> times;
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < reps; ++i) {
+      CK(cudaEventRecord(a));
+      call();
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    const double ms = times[times.size() / 2];
+    std::printf("{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
+                "\"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
+                n_heads, n_kv, ctx, T, w, ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    CK(cudaFree(ws));
+  }
+  CK(cudaFree(table));
+  CK(cudaFree(dq));
+  CK(cudaFree(dkv));
+  CK(cudaFree(drot));
+  CK(cudaFree(dout));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string configs = "32:8:32768:2048,32:8:32768:256,32:8:32768:16,32:8:4096:2048,32:8:131072:2048";
+  std::vector<int> warps = {4, 8};
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--configs") configs = argv[i + 1];
+    else if (k == "--warps") warps = parse_ints(argv[i + 1], ',');
+    else if (k == "--reps") reps = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 4,8] [--reps N]\n");
+      return 2;
+    }
+  }
+  std::stringstream ss(configs);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const std::vector<int> c = parse_ints(item, ':');
+    if (c.size() != 4) {
+      std::fprintf(stderr, "bad config '%s' (want Hq:Hkv:ctx:T)\n", item.c_str());
+      return 2;
+    }
+    run_config(c[0], c[1], c[2], c[3], warps, reps);
+  }
+  return 0;
+}

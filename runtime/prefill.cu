@@ -1,0 +1,636 @@
+// Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
+// runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"). Four launches:
+//
+//  1. rotate_in: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
+//     query row is a (new token, query head of the group) pair). k and v are rounded to BF16 first
+//     (what the ring will hold), so their fp16 copies are those BF16 values exactly.
+//  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
+//     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
+//  3. prefill_kernel: flash-attention style. One CTA = (tile of 16·kWarps query rows, KV head,
+//     key-range split); every query head of the group shares the CTA's K/V tiles. Each warp owns
+//     16 rows; key tiles of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask)
+//     pass through shared memory (cp.async ahead, one barrier per tile); S = Q·Kᵀ and O += P·V run
+//     on mma.sync m16n8k16 in fp16 with fp32 accumulation (fp16 carries 3 more mantissa bits than
+//     bf16: with a bf16 query the logits' rounding alone gave 1-4% output error on the tests'
+//     peaked softmax), with an online softmax in registers. INT2 pages are expanded to their code
+//     values (exact: 0..3, or the level table rounded to fp16) and the per-token scale and zero are
+//     folded in once per token (DESIGN.md): q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z.
+//     fp16 rows use s = 1, z = 0, so one code path serves every tier.
+//  4. finish: log-sum-exp merge of the splits, normalisation, ·R_vᵀ.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "formats/error.h"
+#include "formats/kv_layout.h"
+#include "runtime/kv_kernels.h"
+
+namespace kvcc {
+namespace {
+
+constexpr int kD = 128;          // head_dim
+constexpr int kBN = 64;          // key tokens per tile (= page_tokens)
+constexpr int kStride = kD + 8;  // shared row stride in 16-bit elements: 272 B, so ldmatrix rows hit distinct banks
+constexpr int kPageBytes = 4608; // one (page, layer, head) block at P = 64, d = 128, G = d
+static_assert(kPageBytes == 2 * kBN * (kD / 4) + 2 * kBN * 4, "codes + (scale, zero) pairs, K and V");
+constexpr int kRotRows = 32;     // rows per CTA of the rotation kernels
+constexpr float kLog2e = 1.4426950408889634f;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
+}
+// 16 bytes global -> shared; src_bytes = 0 writes zeros (rows outside the valid range, so that
+// 0·garbage never reaches the PV product).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// fp16 with saturation instead of overflow to infinity.
+__device__ __forceinline__ __half to_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __halves2half2(to_half(lo), to_half(hi));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_half2(uint32_t u) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+__device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  return pack_half2(f.x, f.y);
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotations. Row p of KV head h is (token p / r, query head h·r + p % r) of x [T, n_kv·r, d].
+
+// acc[i] = Σ_c xs[i][c] · R[c][j] (R null: xs[i][j]). R is read once per kRotRows rows.
+__device__ __forceinline__ void rotate_tile(const float (&xs)[kRotRows][kD], const float* R, int j,
+                                            float (&acc)[kRotRows]) {
+#pragma unroll
+  for (int i = 0; i < kRotRows; ++i) acc[i] = R ? 0.0f : xs[i][j];
+  if (!R) return;
+#pragma unroll 4
+  for (int c = 0; c < kD; ++c) {
+    const float rc = __ldg(R + size_t(c) * kD + j);
+#pragma unroll
+    for (int i = 0; i < kRotRows; ++i) acc[i] = fmaf(xs[i][c], rc, acc[i]);
+  }
+}
+
+// dst[h][offset + p] = fp16(x[token, head] · R[h]) (through bf16 when round_bf16), dst rows
+// [n_kv][dst_rows][d]; grid (row tiles, n_kv), kD threads.
+__global__ void __launch_bounds__(kD) rotate_in(const float* x, const float* rot, int rows, int n_kv, int r,
+                                                int round_bf16, __half* dst, int dst_rows, int offset) {
+  __shared__ float xs[kRotRows][kD];
+  const int h = blockIdx.y, p0 = blockIdx.x * kRotRows, j = threadIdx.x;
+  const int n = min(kRotRows, rows - p0);
+  for (int i = 0; i < kRotRows; ++i) {
+    const int p = p0 + i;
+    xs[i][j] = i < n ? x[((size_t(p / r) * n_kv + h) * r + p % r) * kD + j] : 0.0f;
+  }
+  __syncthreads();
+  float acc[kRotRows];
+  rotate_tile(xs, rot ? rot + size_t(h) * kD * kD : nullptr, j, acc);
+#pragma unroll
+  for (int i = 0; i < kRotRows; ++i)
+    if (i < n)
+      dst[(size_t(h) * dst_rows + offset + p0 + i) * kD + j] =
+          to_half(round_bf16 ? __bfloat162float(__float2bfloat16_rn(acc[i])) : acc[i]);
+}
+
+// out[token, head] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ[h]. kFinRows rows per CTA,
+// kSlices slices of kD threads: the slices sum disjoint sets of splits, then disjoint quarters of
+// the rotation's inputs, so few dependent loads are in series when there are many splits.
+constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
+constexpr int kMaxSplits = 128;  // bounds the weights' shared memory
+__global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const float* part_ml, int splits, int rows,
+                                                      int n_kv, int r, const float* rot_v_t, float* out) {
+  __shared__ float wts[kFinRows][kMaxSplits];
+  __shared__ float lsum[kFinRows];
+  __shared__ float part[kSlices][kFinRows][kD];
+  __shared__ float ov[kFinRows][kD];
+  const int h = blockIdx.y, p0 = blockIdx.x * kFinRows, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, j = tid % kD, slice = tid / kD;
+  const int n = min(kFinRows, rows - p0);
+  auto at = [&](int s, int i) { return (size_t(s) * n_kv + h) * rows + p0 + i; };
+  if (warp < kFinRows) {  // warp i: the split weights of row i
+    const int i = warp;
+    float mall = -INFINITY;
+    for (int s = lane; s < splits && i < n; s += 32) mall = fmaxf(mall, part_ml[at(s, i) * 2]);
+    for (int off = 16; off > 0; off >>= 1) mall = fmaxf(mall, __shfl_xor_sync(0xffffffffu, mall, off));
+    float l = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+      const float m = i < n ? part_ml[at(s, i) * 2] : -INFINITY;
+      const float w = m == -INFINITY ? 0.0f : exp2f(m - mall);  // -inf: the split saw no key of the row
+      wts[i][s] = w;
+      if (w != 0.0f) l = fmaf(w, part_ml[at(s, i) * 2 + 1], l);
+    }
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) lsum[i] = l;
+  }
+  __syncthreads();
+  float acc[kFinRows];
+#pragma unroll
+  for (int i = 0; i < kFinRows; ++i) acc[i] = 0.0f;
+  for (int s = slice; s < splits; s += kSlices)
+#pragma unroll
+    for (int i = 0; i < kFinRows; ++i)
+      if (i < n && wts[i][s] != 0.0f) acc[i] = fmaf(wts[i][s], part_o[at(s, i) * kD + j], acc[i]);
+#pragma unroll
+  for (int i = 0; i < kFinRows; ++i) part[slice][i][j] = acc[i];
+  __syncthreads();
+  for (int i = slice; i < kFinRows; i += kSlices)  // every row sees its own token: lsum > 0
+    ov[i][j] = i < n ? ((part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j])) / lsum[i] : 0.0f;
+  __syncthreads();
+  const float* R = rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr;
+#pragma unroll
+  for (int i = 0; i < kFinRows; ++i) acc[i] = (!R && slice == 0) ? ov[i][j] : 0.0f;
+  if (R) {
+#pragma unroll 4
+    for (int c = slice * (kD / kSlices); c < (slice + 1) * (kD / kSlices); ++c) {
+      const float rc = __ldg(R + size_t(c) * kD + j);
+#pragma unroll
+      for (int i = 0; i < kFinRows; ++i) acc[i] = fmaf(ov[i][c], rc, acc[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kFinRows; ++i) part[slice][i][j] = acc[i];
+  __syncthreads();
+  for (int i = slice; i < n; i += kSlices) {
+    const int p = p0 + i;
+    out[((size_t(p / r) * n_kv + h) * r + p % r) * kD + j] =
+        (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+
+// The BF16 windows of one layer and sequence in logical order (sink rows, then the ring oldest
+// first), widened to fp16 into the first win_rows rows of the key/value staging, ahead of the new
+// tokens (exact within fp16's range; beyond ±65504 they saturate). grid (win_rows, n_kv), 32
+// threads: 16-byte chunks of the K and V rows.
+__global__ void __launch_bounds__(32) stage_windows(const __nv_bfloat16* windows, KvGeometry geo, int layer,
+                                                    int seq_slot, int sink_count, int ring_first, int kv_rows,
+                                                    __half* k_dst, __half* v_dst) {
+  const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
+  const __nv_bfloat16* win = windows + geo.window_block_elem(seq_slot, layer, h);
+  const __nv_bfloat16* src =
+      i < sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
+                     : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
+                           size_t((ring_first + i - sink_count) % geo.recent) * kD;
+  uint4 u = reinterpret_cast<const uint4*>(src)[chunk];
+  u.x = bf16x2_to_half2(u.x);
+  u.y = bf16x2_to_half2(u.y);
+  u.z = bf16x2_to_half2(u.z);
+  u.w = bf16x2_to_half2(u.w);
+  reinterpret_cast<uint4*>((side ? v_dst : k_dst) + (size_t(h) * kv_rows + i) * kD)[chunk] = u;
+}
+
+struct PrefillArgs {
+  const uint8_t* pages;
+  KvGeometry geo;
+  int layer, T, r, n_kv, rows;  // rows = T·r query rows per KV head
+  int n_pages;                  // INT2 history pages
+  int win_rows, kv_rows;        // staged keys per head: win_rows window rows, then the T new ones
+  const int32_t* page_table;
+  const __half* q;  // [n_kv][rows][d] rotated
+  const __half* k;  // [n_kv][kv_rows][d] rotated, BF16 values
+  const __half* v;
+  float* part_o;   // [splits][n_kv][rows][d]
+  float* part_ml;  // [splits][n_kv][rows][2] (running max in log2 units, sum)
+  int units_per_split;
+  float sm_scale_log2;
+  // Per (KV head, side): the value x_c each 2-bit code stands for (c, or the level table) and
+  // whether the stored zero applies (uniform grid) or not (level table: x̂ = s·level[c]).
+  float code_value[kPrefillMaxKvHeads][2][4];
+  int use_zero[kPrefillMaxKvHeads][2];
+};
+
+// One pipeline stage: a 64-token key tile as fp16 MMA operands.
+struct Stage {
+  __half k[kBN][kStride];
+  __half v[kBN][kStride];
+  float4 tok[kBN];  // INT2 tiles: (s_k, z_k, s_v, z_v) per token, x̂ = s·(x − z)
+};
+struct Smem {
+  Stage stage[2];
+  uint8_t raw[2][kPageBytes];  // INT2 page blocks as stored, before expansion
+};
+constexpr size_t kSmemBytes = sizeof(Smem);
+
+// Units (key tiles) of a CTA: INT2 pages 0 .. n_pages-1, then 64-row tiles of the fp16 staging
+// (windows, then new tokens) up to the CTA's last query token. Unit u is computed in iteration u
+// from stage u % 2; its bytes were requested one iteration earlier (a page's raw bytes two
+// iterations earlier, expanded one iteration earlier), so each iteration needs one barrier.
+// 4 warps: two CTAs per SM (registers <= 255); 8 warps: one.
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kernel(PrefillArgs a) {
+  constexpr int kThreads = 32 * kWarps, kBM = 16 * kWarps;
+  extern __shared__ uint4 smem_u4[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_u4);
+  __shared__ uint32_t lut[2][16];  // two codes (4 bits) -> their two fp16 x values
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int h = blockIdx.y, split = blockIdx.z;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // the tiles with the most new tokens start first
+  const int row0 = tile * kBM;
+  const int last_token = (min(row0 + kBM, a.rows) - 1) / a.r;
+  const int n_units = a.n_pages + (a.win_rows + last_token) / kBN + 1;
+  const int u0 = split * a.units_per_split, u1 = min(n_units, u0 + a.units_per_split);
+
+  if (tid < 32) {
+    const int side = tid >> 4, i = tid & 15;
+    lut[side][i] = pack_half2(a.code_value[h][side][i & 3], a.code_value[h][side][i >> 2]);
+  }
+
+  auto issue_raw = [&](int u) {  // an INT2 page's block into raw[u % 2]
+    if (u >= u1 || u >= a.n_pages) return;
+    const uint8_t* src = a.pages + a.geo.page_block_offset(a.page_table[u], a.layer, h);
+    uint8_t* dst = sm.raw[(u - u0) & 1];
+    for (int i = tid; i < kPageBytes / 16; i += kThreads) cp_async16(dst + 16 * i, src + 16 * i, 16);
+  };
+  auto issue_tile = [&](int u) {  // 64 staged fp16 rows straight into the stage (zeros past the end)
+    if (u >= u1 || u < a.n_pages) return;
+    Stage& s = sm.stage[(u - u0) & 1];
+    const int key0 = (u - a.n_pages) * kBN;
+    for (int i = tid; i < 2 * kBN * (kD / 8); i += kThreads) {
+      const int side = i / (kBN * (kD / 8)), row = (i / (kD / 8)) % kBN, chunk = i % (kD / 8);
+      const bool ok = key0 + row < a.kv_rows;
+      const __half* src = (side ? a.v : a.k) + (size_t(h) * a.kv_rows + (ok ? key0 + row : 0)) * kD + 8 * chunk;
+      cp_async16(side ? &s.v[row][8 * chunk] : &s.k[row][8 * chunk], src, ok ? 16 : 0);
+    }
+  };
+  auto expand = [&](int u) {  // raw[u % 2] -> code values and (scale, zero) in the stage
+    if (u >= u1 || u >= a.n_pages) return;
+    Stage& s = sm.stage[(u - u0) & 1];
+    const uint8_t* raw = sm.raw[(u - u0) & 1];
+    for (int i = tid; i < 2 * kBN * 8; i += kThreads) {
+      const int side = i / (kBN * 8), row = (i / 8) % kBN, wi = i % 8;  // 16 codes per word
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + side * kBN * 32 + row * 32 + 4 * wi);
+      uint4 lo, hi;
+      lo.x = lut[side][w & 15];
+      lo.y = lut[side][(w >> 4) & 15];
+      lo.z = lut[side][(w >> 8) & 15];
+      lo.w = lut[side][(w >> 12) & 15];
+      hi.x = lut[side][(w >> 16) & 15];
+      hi.y = lut[side][(w >> 20) & 15];
+      hi.z = lut[side][(w >> 24) & 15];
+      hi.w = lut[side][w >> 28];
+      __half* dst = side ? &s.v[row][16 * wi] : &s.k[row][16 * wi];
+      reinterpret_cast<uint4*>(dst)[0] = lo;
+      reinterpret_cast<uint4*>(dst)[1] = hi;
+    }
+    const uint32_t* params = reinterpret_cast<const uint32_t*>(raw + 2 * kBN * 32);
+    for (int row = tid; row < kBN; row += kThreads) {
+      const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(&params[row]));
+      const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(&params[kBN + row]));
+      s.tok[row] = make_float4(kp.x, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
+    }
+  };
+
+  // The warp's 16 query rows: Q fragments (A operand), Σq of the fp16 values, token index.
+  uint32_t qa[kD / 16][4];
+  float qsum[2];
+  int qtok[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int p = row0 + 16 * warp + g + 8 * rr;
+    const bool ok = p < a.rows;
+    qtok[rr] = (ok ? p : a.rows - 1) / a.r;
+    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (size_t(h) * a.rows + (ok ? p : 0)) * kD);
+    float s = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t lo = ok ? qrow[8 * ks + t] : 0u, hi = ok ? qrow[8 * ks + 4 + t] : 0u;
+      qa[ks][rr] = lo;       // a0 / a1: columns 2t, 2t+1 of rows g / g+8
+      qa[ks][2 + rr] = hi;   // a2 / a3: columns 2t+8, 2t+9
+      const float2 f0 = unpack_half2(lo), f1 = unpack_half2(hi);
+      s += (f0.x + f0.y) + (f1.x + f1.y);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    qsum[rr] = s;
+  }
+
+  float o[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, spz[2] = {0.0f, 0.0f};
+
+  issue_raw(u0);
+  issue_raw(u0 + 1);
+  issue_tile(u0);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();  // raw bytes and the lookup table
+  expand(u0);
+  for (int u = u0; u < u1; ++u) {
+    // Unit u's stage is complete (loaded or expanded), unit u+1's raw page has landed, and every
+    // warp is done with unit u-1, whose stage and raw buffer are refilled below.
+    cp_async_wait_all();
+    __syncthreads();
+    issue_raw(u + 2);
+    issue_tile(u + 1);
+    cp_async_commit();
+    expand(u + 1);
+    const Stage& s = sm.stage[(u - u0) & 1];
+    const bool page = u < a.n_pages;
+    const int key0 = (u - a.n_pages) * kBN - a.win_rows;  // new-token index of the tile's row 0
+    // S = Q·Kᵀ: 16 rows × 64 tokens per warp.
+    float sc[kBN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[nt][i] = 0.0f;
+#pragma unroll
+      for (int kp = 0; kp < kD / 32; ++kp) {
+        uint32_t b[4];
+        ldmatrix_x4(b, &s.k[8 * nt + (lane & 7)][32 * kp + 8 * (lane >> 3)]);
+        mma_f16(sc[nt], qa[2 * kp], b[0], b[1]);
+        mma_f16(sc[nt], qa[2 * kp + 1], b[2], b[3]);
+      }
+    }
+    // Logits (log2 units) with the per-token fold and the causal mask (window rows have
+    // key0 + tok < 0; rows past the new tokens exceed every query's token); row maxima.
+    float4 tp[kBN / 8][2];
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) tp[nt][e] = page ? s.tok[8 * nt + 2 * t + e] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = 8 * nt + 2 * t + e;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const bool valid = page || key0 + tok <= qtok[rr];
+          const float x = valid ? (sc[nt][2 * rr + e] - tp[nt][e].y * qsum[rr]) * tp[nt][e].x * a.sm_scale_log2
+                                : -INFINITY;
+          sc[nt][2 * rr + e] = x;
+          mx[rr] = fmaxf(mx[rr], x);
+        }
+      }
+    float msub[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+      const float mn = fmaxf(m[rr], mx[rr]);
+      const float alpha = mn == -INFINITY ? 1.0f : fast_exp2(m[rr] - mn);
+      msub[rr] = mn == -INFINITY ? 0.0f : mn;  // nothing seen yet: exp2(-inf - 0) = 0
+      m[rr] = mn;
+      l[rr] *= alpha;
+      spz[rr] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        o[n][2 * rr] *= alpha;
+        o[n][2 * rr + 1] *= alpha;
+      }
+    }
+    // P' = fp16(p·s_v) as A fragments (the S accumulator layout is the A layout); Σ P'·z_v.
+    uint32_t pa[kBN / 8][2];
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const float p0 = fast_exp2(sc[nt][2 * rr] - msub[rr]), p1 = fast_exp2(sc[nt][2 * rr + 1] - msub[rr]);
+        l[rr] += p0 + p1;
+        pa[nt][rr] = pack_half2(p0 * tp[nt][0].z, p1 * tp[nt][1].z);
+        const float2 pr = unpack_half2(pa[nt][rr]);
+        spz[rr] = fmaf(pr.x, tp[nt][0].w, fmaf(pr.y, tp[nt][1].w, spz[rr]));
+      }
+    }
+    // O += P'·X_v: 16 rows × 128 channels per warp.
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      const uint32_t pk[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0], pa[2 * kk + 1][1]};
+#pragma unroll
+      for (int np = 0; np < kD / 16; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &s.v[16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)][16 * np + 8 * (lane >> 4)]);
+        mma_f16(o[2 * np], pk, b[0], b[1]);
+        mma_f16(o[2 * np + 1], pk, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait_all();
+
+  // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 1);
+    spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 2);
+    const int p = row0 + 16 * warp + g + 8 * rr;
+    if (p >= a.rows) continue;
+    const size_t row = (size_t(split) * a.n_kv + h) * a.rows + p;
+    float* dst = a.part_o + row * kD;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n)
+      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) =
+          make_float2(o[n][2 * rr] - spz[rr], o[n][2 * rr + 1] - spz[rr]);
+    if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
+  }
+}
+
+int multiprocessors() {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 132;
+  }();
+  return sms;
+}
+
+template <int kWarps>
+int resident_ctas() {
+  static int n = [] {
+    check_cuda(cudaFuncSetAttribute(prefill_kernel<kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSmemBytes)),
+               "prefill (CUDA): shared memory attribute");
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prefill_kernel<kWarps>, 32 * kWarps, kSmemBytes);
+    return std::max(1, per_sm) * multiprocessors();
+  }();
+  return n;
+}
+
+struct Plan {
+  int warps, rows, row_tiles, splits, units_per_split;
+  int n_pages, win_rows;  // INT2 pages; BF16 window rows staged ahead of the new tokens
+};
+
+// Key-range splits only when the query tiles alone leave the GPU idle (short extends over long
+// contexts); each split keeps at least 4 key tiles.
+Plan plan_for(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
+  Plan p{};
+  p.rows = T * (shape.n_heads / g.n_kv_heads);
+  // 8 warps (128 rows, one CTA per SM) use each key tile for twice the rows: 9-14% faster on the
+  // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
+  // half empty (docs/runtime.md).
+  p.warps = shape.warps > 0 ? shape.warps : (p.rows >= 128 ? 8 : 4);
+  require(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
+  p.row_tiles = (p.rows + 16 * p.warps - 1) / (16 * p.warps);
+  const KvTiers t = tiers_of(g, length);
+  p.n_pages = int(t.hist_tokens / kBN);
+  p.win_rows = t.sink_count + t.ring_count;
+  const int max_units = p.n_pages + (p.win_rows + T + kBN - 1) / kBN;
+  int splits = shape.splits;
+  if (splits <= 0) {
+    const int ctas = std::max(1, p.row_tiles * g.n_kv_heads);
+    const int resident = p.warps == 4 ? resident_ctas<4>() : resident_ctas<8>();
+    splits = std::min((resident + ctas - 1) / ctas, std::max(1, max_units / 4));
+  }
+  splits = std::min(splits, kMaxSplits);
+  p.units_per_split = (max_units + splits - 1) / splits;
+  p.splits = (max_units + p.units_per_split - 1) / p.units_per_split;
+  return p;
+}
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Workspace {
+  __half *q, *k, *v;
+  float *part_o, *part_ml;
+  size_t bytes;
+};
+Workspace carve(void* base, const KvGeometry& g, int T, const Plan& p) {
+  const size_t rows_all = size_t(p.rows) * g.n_kv_heads;  // T · n_heads
+  const size_t kv = size_t(p.win_rows + T) * g.n_kv_heads * kD;
+  uint8_t* b = static_cast<uint8_t*>(base);
+  Workspace w{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    uint8_t* at = b ? b + off : nullptr;
+    off += align256(bytes);
+    return at;
+  };
+  w.q = reinterpret_cast<__half*>(take(rows_all * kD * 2));
+  w.k = reinterpret_cast<__half*>(take(kv * 2));
+  w.v = reinterpret_cast<__half*>(take(kv * 2));
+  w.part_o = reinterpret_cast<float*>(take(size_t(p.splits) * rows_all * kD * 4));
+  w.part_ml = reinterpret_cast<float*>(take(size_t(p.splits) * rows_all * 2 * 4));
+  w.bytes = off;
+  return w;
+}
+
+void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
+  require(g.head_dim == kD, "prefill (CUDA): head_dim " + std::to_string(g.head_dim) + " is not supported (needs 128)");
+  require(g.group == g.head_dim, "prefill (CUDA): needs one (scale, zero) group per row");
+  require(g.page_tokens == kBN, "prefill (CUDA): needs 64-token pages");
+  require(g.n_kv_heads > 0 && g.n_kv_heads <= kPrefillMaxKvHeads,
+          "prefill (CUDA): at most " + std::to_string(kPrefillMaxKvHeads) + " KV heads");
+  require(shape.n_heads > 0 && shape.n_heads % g.n_kv_heads == 0,
+          "prefill (CUDA): query heads must be a multiple of KV heads");
+  require(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
+  require(T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) &&
+              int64_t(T) * shape.n_heads < (int64_t(1) << 31),
+          "prefill (CUDA): length or token count out of range");
+}
+
+}  // namespace
+
+size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
+  check_scope(g, 0, length, T, shape);
+  return carve(nullptr, g, T, plan_for(g, length, T, shape)).bytes;
+}
+
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
+                  int seq_slot, int64_t length, const int32_t* page_table, int T,
+                  const HeadCodec* codecs, const PrefillShape& shape, const float* q,
+                  const float* k, const float* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream) {
+  check_scope(g, layer, length, T, shape);
+  require(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
+          "prefill (CUDA): give all three rotations or none");
+  if (T == 0) return;
+  const Plan plan = plan_for(g, length, T, shape);
+  const Workspace w = carve(workspace, g, T, plan);
+  require(workspace && workspace_bytes >= w.bytes, "prefill (CUDA): workspace too small");
+  PrefillArgs a{};
+  a.pages = pages;
+  a.geo = g;
+  a.layer = layer;
+  a.T = T;
+  a.r = shape.n_heads / g.n_kv_heads;
+  a.n_kv = g.n_kv_heads;
+  a.rows = plan.rows;
+  a.n_pages = plan.n_pages;
+  a.win_rows = plan.win_rows;
+  a.kv_rows = plan.win_rows + T;
+  a.page_table = page_table;
+  a.q = w.q;
+  a.k = w.k;
+  a.v = w.v;
+  a.part_o = w.part_o;
+  a.part_ml = w.part_ml;
+  a.units_per_split = plan.units_per_split;
+  a.sm_scale_log2 = shape.sm_scale * kLog2e;
+  for (int h = 0; h < g.n_kv_heads; ++h)
+    for (int side = 0; side < 2; ++side) {
+      const SideCodec& c = side ? codecs[h].value : codecs[h].key;
+      for (int i = 0; i < 4; ++i) a.code_value[h][side][i] = c.use_table ? c.levels[i] : float(i);
+      a.use_zero[h][side] = c.use_table ? 0 : 1;
+    }
+
+  const dim3 rot_grid_q((plan.rows + kRotRows - 1) / kRotRows, g.n_kv_heads);
+  const dim3 rot_grid_kv((T + kRotRows - 1) / kRotRows, g.n_kv_heads);
+  rotate_in<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, w.q, plan.rows, 0);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, T, g.n_kv_heads, 1, 1, w.k, a.kv_rows, a.win_rows);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, T, g.n_kv_heads, 1, 1, w.v, a.kv_rows, a.win_rows);
+  if (plan.win_rows > 0) {
+    const KvTiers t = tiers_of(g, length);
+    stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(windows), g, layer, seq_slot, t.sink_count,
+        int(t.hist_tokens % g.recent), a.kv_rows, w.k, w.v);
+  }
+  const dim3 grid(plan.row_tiles, g.n_kv_heads, plan.splits);
+  if (plan.warps == 4) {
+    resident_ctas<4>();  // sets the shared-memory attribute once
+    prefill_kernel<4><<<grid, 128, kSmemBytes, stream>>>(a);
+  } else {
+    resident_ctas<8>();
+    prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
+  }
+  const dim3 fin_grid((plan.rows + kFinRows - 1) / kFinRows, g.n_kv_heads);
+  finish<<<fin_grid, kFinThreads, 0, stream>>>(w.part_o, w.part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r,
+                                               rot_v_t, out);
+  check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
+}
+
+}  // namespace kvcc

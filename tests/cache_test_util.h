@@ -1,0 +1,75 @@
+// Helpers shared by the cache tests (gpu_test_cache.cu, gpu_test_prefill.cu,
+// test_cache_runtime.cpp): random orthogonal rotations, their transposes, the relative error of an
+// output row, and the kernels' default geometry (d = 128, one group per row, 64-token pages, sink
+// 64, ring 256).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <random>
+#include <vector>
+
+#include "formats/kv_layout.h"
+
+namespace kvcc::testing {
+
+// heads orthogonal [d, d] matrices (Gram-Schmidt of Gaussian matrices), row-major, float64.
+inline std::vector<double> random_orthogonal(int heads, int d, std::mt19937& rng) {
+  std::normal_distribution<double> nd;
+  std::vector<double> out;
+  for (int h = 0; h < heads; ++h) {
+    std::vector<double> m(size_t(d) * d);
+    for (auto& x : m) x = nd(rng);
+    for (int j = 0; j < d; ++j) {
+      for (int k = 0; k < j; ++k) {
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
+        for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
+      }
+      double nrm = 0;
+      for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
+      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
+    }
+    out.insert(out.end(), m.begin(), m.end());
+  }
+  return out;
+}
+
+// The same as float [heads, d, d], as the kernels take rotations.
+inline std::vector<float> random_rotations(int heads, int d, std::mt19937& rng) {
+  const std::vector<double> r = random_orthogonal(heads, d, rng);
+  return std::vector<float>(r.begin(), r.end());
+}
+
+// Per head, Rᵀ (the kernels take R_vᵀ for the output rotation).
+inline std::vector<float> transpose_heads(const std::vector<float>& r, int heads, int d) {
+  std::vector<float> t(r.size());
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) t[(size_t(h) * d + j) * d + i] = r[(size_t(h) * d + i) * d + j];
+  return t;
+}
+
+// ‖got − want‖ / ‖want‖ over n values.
+inline double rel(const float* got, const float* want, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += double(got[i] - want[i]) * double(got[i] - want[i]);
+    den += double(want[i]) * double(want[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+inline KvGeometry test_geometry(int layers, int heads) {
+  KvGeometry g;
+  g.n_layers = layers;
+  g.n_kv_heads = heads;
+  g.head_dim = 128;
+  g.group = 128;
+  g.page_tokens = 64;
+  g.sink = 64;
+  g.recent = 256;
+  return g;
+}
+
+}  // namespace kvcc::testing
