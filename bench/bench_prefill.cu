@@ -19,20 +19,14 @@
 
 #include "formats/kv_layout.h"
 #include "runtime/kv_cache.h"
+#include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 
 using namespace kvcc;
 
 namespace {
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#define CK(x) check_cuda((x), #x)  // a failed CUDA call ends the benchmark with its name
 
 template <class T>
 T* upload(const std::vector<T>& v) {

@@ -10,16 +10,13 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 
 namespace kvcc {
 namespace {
 
 constexpr int kD = 128;
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 // A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring) or from
 // staging row `src`, into (page, row).

@@ -25,6 +25,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 
 namespace kvcc {
@@ -57,10 +58,6 @@ constexpr size_t kSlabBytes = size_t(kWarps) * kSlabFloats * sizeof(float);
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxTableHeads = 64;  // KV heads the level-table kernel takes (its tables are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                         uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -850,16 +847,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   part[slice][j] = o;
   __syncthreads();
   if (slice == 0) out[(size_t(b) * n_heads + qh) * kD + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
-}
-
-int multiprocessors() {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 132;
-  }();
-  return sms;
 }
 
 struct SplitPlan {

@@ -27,6 +27,7 @@
 
 #include "formats/error.h"
 #include "formats/kv_layout.h"
+#include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 
 namespace kvcc {
@@ -39,10 +40,6 @@ constexpr int kPageBytes = 4608; // one (page, layer, head) block at P = 64, d =
 static_assert(kPageBytes == 2 * kBN * (kD / 4) + 2 * kBN * 4, "codes + (scale, zero) pairs, K and V");
 constexpr int kRotRows = 32;     // rows per CTA of the rotation kernels
 constexpr float kLog2e = 1.4426950408889634f;
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -464,16 +461,6 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
           make_float2(o[n][2 * rr] - spz[rr], o[n][2 * rr + 1] - spz[rr]);
     if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
   }
-}
-
-int multiprocessors() {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 132;
-  }();
-  return sms;
 }
 
 template <int kWarps>

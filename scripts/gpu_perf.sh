@@ -5,6 +5,9 @@
 # once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
 # usage: OUT=dir [BEFORE=old_decode.cu] [ROUNDS=2] [CONFIGS=...] [SWEEP_TARGETS="132 264"] [RACECHECK=variant] [NO_SDPA=1]
 #        [PARTS=configs (time the pipeline stages of the first variant)]
+#        [SWEEP_ENVS="KVCC_RING=2 KVCC_TARGET_CTAS=396" (the first variant once per setting)]
+#        [SANITIZE_FILTER=gtest filter (racecheck only, on those tests; default: racecheck + memcheck)]
+#   (the device tool returns at most 8 files from $OUT: ROUNDS, SWEEP_* and variants multiply them)
 #        scripts/gpu_perf.sh "name:-DFLAGS" ...
 #   each argument is a variant name and its nvcc defines (or @path: another decode.cu); variants
 #   named test* also run the tests.
@@ -73,7 +76,10 @@ for name in "${names[@]}"; do
     echo "gpu tests $name exit: $?"
   fi
 done
-if [ -n "${RACECHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+if [ -n "${RACECHECK:-}" ] && [ -n "${SANITIZE_FILTER:-}" ] && command -v compute-sanitizer >/dev/null; then
+  timeout 120 compute-sanitizer --tool racecheck "$D/test_$RACECHECK" --gtest_filter="$SANITIZE_FILTER" 2>&1 |
+    grep -E 'RACECHECK|hazard|ERROR|PASSED|FAILED' | head -5
+elif [ -n "${RACECHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
   timeout 120 compute-sanitizer --tool racecheck "$D/test_$RACECHECK" \
     --gtest_filter='GpuDecode.Int2MatchesReferenceGqa4:GpuDecode.Int2MatchesReferenceWideRing:GpuDecode.Int2LevelTable*' 2>&1 |
     grep -E 'RACECHECK|hazard|ERROR' | head -5
@@ -97,6 +103,11 @@ fi
 for target in ${SWEEP_TARGETS:-}; do
   KVCC_TARGET_CTAS=$target "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_$target.jsonl" --reps 30 |
     grep decode | sed "s/^/target=$target /"
+done
+# Other runtime settings of the first variant (environment assignments, one bench run each).
+for e in ${SWEEP_ENVS:-}; do
+  env "$e" "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_${e//[^A-Za-z0-9]/_}.jsonl" --reps 30 |
+    grep decode | sed "s/^/$e /"
 done
 if [ -z "${NO_SDPA:-}" ]; then
   PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30 | tail -n 40
