@@ -18,7 +18,8 @@ namespace kvcc::cli {
 namespace {
 
 struct Args {
-  std::string model_path, mode = "pseudo-decode", precision = "float", json_path, svg_path;
+  std::string model_path, mode = "pseudo-decode", precision = "float", cache = "codec", device = "auto", json_path,
+      svg_path;
   std::vector<std::string> artifact_paths;
   ValidateData data;
   int block = 128;
@@ -28,6 +29,13 @@ struct Args {
 int run_validate(Args& a) {
   const ValidateMode mode = validate_mode_from_name(a.mode);
   const ValidatePrecision precision = validate_precision_from_name(a.precision);
+  const ValidateCache cache = validate_cache_from_name(a.cache);
+  const ValidateDevice device = validate_device_from_name(a.device);
+  require(cache == ValidateCache::Runtime || device == ValidateDevice::Auto,
+          "--device applies to --cache runtime (the codec path runs on the CPU)");
+  require(cache == ValidateCache::Codec || precision == ValidatePrecision::Float,
+          "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
+          "the codec path's exact check");
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<Artifact> artifacts;
   artifacts.reserve(a.artifact_paths.size());
@@ -48,7 +56,9 @@ int run_validate(Args& a) {
         name.resize(name.size() - std::string(ext).size());
         break;
       }
-    schemes.push_back(scheme_from_artifact(artifacts[i], name, model.config()));
+    schemes.push_back(cache == ValidateCache::Runtime
+                          ? runtime_scheme_from_artifact(artifacts[i], name, model.config(), device)
+                          : scheme_from_artifact(artifacts[i], name, model.config()));
   }
   const auto docs = load_validation_documents(model, a.data);
   const bool tty = stderr_is_tty();
@@ -88,6 +98,13 @@ Command reg{"validate", 50,
                   "full-precision run then equals the plain forward pass to ~1e-15 whatever --block\n"
                   "is (float: ~1e-8). Codecs still quantise float rows (their change is applied to\n"
                   "the double rows).\n\n"
+                  "Cache path: codec (default) simulates the cache (pages quantised by the artifact's\n"
+                  "codec, float32 windows). runtime runs the quantised attention through the serving\n"
+                  "runtime (kvcc::Runtime prefill + append: BF16 windows of rotated K/V, INT2 pages),\n"
+                  "on --device auto (the GPU when present and the shape is in the kernels' scope, else\n"
+                  "the CPU reference kernels), cpu, or gpu. runtime serves oscar, oscar-lm, hadamard,\n"
+                  "identity and random 2-bit artifacts with group <= head_dim, in float precision;\n"
+                  "others are refused by name. The table's 'cache' column says which path ran.\n\n"
                   "Error bars: '±se' is the standard error across documents (each document one\n"
                   "sample; Δppl's from per-document paired NLL differences vs the full-precision\n"
                   "run). A difference between methods within about 2 se is not established by this\n"
@@ -99,7 +116,9 @@ Command reg{"validate", 50,
                   "  # the same artifacts at other windows (the fitted parameters do not depend on them)\n"
                   "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --sink 4 --recent 32 --page-size 32\n"
                   "  # slow exact-check mode: activations in double, numbers free of float32 GEMM noise\n"
-                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double");
+                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double\n"
+                  "  # through the serving runtime (GPU kernels when a device is present)\n"
+                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --cache runtime");
               sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
               sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable)")
                   ->required();
@@ -117,6 +136,9 @@ Command reg{"validate", 50,
               sub.add_option("--precision", a->precision,
                              "float | double (slow exact-check mode: activations in double)")
                   ->capture_default_str();
+              sub.add_option("--cache", a->cache, "codec | runtime (the serving runtime's prefill + append)")
+                  ->capture_default_str();
+              sub.add_option("--device", a->device, "auto | cpu | gpu (for --cache runtime)")->capture_default_str();
               sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens");
               sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens");
               sub.add_option("--page-size", a->page_size, "override every artifact's page size");

@@ -20,7 +20,9 @@ struct CompileOptions {
   // kivi 0/128 (its residual window), turboquant 0/0 (the paper quantises every token), kvarn
   // 128/128 with 128-token pages (its tile); page 64 otherwise.
   int group = -1, sink = -1, recent = -1, page_size = -1;
-  std::string value_target = "output";  // oscar, oscar-lm: output | p2 | logit2
+  // oscar, oscar-lm: output | p2 | logit2. p2: lowest KL of the three on gutenberg-27m
+  // (docs/validation.md "Which recipe to ship").
+  std::string value_target = "p2";
   std::string granularity = "head";     // head | layer
   std::string composition = "UHP";      // oscar, oscar-lm: UHP | UH | U
   uint64_t seed = 0;

@@ -16,6 +16,11 @@
 #include "formats/kv_layout.h"
 #include "formats/tokenizer.h"
 #include "runtime/forward.h"
+#include "runtime/kvcc_runtime.h"
+
+#if defined(KVCC_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 namespace kvcc {
 
@@ -37,6 +42,87 @@ ValidatePrecision validate_precision_from_name(const std::string& name) {
 
 const char* validate_precision_name(ValidatePrecision precision) {
   return precision == ValidatePrecision::Float ? "float" : "double";
+}
+
+ValidateCache validate_cache_from_name(const std::string& name) {
+  if (name == "codec") return ValidateCache::Codec;
+  if (name == "runtime") return ValidateCache::Runtime;
+  throw Error("unknown validation cache path '" + name + "' (codec | runtime)");
+}
+
+const char* validate_cache_name(ValidateCache cache) { return cache == ValidateCache::Codec ? "codec" : "runtime"; }
+
+ValidateDevice validate_device_from_name(const std::string& name) {
+  if (name == "auto") return ValidateDevice::Auto;
+  if (name == "cpu") return ValidateDevice::Cpu;
+  if (name == "gpu") return ValidateDevice::Gpu;
+  throw Error("unknown validation device '" + name + "' (auto | cpu | gpu)");
+}
+
+bool cuda_device_present() {
+#if defined(KVCC_HAVE_CUDA)
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return n > 0;
+#else
+  return false;
+#endif
+}
+
+namespace {
+// Why the CUDA append / prefill kernels cannot serve this shape ("" when they can): their scope
+// (docs/runtime.md). Checked up front so that `auto` can pick the host pool instead of failing
+// mid-run.
+std::string gpu_scope_problem(const Artifact& a) {
+  const int group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
+  if (a.head_dim != 128) return "head_dim " + std::to_string(a.head_dim) + " (the kernels need 128)";
+  if (group != a.head_dim) return "group " + std::to_string(group) + " (the kernels need group = head_dim)";
+  if (a.recipe.page_size != 64) return "page size " + std::to_string(a.recipe.page_size) + " (the kernels need 64)";
+  if (a.n_kv_heads > 64) return std::to_string(a.n_kv_heads) + " KV heads (the kernels take <= 64)";
+  return "";
+}
+}  // namespace
+
+CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::string& name,
+                                         const ModelConfig& config, ValidateDevice device) {
+  CacheScheme s;
+  s.name = name;
+  s.sink = artifact.recipe.sink;
+  s.recent = artifact.recipe.recent;
+  s.page_size = artifact.recipe.page_size;
+  s.artifact = &artifact;
+  s.cache = ValidateCache::Runtime;
+  const EngineShape engine{config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim};
+  try {
+    // A host runtime with no pages checks everything the real one will: method, bits, group,
+    // shapes, and the windows the cache accepts (pages of a multiple of 16 tokens, ring >= page).
+    Runtime probe(artifact, engine, RuntimeOptions{0, 1, PoolMemory::Host, 0.0f});
+  } catch (const Error& e) {
+    throw Error("artifact " + name + " cannot be validated through the runtime (--cache runtime): " + e.what() +
+                "; use --cache codec");
+  }
+  const std::string scope = gpu_scope_problem(artifact);
+  switch (device) {
+    case ValidateDevice::Cpu:
+      s.pool = PoolMemory::Host;
+      break;
+    case ValidateDevice::Gpu:
+#if !defined(KVCC_HAVE_CUDA)
+      throw Error("--device gpu: this kvcc was built without CUDA (use --device cpu or auto)");
+#endif
+      require(cuda_device_present(), "--device gpu: no CUDA device is present (use --device cpu or auto)");
+      require(scope.empty(), "artifact " + name + " is outside the GPU kernels' scope: " + scope +
+                                 " (use --device cpu or auto: the host pool serves it)");
+      s.pool = PoolMemory::Device;
+      break;
+    case ValidateDevice::Auto:
+      s.pool = scope.empty() && cuda_device_present() ? PoolMemory::Device : PoolMemory::Host;
+      break;
+  }
+  return s;
 }
 
 CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
@@ -214,6 +300,98 @@ struct Accum {
   std::vector<double> err_num, err_den;
 };
 
+// One runtime-path scheme: its Runtime (one window slot, pages for the longest document) and, for a
+// device pool, the device copies of one block's q / k / v / out. Per document one sequence; per
+// block begin_block, then per layer attend_and_append (Runtime::prefill's call order).
+class RuntimeRun {
+ public:
+  RuntimeRun(const CacheScheme& s, const ModelConfig& c, int64_t max_length) : device_(s.pool == PoolMemory::Device) {
+    const Artifact& a = *s.artifact;
+    require(s.sink == a.recipe.sink && s.recent == a.recipe.recent && s.page_size == a.recipe.page_size,
+            "scheme " + s.name + ": the runtime path serves the artifact recipe's windows and page size "
+            "(set them in the recipe, not in the scheme)");
+    const int64_t pages = max_length / std::max(1, a.recipe.page_size) + 1;
+    rt_ = std::make_unique<Runtime>(a, EngineShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim},
+                                    RuntimeOptions{pages, 1, s.pool, 0.0f});
+    qdim_ = size_t(c.n_heads) * c.head_dim;
+    kvdim_ = size_t(c.n_kv_heads) * c.head_dim;
+  }
+  ~RuntimeRun() {
+#if defined(KVCC_HAVE_CUDA)
+    release();
+#endif
+  }
+  RuntimeRun(const RuntimeRun&) = delete;
+  RuntimeRun& operator=(const RuntimeRun&) = delete;
+
+  void begin_document() { seq_ = rt_->cache().add_sequence(); }
+  void end_document() {
+    if (seq_ >= 0) rt_->cache().free_sequence(seq_);
+    seq_ = -1;
+  }
+  void begin_block(int T) { rt_->begin_append({seq_}, {T}); }
+  // The block's attention (out [T, n_heads·d]) over the cache plus itself, then the step's append
+  // of (append_k, append_v): the block's own K/V, or the reference run's in static mode.
+  void attend_and_append(int layer, int T, const float* q, const float* k, const float* v, const float* append_k,
+                         const float* append_v, float* out) {
+    if (!device_) {
+      rt_->prefill(layer, seq_, T, q, k, v, out);
+      rt_->append(layer, append_k, append_v);
+      return;
+    }
+#if defined(KVCC_HAVE_CUDA)
+    reserve(size_t(T));
+    const size_t qb = size_t(T) * qdim_ * sizeof(float), kb = size_t(T) * kvdim_ * sizeof(float);
+    // Synchronous copies on the legacy default stream, where the runtime queues its kernels: in order.
+    copy(q_, q, qb, cudaMemcpyHostToDevice);
+    copy(k_, k, kb, cudaMemcpyHostToDevice);
+    copy(v_, v, kb, cudaMemcpyHostToDevice);
+    rt_->prefill(layer, seq_, T, q_, k_, v_, out_);
+    if (append_k != k) copy(k_, append_k, kb, cudaMemcpyHostToDevice);
+    if (append_v != v) copy(v_, append_v, kb, cudaMemcpyHostToDevice);
+    rt_->append(layer, k_, v_);
+    copy(out, out_, qb, cudaMemcpyDeviceToHost);
+    const cudaError_t e = cudaGetLastError();
+    require(e == cudaSuccess, std::string("validate (runtime, GPU): ") + cudaGetErrorString(e));
+#else
+    throw Error("validate: a device pool without CUDA");
+#endif
+  }
+
+ private:
+#if defined(KVCC_HAVE_CUDA)
+  void reserve(size_t tokens) {
+    if (tokens <= cap_) return;
+    release();
+    auto alloc = [](float*& p, size_t n) {
+      require(cudaMalloc(&p, n * sizeof(float)) == cudaSuccess,
+              "validate (runtime, GPU): cannot allocate " + std::to_string(n * sizeof(float)) + " bytes");
+    };
+    alloc(q_, tokens * qdim_);
+    alloc(k_, tokens * kvdim_);
+    alloc(v_, tokens * kvdim_);
+    alloc(out_, tokens * qdim_);
+    cap_ = tokens;
+  }
+  void release() {
+    for (float** p : {&q_, &k_, &v_, &out_}) {
+      cudaFree(*p);
+      *p = nullptr;
+    }
+    cap_ = 0;
+  }
+  static void copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    const cudaError_t e = cudaMemcpy(dst, src, bytes, kind);
+    require(e == cudaSuccess, std::string("validate (runtime, GPU): copy failed: ") + cudaGetErrorString(e));
+  }
+#endif
+  std::unique_ptr<Runtime> rt_;
+  bool device_ = false;
+  int seq_ = -1;
+  size_t qdim_ = 0, kvdim_ = 0, cap_ = 0;
+  float *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *out_ = nullptr;
+};
+
 // The lockstep run of validate_schemes in precision S (float or double): fills result's counts,
 // per-document lists and acc (index 0 the reference, 1.. the schemes).
 template <typename S>
@@ -221,7 +399,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
                    const std::vector<const CacheScheme*>& runs, ValidateMode mode, int block,
                    const std::function<void(const ValidateProgress&)>& progress, ValidateProgress prog,
                    std::chrono::steady_clock::time_point t0, ValidationResult& result, std::vector<Accum>& acc,
-                   std::vector<std::vector<DocumentMetrics>>& per_doc) {
+                   std::vector<std::vector<DocumentMetrics>>& per_doc, const std::vector<RuntimeRun*>& runtimes) {
   const ModelConfig& c = model.config();
   std::vector<BasicLayerWeights<S>> weights;
   for (int l = 0; l < c.n_layers; ++l) {
@@ -247,6 +425,8 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
     result.doc_lengths.push_back(n);
     for (Accum& a : acc) a.doc_nll = a.doc_kl = a.doc_top1 = 0;
     std::vector<std::vector<LayerCache<S>>> caches(R, std::vector<LayerCache<S>>(size_t(c.n_layers)));
+    for (RuntimeRun* rt : runtimes)
+      if (rt) rt->begin_document();
     for (int64_t b0 = 0; b0 < n; b0 += block) {
       const int T = int(std::min<int64_t>(block, n - b0));
       const int predict = int(std::min<int64_t>(T, n - 1 - b0));  // positions with a next token
@@ -258,16 +438,29 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
         key.resize(size_t(T) * kvdim);
         value.resize(size_t(T) * kvdim);
         attn.resize(size_t(T) * qdim);
+        RuntimeRun* rt = runtimes[r];
+        if (rt) rt->begin_block(T);
         for (int l = 0; l < c.n_layers; ++l) {
           LayerCache<S>& cache = caches[r][size_t(l)];
           attention_qkv(c, weights[size_t(l)], x.data(), T, int(b0), q.data(), nullptr, key.data(),
                         value.data());
-          // The block attends to the cache as stored plus its own rows in full precision.
-          all_k = cache.keys;
-          all_v = cache.values;
-          all_k.insert(all_k.end(), key.begin(), key.end());
-          all_v.insert(all_v.end(), value.begin(), value.end());
-          prefix_causal_attention(c, cache.length, T, q.data(), all_k.data(), all_v.data(), attn.data());
+          const bool from_reference = mode == ValidateMode::Static && r > 0;
+          if (rt) {
+            // The serving code: prefill over the cache + the block, then the step's append.
+            if constexpr (std::is_same_v<S, float>)
+              rt->attend_and_append(l, T, q.data(), key.data(), value.data(),
+                                    from_reference ? ref_key[size_t(l)].data() : key.data(),
+                                    from_reference ? ref_value[size_t(l)].data() : value.data(), attn.data());
+            else
+              throw Error("validate: the runtime cache path runs in float only");
+          } else {
+            // The block attends to the cache as stored plus its own rows in full precision.
+            all_k = cache.keys;
+            all_v = cache.values;
+            all_k.insert(all_k.end(), key.begin(), key.end());
+            all_v.insert(all_v.end(), value.begin(), value.end());
+            prefix_causal_attention(c, cache.length, T, q.data(), all_k.data(), all_v.data(), attn.data());
+          }
           if (r == 0) {
             ref_attn[size_t(l)] = attn;
             ref_key[size_t(l)] = key;
@@ -282,9 +475,9 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
             acc[r].err_num[size_t(l)] += num;
             acc[r].err_den[size_t(l)] += den;
           }
-          const bool from_reference = mode == ValidateMode::Static && r > 0;
-          append_rows(c, s, l, cache, from_reference ? ref_key[size_t(l)].data() : key.data(),
-                      from_reference ? ref_value[size_t(l)].data() : value.data(), T);
+          if (!rt)
+            append_rows(c, s, l, cache, from_reference ? ref_key[size_t(l)].data() : key.data(),
+                        from_reference ? ref_value[size_t(l)].data() : value.data(), T);
           attention_output_and_mlp(c, weights[size_t(l)], attn.data(), T, x.data());
         }
         logits.resize(size_t(T) * V);
@@ -316,6 +509,8 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
       prog.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (progress) progress(prog);
     }
+    for (RuntimeRun* rt : runtimes)
+      if (rt) rt->end_document();
     const double p = double(n - 1);
     const double ref_nll = acc[0].doc_nll / p;
     result.reference_doc_nll.push_back(ref_nll);
@@ -339,9 +534,15 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   const auto t0 = std::chrono::steady_clock::now();
   const ModelConfig& c = model.config();
   require(block > 0, "validation block size must be positive");
-  for (const CacheScheme& s : schemes)
+  for (const CacheScheme& s : schemes) {
     require(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
             "scheme " + s.name + ": page size must be positive and windows non-negative");
+    if (s.cache != ValidateCache::Runtime) continue;
+    require(s.artifact, "scheme " + s.name + ": the runtime cache path needs an artifact");
+    require(precision == ValidatePrecision::Float,
+            "scheme " + s.name + ": the runtime cache path runs in float only (the kernels take float32 "
+            "activations); --precision double is the codec path's exact check");
+  }
   ValidationResult result;
   result.model = model.path();
   result.mode = validate_mode_name(mode);
@@ -363,13 +564,24 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   for (Accum& a : acc) a.err_num.assign(size_t(c.n_layers), 0), a.err_den.assign(size_t(c.n_layers), 0);
   std::vector<std::vector<DocumentMetrics>> per_doc(S);
 
+  // Runtime-path schemes get their Runtime (index r as in runs; null: codec path or reference).
+  int64_t max_length = 0;
+  for (const auto& doc : documents) max_length = std::max<int64_t>(max_length, int64_t(doc.size()));
+  std::vector<std::unique_ptr<RuntimeRun>> owned;
+  std::vector<RuntimeRun*> runtimes(S + 1, nullptr);
+  for (size_t i = 0; i < S; ++i)
+    if (schemes[i].cache == ValidateCache::Runtime) {
+      owned.push_back(std::make_unique<RuntimeRun>(schemes[i], c, max_length));
+      runtimes[i + 1] = owned.back().get();
+    }
+
   ValidateProgress prog;
   prog.documents_total = documents.size();
   prog.tokens_total = tokens_total;
   if (precision == ValidatePrecision::Double)
-    run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc);
+    run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
   else
-    run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc);
+    run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
 
   const double P = double(result.predictions);
   result.reference_nll = acc[0].nll / P;
@@ -380,6 +592,8 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
     const Accum& a = acc[i + 1];
     SchemeMetrics m;
     m.name = schemes[i].name;
+    if (schemes[i].cache == ValidateCache::Runtime)
+      m.cache = schemes[i].pool == PoolMemory::Device ? "runtime/gpu" : "runtime/cpu";
     m.nll = a.nll / P;
     m.perplexity = std::exp(m.nll);
     m.ppl_rel_change = m.perplexity / result.reference_perplexity - 1.0;
@@ -452,8 +666,8 @@ std::string format_table(const ValidationResult& r) {
                 r.mode.c_str(), r.block, r.precision.c_str(), (unsigned long long)r.documents,
                 (unsigned long long)r.tokens, r.reference_perplexity);
   o << line;
-  std::snprintf(line, sizeof line, "%-28s %-10s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme", "method",
-                "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
+  std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme",
+                "method", "cache", "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
   o << line;
   // A standard error needs 2 documents; "-" otherwise.
   auto se = [](double v, const char* fmt) {
@@ -466,13 +680,14 @@ std::string format_table(const ValidationResult& r) {
     const double max_err = m.layer_rel_error.empty()
                                ? 0.0
                                : *std::max_element(m.layer_rel_error.begin(), m.layer_rel_error.end());
-    std::snprintf(line, sizeof line, "%-28s %-10s %7.3f %7.3f %10.4f %+9.3f %7s %10.3e %9s %7.4f %10.3e\n",
-                  m.name.c_str(), m.method.c_str(), m.nominal_bits, m.effective_bits, m.perplexity,
+    std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7.3f %7.3f %10.4f %+9.3f %7s %10.3e %9s %7.4f %10.3e\n",
+                  m.name.c_str(), m.method.c_str(), m.cache.c_str(), m.nominal_bits, m.effective_bits, m.perplexity,
                   100.0 * m.ppl_rel_change, se(100.0 * m.ppl_rel_change_stderr, "%.3f").c_str(), m.kl,
                   se(m.kl_stderr, "%.2e").c_str(), m.top1_agreement, max_err);
     o << line;
   }
-  o << "(±se: standard error across documents; Δppl's from per-document paired NLL differences)\n";
+  o << "(±se: standard error across documents; Δppl's from per-document paired NLL differences; cache: codec =\n"
+       " simulated pages with float32 windows, runtime/cpu|gpu = the serving runtime's host|device pool)\n";
   return o.str();
 }
 
@@ -507,6 +722,7 @@ std::string to_json(const ValidationResult& r) {
     }
     j["schemes"].push_back({{"name", m.name},
                             {"method", m.method},
+                            {"cache", m.cache},
                             {"nominal_bits", m.nominal_bits},
                             {"effective_bits", m.effective_bits},
                             {"nll", m.nll},

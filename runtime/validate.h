@@ -7,7 +7,7 @@
 // W, and when a token arrives while the ring holds W its oldest P tokens are quantised as one page
 // by the artifact's method (formats/kv_codec.h roundtrip_layer_page, all KV heads of the layer at
 // once); a page never changes afterwards. One difference from the runtime: the windows here hold
-// float32 (or double), the runtime's hold BF16.
+// float32 (or double), the runtime's hold BF16 (the runtime cache path below has none).
 //
 // Modes:
 //   pseudo-decode (KVarN §3.2): each document in blocks of B tokens; per layer the block's queries
@@ -27,6 +27,16 @@
 // double rows plus the codec's change, x + (codec(fl(x)) − fl(x)): a codec that returns its input
 // unchanged leaves the double rows exact, a real codec's error is the one it makes in float.
 //
+// Cache path (ValidateCache): codec (default) is the simulation above. runtime runs the quantised
+// attention through the serving code instead: a kvcc::Runtime (runtime/kvcc_runtime.h) built from
+// the artifact with its recipe's windows and page size, one sequence per document; per block it
+// calls begin_append once, then per layer prefill (the block over the cache plus itself, causally;
+// its own K/V rotated and BF16-rounded as the ring holds them) and append. So windows hold BF16 in
+// the rotated basis and pages are the INT2 bytes the kernels read. The pool is the host one (the
+// CPU reference kernels append_ref / prefill_ref) or the device one (the CUDA kernels); per scheme,
+// ValidateDevice picks it. The full-precision reference stays the float plain path. Float
+// precision only; methods the runtime serves only (check_artifact_for_engine).
+//
 // Error bars: documents are the independent samples. Every mean here is token-weighted (Σ over
 // predictions / count); its standard error treats each document as one cluster (see
 // clustered_standard_error). Δppl's is that of the per-document paired differences of NLL
@@ -40,6 +50,7 @@
 #include "formats/artifact.h"
 #include "formats/kv_codec.h"
 #include "formats/model_file.h"
+#include "runtime/kv_cache.h"
 
 namespace kvcc {
 
@@ -50,6 +61,17 @@ const char* validate_mode_name(ValidateMode mode);
 enum class ValidatePrecision { Float, Double };
 ValidatePrecision validate_precision_from_name(const std::string& name);  // float | double
 const char* validate_precision_name(ValidatePrecision precision);
+
+enum class ValidateCache { Codec, Runtime };
+ValidateCache validate_cache_from_name(const std::string& name);  // codec | runtime
+const char* validate_cache_name(ValidateCache cache);
+
+// Which pool a runtime-path scheme uses. auto: the device one when the build has CUDA, a device is
+// present and the shape is in the GPU kernels' scope (head_dim 128, group = head_dim, 64-token
+// pages, <= 64 KV heads), else the host one; gpu: the device one or an Error saying why not.
+enum class ValidateDevice { Auto, Cpu, Gpu };
+ValidateDevice validate_device_from_name(const std::string& name);  // auto | cpu | gpu
+bool cuda_device_present();  // built with CUDA and cudaGetDeviceCount > 0
 
 // Quantise + dequantise one page of n tokens of all KV heads of (layer, side): rows and out are
 // [n, n_kv * d] (token-major; KV head h holds channels [h*d, (h+1)*d)), at positions
@@ -64,12 +86,21 @@ struct CacheScheme {
   int sink = 64, recent = 256, page_size = 64;
   PageCodec codec;   // null: pages are kept in full precision (the reference)
   const Artifact* artifact = nullptr;  // for bit accounting; null for hand-made schemes
+  // Runtime path (header): codec is unused, the windows above must be the artifact recipe's.
+  ValidateCache cache = ValidateCache::Codec;
+  PoolMemory pool = PoolMemory::Host;
 };
 // The scheme an artifact's recipe describes (codec = kv_codec roundtrip_layer_page; CommVQ:
 // commvq_roundtrip_keys/values per KV head with the model's RoPE). The artifact must outlive the
 // scheme.
 CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
                                  const ModelConfig& config);
+
+// The runtime-path scheme of an artifact: its recipe's windows, the pool `device` picks. Throws
+// Error naming the artifact and the reason when the runtime cannot serve it (method, bits,
+// spanning group, windows the cache refuses) or when gpu is asked for and cannot be had.
+CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::string& name,
+                                         const ModelConfig& config, ValidateDevice device);
 
 // Throws Error naming what differs when the artifact was compiled for another model (fingerprint,
 // layer/head counts, head_dim or RoPE convention).
@@ -84,6 +115,7 @@ struct DocumentMetrics {
 
 struct SchemeMetrics {
   std::string name, method;
+  std::string cache = "codec";  // codec | runtime/cpu | runtime/gpu: the path and pool that ran it
   double nll = 0;            // mean negative log-likelihood (nats) of the next token
   double perplexity = 0;
   double ppl_rel_change = 0;  // perplexity / reference perplexity − 1
@@ -115,7 +147,8 @@ struct ValidateProgress {
 
 // Runs every scheme and the full-precision reference over the documents, block by block in
 // lockstep (one document's blocks at a time, so memory holds one block's logits per scheme).
-// documents: token ids; each needs at least 2 tokens. Throws Error on no usable document.
+// documents: token ids; each needs at least 2 tokens. Throws Error on no usable document, and on a
+// runtime-path scheme with double precision.
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
                                   const std::function<void(const ValidateProgress&)>& progress = {},

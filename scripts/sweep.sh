@@ -7,23 +7,28 @@
 #                  128-token page, so KIVI-2 with 128-token key groups costs the same bits as the
 #                  INT2 grids at G = 128; that row, kivi128, only runs with pages of >= 128).
 #   tinystories-656k, stories260k: small windows; the per-token grid methods use quantiser groups
-#                  spanning KV heads (G = 64 and 32 channels: 4 heads of d = 16 / 8) when kvcc
-#                  supports it, else G = head_dim (4 / 6 bits of scale overhead per element).
+#                  spanning KV heads (G = 64 and 32 channels: 4 heads of d = 16 / 8; 2.5 and 3
+#                  bits per quantised element instead of 4 and 6 at G = head_dim).
 #
-#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--calib-tokens N] [--eval-tokens N]
-#                    [--models "a b"] [--windows "default small matched"] [--reuse]
+#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--calib-tokens N] [--eval-docs N]
+#                    [--eval-tokens N] [--models "a b"] [--windows "default small matched"] [--reuse]
 #
+# --eval-docs: validate on the first N held-out documents (0 = all; default 8 for gutenberg-27m,
+# each cut at 2048 tokens, all 50 for the tiny models); whole documents, so no truncated tail
+# document dilutes the means. --eval-tokens additionally caps the tokens (default 0 = no cap).
 # --windows replaces every model's window list; --reuse keeps stats.h5 and artifacts already in
-# DIR (re-validate without recalibrating). Defaults (65536 calibration tokens, 16384 evaluation
-# tokens = 11 gutenberg documents) take ~1 h 40 min on a shared 2-core machine; docs/validation.md
-# gives the measured times. Results: DIR/<model>-<windows>.{json,svg,txt}; logs in DIR/<model>/.
+# DIR (re-validate without recalibrating). With the defaults (65536 calibration tokens) the whole
+# sweep takes ~40 min on a shared 2-core machine, 28 of them gutenberg-27m's three validations;
+# docs/validation.md gives the measured times and the results. Output: DIR/<model>-<windows>.
+# {json,svg,txt}; logs and artifacts in DIR/<model>/.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 shared="$root/../shared"
 kvcc="$root/build/cli/kvcc"
-out="$root/sweep-out"
+out="$root/out/sweep"  # out/ is git-ignored: results are data, never committed
 calib_tokens=65536
-eval_tokens=16384
+eval_docs=""
+eval_tokens=0
 models="gutenberg-27m tinystories-656k stories260k"
 windows_override=""
 reuse=0
@@ -32,6 +37,7 @@ while [[ $# -gt 0 ]]; do
     --kvcc) kvcc="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --calib-tokens) calib_tokens="$2"; shift 2 ;;
+    --eval-docs) eval_docs="$2"; shift 2 ;;
     --eval-tokens) eval_tokens="$2"; shift 2 ;;
     --models) models="$2"; shift 2 ;;
     --windows) windows_override="$2"; shift 2 ;;
@@ -43,17 +49,15 @@ done
 [[ -x "$kvcc" ]] || { echo "sweep.sh: no kvcc binary at $kvcc (use --kvcc)" >&2; exit 1; }
 [[ -d "$shared/models" ]] || { echo "sweep.sh: $shared/models is missing" >&2; exit 1; }
 mkdir -p "$out"
-# Quantiser groups spanning KV heads (the tiny models) need a kvcc that has them.
-spans_heads=0
-"$kvcc" compile --help 2>/dev/null | grep -q "KV heads of" && spans_heads=1
 
-# Writes the first (half=1) or second (half=2) half of TEXT's documents to DEST.
+# Writes the first (half=1) or second (half=2) half of TEXT's documents to DEST, at most MAX of
+# them (0: all).
 split_half() {
-  local text="$1" half="$2" dest="$3"
+  local text="$1" half="$2" dest="$3" max="${4:-0}"
   local n
   n=$(awk 'BEGIN{RS="<\\|endoftext\\|>"} NF>0{n++} END{print n}' "$text")
-  awk -v half="$half" -v n="$n" 'BEGIN{RS="<\\|endoftext\\|>"; ORS="<|endoftext|>"}
-      NF>0 { i++; if ((half == 1 && i <= int(n/2)) || (half == 2 && i > int(n/2))) print }' \
+  awk -v half="$half" -v n="$n" -v max="$max" 'BEGIN{RS="<\\|endoftext\\|>"; ORS="<|endoftext|>"}
+      NF>0 { i++; if ((half == 1 && i <= int(n/2)) || (half == 2 && i > int(n/2))) { k++; if (max == 0 || k <= max) print } }' \
       "$text" > "$dest.tmp" && mv "$dest.tmp" "$dest"
 }
 
@@ -74,18 +78,19 @@ for model in $models; do
   grid_group=()  # --group for the per-token grid methods (identity, hadamard, oscar, oscar-lm)
   case "$model" in
     gutenberg-27m) text="$shared/text/gutenberg_heldout.txt"; mpath="$shared/models/gutenberg-27m"
-                   windows="default small matched" ;;
+                   windows="default small matched"; docs=8 ;;
     tinystories-656k) text="$shared/text/tinystories_valid_100.txt"; mpath="$shared/models/tinystories-656k"
-                   windows="small"; [[ $spans_heads == 1 ]] && grid_group=(--group 64) ;;
+                   windows="small"; docs=0; grid_group=(--group 64) ;;
     stories260k) text="$shared/text/tinystories_valid_100.txt"; mpath="$shared/models/stories260k/stories260K.bin"
-                   windows="small"; [[ $spans_heads == 1 ]] && grid_group=(--group 32) ;;
+                   windows="small"; docs=0; grid_group=(--group 32) ;;
     *) echo "sweep.sh: unknown model $model" >&2; exit 2 ;;
   esac
   [[ -n $windows_override ]] && windows="$windows_override"
+  [[ -n $eval_docs ]] && docs="$eval_docs"
   work="$out/$model"
   mkdir -p "$work"
   split_half "$text" 1 "$work/calib.txt"
-  split_half "$text" 2 "$work/heldout.txt"
+  split_half "$text" 2 "$work/heldout.txt" "$docs"
   if [[ $reuse == 1 && -f $work/stats.h5 ]]; then
     echo "== $model: reusing $work/stats.h5"
   else
@@ -122,7 +127,7 @@ for model in $models; do
     esac
     run=("${artifacts[@]}")
     (( page >= 128 )) && run+=("${artifacts_p128[@]}")
-    echo "== $model ($win windows: ${vargs[*]}): validating $(( ${#run[@]} / 2 )) artifacts on <= $eval_tokens held-out tokens"
+    echo "== $model ($win windows: ${vargs[*]}): validating $(( ${#run[@]} / 2 )) artifacts on ${docs/#0/all} held-out documents"
     "$kvcc" validate --model "$mpath" "${run[@]}" "${vargs[@]}" --data "$work/heldout.txt" \
         --tokens "$eval_tokens" --json "$out/$model-$win.json" --svg "$out/$model-$win.svg" \
         2> "$work/validate-$win.log" | tee "$out/$model-$win.txt"

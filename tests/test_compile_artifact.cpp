@@ -84,7 +84,7 @@ TEST(CompileArtifact, OscarKeyRotationComesFromTheQueryMoment) {
   for (int i = 0; i < d; ++i) EXPECT_NEAR(rot[size_t(i) * d + i], trace / d, 1e-9 * trace);
   EXPECT_GT(h.key.clip_ratio, 0.5);
   EXPECT_LE(h.key.clip_ratio, 1.0);
-  EXPECT_EQ(art.recipe.value_target, "output");
+  EXPECT_EQ(art.recipe.value_target, "p2");  // the default
 }
 
 TEST(CompileArtifact, LayerGranularitySharesOneRotation) {

@@ -1,7 +1,9 @@
 // Validation (runtime/validate.h): the pseudo-decode path with a full-precision "quantiser"
 // reproduces the plain forward pass (exactly in double, at any block size); KL against itself is
 // 0; the per-layer codec equals the per-head one at group <= d; standard errors and effective bits
-// for hand-worked cases; artifacts for another model and empty inputs are refused.
+// for hand-worked cases; artifacts for another model and empty inputs are refused. The runtime
+// cache path (kvcc::Runtime): equals a BF16-window forward pass when nothing is quantised, is close
+// to the codec path at 2 bits, refuses what it cannot serve; device pool vs host pool (GPU only).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <random>
 
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "forward_test_util.h"
 #include "runtime/validate.h"
 
@@ -33,15 +36,14 @@ std::vector<std::vector<int32_t>> random_documents(int vocab, const std::vector<
   return docs;
 }
 
-// Mean next-token NLL of the plain forward pass (whole documents at once, in S = float or double),
+// Mean next-token NLL over documents of the logits `logits_of(doc)` gives ([len, vocab] in S),
 // log-softmax in double.
-template <typename S = float>
-double plain_forward_nll(const ModelFile& model, const std::vector<std::vector<int32_t>>& docs) {
-  const int V = model.config().vocab;
+template <typename S, typename LogitsOf>
+double mean_nll(int V, const std::vector<std::vector<int32_t>>& docs, LogitsOf logits_of) {
   double nll = 0;
   uint64_t count = 0;
   for (const auto& doc : docs) {
-    const std::vector<S> logits = testing::model_logits<S>(model, doc);
+    const std::vector<S> logits = logits_of(doc);
     for (size_t t = 0; t + 1 < doc.size(); ++t) {
       const S* row = logits.data() + t * size_t(V);
       double m = row[0];
@@ -53,6 +55,12 @@ double plain_forward_nll(const ModelFile& model, const std::vector<std::vector<i
     }
   }
   return nll / double(count);
+}
+
+// Mean next-token NLL of the plain forward pass (whole documents at once, in S = float or double).
+template <typename S = float>
+double plain_forward_nll(const ModelFile& model, const std::vector<std::vector<int32_t>>& docs) {
+  return mean_nll<S>(model.config().vocab, docs, [&](const auto& doc) { return testing::model_logits<S>(model, doc); });
 }
 
 // A scheme whose codec returns every page unchanged: a full-precision "quantiser" that still goes
@@ -347,6 +355,189 @@ TEST(Validate, RefusesEmptyInput) {
   std::filesystem::remove(path);
   EXPECT_THROW(validate_mode_from_name("decode"), Error);
   EXPECT_THROW(validate_precision_from_name("half"), Error);
+}
+
+// ---- The runtime cache path (--cache runtime): kvcc::Runtime's prefill + append ----
+
+// An artifact with the normalised Sylvester Hadamard rotation on every (layer, head, side): mixes
+// every channel, so rounding in the rotated basis differs from rounding in the model's.
+Artifact hadamard_artifact(const ModelFile& model, int sink, int recent, int page) {
+  Artifact a = identity_artifact(model, sink, recent, page);
+  a.recipe.method = "hadamard";
+  const int d = a.head_dim;
+  std::vector<double> h(size_t(d) * d);
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j < d; ++j) h[size_t(i) * d + j] = (__builtin_popcount(unsigned(i & j)) & 1 ? -1.0 : 1.0) / std::sqrt(double(d));
+  for (HeadArtifact& head : a.heads) head.key.rotation = head.value.rotation = h;
+  return a;
+}
+
+// Logits of the plain float forward pass with every key and value stored as a BF16 window holds
+// it: x' = bf16(x·R)·Rᵀ per KV head (R the artifact's rotation of that layer, head and side),
+// written independently of the runtime (its rotation, append and attention code are not used).
+std::vector<float> bf16_window_logits(const ModelFile& model, const Artifact& art, const std::vector<int32_t>& ids) {
+  const ModelConfig& c = model.config();
+  const int T = int(ids.size()), d = c.head_dim, n_kv = c.n_kv_heads;
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(n_kv) * d;
+  std::vector<float> x(size_t(T) * c.hidden), q(size_t(T) * qdim), k(size_t(T) * kvdim), v(size_t(T) * kvdim),
+      attn(size_t(T) * qdim);
+  embed(model, ids.data(), T, x.data());
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights w = load_layer(model, l);
+    attention_qkv(c, w, x.data(), T, 0, q.data(), nullptr, k.data(), v.data());
+    for (int h = 0; h < n_kv; ++h) {
+      const HeadArtifact& head = art.heads[size_t(l) * n_kv + h];
+      for (auto [rows, R] : {std::pair{&k, &head.key.rotation}, std::pair{&v, &head.value.rotation}})
+        for (int t = 0; t < T; ++t) {
+          float* row = rows->data() + size_t(t) * kvdim + size_t(h) * d;
+          std::vector<double> rot(size_t(d), 0.0);
+          for (int i = 0; i < d; ++i)
+            for (int j = 0; j < d; ++j) rot[size_t(j)] += double(row[i]) * (*R)[size_t(i) * d + j];
+          for (double& r : rot) r = float_from_bf16(bf16_from_float(float(r)));
+          for (int i = 0; i < d; ++i) {
+            double back = 0;
+            for (int j = 0; j < d; ++j) back += rot[size_t(j)] * (*R)[size_t(i) * d + j];
+            row[i] = float(back);
+          }
+        }
+    }
+    prefix_causal_attention(c, 0, T, q.data(), k.data(), v.data(), attn.data());
+    attention_output_and_mlp(c, w, attn.data(), T, x.data());
+  }
+  std::vector<float> logits(size_t(T) * c.vocab);
+  final_logits(model, x.data(), T, logits.data());
+  return logits;
+}
+
+// (1) With a sink covering every token nothing is quantised: the runtime path's NLL is the plain
+// forward pass's with K/V rounded to BF16 in the rotated basis (bf16_window_logits), at any block
+// size (prefill rounds the block's own K/V as the ring will hold them). The two differ only in
+// float summation order (prefill_ref accumulates in double, the forward in float GEMMs): 1e-6
+// relative. The rounding itself moves the NLL by far more than that (checked), so a runtime that
+// kept float windows fails. Pseudo-decode only: in static mode the cache holds the reference run's
+// K/V, which this forward pass does not compute (with one block per document there is no cache,
+// and static equals it too: checked at block 256).
+TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {150, 37, 2});
+  const Artifact art = hadamard_artifact(model, 256, 16, 16);
+  const double bf16_ref = mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
+  const double plain = plain_forward_nll(model, docs);
+  const double tol = 1e-6 * plain;
+  EXPECT_GT(std::abs(bf16_ref - plain), 20 * tol) << "BF16 rounding must be visible for this test to mean anything";
+  for (int block : {1, 32, 256})
+    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+      if (mode == ValidateMode::Static && block < 256) continue;
+      const ValidationResult r = validate_schemes(
+          model, docs, {runtime_scheme_from_artifact(art, "rt", c, ValidateDevice::Cpu)}, mode, block);
+      EXPECT_EQ(r.schemes[0].cache, "runtime/cpu");
+      EXPECT_NEAR(r.schemes[0].nll, bf16_ref, tol) << "block " << block << ", " << r.mode;
+      std::printf("  block %d, %s: |runtime − bf16 forward| / nll = %.1e (BF16 rounding itself: %.1e)\n", block,
+                  r.mode.c_str(), std::abs(r.schemes[0].nll - bf16_ref) / plain, std::abs(bf16_ref - plain) / plain);
+    }
+}
+
+// (2) With 2-bit pages the runtime path and the codec path quantise the same pages with the same
+// quantiser; they differ only in the windows (BF16 in the runtime, float32 in the codec path), in
+// the pages being quantised from BF16-rounded rows, and in fp16 scale/zero. So their KL against
+// the full-precision run agree within 10% (measured: 0.3–3.3%), and both are > 0.
+TEST(ValidateRuntime, TwoBitKlCloseToCodecPath) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {200, 120});
+  for (const Artifact& art : {identity_artifact(model, 16, 32, 16), hadamard_artifact(model, 16, 32, 16)}) {
+    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+      const ValidationResult r = validate_schemes(model, docs,
+                                                  {scheme_from_artifact(art, "codec", c),
+                                                   runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
+                                                  mode, 32);
+      const SchemeMetrics &codec = r.schemes[0], &rt = r.schemes[1];
+      EXPECT_EQ(codec.cache, "codec");
+      EXPECT_EQ(rt.cache, "runtime/cpu");
+      EXPECT_GT(codec.kl, 1e-4);
+      EXPECT_GT(rt.kl, 1e-4);
+      EXPECT_NEAR(rt.kl, codec.kl, 0.1 * codec.kl) << art.recipe.method << ", " << r.mode;
+      EXPECT_NEAR(rt.top1_agreement, codec.top1_agreement, 0.05);
+      for (int l = 0; l < c.n_layers; ++l) EXPECT_GT(rt.layer_rel_error[size_t(l)], 0.0);
+      std::printf("  %s, %s: KL codec %.4e, runtime %.4e (%.1f%%); top-1 %.4f / %.4f\n", art.recipe.method.c_str(),
+                  r.mode.c_str(), codec.kl, rt.kl, 100.0 * (rt.kl / codec.kl - 1.0), codec.top1_agreement,
+                  rt.top1_agreement);
+      const nlohmann::json j = nlohmann::json::parse(to_json(r));
+      EXPECT_EQ(j["schemes"][1]["cache"], "runtime/cpu");
+      EXPECT_NE(format_table(r).find("runtime/cpu"), std::string::npos);
+    }
+  }
+}
+
+// (3) What the runtime path cannot run is refused by name, before any work.
+TEST(ValidateRuntime, Refusals) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  auto refused = [&](const Artifact& art, ValidateDevice device, const std::string& expect) {
+    try {
+      runtime_scheme_from_artifact(art, "bad.kvcc.h5", c, device);
+      ADD_FAILURE() << "accepted; expected an error containing '" << expect << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  };
+  Artifact kivi = identity_artifact(model, 16, 32, 16);
+  kivi.recipe.method = "kivi";
+  refused(kivi, ValidateDevice::Cpu, "method 'kivi'");
+  refused(kivi, ValidateDevice::Cpu, "bad.kvcc.h5");
+  Artifact spanning = identity_artifact(model, 16, 32, 16);
+  spanning.recipe.group = 128;  // two 64-channel heads per group
+  refused(spanning, ValidateDevice::Cpu, "spans several KV heads");
+  Artifact three_bit = identity_artifact(model, 16, 32, 16);
+  three_bit.recipe.key_bits = 3;
+  refused(three_bit, ValidateDevice::Cpu, "2-bit");
+  refused(identity_artifact(model, 16, 32, 8), ValidateDevice::Cpu, "multiple of 16");  // the cache's page rule
+  refused(identity_artifact(model, 16, 16, 32), ValidateDevice::Cpu, "recent window");
+  const Artifact ok = identity_artifact(model, 16, 32, 16);
+  // head_dim 64 is outside the GPU kernels' scope; without a device gpu is refused for that first.
+  refused(ok, ValidateDevice::Gpu, cuda_device_present() ? "head_dim 64" : "--device gpu");
+  EXPECT_EQ(runtime_scheme_from_artifact(ok, "ok", c, ValidateDevice::Auto).pool, PoolMemory::Host);
+  // Double precision, and windows that are not the recipe's.
+  const auto docs = random_documents(c.vocab, {40});
+  const CacheScheme rt = runtime_scheme_from_artifact(ok, "ok", c, ValidateDevice::Cpu);
+  try {
+    validate_schemes(model, docs, {rt}, ValidateMode::PseudoDecode, 32, {}, ValidatePrecision::Double);
+    ADD_FAILURE() << "double precision accepted on the runtime path";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("float only"), std::string::npos) << e.what();
+  }
+  CacheScheme other_windows = rt;
+  other_windows.recent = 64;
+  EXPECT_THROW(validate_schemes(model, docs, {other_windows}, ValidateMode::PseudoDecode, 32), Error);
+  EXPECT_THROW(validate_cache_from_name("gpu"), Error);
+  EXPECT_THROW(validate_device_from_name("cuda"), Error);
+}
+
+// The device pool (CUDA kernels) against the host pool (CPU reference) on a head_dim-128 model in
+// the kernels' scope. Skips without a CUDA device. The kernels round q to fp16 and accumulate
+// differently (docs/runtime.md: ~5e-3 per-head output error), so KLs agree within 10%, NLLs within
+// 1e-3 relative.
+TEST(ValidateRuntime, DevicePoolMatchesHostPool) {
+  if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device (or built without CUDA)";
+  const ModelFile model = ModelFile::open(testing::data_models_dir() + "/llama31-hd128");
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {250, 180});
+  const Artifact art = hadamard_artifact(model, 16, 64, 64);
+  for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+    const ValidationResult r = validate_schemes(model, docs,
+                                                {runtime_scheme_from_artifact(art, "host", c, ValidateDevice::Cpu),
+                                                 runtime_scheme_from_artifact(art, "device", c, ValidateDevice::Gpu)},
+                                                mode, 64);
+    const SchemeMetrics &host = r.schemes[0], &dev = r.schemes[1];
+    EXPECT_EQ(host.cache, "runtime/cpu");
+    EXPECT_EQ(dev.cache, "runtime/gpu");
+    EXPECT_GT(host.kl, 1e-4);
+    EXPECT_NEAR(dev.kl, host.kl, 0.1 * host.kl) << r.mode;
+    EXPECT_NEAR(dev.nll, host.nll, 1e-3 * host.nll) << r.mode;
+    std::printf("  %s: KL host %.4e, device %.4e; NLL host %.6f, device %.6f; %.2f s\n", r.mode.c_str(), host.kl,
+                dev.kl, host.nll, dev.nll, r.seconds);
+  }
 }
 
 }  // namespace
