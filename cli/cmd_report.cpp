@@ -17,7 +17,7 @@ struct ReportArgs {
   std::string stats_path, json_path, svg_path, markdown_path;
   std::string methods = "oscar,oscar-lm,hadamard,identity,random,kivi,turboquant,kvarn,commvq:1,commvq:2";
   double key_bits = 2, value_bits = 2;
-  std::string value_target = "output";
+  std::string value_target = CompileOptions{}.value_target;  // compile's default
   std::string granularity = "head";
   int group = -1;
   int rows = 512;

@@ -409,8 +409,9 @@ double history_bits(const Recipe& recipe, KvSide which, int d) {
     return b + meta / d;
   }
   if (m == "kivi") {
-    // Keys: one scale/zero per channel per G_t tokens; values: per token per G channels.
-    const double gk = recipe.group > 0 ? recipe.group : recipe.page_size;
+    // Keys: one scale/zero per channel per G_t tokens, a group never longer than the page (the
+    // codec caps it there); values: per token per G channels.
+    const double gk = recipe.group > 0 ? std::min(recipe.group, recipe.page_size) : recipe.page_size;
     return b + 32.0 / (which == KvSide::Key ? gk : double(kivi_value_group(recipe, d)));
   }
   if (m == "kvarn") {

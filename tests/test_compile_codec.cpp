@@ -525,6 +525,13 @@ TEST(Bits, EffectiveBitsMatchPublishedAccounting) {
   EXPECT_DOUBLE_EQ(nominal_bits(r), 2.0);
   Recipe kivi = recipe_for("kivi", 2, 32);
   EXPECT_DOUBLE_EQ(history_bits(kivi, KvSide::Key, 128), 3.0);  // KIVI-2, G = 32
+  // A key group never spans pages (the codec caps it at the page): G = 128 on 32-token pages
+  // costs what G = 32 does.
+  kivi.group = 128;
+  kivi.page_size = 32;
+  EXPECT_DOUBLE_EQ(history_bits(kivi, KvSide::Key, 128), 3.0);
+  kivi.page_size = 128;
+  EXPECT_DOUBLE_EQ(history_bits(kivi, KvSide::Key, 128), 2.25);
   Recipe kvarn = recipe_for("kvarn", 2);
   kvarn.page_size = 128;
   EXPECT_DOUBLE_EQ(history_bits(kvarn, KvSide::Key, 128), 2.375);  // the fork's fp16 scales
