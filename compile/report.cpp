@@ -153,7 +153,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     mr.label = opt.method;
     if (opt.granularity == "layer") mr.label += "/layer";
     if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.composition != "UHP") mr.label += "/" + opt.composition;
-    if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != "output") mr.label += "/" + opt.value_target;
+    if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != CompileOptions{}.value_target) mr.label += "/" + opt.value_target;
     if (!opt.fit_clip) mr.label += "/noclip";
     if (opt.group >= 0) mr.label += "/g" + std::to_string(opt.group);
     if (opt.method == "commvq") mr.label = "commvq-" + fmt("%g", opt.key_bits);
