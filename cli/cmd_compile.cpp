@@ -28,6 +28,7 @@ void parse_params(const std::vector<std::string>& items, std::map<std::string, s
 struct Args {
   std::string stats_path, out_path, model_id;
   std::vector<std::string> params;
+  std::string values;  // kivi --values
   CompileOptions options;
   bool no_fit_clip = false;
 };
@@ -64,6 +65,10 @@ void add_compile_options(CLI::App& sub, Args& a) {
   sub.add_option("--param", a.params,
                  "method parameter KEY=VALUE: turboquant variant=mse|prod, codebook=sphere|gaussian; "
                  "kvarn iterations=8");
+  sub.add_option("--values", a.values,
+                 "kivi only: hadamard | oscar = the mixed recipe: KIVI keys, values rotated by H or "
+                 "oscar's value rotation on a per-token grid of head_dim with a fitted clip "
+                 "(recipe param values; default: KIVI's plain per-token values)");
   sub.add_flag("--no-fit-clip", a.no_fit_clip, "do not fit clip ratios (use 1.0 = no clipping)");
   sub.add_option("--fit-rows", o.max_fit_rows,
                  "reservoir fitting tokens per KV head (per group of heads when --group spans heads) "
@@ -74,6 +79,7 @@ void add_compile_options(CLI::App& sub, Args& a) {
 
 int run_compile(Args& a) {
   parse_params(a.params, a.options.params);
+  if (!a.values.empty()) a.options.params["values"] = a.values;  // checked by make_recipe
   a.options.fit_clip = !a.no_fit_clip;
   const bool tty = stderr_is_tty();
   std::cerr << "reading " << a.stats_path << "\n";
@@ -103,7 +109,8 @@ int run_compile(Args& a) {
               nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim),
               history_bits(r, KvSide::Value, art.head_dim), effective_bits(r, art.head_dim, 2048),
               effective_bits(r, art.head_dim, 32768), effective_bits(r, art.head_dim, 131072));
-  if (r.method == "oscar" || r.method == "hadamard" || r.method == "identity" || r.method == "random") {
+  if (r.method == "oscar" || r.method == "hadamard" || r.method == "identity" || r.method == "random" ||
+      r.params.count("values")) {  // mixed kivi: keys unclipped, values fitted
     double kmin = 1, kmax = 0, vmin = 1, vmax = 0;
     for (const HeadArtifact& h : art.heads) {
       kmin = std::min(kmin, h.key.clip_ratio);
@@ -132,7 +139,8 @@ Command reg{"compile", 30,
                   "  hadamard    H (QuaRot);  identity: no rotation;  random: seeded Haar rotation\n"
                   "  turboquant  random rotation + Lloyd-Max levels of the sphere density; 2.5/3.5\n"
                   "              bits split channels (outliers at b+1); --param variant=prod adds QJL\n"
-                  "  kivi        per-channel keys over token groups, per-token values, residual window\n"
+                  "  kivi        per-channel keys over token groups, per-token values, residual window;\n"
+                  "              --values hadamard|oscar: values on that method's rotated clipped grid\n"
                   "  kvarn       Hadamard + Sinkhorn log-std balancing of 128-token tiles + row RTN\n\n"
                   "Example:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
@@ -145,9 +153,11 @@ Command reg{"compile", 30,
               return [a, &sub] {
                 // These shape only oscar's rotation; accepting them elsewhere would hide a typo'd recipe.
                 const std::string& m = a->options.method;
+                const bool oscar_values = m == "kivi" && a->values == "oscar";
                 for (const char* flag : {"--value-target", "--composition"})
-                  require(sub.count(flag) == 0 || m == "oscar" || m == "oscar-lm",
-                          std::string(flag) + " applies to oscar and oscar-lm only, not " + m);
+                  require(sub.count(flag) == 0 || m == "oscar" || m == "oscar-lm" || oscar_values,
+                          std::string(flag) + " applies to oscar and oscar-lm only, not " + m +
+                              " (and to kivi --values oscar: its value rotation)");
                 return run_compile(*a);
               };
             }};

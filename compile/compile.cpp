@@ -24,6 +24,11 @@ bool uniform_grid(const std::string& m) {
   return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
 }
 bool attention_aware(const std::string& m) { return m == "oscar" || m == "oscar-lm"; }
+// Whether a side coded by method `m` gets a fitted quantiser: clip ratios (uniform grid) or a level
+// table (oscar-lm).
+bool fits_quantiser(const std::string& m, const CompileOptions& options) {
+  return (uniform_grid(m) && options.fit_clip) || m == "oscar-lm";
+}
 
 std::string param_or(const Recipe& r, const std::string& key, const std::string& fallback) {
   auto it = r.params.find(key);
@@ -144,6 +149,8 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
                             : "stats have no reservoir fitting rows for " + where +
                                   " (calibrate with a reservoir, or compile with --no-fit-clip)");
   for (KvSide which : {KvSide::Key, KvSide::Value}) {
+    const Recipe sr = side_recipe(recipe, which);  // a mixed kivi recipe fits its value grid only
+    if (!fits_quantiser(sr.method, options)) continue;
     std::vector<SideArtifact*> sides;
     for (int k = 0; k < span; ++k) {
       HeadArtifact& ha = art.head(layer, h0 + k);
@@ -157,7 +164,7 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
           normalised_coordinates(y, rows[0].n, span * d, group), side_code_bits(recipe, which));
       for (SideArtifact* s : sides) s->levels = levels;
     } else {
-      const double ratio = fit_clip_ratio(recipe, csides, which, rows);
+      const double ratio = fit_clip_ratio(sr, csides, which, rows);
       for (SideArtifact* s : sides) s->clip_ratio = ratio;
     }
   }
@@ -167,20 +174,21 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
                    int layer, LevelCache& cache, Artifact& art) {
   const int d = stats.config.head_dim, n_kv = stats.config.n_kv_heads;
   const std::string& m = recipe.method;
-  // Importance targets (oscar): per head, or summed over the layer's heads.
+  const Recipe value_recipe = side_recipe(recipe, KvSide::Value);  // differs for mixed kivi
+  // Importance targets (oscar; a mixed kivi recipe's oscar values): per head, or summed over the
+  // layer's heads.
+  const bool key_aware = attention_aware(m), value_aware = attention_aware(value_recipe.method);
   std::vector<Matrix> key_targets(static_cast<size_t>(n_kv)), value_targets(static_cast<size_t>(n_kv));
-  if (attention_aware(m)) {
-    for (int h = 0; h < n_kv; ++h) {
-      key_targets[size_t(h)] = key_target(stats.head(layer, h), d);
+  for (int h = 0; h < n_kv; ++h) {
+    if (key_aware) key_targets[size_t(h)] = key_target(stats.head(layer, h), d);
+    if (value_aware)
       value_targets[size_t(h)] =
           value_target(stats.head(layer, h), stats.reservoir(layer, h), recipe.value_target, d);
-    }
-    if (recipe.granularity == "layer") {
-      for (int h = 1; h < n_kv; ++h)
-        for (size_t i = 0; i < key_targets[0].size(); ++i) {
-          key_targets[0][i] += key_targets[size_t(h)][i];
-          value_targets[0][i] += value_targets[size_t(h)][i];
-        }
+  }
+  if (recipe.granularity == "layer") {
+    for (int h = 1; h < n_kv; ++h) {
+      for (size_t i = 0; i < key_targets[0].size(); ++i) key_targets[0][i] += key_targets[size_t(h)][i];
+      for (size_t i = 0; i < value_targets[0].size(); ++i) value_targets[0][i] += value_targets[size_t(h)][i];
     }
   }
   for (int h = 0; h < n_kv; ++h) {
@@ -197,19 +205,21 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
         compile_turboquant_side(recipe, hs, which, layer, h, d, cache, side);
         continue;
       }
-      const Matrix* target = attention_aware(m) ? (which == KvSide::Key ? &key_targets[t] : &value_targets[t]) : nullptr;
+      const Recipe sr = which == KvSide::Key ? recipe : value_recipe;
+      const Matrix* target =
+          attention_aware(sr.method) ? (which == KvSide::Key ? &key_targets[t] : &value_targets[t]) : nullptr;
       if (recipe.granularity == "layer" && h > 0 && m != "kivi") {
         const SideArtifact& first = which == KvSide::Key ? art.head(layer, 0).key : art.head(layer, 0).value;
         side.rotation = first.rotation;
         side.eigenvalues = first.eigenvalues;
       } else {
-        rotation_for(recipe, target, layer, h, which, d, side);
+        rotation_for(sr, target, layer, h, which, d, side);
       }
     }
   }
   // Clip ratios (uniform grid) and level tables (oscar-lm): one fit per quantiser group of heads,
   // i.e. per KV head unless recipe.group spans several.
-  if ((uniform_grid(m) && options.fit_clip) || m == "oscar-lm") {
+  if (fits_quantiser(m, options) || fits_quantiser(value_recipe.method, options)) {
     const int span = group_span(recipe, d, n_kv);
     for (int h0 = 0; h0 < n_kv; h0 += span) fit_quantiser(stats, recipe, options, layer, h0, span, art);
   }
@@ -252,7 +262,10 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   require(o.granularity == "head" || o.granularity == "layer",
           "granularity must be head or layer, got '" + o.granularity + "'");
   r.granularity = o.granularity;
-  if (attention_aware(o.method)) {
+  // kivi --values hadamard|oscar: the mixed recipe (kv_codec.h side_recipe checks the value).
+  require(kivi || r.params.count("values") == 0,
+          "--values (a rotated value grid) applies to kivi only, not " + o.method);
+  if (attention_aware(o.method) || attention_aware(side_recipe(r, KvSide::Value).method)) {
     require(o.value_target == "output" || o.value_target == "p2" || o.value_target == "logit2",
             "value target must be output, p2 or logit2, got '" + o.value_target + "'");
     require(o.composition == "UHP" || o.composition == "UH" || o.composition == "U",

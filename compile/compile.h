@@ -26,7 +26,9 @@ struct CompileOptions {
   std::string granularity = "head";     // head | layer
   std::string composition = "UHP";      // oscar, oscar-lm: UHP | UH | U
   uint64_t seed = 0;
-  // Method parameters: turboquant variant=mse|prod, codebook=sphere|gaussian; kvarn iterations=8.
+  // Method parameters: turboquant variant=mse|prod, codebook=sphere|gaussian; kvarn iterations=8;
+  // kivi values=hadamard|oscar (the mixed recipe: KIVI keys, values on that method's rotated
+  // per-token grid with a fitted clip; oscar's value rotation uses value_target/composition).
   std::map<std::string, std::string> params;
   bool fit_clip = true;    // uniform-grid methods: fit clip ratios (false: 1.0 = no clipping)
   int max_fit_rows = 256;  // reservoir fitting tokens used per (layer, KV head)

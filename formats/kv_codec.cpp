@@ -200,6 +200,18 @@ double ratio(const std::vector<double>& s) {
 
 const char* kv_side_name(KvSide side) { return side == KvSide::Key ? "key" : "value"; }
 
+Recipe side_recipe(const Recipe& recipe, KvSide side) {
+  const auto it = recipe.params.find("values");
+  if (recipe.method != "kivi" || side != KvSide::Value || it == recipe.params.end()) return recipe;
+  require(it->second == "hadamard" || it->second == "oscar",
+          "kivi values must be hadamard or oscar (a rotated per-token grid), got '" + it->second + "'");
+  Recipe r = recipe;
+  r.method = it->second;
+  r.group = 0;  // kivi's group counts key tokens; the value grid is per token over head_dim
+  r.params.clear();
+  return r;
+}
+
 double side_nominal_bits(const Recipe& recipe, KvSide side) {
   return side == KvSide::Key ? recipe.key_bits : recipe.value_bits;
 }
@@ -267,6 +279,8 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
         for (int c = 0; c < d; ++c)
           uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
       }
+    } else if (recipe.params.count("values")) {  // mixed recipe: the grid method's value codec
+      roundtrip_rotated(side_recipe(recipe, which), side, which, d, y, n, out);
     } else {
       const int g = kivi_value_group(recipe, d);
       for (int t = 0; t < n; ++t)
@@ -409,6 +423,8 @@ double history_bits(const Recipe& recipe, KvSide which, int d) {
     return b + meta / d;
   }
   if (m == "kivi") {
+    if (which == KvSide::Value && recipe.params.count("values"))
+      return history_bits(side_recipe(recipe, which), which, d);  // grid: b + 32/d
     // Keys: one scale/zero per channel per G_t tokens, a group never longer than the page (the
     // codec caps it there); values: per token per G channels.
     const double gk = recipe.group > 0 ? std::min(recipe.group, recipe.page_size) : recipe.page_size;

@@ -25,6 +25,9 @@
 //   kivi (identity rotation, no clipping): keys per channel over groups of G_t = recipe.group
 //       (0: the page) consecutive tokens of the page; values per token over groups of
 //       G = recipe.group channels (0 or G >= d: the whole row); quantize_uniform with thr = +inf.
+//       Mixed recipe (params "values" = hadamard | oscar): the keys as above; the value side is
+//       coded as that grid method's value side (side_recipe): the side's rotation (H, or oscar's
+//       value rotation), the stored clip ratio, per-token groups of head_dim.
 //   kvarn (Hadamard rotation): the page is one tile, oriented [d, n] for keys (rows = channels)
 //       and [n, d] for values (rows = tokens). Sinkhorn-style balancing on log standard
 //       deviations (unbiased; clamped to [1e-3, 1e3]): repeat `iterations` (params, default 8)
@@ -44,6 +47,11 @@ namespace kvcc {
 
 enum class KvSide { Key = 0, Value = 1 };
 const char* kv_side_name(KvSide side);
+
+// The recipe whose codec codes `side` of `recipe`: the recipe itself, except that a mixed kivi
+// recipe (params "values" = hadamard | oscar) codes its values as that grid method with group 0
+// (= head_dim), the same value bits, value target and composition. Throws on another "values".
+Recipe side_recipe(const Recipe& recipe, KvSide side);
 
 // Integer bits of a side's codes (key_bits / value_bits; for a turboquant split, the floor).
 int side_code_bits(const Recipe& recipe, KvSide side);
