@@ -11,6 +11,7 @@
 #include "compile/compile.h"
 #include "compile/rotation.h"
 #include "compile/synthetic_stats.h"
+#include "compile_test_util.h"
 #include "formats/artifact.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
@@ -19,25 +20,7 @@ using namespace kvcc;
 
 namespace {
 
-const Stats& small_stats() {
-  static const Stats stats = [] {
-    SyntheticSpec spec;
-    spec.n_layers = 2;
-    spec.n_kv_heads = 2;
-    spec.group = 2;
-    spec.head_dim = 64;
-    spec.docs = 15;
-    spec.doc_len = 48;
-    return make_synthetic_stats(spec);
-  }();
-  return stats;
-}
-
-// compile_artifact runs LAPACK single-threaded; keep any reference computation here the same.
-const int single_threaded_blas = [] {
-  openblas_set_num_threads(1);
-  return 1;
-}();
+using test::small_stats;
 
 CompileOptions kivi_options(const std::string& values) {
   CompileOptions o;
