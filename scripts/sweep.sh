@@ -5,7 +5,8 @@
 #   gutenberg-27m: windows default (sink 64 / recent 256 / pages 64), small (4 / 32 / 32) and
 #                  matched (4 / 128 / 128: KIVI's key token group and KVarN's tile are the
 #                  128-token page, so KIVI-2 with 128-token key groups costs the same bits as the
-#                  INT2 grids at G = 128; that row, kivi128, only runs with pages of >= 128).
+#                  INT2 grids at G = 128; those rows, kivi128 and the mixed recipes kivi128-hadamard
+#                  and kivi128-oscar, only run with pages of >= 128).
 #   tinystories-656k, stories260k: small windows; the per-token grid methods use quantiser groups
 #                  spanning KV heads (G = 64 and 32 channels: 4 heads of d = 16 / 8; 2.5 and 3
 #                  bits per quantised element instead of 4 and 6 at G = head_dim).
@@ -118,6 +119,9 @@ for model in $models; do
   # KIVI with 128-token key groups: 2.25 bits per element like the INT2 grids at G = 128. A key
   # group cannot span pages, so it only means that with pages of >= 128 tokens.
   compile artifacts_p128 kivi128 -m kivi --group 128 "${wargs[@]}"
+  # The mixed recipe: KIVI-128 keys + hadamard / oscar (p2) values, per-token grid with fitted clip.
+  compile artifacts_p128 kivi128-hadamard -m kivi --group 128 --values hadamard "${wargs[@]}"
+  compile artifacts_p128 kivi128-oscar -m kivi --group 128 --values oscar "${wargs[@]}"
   for win in $windows; do
     case "$win" in
       default) vargs=(--sink 64 --recent 256 --page-size 64); page=64 ;;
