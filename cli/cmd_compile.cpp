@@ -109,8 +109,7 @@ int run_compile(Args& a) {
               nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim),
               history_bits(r, KvSide::Value, art.head_dim), effective_bits(r, art.head_dim, 2048),
               effective_bits(r, art.head_dim, 32768), effective_bits(r, art.head_dim, 131072));
-  if (r.method == "oscar" || r.method == "hadamard" || r.method == "identity" || r.method == "random" ||
-      r.params.count("values")) {  // mixed kivi: keys unclipped, values fitted
+  if (is_uniform_method(r.method) || r.params.count("values")) {  // mixed kivi: keys unclipped, values fitted
     double kmin = 1, kmax = 0, vmin = 1, vmax = 0;
     for (const HeadArtifact& h : art.heads) {
       kmin = std::min(kmin, h.key.clip_ratio);

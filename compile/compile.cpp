@@ -20,14 +20,11 @@ namespace kvcc {
 
 namespace {
 
-bool uniform_grid(const std::string& m) {
-  return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
-}
 bool attention_aware(const std::string& m) { return m == "oscar" || m == "oscar-lm"; }
 // Whether a side coded by method `m` gets a fitted quantiser: clip ratios (uniform grid) or a level
 // table (oscar-lm).
 bool fits_quantiser(const std::string& m, const CompileOptions& options) {
-  return (uniform_grid(m) && options.fit_clip) || m == "oscar-lm";
+  return (is_uniform_method(m) && options.fit_clip) || m == "oscar-lm";
 }
 
 std::string param_or(const Recipe& r, const std::string& key, const std::string& fallback) {
@@ -145,8 +142,11 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
   const std::string where = "layer " + std::to_string(layer) +
                             (span == 1 ? " KV head " + std::to_string(h0)
                                        : " KV heads " + std::to_string(h0) + ".." + std::to_string(h0 + span - 1));
-  require(rows[0].n > 0, lm ? "oscar-lm needs reservoir fitting rows; " + where + " has none"
+  // A spanning group fits on the tokens every head of the group holds.
+  const std::string none = span == 1 ? " has none" : " share none";
+  require(rows[0].n > 0, lm ? "oscar-lm needs reservoir fitting rows; " + where + none
                             : "stats have no reservoir fitting rows for " + where +
+                                  (span == 1 ? "" : " in common") +
                                   " (calibrate with a reservoir, or compile with --no-fit-clip)");
   for (KvSide which : {KvSide::Key, KvSide::Value}) {
     const Recipe sr = side_recipe(recipe, which);  // a mixed kivi recipe fits its value grid only
@@ -208,7 +208,7 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
       const Recipe sr = which == KvSide::Key ? recipe : value_recipe;
       const Matrix* target =
           attention_aware(sr.method) ? (which == KvSide::Key ? &key_targets[t] : &value_targets[t]) : nullptr;
-      if (recipe.granularity == "layer" && h > 0 && m != "kivi") {
+      if (recipe.granularity == "layer" && h > 0) {  // one rotation per layer: head 0's
         const SideArtifact& first = which == KvSide::Key ? art.head(layer, 0).key : art.head(layer, 0).value;
         side.rotation = first.rotation;
         side.eigenvalues = first.eigenvalues;

@@ -31,7 +31,7 @@ struct CompileOptions {
   // per-token grid with a fitted clip; oscar's value rotation uses value_target/composition).
   std::map<std::string, std::string> params;
   bool fit_clip = true;    // uniform-grid methods: fit clip ratios (false: 1.0 = no clipping)
-  int max_fit_rows = 256;  // reservoir fitting tokens used per (layer, KV head)
+  int max_fit_rows = 256;  // reservoir fitting tokens used per (layer, quantiser group of KV heads)
   int threads = 0;         // 0: all cores
   std::function<void(int done, int total)> progress;  // per finished layer
 };

@@ -24,10 +24,6 @@ std::string param(const Recipe& recipe, const std::string& key, const std::strin
   return it == recipe.params.end() ? fallback : it->second;
 }
 
-bool is_uniform_method(const std::string& m) {
-  return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
-}
-
 // `d` is the width of the rows being coded: head_dim, or span·head_dim for a group that spans
 // several KV heads (roundtrip_layer_page concatenates the heads' rotated rows).
 int channel_group(const Recipe& recipe, int d) {
@@ -197,6 +193,10 @@ double ratio(const std::vector<double>& s) {
 }
 
 }  // namespace
+
+bool is_uniform_method(const std::string& m) {
+  return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
+}
 
 const char* kv_side_name(KvSide side) { return side == KvSide::Key ? "key" : "value"; }
 

@@ -81,6 +81,10 @@ std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_he
 void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
                           float* out);
 
+// The per-token uniform-grid methods (codec_scalar.h grid, fitted clip ratio): oscar, hadamard,
+// identity, random.
+bool is_uniform_method(const std::string& method);
+
 // Whether a method's quantiser groups may span KV heads (recipe.group > head_dim): the per-token
 // channel-group codecs oscar, oscar-lm, hadamard, identity, random. kivi's group is its key token
 // group (values stay within a head), and turboquant, kvarn, commvq code whole head rows or tiles.

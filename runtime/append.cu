@@ -161,8 +161,6 @@ __global__ void write_windows(const WindowWrite* writes, int n_writes, KvGeometr
   reinterpret_cast<uint2*>(win + dst + size_t(w.dst) * kD)[lane] = val;
 }
 
-size_t align256(size_t x) { return (x + 255) / 256 * 256; }
-
 }  // namespace
 
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <string>
 
 #include "formats/error.h"
@@ -13,6 +14,9 @@ namespace kvcc {
 inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
 }
+
+// Workspace carving: every buffer starts on a 256-byte boundary (cudaMalloc's alignment).
+inline size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // Streaming multiprocessors of the current device (split-K plans size their grids by it).
 inline int multiprocessors() {

@@ -1,5 +1,6 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
-// runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"). Four launches:
+// runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"). Four kernels, six launches
+// (rotate_in runs for q, k and v):
 //
 //  1. rotate_in: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
 //     query row is a (new token, query head of the group) pair). k and v are rounded to BF16 first
@@ -508,7 +509,6 @@ Plan plan_for(const KvGeometry& g, int64_t length, int T, const PrefillShape& sh
   return p;
 }
 
-size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Workspace {
   __half *q, *k, *v;

@@ -50,8 +50,6 @@ ValidateCache validate_cache_from_name(const std::string& name) {
   throw Error("unknown validation cache path '" + name + "' (codec | runtime)");
 }
 
-const char* validate_cache_name(ValidateCache cache) { return cache == ValidateCache::Codec ? "codec" : "runtime"; }
-
 ValidateDevice validate_device_from_name(const std::string& name) {
   if (name == "auto") return ValidateDevice::Auto;
   if (name == "cpu") return ValidateDevice::Cpu;

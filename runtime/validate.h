@@ -64,7 +64,6 @@ const char* validate_precision_name(ValidatePrecision precision);
 
 enum class ValidateCache { Codec, Runtime };
 ValidateCache validate_cache_from_name(const std::string& name);  // codec | runtime
-const char* validate_cache_name(ValidateCache cache);
 
 // Which pool a runtime-path scheme uses. auto: the device one when the build has CUDA, a device is
 // present and the shape is in the GPU kernels' scope (head_dim 128, group = head_dim, 64-token

@@ -18,8 +18,8 @@
 # each cut at 2048 tokens, all 50 for the tiny models); whole documents, so no truncated tail
 # document dilutes the means. --eval-tokens additionally caps the tokens (default 0 = no cap).
 # --windows replaces every model's window list; --reuse keeps stats.h5 and artifacts already in
-# DIR (re-validate without recalibrating). With the defaults (65536 calibration tokens) the whole
-# sweep takes ~40 min on a shared 2-core machine, 28 of them gutenberg-27m's three validations;
+# DIR (re-validate without recalibrating; it assumes their compile options are unchanged). With
+# the defaults (65536 calibration tokens) the whole sweep takes ~40 min on a shared 2-core machine, 28 of them gutenberg-27m's three validations;
 # docs/validation.md gives the measured times and the results. Output: DIR/<model>-<windows>.
 # {json,svg,txt}; logs and artifacts in DIR/<model>/.
 set -euo pipefail
@@ -43,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --models) models="$2"; shift 2 ;;
     --windows) windows_override="$2"; shift 2 ;;
     --reuse) reuse=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "sweep.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -118,10 +118,12 @@ for model in $models; do
   compile artifacts commvq2 -m commvq --bits 2 "${wargs[@]}"
   # KIVI with 128-token key groups: 2.25 bits per element like the INT2 grids at G = 128. A key
   # group cannot span pages, so it only means that with pages of >= 128 tokens.
-  compile artifacts_p128 kivi128 -m kivi --group 128 "${wargs[@]}"
-  # The mixed recipe: KIVI-128 keys + hadamard / oscar (p2) values, per-token grid with fitted clip.
-  compile artifacts_p128 kivi128-hadamard -m kivi --group 128 --values hadamard "${wargs[@]}"
-  compile artifacts_p128 kivi128-oscar -m kivi --group 128 --values oscar "${wargs[@]}"
+  if [[ " $windows " == *" matched "* ]]; then  # the only windows with pages of >= 128
+    compile artifacts_p128 kivi128 -m kivi --group 128 "${wargs[@]}"
+    # The mixed recipe: KIVI-128 keys + hadamard / oscar (p2) values, per-token grid with fitted clip.
+    compile artifacts_p128 kivi128-hadamard -m kivi --group 128 --values hadamard "${wargs[@]}"
+    compile artifacts_p128 kivi128-oscar -m kivi --group 128 --values oscar "${wargs[@]}"
+  fi
   for win in $windows; do
     case "$win" in
       default) vargs=(--sink 64 --recent 256 --page-size 64); page=64 ;;
