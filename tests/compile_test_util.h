@@ -8,17 +8,20 @@
 
 namespace kvcc::test {
 
+// 2 layers, 2 query heads per KV head, 15 documents of 48 tokens.
+inline Stats make_small_stats(int n_kv_heads, int head_dim) {
+  SyntheticSpec spec;
+  spec.n_layers = 2;
+  spec.n_kv_heads = n_kv_heads;
+  spec.group = 2;
+  spec.head_dim = head_dim;
+  spec.docs = 15;
+  spec.doc_len = 48;
+  return make_synthetic_stats(spec);
+}
+
 inline const Stats& small_stats() {
-  static const Stats stats = [] {
-    SyntheticSpec spec;
-    spec.n_layers = 2;
-    spec.n_kv_heads = 2;
-    spec.group = 2;
-    spec.head_dim = 64;
-    spec.docs = 15;
-    spec.doc_len = 48;
-    return make_synthetic_stats(spec);
-  }();
+  static const Stats stats = make_small_stats(2, 64);
   return stats;
 }
 

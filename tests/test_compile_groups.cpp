@@ -1,7 +1,6 @@
 // Quantiser groups that span several KV heads (recipe.group > head_dim, small head_dim): compile's
 // validation of --group, the joint fit shared by a group's heads, aligned reservoir rows, the
 // report's layer codec, and the runtime's refusal (it stores parameters per KV head).
-#include <cblas.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -14,6 +13,7 @@
 #include "formats/error.h"
 #include "formats/kv_codec.h"
 #include "runtime/kvcc_runtime.h"
+#include "compile_test_util.h"
 #include "formats_test_util.h"
 
 using namespace kvcc;
@@ -21,23 +21,9 @@ using kvcc::testing::error_of;
 
 namespace {
 
-const int single_threaded_blas = [] {
-  openblas_set_num_threads(1);
-  return 1;
-}();
-
 // A tiny-model shape: 4 KV heads of head_dim 16 (as tinystories-656k).
 const Stats& small_head_stats() {
-  static const Stats stats = [] {
-    SyntheticSpec spec;
-    spec.n_layers = 2;
-    spec.n_kv_heads = 4;
-    spec.group = 2;
-    spec.head_dim = 16;
-    spec.docs = 15;
-    spec.doc_len = 48;
-    return make_synthetic_stats(spec);
-  }();
+  static const Stats stats = test::make_small_stats(4, 16);
   return stats;
 }
 
