@@ -7,10 +7,10 @@
 //    Pᵀ comes from the Sᵀ accumulators by one movmatrix.trans per 8×8 block.
 //  - INT2 history. Keys: int8 MMAs (m16n8k32); one AND turns a code word into 4 int8 codes, the
 //    query is int8 hi + lo (made once per head by rotate_queries), so q·c is exact integer
-//    arithmetic. Values: fp16 MMAs (m16n8k16); one LOP3 turns two codes into fp16 operands
-//    1 + κ·c (code bits masked into the mantissa under the exponent of 1.0, κ = 1/4 or 1/16).
+//    arithmetic. Values: fp16 MMAs (m16n8k16); one AND turns two codes into fp16 operands κ·c
+//    (code bits masked into the mantissa of a subnormal, κ = 2^-16 or 2^-18).
 //    The scale/zero fold (DESIGN.md) is applied once per token:
-//      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,  Σ(p·s)·c = (acc − Σ p·s)/κ.
+//      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,  Σ(p·s)·c = acc/κ.
 //  - BF16 sink and ring (and the baseline's pages) are extra splits of the same launch; one
 //    merge kernel combines the splits' (max, sum, output) by log-sum-exp and rotates by R_vᵀ.
 #include <cuda_bf16.h>
@@ -31,7 +31,7 @@
 namespace kvcc {
 namespace {
 
-// Pages in each warp's cp.async ring (ring - 1 in flight while one is computed). Two builds of
+// Pages in each warp's shared-memory ring (ring - 1 in flight while one is computed). Two builds of
 // the INT2 kernel: a 3-stage ring at 3 CTAs per SM (what shared memory fits), and a 2-stage ring
 // at 4 CTAs per SM (registers capped at 128): more warps to hide latency, less prefetch per warp.
 // The plan picks the second when there are enough long splits to fill its waves (plan_splits);
@@ -97,36 +97,28 @@ __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// (a & b) | c in one LOP3. Written as inline PTX with register operands because LOP3 takes only
-// one immediate: with two constant operands the compiler emits an AND and an OR (twice the ALU
-// work of the code expansion, the kernel's bottleneck).
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// Two value codes (bit position 2j of each 16-bit half of w) as two fp16 values 1 + κ_j·c.
-// Bits land at mantissa bits 8–9 (κ = 1/4) or 6–7 (κ = 1/16); one shift is shared by two j.
-struct CodeMasks {
-  uint32_t m8, m6, one;
-};
-__device__ __forceinline__ uint32_t code_pair(uint32_t w, int j, const CodeMasks& k) {
+// Two value codes (bit position 2j of each 16-bit half of w) as two fp16 subnormals κ_j·c, one
+// AND each: the bits land at mantissa bits 8–9 (κ = 2^-16) or 6–7 (κ = 2^-18) under a zero
+// exponent; one shift is shared by two j. (The tensor cores keep fp16 subnormals; the products
+// are scaled by κ alone, so nothing cancels, unlike operands 1 + κ·c whose Σ p·s must be taken
+// back out.)
+constexpr uint32_t kMask8 = 0x03000300u, kMask6 = 0x00C000C0u;
+__device__ __forceinline__ uint32_t code_pair(uint32_t w, int j) {
   switch (j) {
-    case 0: return and_or(w << 8, k.m8, k.one);
-    case 1: return and_or(w << 4, k.m6, k.one);
-    case 2: return and_or(w << 4, k.m8, k.one);
-    case 3: return and_or(w, k.m6, k.one);
-    case 4: return and_or(w, k.m8, k.one);
+    case 0: return (w << 8) & kMask8;
+    case 1: return (w << 4) & kMask6;
+    case 2: return (w << 4) & kMask8;
+    case 3: return w & kMask6;
+    case 4: return w & kMask8;
     // Right shifts as multiply-high: IMAD.HI runs on the FMA pipe, which has room; SHF would
     // load the ALU pipe further.
-    case 5: return and_or(__umulhi(w, 1u << 28), k.m6, k.one);
-    case 6: return and_or(__umulhi(w, 1u << 28), k.m8, k.one);
-    default: return and_or(__umulhi(w, 1u << 26), k.m8, k.one);
+    case 5: return __umulhi(w, 1u << 28) & kMask6;
+    case 6: return __umulhi(w, 1u << 28) & kMask8;
+    default: return __umulhi(w, 1u << 26) & kMask8;
   }
 }
 // 1/κ_j.
-__host__ __device__ constexpr float kappa_inv(int j) { return (j == 1 || j == 3 || j == 5) ? 16.0f : 4.0f; }
+__host__ __device__ constexpr float kappa_inv(int j) { return (j == 1 || j == 3 || j == 5) ? 262144.0f : 65536.0f; }
 
 struct DecodeArgs {
   // INT2 cache
@@ -162,7 +154,7 @@ struct DecodeArgs {
 
 struct WarpState {
   float o[8][4];
-  float m[2], l[2], sp[2], spz[2];
+  float m[2], l[2], spz[2];
 };
 
 __device__ __forceinline__ void state_init(WarpState& st) {
@@ -173,7 +165,7 @@ __device__ __forceinline__ void state_init(WarpState& st) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     st.m[c] = -INFINITY;
-    st.l[c] = st.sp[c] = st.spz[c] = 0.0f;
+    st.l[c] = st.spz[c] = 0.0f;
   }
 }
 
@@ -210,7 +202,6 @@ __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float m
     st.m[c] = mn;
     msub[c] = (mn == -INFINITY) ? 0.0f : mn;
     st.l[c] *= alpha;
-    st.sp[c] *= alpha;
     st.spz[c] *= alpha;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -256,14 +247,33 @@ __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, in
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+// One bulk copy (the TMA unit) of `bytes` into shared memory, completing on mbarrier `bar`: one
+// instruction of one lane per page instead of 9 cp.async per lane (measured 1–2% faster at
+// large batch).
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem)), b = uint32_t(__cvta_generic_to_shared(bar));
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's earlier reads come first
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(gmem), "r"(bytes), "r"(b)
+               : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+// Barriers bar[0 .. n) for one arrival each (the copy's issuer), made by lane 0 for its warp.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int n, int lane) {
+  if (lane == 0)
+    for (int i = 0; i < n; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i))));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy unit
+  __syncwarp();
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(b), "r"(parity)
+                 : "memory");
 }
 
 // The query side of the int8 key MMAs (made by rotate_queries). Channel c of a key code row sits
@@ -293,7 +303,6 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
 template <bool kTable>
 __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, WarpState& st, int g, int t,
                                           const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
-  const CodeMasks km{0x03000300u, 0x00C000C0u, 0x3C003C00u};
   KeyRegs kr;
   load_keys(blk, kr, g, t);
   const auto& kw = kr.kw;
@@ -371,14 +380,12 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
       pr[i] = fast_exp2(fmaf(sc[s][i], q.scale[i & 1], -msub[i & 1]));
       st.l[i & 1] += pr[i];
     }
-    // P' = p·s_v rounded to fp16 (the MMA operand); Σ P' and Σ P'·z from the same rounded values.
+    // P' = p·s_v rounded to fp16 (the MMA operand); Σ P'·z from the same rounded values.
     const float2 v0 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][0]));  // token g
     const float2 v1 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][1]));  // token g + 8
     const __half2 h01 = __floats2half2_rn(pr[0] * v0.x, pr[1] * v0.x);
     const __half2 h23 = __floats2half2_rn(pr[2] * v1.x, pr[3] * v1.x);
     const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
-    st.sp[0] += f01.x + f23.x;
-    st.sp[1] += f01.y + f23.y;
     st.spz[0] = fmaf(f01.x, v0.y, fmaf(f23.x, v1.y, st.spz[0]));
     st.spz[1] = fmaf(f01.y, v0.y, fmaf(f23.y, v1.y, st.spz[1]));
     const uint32_t b01 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h01));
@@ -403,8 +410,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     const uint32_t hi_b = __byte_perm(vw[s][2], vw[s][3], 0x7632);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      mma_f16(st.o[j], code_pair(lo_a, j, km), code_pair(hi_a, j, km), code_pair(lo_b, j, km),
-              code_pair(hi_b, j, km), b01, b23);
+      mma_f16(st.o[j], code_pair(lo_a, j), code_pair(hi_a, j), code_pair(lo_b, j), code_pair(hi_b, j), b01, b23);
   }
 }
 
@@ -496,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   const bool int2_split = kMode == Mode::Int2 && split < a.paged_splits;
   const bool paged_split = kMode == Mode::Bf16Paged;
   const bool win_split = kMode == Mode::Int2 && split >= a.paged_splits;
-  // INT2 pages reach shared memory by cp.async, kRing - 1 in flight per warp: page k of this
+  // INT2 pages reach shared memory by bulk copies, kRing - 1 in flight per warp: page k of this
   // warp is p0 + warp + k·kWarps and lands in ring stage k % kRing.
   int p0 = 0, n_mine = 0;
   const int32_t* pt = a.page_table;
@@ -510,18 +516,18 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   extern __shared__ uint4 dyn_smem[];  // INT2: the page ring [kWarps][kRing][kPageBytes]; then the output slabs
   uint8_t* ring = reinterpret_cast<uint8_t*>(dyn_smem) + size_t(warp) * kRing * kPageBytes;
   // The page ids of 32 consecutive k, one per lane, loaded together: no dependent global load
-  // stands between a page's turn and its cp.async. (issue() runs warp-uniformly, k ascending.)
+  // stands between a page's turn and its copy. (issue() runs warp-uniformly, k ascending.)
   int ids = 0;
+  __shared__ __align__(8) uint64_t bars[kWarps][kRing];  // per warp and ring stage: its page has landed
+  if (int2_split) mbar_init(bars[warp], kRing, lane);
   auto issue = [&](int k) {
     if ((k & 31) == 0) ids = k + lane < n_mine ? pt[p0 + warp + (k + lane) * kWarps] : 0;
     const int id = __shfl_sync(0xffffffffu, ids, k & 31);
     if (k < n_mine) {
       const uint8_t* src = a.pages + a.geo.page_block_offset(id, a.layer, h);
       uint8_t* dst = ring + (k % kRing) * kPageBytes;
-#pragma unroll
-      for (int i = lane; i < kPageBytes / 16; i += 32) cp_async16(dst + 16 * i, src + 16 * i);
+      if (lane == 0) bulk_copy(dst, src, kPageBytes, &bars[warp][k % kRing]);
     }
-    cp_async_commit();  // an empty group keeps the wait count uniform
   };
   // The cache does not depend on rotate_queries: the first pages' loads overlap it.
   if (int2_split)
@@ -566,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
     }
     for (int k = 0; k < n_mine; ++k) {
       issue(k + kRing - 1);
-      cp_async_wait<kRing - 1>();  // page k's group is done
+      mbar_wait(&bars[warp][k % kRing], uint32_t(k / kRing) & 1u);  // the stage's (k / kRing)-th fill
       __syncwarp();
       int2_page<kTable>(ring + (k % kRing) * kPageBytes, kq, st, g, t, tk, tv);
       __syncwarp();  // every lane has read stage k % kRing before it is refilled
@@ -634,7 +640,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     st.l[c] = warp_sum_over_rows(st.l[c]);
-    st.sp[c] = warp_sum_over_rows(st.sp[c]);
     st.spz[c] = warp_sum_over_rows(st.spz[c]);
   }
   if (g == 0) {
@@ -670,7 +675,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
           if (int2_path && kTable)
             v[8 * hf + j] = (o - st.spz[c]) * factor[c];  // Σ(p·s)·L(c) − Σ(p·s)·z
           else if (int2_path)
-            v[8 * hf + j] = ((o - st.sp[c]) * kappa_inv(j) - st.spz[c]) * factor[c];
+            v[8 * hf + j] = (o * kappa_inv(j) - st.spz[c]) * factor[c];  // Σ(p·s)·c − Σ(p·s)·z
           else
             v[2 * j + hf] = o * factor[c];
         }
@@ -778,31 +783,16 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
   }
 }
 
-__device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = red[0];
-  for (int w = 1; w < int(blockDim.x >> 5); ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
-  return x;
-}
-
-// out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. The split weights are
-// computed in parallel; then 4 slices of threads each sum a quarter of the splits and of the
+// out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
+// merge a quarter of the splits (all their loads in one round) and take a quarter of the
 // rotation's inputs per output channel, so few dependent loads are in series.
 constexpr int kMergeThreads = 4 * kD;
 __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
                                                               int total_splits, int n_heads, int r,
                                                               const float* rot_v_t, float* out) {
-  extern __shared__ float weights[];  // [total_splits]
   __shared__ float part[4][kD];
   __shared__ float ov[kD];
-  __shared__ float red[kMergeThreads / 32];
+  __shared__ float slice_m[4], slice_l[4];
   const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   const int h = qh / r, hh = qh % r;
   // This thread's quarter of R_vᵀ's column j does not depend on the attention kernel: load it
@@ -812,28 +802,51 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   for (int i = 0; i < kD / 4; ++i)
     rv[i] = rot_v_t ? __ldg(rot_v_t + (size_t(h) * kD + slice * (kD / 4) + i) * kD + j) : 0.0f;
   asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
+  // Slice `slice` merges splits slice, slice + 4, ...: each thread loads their (max, sum) and its
+  // channel of their outputs together, kChunk splits at a time (one round of loads for up to
+  // 4·kChunk splits), and keeps a running log-sum-exp; the 4 slices are combined at the end.
+  // Every split wrote its partial (zeros where it saw no token), so only the count guards them.
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
-  float mall = -INFINITY;
-  for (int s = threadIdx.x; s < total_splits; s += kMergeThreads)
-    mall = fmaxf(mall, part_ml[((base + s) * kHeads + hh) * 2]);
-  mall = block_reduce(mall, true, red);
-  float lsum = 0.0f;
-  for (int s = threadIdx.x; s < total_splits; s += kMergeThreads) {
-    const float m = part_ml[((base + s) * kHeads + hh) * 2];
-    const float w = (m == -INFINITY) ? 0.0f : exp2f(m - mall);
-    weights[s] = w;
-    lsum += w * part_ml[((base + s) * kHeads + hh) * 2 + 1];
+  constexpr int kChunk = 12;
+  float m_run = -INFINITY, l_run = 0.0f, acc = 0.0f;
+  for (int s0 = slice; s0 < total_splits; s0 += 4 * kChunk) {
+    float m[kChunk], l[kChunk], o[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const int s = s0 + 4 * i;
+      const size_t e = (base + s) * kHeads + hh;
+      m[i] = s < total_splits ? part_ml[e * 2] : -INFINITY;
+      l[i] = s < total_splits ? part_ml[e * 2 + 1] : 0.0f;
+      o[i] = s < total_splits ? part_o[e * kD + j] : 0.0f;
+    }
+    float mc = m_run;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) mc = fmaxf(mc, m[i]);
+    if (mc == -INFINITY) continue;
+    const float alpha = m_run == -INFINITY ? 0.0f : exp2f(m_run - mc);
+    l_run *= alpha;
+    acc *= alpha;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const float w = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mc);
+      l_run = fmaf(w, l[i], l_run);
+      acc = fmaf(w, o[i], acc);
+    }
+    m_run = mc;
   }
-  lsum = block_reduce(lsum, false, red);  // (its barriers also publish `weights`)
-  // Every split wrote its partial (zeros where it saw no token), so the loads need no guard and
-  // can all be in flight at once.
-  float acc = 0.0f;
-#pragma unroll 8
-  for (int s = slice; s < total_splits; s += 4) acc = fmaf(weights[s], part_o[((base + s) * kHeads + hh) * kD + j], acc);
   part[slice][j] = acc;
+  if (j == 0) {
+    slice_m[slice] = m_run;
+    slice_l[slice] = l_run;
+  }
   __syncthreads();
   if (slice == 0) {
-    const float sum = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+    const float mall = fmaxf(fmaxf(slice_m[0], slice_m[1]), fmaxf(slice_m[2], slice_m[3]));
+    float w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = slice_m[k] == -INFINITY ? 0.0f : exp2f(slice_m[k] - mall);
+    const float sum = (w[0] * part[0][j] + w[1] * part[1][j]) + (w[2] * part[2][j] + w[3] * part[3][j]);
+    const float lsum = (w[0] * slice_l[0] + w[1] * slice_l[1]) + (w[2] * slice_l[2] + w[3] * slice_l[3]);
     ov[j] = lsum > 0.0f ? sum / lsum : 0.0f;
   }
   __syncthreads();
@@ -854,7 +867,7 @@ struct SplitPlan {
   int ring = kRingDeep;  // which INT2 kernel build runs it
 };
 
-// Dynamic shared memory of the INT2 kernel (the cp.async page ring), allowed once per process.
+// Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
 constexpr size_t int2_smem_bytes(int ring) { return size_t(kWarps) * ring * kPageBytes; }
 static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
 void prepare_int2_kernels() {
@@ -948,7 +961,10 @@ SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int w
   const int want = (2 * multiprocessors() + pairs - 1) / pairs;
   const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
   SplitPlan p = plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
-  p.ring = ring > 0 ? ring : kRingDeep;
+  // Short splits (<= 4 pages per warp) gain more from the wide build's lighter warps than from a
+  // deeper prefetch: batch 1 at 32K (15-page splits) 18.7 vs 19.5 us; at 128K (62-page splits)
+  // 46.2 vs 45.0, batch 8 at 16K / 32K (52 / 103 pages) 52.1 / 89.6 vs 43.7 / 71.4.
+  p.ring = ring > 0 ? ring : p.units_per_split <= 4 * kWarps ? kRingWide : kRingDeep;
   return p;
 }
 
@@ -1036,7 +1052,7 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
     }
   }
   if (stages & 4) {
-    const cudaLaunchConfig_t c = config(dim3(a.n_heads, batch), kMergeThreads, plan.total * sizeof(float));
+    const cudaLaunchConfig_t c = config(dim3(a.n_heads, batch), kMergeThreads, 0);
     check_cuda(cudaLaunchKernelEx(&c, merge_splits, static_cast<const float*>(a.part_o),
                                   static_cast<const float*>(a.part_ml), a.n_kv, plan.total, a.n_heads,
                                   a.group_heads, rot_v_t, out),

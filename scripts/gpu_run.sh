@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU session: build the CUDA targets, run the GPU tests (decode/append and prefill, plus
-# compute-sanitizer on a subset), run the decode/append and prefill benchmarks and PyTorch SDPA
-# on the decode shapes, and write
+# One GPU session: build the CUDA targets, run the GPU tests (decode/append, prefill and the
+# validation's device pool, plus compute-sanitizer on a subset), run the decode/append and
+# prefill benchmarks and PyTorch SDPA on the decode shapes, and write
 # $OUT/gpu_results.json and $OUT/gpu_results.md (scripts/gpu_report.py).
 # usage: OUT=dir scripts/gpu_run.sh [quick]
 set -u -o pipefail
@@ -21,7 +21,7 @@ PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-  cmake --build "$BUILD" --target gpu_test_cache gpu_test_prefill bench_decode bench_prefill -j"$JOBS" ||
+  cmake --build "$BUILD" --target gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill -j"$JOBS" ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
@@ -29,6 +29,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 echo "gpu tests exit: $?"
 "$PREFILL_TEST" --gtest_output=xml:"$OUT/gpu_tests_prefill.xml"
 echo "gpu prefill tests exit: $?"
+# kvcc validate through the device pool (its CPU tests run in CI; this one needs the GPU).
+"$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' --gtest_output=xml:"$OUT/gpu_tests_validate.xml"
+echo "gpu validate test exit: $?"
 if command -v compute-sanitizer >/dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer.txt" "$TEST" \
     --gtest_filter='GpuDecode.Int2MatchesReferenceGqa5OneSplit:GpuDecode.Bf16*:GpuAppend.Rotation*' >/dev/null

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `kvcc validate --cache runtime` on the GPU: builds kvcc and test_validate with CUDA, runs the
+# device-pool test (ValidateRuntime.DevicePoolMatchesHostPool: the GPU runtime's NLL/KL against
+# the host pool's on a synthetic d = 128 model), and, when a real model was carried to .device/
+# (.device/gutenberg-27m, or .device/gutenberg-27m.tar.xz to fit the device's 64 MiB carry, and
+# held-out documents as token ids, .device/gutenberg_heldout_half.ids: the device image has no
+# PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m oscar artifact unless ART is
+# set) on the GPU runtime, the CPU runtime and the codec path. Called by scripts/gpu_run.sh; alone:
+# usage: OUT=dir scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+  cmake --build "$BUILD" --target kvcc test_validate -j"$(nproc)" >/dev/null ||
+  { echo "validate BUILD FAILED"; exit 1; }
+echo "validate build: $(( $(date +%s) - t0 )) s"
+"$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.*' | tee "$OUT/validate_device_test.txt" |
+  grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) *\]|KL host'
+M=.device/gutenberg-27m
+[ -d "$M" ] || [ ! -f "$M.tar.xz" ] || tar -C .device -xJf "$M.tar.xz"
+if [ -d "$M" ]; then
+  IDS=${IDS:-.device/gutenberg_heldout_half.ids}
+  ART=${ART:-$(ls zoo/published/gutenberg-27m/oscar-*/artifact.*.kvcc.h5 | head -1)}
+  for run in "runtime gpu" "runtime cpu" "codec auto"; do
+    set -- $run
+    s=$(date +%s%N)
+    "$BUILD/cli/kvcc" validate --model "$M" -a "$ART" --ids "$IDS" --tokens "${TOKENS:-8192}" \
+      --sink 16 --recent 128 --page-size 64 --cache "$1" --device "$2" \
+      --json "$OUT/validate_$1_$2.json" > "$OUT/validate_$1_$2.txt" 2>&1
+    echo "validate --cache $1 --device $2: exit $?, $(( ($(date +%s%N) - s) / 1000000 )) ms wall"
+    tail -n 4 "$OUT/validate_$1_$2.txt"
+  done
+fi
