@@ -786,7 +786,11 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
 // out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
 // merge a quarter of the splits (all their loads in one round) and take a quarter of the
 // rotation's inputs per output channel, so few dependent loads are in series.
+// kChunk: splits per slice and round of loads; the launch picks the smallest that needs one round
+// (a chunk's loads and exponentials are issued whether or not its splits exist: 12 where 1 would
+// do cost 4–6 us at batch 32–64, 4K context, measured).
 constexpr int kMergeThreads = 4 * kD;
+template <int kChunk>
 __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
                                                               int total_splits, int n_heads, int r,
                                                               const float* rot_v_t, float* out) {
@@ -807,7 +811,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   // 4·kChunk splits), and keeps a running log-sum-exp; the 4 slices are combined at the end.
   // Every split wrote its partial (zeros where it saw no token), so only the count guards them.
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
-  constexpr int kChunk = 12;
   float m_run = -INFINITY, l_run = 0.0f, acc = 0.0f;
   for (int s0 = slice; s0 < total_splits; s0 += 4 * kChunk) {
     float m[kChunk], l[kChunk], o[kChunk];
@@ -932,8 +935,8 @@ constexpr int kFewPairs = 48;
 // measured on the H200 (docs/runtime.md, tuning log), with many pairs: 4 waves of resident CTAs
 // of the wide-ring kernel if that leaves splits of >= 24 pages, else 2 waves if >= 48 pages (more
 // waves balance the tail; too short splits pay each CTA's fixed cost too often). Otherwise (few
-// pairs or short contexts) fewer, longer CTAs of the deep-ring kernel: 2 per SM, at least
-// min_units pages per split so that no warp of a CTA idles. (Batch 8 at 64K / 128K and batch 32
+// pairs or short contexts) fewer, longer CTAs (the deep-ring build unless the splits are short,
+// below): 2 per SM, at least min_units pages per split so that no warp of a CTA idles. (Batch 8 at 64K / 128K and batch 32
 // at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4; batch 8 at 16K: 44 us with
 // 2 per SM, 47 with 2 waves, 50 with 4.)
 struct Waves {
@@ -1053,9 +1056,9 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
   }
   if (stages & 4) {
     const cudaLaunchConfig_t c = config(dim3(a.n_heads, batch), kMergeThreads, 0);
-    check_cuda(cudaLaunchKernelEx(&c, merge_splits, static_cast<const float*>(a.part_o),
-                                  static_cast<const float*>(a.part_ml), a.n_kv, plan.total, a.n_heads,
-                                  a.group_heads, rot_v_t, out),
+    const auto merge = plan.total <= 4 ? merge_splits<1> : plan.total <= 16 ? merge_splits<4> : merge_splits<12>;
+    check_cuda(cudaLaunchKernelEx(&c, merge, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
+                                  a.n_kv, plan.total, a.n_heads, a.group_heads, rot_v_t, out),
                "decode (CUDA) merge launch");
   }
   check_cuda(cudaGetLastError(), "decode (CUDA) launch");
