@@ -241,8 +241,8 @@ __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, in
 }
 
 // One bulk copy (the TMA unit) of `bytes` into shared memory, completing on mbarrier `bar`: one
-// instruction of one lane per page instead of 9 cp.async per lane (measured 1–2% faster at
-// large batch).
+// instruction of one lane per page instead of 9 cp.async per lane (measured 0.5–1% faster at
+// >= 32K context, 0.4–1.5% slower at 4K, same run).
 __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
   const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem)), b = uint32_t(__cvta_generic_to_shared(bar));
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's earlier reads come first
@@ -255,7 +255,8 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int n, int lane) {
   if (lane == 0)
     for (int i = 0; i < n; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i))));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i)))
+                   : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy unit
   __syncwarp();
 }
@@ -777,7 +778,7 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
 }
 
 // out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
-// merge a quarter of the splits (all their loads in one round) and take a quarter of the
+// merge a quarter of the splits (their loads in one round for up to 4·kChunk splits) and take a quarter of the
 // rotation's inputs per output channel, so few dependent loads are in series.
 // kChunk: splits per slice and round of loads; the launch picks the smallest that needs one round
 // (a chunk's loads and exponentials are issued whether or not its splits exist: 12 where 1 would
@@ -929,9 +930,9 @@ constexpr int kFewPairs = 48;
 // of the wide-ring kernel if that leaves splits of >= 24 pages, else 2 waves if >= 48 pages (more
 // waves balance the tail; too short splits pay each CTA's fixed cost too often). Otherwise (few
 // pairs or short contexts) fewer, longer CTAs (the deep-ring build unless the splits are short,
-// below): 2 per SM, at least min_units pages per split so that no warp of a CTA idles. (Batch 8 at 64K / 128K and batch 32
-// at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4; batch 8 at 16K: 44 us with
-// 2 per SM, 47 with 2 waves, 50 with 4.)
+// below): 2 per SM, at least min_units pages per split so that no warp of a CTA idles. (Batch 8
+// at 64K / 128K and batch 32 at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4;
+// batch 8 at 16K: 44 us with 2 per SM, 47 with 2 waves, 50 with 4.)
 struct Waves {
   int waves, min_pages;
 };
@@ -958,8 +959,9 @@ SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int w
   const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
   SplitPlan p = plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
   // Short splits (<= 4 pages per warp) gain more from the wide build's lighter warps than from a
-  // deeper prefetch: batch 1 at 32K (15-page splits) 18.7 vs 19.5 us; at 128K (62-page splits)
-  // 46.2 vs 45.0, batch 8 at 16K / 32K (52 / 103 pages) 52.1 / 89.6 vs 43.7 / 71.4.
+  // deeper prefetch: batch 1 at 32K (16-page splits) 18.7 vs 19.5 us; at 128K (62-page splits)
+  // 46.2 vs 45.0, batch 8 at 16K / 32K (52 / 103 pages) 52.1 / 89.6 vs 43.7 / 71.4. (Splits of
+  // 17–61 pages were not measured.)
   p.ring = ring > 0 ? ring : p.units_per_split <= 4 * kWarps ? kRingWide : kRingDeep;
   return p;
 }

@@ -52,64 +52,51 @@ void add_bias(S* y, int T, int n, const std::vector<S>& bias) {
     for (int i = 0; i < n; ++i) y[size_t(t) * n + i] += bias[i];
 }
 
-std::vector<float> load_checked(const ModelFile& model, const std::string& name, size_t numel) {
+template <typename S>
+std::vector<S> load_checked(const ModelFile& model, const std::string& name, size_t numel) {
   std::vector<float> v = model.tensor_f32(name);
   require(v.size() == numel, model.path() + ": tensor " + name + " has " + std::to_string(v.size()) +
                                  " elements, expected " + std::to_string(numel));
-  return v;
+  if constexpr (std::is_same_v<S, float>)
+    return v;
+  else
+    return std::vector<S>(v.begin(), v.end());
 }
-
-std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
 
 }  // namespace
 
-LayerWeights load_layer(const ModelFile& model, int layer) {
+template <typename S>
+BasicLayerWeights<S> load_layer(const ModelFile& model, int layer) {
   const ModelConfig& c = model.config();
   require(layer >= 0 && layer < c.n_layers,
           "layer " + std::to_string(layer) + " out of range (model has " + std::to_string(c.n_layers) + ")");
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const size_t hidden = size_t(c.hidden), qdim = size_t(c.n_heads) * c.head_dim,
                kvdim = size_t(c.n_kv_heads) * c.head_dim, inter = size_t(c.intermediate);
-  LayerWeights w;
-  w.attn_norm = load_checked(model, p + "input_layernorm.weight", hidden);
-  w.wq = load_checked(model, p + "self_attn.q_proj.weight", qdim * hidden);
-  w.wk = load_checked(model, p + "self_attn.k_proj.weight", kvdim * hidden);
-  w.wv = load_checked(model, p + "self_attn.v_proj.weight", kvdim * hidden);
-  w.wo = load_checked(model, p + "self_attn.o_proj.weight", hidden * qdim);
+  auto load = [&](const std::string& name, size_t numel) { return load_checked<S>(model, p + name, numel); };
+  BasicLayerWeights<S> w;
+  w.attn_norm = load("input_layernorm.weight", hidden);
+  w.wq = load("self_attn.q_proj.weight", qdim * hidden);
+  w.wk = load("self_attn.k_proj.weight", kvdim * hidden);
+  w.wv = load("self_attn.v_proj.weight", kvdim * hidden);
+  w.wo = load("self_attn.o_proj.weight", hidden * qdim);
   if (c.qkv_bias) {
-    w.bq = load_checked(model, p + "self_attn.q_proj.bias", qdim);
-    w.bk = load_checked(model, p + "self_attn.k_proj.bias", kvdim);
-    w.bv = load_checked(model, p + "self_attn.v_proj.bias", kvdim);
+    w.bq = load("self_attn.q_proj.bias", qdim);
+    w.bk = load("self_attn.k_proj.bias", kvdim);
+    w.bv = load("self_attn.v_proj.bias", kvdim);
   }
   if (c.qk_norm) {
-    w.q_norm = load_checked(model, p + "self_attn.q_norm.weight", size_t(c.head_dim));
-    w.k_norm = load_checked(model, p + "self_attn.k_norm.weight", size_t(c.head_dim));
+    w.q_norm = load("self_attn.q_norm.weight", size_t(c.head_dim));
+    w.k_norm = load("self_attn.k_norm.weight", size_t(c.head_dim));
   }
-  w.mlp_norm = load_checked(model, p + "post_attention_layernorm.weight", hidden);
-  w.w_gate = load_checked(model, p + "mlp.gate_proj.weight", inter * hidden);
-  w.w_up = load_checked(model, p + "mlp.up_proj.weight", inter * hidden);
-  w.w_down = load_checked(model, p + "mlp.down_proj.weight", hidden * inter);
+  w.mlp_norm = load("post_attention_layernorm.weight", hidden);
+  w.w_gate = load("mlp.gate_proj.weight", inter * hidden);
+  w.w_up = load("mlp.up_proj.weight", inter * hidden);
+  w.w_down = load("mlp.down_proj.weight", hidden * inter);
   return w;
 }
-
-BasicLayerWeights<double> to_double(const LayerWeights& w) {
-  BasicLayerWeights<double> d;
-  d.attn_norm = widen(w.attn_norm);
-  d.wq = widen(w.wq);
-  d.wk = widen(w.wk);
-  d.wv = widen(w.wv);
-  d.wo = widen(w.wo);
-  d.bq = widen(w.bq);
-  d.bk = widen(w.bk);
-  d.bv = widen(w.bv);
-  d.q_norm = widen(w.q_norm);
-  d.k_norm = widen(w.k_norm);
-  d.mlp_norm = widen(w.mlp_norm);
-  d.w_gate = widen(w.w_gate);
-  d.w_up = widen(w.w_up);
-  d.w_down = widen(w.w_down);
-  return d;
-}
+template BasicLayerWeights<float> load_layer<float>(const ModelFile&, int);
+template BasicLayerWeights<double> load_layer<double>(const ModelFile&, int);
 
 template <typename S>
 void apply_rope(const ModelConfig& c, S* x, int T, int n_heads, int pos0) {
@@ -283,8 +270,7 @@ void final_logits(const ModelFile& model, const S* x, int T, S* logits) {
   if (T <= 0) return;
   const ModelConfig& c = model.config();
   const int hidden = c.hidden, vocab = c.vocab;
-  const std::vector<float> norm_f = load_checked(model, "model.norm.weight", size_t(hidden));
-  const std::vector<S> norm(norm_f.begin(), norm_f.end());
+  const std::vector<S> norm = load_checked<S>(model, "model.norm.weight", size_t(hidden));
   std::vector<S> xn(size_t(T) * hidden);
   rms_norm(x, T, hidden, hidden, norm.data(), c.rms_eps, xn.data(), hidden);
   const std::string head = c.tied_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";

@@ -25,8 +25,9 @@ struct BasicLayerWeights {
   std::vector<Scalar> w_gate, w_up, w_down;       // [inter, hidden] x2, [hidden, inter]
 };
 using LayerWeights = BasicLayerWeights<float>;
-LayerWeights load_layer(const ModelFile&, int layer);
-BasicLayerWeights<double> to_double(const LayerWeights&);  // exact: every float is a double
+// One layer's weights as float, or widened to double (exactly: every float is a double).
+template <typename Scalar = float>
+BasicLayerWeights<Scalar> load_layer(const ModelFile&, int layer);
 
 // The functions below are defined for Scalar = float and double. Both run the same operations
 // (cblas_sgemm / cblas_dgemm, softmax and norms in the same order); double differs only in the

@@ -95,6 +95,14 @@ struct Runtime::DeviceState {
 struct Runtime::DeviceState {};
 #endif
 
+std::string device_scope_problem(const KvGeometry& g) {
+  if (g.head_dim != 128) return "head_dim " + std::to_string(g.head_dim) + " (the kernels need 128)";
+  if (g.group != g.head_dim) return "group " + std::to_string(g.group) + " (the kernels need group = head_dim)";
+  if (g.page_tokens != 64) return "page size " + std::to_string(g.page_tokens) + " (the kernels need 64)";
+  if (g.n_kv_heads > 64) return std::to_string(g.n_kv_heads) + " KV heads (the kernels take <= 64)";
+  return "";
+}
+
 Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& o) : engine_(e), options_(o) {
   check_artifact_for_engine(a, e);
   KvGeometry g;
@@ -105,6 +113,10 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   g.page_tokens = a.recipe.page_size;
   g.sink = a.recipe.sink;
   g.recent = a.recipe.recent;
+  if (o.memory == PoolMemory::Device) {
+    const std::string scope = device_scope_problem(g);
+    require(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
+  }
   cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);

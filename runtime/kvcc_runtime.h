@@ -78,4 +78,11 @@ class Runtime {
 // the first mismatch.
 void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engine);
 
+// Why the device pool's append and prefill kernels cannot serve this cache geometry, or "" when
+// they can: they need head_dim 128, one (scale, zero) group per row, 64-token pages and <= 64 KV
+// heads (runtime/kv_kernels.h). Decode also needs the sink and recent windows in multiples of 16
+// tokens, checked when it is called. A Runtime with a device pool refuses a geometry outside this
+// scope; `kvcc validate --device auto` falls back to the host pool.
+std::string device_scope_problem(const KvGeometry& g);
+
 }  // namespace kvcc

@@ -70,20 +70,6 @@ bool cuda_device_present() {
 #endif
 }
 
-namespace {
-// Why the CUDA append / prefill kernels cannot serve this shape ("" when they can): their scope
-// (docs/runtime.md). Checked up front so that `auto` can pick the host pool instead of failing
-// mid-run.
-std::string gpu_scope_problem(const Artifact& a) {
-  const int group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
-  if (a.head_dim != 128) return "head_dim " + std::to_string(a.head_dim) + " (the kernels need 128)";
-  if (group != a.head_dim) return "group " + std::to_string(group) + " (the kernels need group = head_dim)";
-  if (a.recipe.page_size != 64) return "page size " + std::to_string(a.recipe.page_size) + " (the kernels need 64)";
-  if (a.n_kv_heads > 64) return std::to_string(a.n_kv_heads) + " KV heads (the kernels take <= 64)";
-  return "";
-}
-}  // namespace
-
 CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::string& name,
                                          const ModelConfig& config, ValidateDevice device) {
   CacheScheme s;
@@ -94,15 +80,17 @@ CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::st
   s.artifact = &artifact;
   s.cache = ValidateCache::Runtime;
   const EngineShape engine{config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim};
+  std::string scope;  // why the device pool cannot serve it: checked up front, so that `auto` can
+                      // pick the host pool instead of failing mid-run
   try {
     // A host runtime with no pages checks everything the real one will: method, bits, group,
     // shapes, and the windows the cache accepts (pages of a multiple of 16 tokens, ring >= page).
     Runtime probe(artifact, engine, RuntimeOptions{0, 1, PoolMemory::Host, 0.0f});
+    scope = device_scope_problem(probe.geometry());
   } catch (const Error& e) {
     throw Error("artifact " + name + " cannot be validated through the runtime (--cache runtime): " + e.what() +
                 "; use --cache codec");
   }
-  const std::string scope = gpu_scope_problem(artifact);
   switch (device) {
     case ValidateDevice::Cpu:
       s.pool = PoolMemory::Host;
@@ -400,12 +388,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
                    std::vector<std::vector<DocumentMetrics>>& per_doc, const std::vector<RuntimeRun*>& runtimes) {
   const ModelConfig& c = model.config();
   std::vector<BasicLayerWeights<S>> weights;
-  for (int l = 0; l < c.n_layers; ++l) {
-    if constexpr (std::is_same_v<S, float>)
-      weights.push_back(load_layer(model, l));
-    else
-      weights.push_back(to_double(load_layer(model, l)));
-  }
+  for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<S>(model, l));
   const int hidden = c.hidden, V = c.vocab;
   const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
   const size_t R = runs.size();

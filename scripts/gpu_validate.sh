@@ -4,8 +4,9 @@
 # the host pool's on a synthetic d = 128 model), and, when a real model was carried to .device/
 # (.device/gutenberg-27m, or .device/gutenberg-27m.tar.xz to fit the device's 64 MiB carry, and
 # held-out documents as token ids, .device/gutenberg_heldout_half.ids: the device image has no
-# PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m oscar artifact unless ART is
-# set) on the GPU runtime, the CPU runtime and the codec path. Called by scripts/gpu_run.sh; alone:
+# PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m
+# oscar artifact unless ART is set) on the GPU runtime, the CPU runtime and the codec path.
+# (scripts/gpu_run.sh runs the device-pool test only.)
 # usage: OUT=dir scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,8 @@ mkdir -p "$OUT"
 BUILD=${BUILD:-build-gpu}
 t0=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-  cmake --build "$BUILD" --target kvcc test_validate -j"$(nproc)" >/dev/null ||
-  { echo "validate BUILD FAILED"; exit 1; }
+  cmake --build "$BUILD" --target kvcc test_validate -j"$(nproc)" >"$OUT/validate_build.txt" 2>&1 ||
+  { echo "validate BUILD FAILED (see $OUT/validate_build.txt)"; tail -20 "$OUT/validate_build.txt"; exit 1; }
 echo "validate build: $(( $(date +%s) - t0 )) s"
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.*' | tee "$OUT/validate_device_test.txt" |
   grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) *\]|KL host'

@@ -36,7 +36,7 @@ std::vector<S> model_logits(const ModelFile& model, const std::vector<int32_t>& 
     if constexpr (std::is_same_v<S, float>)
       layer_forward(c, load_layer(model, l), l, 0, x.data(), T);
     else
-      layer_forward(c, to_double(load_layer(model, l)), l, 0, x.data(), T);
+      layer_forward(c, load_layer<double>(model, l), l, 0, x.data(), T);
   }
   std::vector<S> logits(size_t(T) * c.vocab);
   final_logits(model, x.data(), T, logits.data());

@@ -279,6 +279,9 @@ TEST(GpuDecode, Int2MatchesReferenceGqa5OneSplit) { run_decode_check(20, 1); }
 TEST(GpuDecode, Int2MatchesReferenceWideRing) { run_decode_check(20, 64, 2); }
 TEST(GpuDecode, Int2LevelTableMatchesReference) { run_decode_check(16, 0, 0, true); }
 TEST(GpuDecode, Int2LevelTableMatchesReferenceWideRing) { run_decode_check(20, 64, 2, true); }
+// The default plan of these few short splits is the 2-stage ring; the 3-stage one, forced:
+TEST(GpuDecode, Int2MatchesReferenceDeepRing) { run_decode_check(16, 0, 3); }
+TEST(GpuDecode, Int2LevelTableMatchesReferenceDeepRing) { run_decode_check(16, 0, 3, true); }
 
 TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const int H = 2, n_heads = 10, P = 64, d = 128;

@@ -112,6 +112,39 @@ TEST(CacheRuntime, RefusesMismatchedShapesByName) {
   EXPECT_THROW(Runtime(kivi, EngineShape{kLayers, kHeads, kKv, kD}, host_options()), Error);
 }
 
+// The device pool's scope is checked when the Runtime is made (before any device memory), and
+// every rule names its field; the in-scope geometry passes.
+TEST(CacheRuntime, DeviceScopeNamesWhatIsOutside) {
+  KvGeometry g;
+  g.n_layers = 2;
+  g.n_kv_heads = 8;
+  g.head_dim = g.group = 128;
+  g.page_tokens = 64;
+  g.sink = 4;  // any windows: decode checks its multiples of 16 itself
+  g.recent = 96;
+  EXPECT_EQ(device_scope_problem(g), "");
+  struct Case {
+    void (*edit)(KvGeometry&);
+    const char* what;
+  } cases[] = {{[](KvGeometry& x) { x.head_dim = x.group = 64; }, "head_dim 64"},
+               {[](KvGeometry& x) { x.group = 32; }, "group 32"},
+               {[](KvGeometry& x) { x.page_tokens = 32; }, "page size 32"},
+               {[](KvGeometry& x) { x.n_kv_heads = 72; }, "72 KV heads"}};
+  for (const Case& c : cases) {
+    KvGeometry x = g;
+    c.edit(x);
+    EXPECT_NE(device_scope_problem(x).find(c.what), std::string::npos) << device_scope_problem(x);
+  }
+  RuntimeOptions device = host_options();
+  device.memory = PoolMemory::Device;
+  try {
+    Runtime(make_artifact(), EngineShape{kLayers, kHeads, kKv, kD}, device);
+    ADD_FAILURE() << "a device pool accepted head_dim " << kD;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim 32"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
   const Artifact art = make_artifact();
   auto rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());

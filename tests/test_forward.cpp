@@ -243,7 +243,7 @@ TEST(Forward, DoubleForwardRefusesObserver) {
     void on_qkv(const SequenceTaps&) override {}
     void on_probs(const SequenceTaps&, int, const float*, const float*) override {}
   } noop;
-  EXPECT_THROW(layer_forward(c, to_double(load_layer(model, 0)), 0, 0, x.data(), T, &noop), Error);
+  EXPECT_THROW(layer_forward(c, load_layer<double>(model, 0), 0, 0, x.data(), T, &noop), Error);
 }
 
 // Queries and keys at positions pos0.. equal the corresponding rows of a run from position 0.
