@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/tokenizer_impl.h"
 
@@ -136,6 +137,25 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
     add(begin, hit);
   add(begin, text.size());
   return documents;
+}
+
+std::vector<std::vector<int32_t>> encode_documents(const Tokenizer& tokenizer, const std::string& text,
+                                                   const std::string& separator, bool add_bos) {
+  std::vector<std::vector<int32_t>> out;
+  for (const std::string& doc : split_documents(text, separator)) out.push_back(tokenizer.encode(doc, add_bos));
+  return out;
+}
+
+void write_token_id_file(const std::string& path, const std::vector<std::vector<int32_t>>& documents) {
+  std::string text;
+  for (const auto& doc : documents) {
+    for (size_t i = 0; i < doc.size(); ++i) {
+      if (i) text += ' ';
+      text += std::to_string(doc[i]);
+    }
+    text += '\n';
+  }
+  write_bytes_atomically(path, text);
 }
 
 std::vector<std::vector<int32_t>> read_token_id_file(const std::string& path) {

@@ -34,7 +34,14 @@ class Tokenizer {
 std::vector<std::string> split_documents(const std::string& text,
                                          const std::string& separator = "<|endoftext|>");
 
+// The documents of a text (split_documents), each encoded (add_bos as Tokenizer::encode says):
+// what calibrate-model and validate read from --data.
+std::vector<std::vector<int32_t>> encode_documents(const Tokenizer& tokenizer, const std::string& text,
+                                                   const std::string& separator, bool add_bos);
+
 // Reads a pre-tokenized file: whitespace-separated decimal ids, one document per line.
 std::vector<std::vector<int32_t>> read_token_id_file(const std::string& path);
+// Writes one: the format read_token_id_file reads (atomically: formats/atomic_file.h).
+void write_token_id_file(const std::string& path, const std::vector<std::vector<int32_t>>& documents);
 
 }  // namespace kvcc

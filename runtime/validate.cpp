@@ -614,10 +614,7 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
     std::stringstream ss;
     ss << in.rdbuf();
     const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, data.tokenizer_path);
-    for (const std::string& text : split_documents(ss.str(), data.separator)) {
-      if (text.find_first_not_of(" \t\r\n") == std::string::npos) continue;
-      docs.push_back(tok->encode(text, c.add_bos));
-    }
+    docs = encode_documents(*tok, ss.str(), data.separator, c.add_bos);
   }
   const int max_len = data.max_seq_len > 0 ? data.max_seq_len
                                            : (c.max_position > 0 ? std::min(c.max_position, 2048) : 2048);

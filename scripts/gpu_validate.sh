@@ -3,8 +3,8 @@
 # device-pool test (ValidateRuntime.DevicePoolMatchesHostPool: the GPU runtime's NLL/KL against
 # the host pool's on a synthetic d = 128 model), and, when a real model was carried to .device/
 # (.device/gutenberg-27m, or .device/gutenberg-27m.tar.xz to fit the device's 64 MiB carry, and
-# held-out documents as token ids, .device/gutenberg_heldout_half.ids: the device image has no
-# PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m
+# held-out documents as token ids, .device/gutenberg_heldout_half.ids from `kvcc tokenize`: the
+# device image has no PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m
 # oscar artifact unless ART is set) on the GPU runtime, the CPU runtime and the codec path.
 # (scripts/gpu_run.sh runs the device-pool test only.)
 # usage: OUT=dir scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)

@@ -194,6 +194,40 @@ TEST_F(FormatsCli, BadFilesGiveOneLineErrors) {
 namespace kvcc {
 namespace {
 
+// `kvcc tokenize` writes what validate reads from --data: the same validation from the ids file
+// and from the text gives the same numbers; a missing text is a one-line error and writes nothing.
+TEST(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
+  const std::string model = std::string(KVCC_SHARED_DIR) + "/models/tinystories-656k";
+  const std::string text = std::string(KVCC_SHARED_DIR) + "/text/tinystories_valid_100.txt";
+  if (!testing::file_exists(model + "/model.safetensors") || !testing::file_exists(text))
+    GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
+  if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
+  testing::ScratchDir dir;
+  RunResult r = run_kvcc(dir, "tokenize --model " + model + " --data " + text + " -o " + dir.file("t.ids"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("100 documents"), std::string::npos) << r.out;
+  // A 2-bit artifact compiled here from a short calibration (the zoo's may change).
+  ASSERT_EQ(run_kvcc(dir, "calibrate-model --model " + model + " --data " + text + " --tokens 3000 -o " +
+                              dir.file("s.h5")).exit_code, 0);
+  ASSERT_EQ(run_kvcc(dir, "compile " + dir.file("s.h5") + " -m hadamard -o " + dir.file("a.kvcc.h5")).exit_code, 0);
+  const std::string common = " --model " + model + " -a " + dir.file("a.kvcc.h5") +
+                             " --tokens 1500 --sink 4 --recent 32 --page-size 32 --json ";
+  ASSERT_EQ(run_kvcc(dir, "validate" + common + dir.file("text.json") + " --data " + text).exit_code, 0);
+  ASSERT_EQ(run_kvcc(dir, "validate" + common + dir.file("ids.json") + " --ids " + dir.file("t.ids")).exit_code, 0);
+  const auto a = nlohmann::json::parse(testing::read_bytes(dir.file("text.json")));
+  const auto b = nlohmann::json::parse(testing::read_bytes(dir.file("ids.json")));
+  EXPECT_EQ(a["tokens"], b["tokens"]);
+  EXPECT_EQ(a["doc_lengths"], b["doc_lengths"]);
+  EXPECT_GT(a["tokens"].get<int>(), 1000);
+  EXPECT_EQ(a["schemes"][0]["nll"], b["schemes"][0]["nll"]);
+  EXPECT_EQ(a["schemes"][0]["kl"], b["schemes"][0]["kl"]);
+  EXPECT_GT(a["schemes"][0]["kl"].get<double>(), 0.0);
+  expect_one_line_error(run_kvcc(dir, "tokenize --model " + model + " --data " + dir.file("none.txt") + " -o " +
+                                          dir.file("n.ids")),
+                        "none.txt");
+  EXPECT_FALSE(testing::file_exists(dir.file("n.ids")));
+}
+
 // End to end on a real model: calibrating two document shards and merging them equals one run
 // over all documents (sums up to float64 rounding, reservoirs exactly), the contract that lets
 // calibration scale out.

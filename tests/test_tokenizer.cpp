@@ -249,6 +249,27 @@ TEST(Tokenizer, EmptyTextGivesNothingOrBos) {
   }
 }
 
+// The --ids file format: what write_token_id_file writes, read_token_id_file reads back unchanged;
+// encode_documents is split_documents then encode, document by document.
+TEST(Tokenizer, TokenIdFilesRoundTripAndEncodeDocumentsSplitsFirst) {
+  const std::vector<std::vector<int32_t>> docs = {{1, 2, 3}, {2147483647}, {0, 40, 7, 7, 99999}};
+  const std::string path = (fs::temp_directory_path() / ("kvcc_ids_" + std::to_string(::getpid()) + ".txt")).string();
+  kvcc::write_token_id_file(path, docs);
+  EXPECT_EQ(kvcc::read_token_id_file(path), docs);
+  std::ifstream in(path);
+  std::string first;
+  std::getline(in, first);
+  EXPECT_EQ(first, "1 2 3");
+  fs::remove(path);
+  SKIP_WITHOUT_SHARED();
+  auto tok = kvcc::Tokenizer::from_file(kTinyStoriesModel + "/tokenizer.json");
+  const std::string text = "Once upon a time.\n<|endoftext|>\n  \n<|endoftext|>Tom ran home. ";
+  const auto got = kvcc::encode_documents(*tok, text, "<|endoftext|>", true);
+  ASSERT_EQ(got.size(), 2u);  // the whitespace-only document is dropped
+  EXPECT_EQ(got[0], tok->encode("Once upon a time.", true));
+  EXPECT_EQ(got[1], tok->encode("Tom ran home.", true));
+}
+
 TEST(Tokenizer, SpecialTokensAreMatchedBeforeSplittingAndSkippedWhenDecoding) {
   SKIP_WITHOUT_SHARED();
   auto tok = kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json");
