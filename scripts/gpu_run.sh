@@ -2,8 +2,11 @@
 # One GPU session: build the CUDA targets, run the GPU tests (decode/append, prefill and the
 # validation's device pool, plus compute-sanitizer on a subset), run the decode/append and
 # prefill benchmarks and PyTorch SDPA on the decode shapes, and write
-# $OUT/gpu_results.json and $OUT/gpu_results.md (scripts/gpu_report.py).
-# usage: OUT=dir scripts/gpu_run.sh [quick]
+# $OUT/gpu_results.json and $OUT/gpu_results.md (scripts/gpu_report.py), and everything in one
+# $OUT/gpu_out.tgz (the device tool returns at most 8 files).
+# BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same session
+# (scripts/gpu_perf.sh) and adds its column and ratios to the report.
+# usage: OUT=dir [BEFORE=old_decode.cu] scripts/gpu_run.sh [quick]
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -58,5 +61,13 @@ for st in 2 1 4; do
 done
 PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30
 echo "bench_sdpa exit: $?"
-python3 scripts/gpu_report.py "$OUT"
+REPORT_ARGS=()
+if [ -n "${BEFORE:-}" ]; then
+  OUT=$OUT/before BUILD=build-gpu-perf BEFORE=$BEFORE ROUNDS=1 NO_SDPA=1 CONFIGS=$CONFIGS scripts/gpu_perf.sh before: >/dev/null 2>&1
+  echo "before ($BEFORE) exit: $?"
+  REPORT_ARGS=(--before before/perf_before_r1.jsonl)
+fi
+python3 scripts/gpu_report.py "$OUT" "${REPORT_ARGS[@]}"
 echo "total: $(( $(date +%s) - t0 )) s"
+# (the log is still being written: tar's "file changed" warning is expected)
+tar czf /tmp/gpu_out.tgz --warning=no-file-changed -C "$OUT" . ; mv /tmp/gpu_out.tgz "$OUT/gpu_out.tgz"
