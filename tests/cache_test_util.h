@@ -10,26 +10,15 @@
 #include <vector>
 
 #include "formats/kv_layout.h"
+#include "formats_test_util.h"
 
 namespace kvcc::testing {
 
-// heads orthogonal [d, d] matrices (Gram-Schmidt of Gaussian matrices), row-major, float64.
+// heads orthogonal [d, d] matrices (formats_test_util.h's, one after another), row-major, float64.
 inline std::vector<double> random_orthogonal(int heads, int d, std::mt19937& rng) {
-  std::normal_distribution<double> nd;
   std::vector<double> out;
   for (int h = 0; h < heads; ++h) {
-    std::vector<double> m(size_t(d) * d);
-    for (auto& x : m) x = nd(rng);
-    for (int j = 0; j < d; ++j) {
-      for (int k = 0; k < j; ++k) {
-        double dot = 0;
-        for (int i = 0; i < d; ++i) dot += m[size_t(i) * d + j] * m[size_t(i) * d + k];
-        for (int i = 0; i < d; ++i) m[size_t(i) * d + j] -= dot * m[size_t(i) * d + k];
-      }
-      double nrm = 0;
-      for (int i = 0; i < d; ++i) nrm += m[size_t(i) * d + j] * m[size_t(i) * d + j];
-      for (int i = 0; i < d; ++i) m[size_t(i) * d + j] /= std::sqrt(nrm);
-    }
+    const std::vector<double> m = random_orthogonal(d, rng);
     out.insert(out.end(), m.begin(), m.end());
   }
   return out;

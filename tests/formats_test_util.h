@@ -201,7 +201,8 @@ inline RandomStats random_stats(const ModelConfig& c, const ModelFingerprint& fp
 }
 
 // A random orthogonal matrix (Gram-Schmidt on Gaussian columns), row-major [d, d].
-inline std::vector<double> random_orthogonal(int d, std::mt19937_64& rng) {
+template <typename Rng>
+std::vector<double> random_orthogonal(int d, Rng& rng) {
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> m(size_t(d * d));
   for (auto& x : m) x = normal(rng);

@@ -15,6 +15,7 @@
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
+#include "cache_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -31,27 +32,7 @@ KvGeometry small_geometry(int d = 32, int group = 32) {
   return g;
 }
 
-// Random orthogonal d×d (Gram–Schmidt on Gaussian columns), per head, row-major float.
-std::vector<float> random_rotations(int heads, int d, std::mt19937& rng) {
-  std::normal_distribution<double> nd;
-  std::vector<float> out;
-  for (int h = 0; h < heads; ++h) {
-    std::vector<double> m(size_t(d * d));
-    for (auto& x : m) x = nd(rng);
-    for (int j = 0; j < d; ++j) {  // columns
-      for (int k = 0; k < j; ++k) {
-        double dot = 0;
-        for (int i = 0; i < d; ++i) dot += m[size_t(i * d + j)] * m[size_t(i * d + k)];
-        for (int i = 0; i < d; ++i) m[size_t(i * d + j)] -= dot * m[size_t(i * d + k)];
-      }
-      double nrm = 0;
-      for (int i = 0; i < d; ++i) nrm += m[size_t(i * d + j)] * m[size_t(i * d + j)];
-      for (int i = 0; i < d; ++i) m[size_t(i * d + j)] /= std::sqrt(nrm);
-    }
-    for (double x : m) out.push_back(float(x));
-  }
-  return out;
-}
+using testing::random_rotations;
 
 // What one (layer, head) of one sequence should hold, simulated token by token: every token's
 // rotated BF16 row, and for each token whether it was quantised (and its decoded values).
