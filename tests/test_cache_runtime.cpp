@@ -65,23 +65,6 @@ std::string artifact_path() {
   return path;
 }
 
-// The artifact's parameters as the reference kernels take them: rotations [layers * n_kv, d, d]
-// and codecs [layers * n_kv].
-void reference_params(const Artifact& art, std::vector<float>& rk, std::vector<float>& rv,
-                      std::vector<HeadCodec>& codecs) {
-  rk.assign(size_t(kLayers) * kKv * kD * kD, 0.0f);
-  rv.assign(rk.size(), 0.0f);
-  codecs.assign(size_t(kLayers) * kKv, HeadCodec{});
-  for (size_t i = 0; i < art.heads.size(); ++i) {
-    for (size_t e = 0; e < size_t(kD) * kD; ++e) {
-      rk[i * kD * kD + e] = float(art.heads[i].key.rotation[e]);
-      rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
-    }
-    codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
-    codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
-  }
-}
-
 RuntimeOptions host_options() {
   RuntimeOptions o;
   o.max_pages = 32;
@@ -89,6 +72,36 @@ RuntimeOptions host_options() {
   o.memory = PoolMemory::Host;
   return o;
 }
+
+// The test artifact loaded as a Runtime and, beside it, a plain host cache driven by the
+// reference kernels with the artifact's parameters converted here (rotations [layers * n_kv, d, d],
+// codecs [layers * n_kv]); sequences a and b added to both.
+class RuntimeAndReference : public ::testing::Test {
+ protected:
+  std::unique_ptr<Runtime> rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+  KvCache ref{KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host}};
+  std::vector<float> rk, rv;
+  std::vector<HeadCodec> codecs;
+  int a = -1, b = -1;
+  RuntimeAndReference() {
+    const Artifact art = make_artifact();
+    rk.assign(size_t(kLayers) * kKv * kD * kD, 0.0f);
+    rv.assign(rk.size(), 0.0f);
+    codecs.assign(size_t(kLayers) * kKv, HeadCodec{});
+    for (size_t i = 0; i < art.heads.size(); ++i) {
+      for (size_t e = 0; e < size_t(kD) * kD; ++e) {
+        rk[i * kD * kD + e] = float(art.heads[i].key.rotation[e]);
+        rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
+      }
+      codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
+      codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
+    }
+    a = rt->cache().add_sequence();
+    b = rt->cache().add_sequence();
+    ref.add_sequence();
+    ref.add_sequence();
+  }
+};
 
 TEST(CacheRuntime, RefusesMismatchedShapesByName) {
   const std::string path = artifact_path();
@@ -145,22 +158,12 @@ TEST(CacheRuntime, DeviceScopeNamesWhatIsOutside) {
   }
 }
 
-TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
-  const Artifact art = make_artifact();
-  auto rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+TEST_F(RuntimeAndReference, UsesTheArtifactsRotationsAndClipRatios) {
   EXPECT_EQ(rt->geometry().sink, 8);
   EXPECT_EQ(rt->geometry().recent, 32);
   EXPECT_EQ(rt->geometry().page_tokens, 16);
   EXPECT_EQ(rt->geometry().group, kD);
-  // The same appends into a plain host cache through the reference kernels, with the artifact's
-  // parameters converted here.
-  KvCache ref(KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host});
-  std::vector<float> rk, rv;
-  std::vector<HeadCodec> codecs;
-  reference_params(art, rk, rv, codecs);
-  const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
-  ref.add_sequence();
-  ref.add_sequence();
+  // The same appends into the reference cache.
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   for (const auto& counts : std::vector<std::vector<int>>{{20, 70}, {45, 1}, {1, 1}}) {
@@ -191,16 +194,7 @@ TEST(CacheRuntime, UsesTheArtifactsRotationsAndClipRatios) {
 
 // Prefill on a host pool is prefill_ref over the cache as it was before the step's tokens, whether
 // called before begin_append or inside the step (before that layer's append); misuse is refused.
-TEST(CacheRuntime, PrefillReadsTheCacheBeforeTheStep) {
-  const Artifact art = make_artifact();
-  auto rt = Runtime::load(artifact_path(), EngineShape{kLayers, kHeads, kKv, kD}, host_options());
-  KvCache ref(KvCacheConfig{rt->geometry(), 32, 4, PoolMemory::Host});
-  std::vector<float> rk, rv;
-  std::vector<HeadCodec> codecs;
-  reference_params(art, rk, rv, codecs);
-  const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
-  ref.add_sequence();
-  ref.add_sequence();
+TEST_F(RuntimeAndReference, PrefillReadsTheCacheBeforeTheStep) {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
   const float scale = 1.0f / std::sqrt(float(kD));
