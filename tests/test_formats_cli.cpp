@@ -194,15 +194,22 @@ TEST_F(FormatsCli, BadFilesGiveOneLineErrors) {
 namespace kvcc {
 namespace {
 
-// `kvcc tokenize` writes what validate reads from --data: the same validation from the ids file
-// and from the text gives the same numbers; a missing text is a one-line error and writes nothing.
-TEST(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
+// The subcommands on a real model (../shared: skipped when absent).
+class FormatsCliRealModel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!testing::file_exists(model + "/model.safetensors") || !testing::file_exists(text))
+      GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
+    if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
+  }
   const std::string model = std::string(KVCC_SHARED_DIR) + "/models/tinystories-656k";
   const std::string text = std::string(KVCC_SHARED_DIR) + "/text/tinystories_valid_100.txt";
-  if (!testing::file_exists(model + "/model.safetensors") || !testing::file_exists(text))
-    GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
-  if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
   testing::ScratchDir dir;
+};
+
+// `kvcc tokenize` writes what validate reads from --data: the same validation from the ids file
+// and from the text gives the same numbers; a missing text is a one-line error and writes nothing.
+TEST_F(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
   RunResult r = run_kvcc(dir, "tokenize --model " + model + " --data " + text + " -o " + dir.file("t.ids"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("100 documents"), std::string::npos) << r.out;
@@ -231,19 +238,9 @@ TEST(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
 // End to end on a real model: calibrating two document shards and merging them equals one run
 // over all documents (sums up to float64 rounding, reservoirs exactly), the contract that lets
 // calibration scale out.
-TEST(FormatsCliRealModel, ShardedCalibrationMergesToFullRun) {
-  const std::string model = std::string(KVCC_SHARED_DIR) + "/models/tinystories-656k";
-  const std::string text = std::string(KVCC_SHARED_DIR) + "/text/tinystories_valid_100.txt";
-  if (!testing::file_exists(model + "/model.safetensors") || !testing::file_exists(text))
-    GTEST_SKIP() << "needs ../shared/models/tinystories-656k and ../shared/text (absent)";
-  if (::access(KVCC_BINARY, X_OK) != 0) GTEST_SKIP() << "kvcc binary not built at " << KVCC_BINARY;
-  testing::ScratchDir dir;
+TEST_F(FormatsCliRealModel, ShardedCalibrationMergesToFullRun) {
   const std::string common = " --model " + model + " --data " + text + " --tokens 2000 --reservoir 128";
-  auto run = [&](const std::string& args) {
-    const std::string cmd = std::string(KVCC_BINARY) + " " + args + " >/dev/null 2>&1";
-    const int status = std::system(cmd.c_str());
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  };
+  auto run = [&](const std::string& args) { return run_kvcc(dir, args).exit_code; };
   ASSERT_EQ(run("calibrate-model" + common + " -o " + dir.file("full.h5")), 0);
   ASSERT_EQ(run("calibrate-model" + common + " --shard 0/2 -o " + dir.file("s0.h5")), 0);
   ASSERT_EQ(run("calibrate-model" + common + " --shard 1/2 -o " + dir.file("s1.h5")), 0);
