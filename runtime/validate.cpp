@@ -24,10 +24,22 @@
 
 namespace kvcc {
 
+namespace {
+// The value `name` names among `choices`; Error listing them otherwise.
+template <typename E>
+E from_name(const std::string& name, std::initializer_list<std::pair<const char*, E>> choices, const char* what) {
+  std::string list;
+  for (const auto& [n, e] : choices) {
+    if (name == n) return e;
+    list += (list.empty() ? "" : " | ") + std::string(n);
+  }
+  throw Error("unknown validation " + std::string(what) + " '" + name + "' (" + list + ")");
+}
+}  // namespace
+
 ValidateMode validate_mode_from_name(const std::string& name) {
-  if (name == "pseudo-decode") return ValidateMode::PseudoDecode;
-  if (name == "static") return ValidateMode::Static;
-  throw Error("unknown validation mode '" + name + "' (pseudo-decode | static)");
+  return from_name<ValidateMode>(name, {{"pseudo-decode", ValidateMode::PseudoDecode}, {"static", ValidateMode::Static}},
+                                 "mode");
 }
 
 const char* validate_mode_name(ValidateMode mode) {
@@ -35,9 +47,8 @@ const char* validate_mode_name(ValidateMode mode) {
 }
 
 ValidatePrecision validate_precision_from_name(const std::string& name) {
-  if (name == "float") return ValidatePrecision::Float;
-  if (name == "double") return ValidatePrecision::Double;
-  throw Error("unknown validation precision '" + name + "' (float | double)");
+  return from_name<ValidatePrecision>(name, {{"float", ValidatePrecision::Float}, {"double", ValidatePrecision::Double}},
+                                      "precision");
 }
 
 const char* validate_precision_name(ValidatePrecision precision) {
@@ -45,16 +56,13 @@ const char* validate_precision_name(ValidatePrecision precision) {
 }
 
 ValidateCache validate_cache_from_name(const std::string& name) {
-  if (name == "codec") return ValidateCache::Codec;
-  if (name == "runtime") return ValidateCache::Runtime;
-  throw Error("unknown validation cache path '" + name + "' (codec | runtime)");
+  return from_name<ValidateCache>(name, {{"codec", ValidateCache::Codec}, {"runtime", ValidateCache::Runtime}},
+                                  "cache path");
 }
 
 ValidateDevice validate_device_from_name(const std::string& name) {
-  if (name == "auto") return ValidateDevice::Auto;
-  if (name == "cpu") return ValidateDevice::Cpu;
-  if (name == "gpu") return ValidateDevice::Gpu;
-  throw Error("unknown validation device '" + name + "' (auto | cpu | gpu)");
+  return from_name<ValidateDevice>(
+      name, {{"auto", ValidateDevice::Auto}, {"cpu", ValidateDevice::Cpu}, {"gpu", ValidateDevice::Gpu}}, "device");
 }
 
 bool cuda_device_present() {
