@@ -79,16 +79,6 @@ class TimedObserver final : public AttentionObserver {
   double cpu_seconds_ = 0.0;
 };
 
-std::string read_text_file(const std::string& path) {
-  require(std::filesystem::is_regular_file(path),
-          "calibration text '" + path + "' does not exist or is not a file");
-  std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot open calibration text '" + path + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 uint64_t layer_bytes(const LayerWeights& w) {
   uint64_t n = 0;
   for (const auto* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm,
@@ -151,7 +141,7 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
     return set;
   }
 
-  const std::string text = read_text_file(options.data_path);
+  const std::string text = read_text_file(options.data_path, "calibration text");
   set.data_sha256 = sha256_hex(text);
   const std::vector<std::string> docs = split_documents(text, options.separator);
   require(!docs.empty(), "calibration text '" + options.data_path +

@@ -2,9 +2,7 @@
 // format that calibrate-model and validate read with --ids (for machines without the tokenizer's
 // dependencies, e.g. PCRE2, or to tokenize once for many runs).
 #include <cstdio>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 
 #include "cli/command.h"
@@ -22,12 +20,9 @@ struct Args {
 int run_tokenize(const Args& a) {
   const ModelFile model = ModelFile::open(a.model_path);
   const ModelConfig& c = model.config();
-  std::ifstream in(a.data_path, std::ios::binary);
-  require(bool(in), "cannot open text '" + a.data_path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_text_file(a.data_path, "text");
   const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, a.tokenizer_path);
-  const auto docs = encode_documents(*tok, ss.str(), a.separator, c.add_bos);
+  const auto docs = encode_documents(*tok, text, a.separator, c.add_bos);
   require(!docs.empty(), "the text holds no document: " + a.data_path);
   write_token_id_file(a.output, docs);
   size_t tokens = 0;

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
@@ -137,6 +138,15 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
     add(begin, hit);
   add(begin, text.size());
   return documents;
+}
+
+std::string read_text_file(const std::string& path, const std::string& what) {
+  require(std::filesystem::is_regular_file(path), what + " '" + path + "' does not exist or is not a file");
+  std::ifstream in(path, std::ios::binary);
+  require(bool(in), "cannot open " + what + " '" + path + "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::vector<std::vector<int32_t>> encode_documents(const Tokenizer& tokenizer, const std::string& text,

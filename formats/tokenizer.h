@@ -34,6 +34,10 @@ class Tokenizer {
 std::vector<std::string> split_documents(const std::string& text,
                                          const std::string& separator = "<|endoftext|>");
 
+// A whole text file; Error naming it as `what` ("calibration text", ...) when it is missing or
+// cannot be read.
+std::string read_text_file(const std::string& path, const std::string& what);
+
 // The documents of a text (split_documents), each encoded (add_bos as Tokenizer::encode says):
 // what calibrate-model and validate read from --data.
 std::vector<std::vector<int32_t>> encode_documents(const Tokenizer& tokenizer, const std::string& text,

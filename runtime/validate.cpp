@@ -617,12 +617,9 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
     docs = read_token_id_file(data.ids_path);
   } else {
     require(!data.data_path.empty(), "validation needs --data TEXT or --ids FILE");
-    std::ifstream in(data.data_path, std::ios::binary);
-    require(bool(in), "cannot open validation text '" + data.data_path + "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
+    const std::string text = read_text_file(data.data_path, "validation text");
     const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, data.tokenizer_path);
-    docs = encode_documents(*tok, ss.str(), data.separator, c.add_bos);
+    docs = encode_documents(*tok, text, data.separator, c.add_bos);
   }
   const int max_len = data.max_seq_len > 0 ? data.max_seq_len
                                            : (c.max_position > 0 ? std::min(c.max_position, 2048) : 2048);
