@@ -213,6 +213,8 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   float* dq = upload(q);
   float* rk = upload(random_orthogonal(c.hkv, 128, rng, false));
   float* rvt = upload(random_orthogonal(c.hkv, 128, rng, true));
+  // KVCC_NO_ROT=1: no rotations (what the query and output rotations cost; A/B runs only).
+  if (const char* e = std::getenv("KVCC_NO_ROT"); e && std::atoi(e)) rk = rvt = nullptr;
   float* dout;
   CK(cudaMalloc(&dout, q.size() * 4));
   std::vector<HeadCodec> codecs(size_t(c.hkv));

@@ -92,6 +92,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ __half2 u32_as_h2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -147,7 +148,8 @@ struct DecodeArgs {
 
 struct WarpState {
   float o[8][4];
-  float m[2], l[2], spz[2];
+  float m[2], l[2];
+  float spz[4];  // Σ P'·z for head columns 2t, 2t + 1 in [0], [1] (an MMA accumulator; [2], [3] unused)
 };
 
 __device__ __forceinline__ void state_init(WarpState& st) {
@@ -158,7 +160,7 @@ __device__ __forceinline__ void state_init(WarpState& st) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     st.m[c] = -INFINITY;
-    st.l[c] = st.spz[c] = 0.0f;
+    st.l[c] = st.spz[c] = st.spz[c + 2] = 0.0f;
   }
 }
 
@@ -215,6 +217,7 @@ struct KeyRegs {
 };
 struct ValueRegs {
   uint32_t vw[4][4], vp[4][2];
+  uint32_t vz[4][4];  // the A fragment of the Σ P'·z MMA (int2_page)
 };
 __device__ __forceinline__ void load_keys(const uint8_t* blk, KeyRegs& d, int g, int t) {
   const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32);
@@ -237,6 +240,12 @@ __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, in
     d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * 32 + 4 * g);
     d.vp[s][0] = vpar[16 * s + g];
     d.vp[s][1] = vpar[16 * s + g + 8];
+    const uint2 za = *reinterpret_cast<const uint2*>(vpar + 16 * s + 2 * t);
+    const uint2 zb = *reinterpret_cast<const uint2*>(vpar + 16 * s + 2 * t + 8);
+    d.vz[s][0] = __byte_perm(za.x, za.y, 0x7632);
+    d.vz[s][1] = za.y;
+    d.vz[s][2] = __byte_perm(zb.x, zb.y, 0x7632);
+    d.vz[s][3] = zb.y;
   }
 }
 
@@ -366,6 +375,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   load_values(blk, vr, g, t);
   const auto& vw = vr.vw;
   const auto& vp = vr.vp;
+  const auto& vz = vr.vz;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     float pr[4];
@@ -374,16 +384,18 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
       pr[i] = fast_exp2(fmaf(sc[s][i], q.scale[i & 1], -msub[i & 1]));
       st.l[i & 1] += pr[i];
     }
-    // P' = p·s_v rounded to fp16 (the MMA operand); Σ P'·z from the same rounded values.
-    const float2 v0 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][0]));  // token g
-    const float2 v1 = __half22float2(*reinterpret_cast<const __half2*>(&vp[s][1]));  // token g + 8
-    const __half2 h01 = __floats2half2_rn(pr[0] * v0.x, pr[1] * v0.x);
-    const __half2 h23 = __floats2half2_rn(pr[2] * v1.x, pr[3] * v1.x);
-    const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
-    st.spz[0] = fmaf(f01.x, v0.y, fmaf(f23.x, v1.y, st.spz[0]));
-    st.spz[1] = fmaf(f01.y, v0.y, fmaf(f23.y, v1.y, st.spz[1]));
+    // P' = p·s_v rounded to fp16 (the MMA operand).
+    const float s0 = __low2float(u32_as_h2(vp[s][0])), s1 = __low2float(u32_as_h2(vp[s][1]));  // tokens g, g + 8
+    const __half2 h01 = __floats2half2_rn(pr[0] * s0, pr[1] * s0);
+    const __half2 h23 = __floats2half2_rn(pr[2] * s1, pr[3] * s1);
     const uint32_t b01 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h01));
     const uint32_t b23 = transpose8x8(*reinterpret_cast<const uint32_t*>(&h23));
+    // Σ P'·z by one more MMA from the same operand: rows 0-7 of A hold the zeros of the
+    // subtile's tokens (k = 2t, 2t + 1 in a0, 2t + 8, 2t + 9 in a2), so column 2t + c of
+    // accumulator rows 0-7 is Σ_k z_k·P'_k (products exact, fp32 sums; was 4 FFMA and 4
+    // conversions per subtile). Rows 8-15 take whatever the loads left in a1, a3 (no moves to
+    // clear them) and are never read.
+    mma_f16(st.spz, vz[s][0], vz[s][1], vz[s][2], vz[s][3], b01, b23);
     if (kTable) {
       // Bytes of tokens (2t, 2t + 1) interleaved: [b0, b0', b1, b1'] and [b2, b2', b3, b3'];
       // MMA j's rows g and g + 8 are channels 16g + j and 16g + 8 + j, as on the uniform path.
@@ -633,8 +645,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   // Finish the warp: sums over the token rows, then the INT2 fold; map to (head, channel).
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    st.l[c] = warp_sum_over_rows(st.l[c]);
-    st.spz[c] = warp_sum_over_rows(st.spz[c]);
+    st.l[c] = warp_sum_over_rows(st.l[c]);  // (spz: every row holds the whole sum already)
   }
   if (g == 0) {
 #pragma unroll
@@ -696,8 +707,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   }
 }
 
-// q_rot[b, qh] = q[b, qh] · R_k[qh / r]. One CTA per (query head, sequence); 4 slices of threads
-// each take a quarter of R's rows per output column, so only 32 dependent loads are in series.
+// q_rot[b, qh] = q[b, qh] · R_k[qh / r]. One CTA per (KV head, sequence) rotates the group's r
+// query heads, so R_k is read once per group (with a CTA and an R_k read per query head, the two
+// rotations cost ~6 us of the 187 us chain at batch 8 / 128K, measured); 4 slices of threads each
+// take a quarter of R's rows per output column (32 dependent FMAs in series per head). Then slice
+// k finishes heads k, k + 4.
 // With qk8 (INT2 decode), also the query of the key MMAs in B-fragment order (DecodeArgs::qk8),
 // once per head rather than in every attention CTA:
 //  - int8 (uniform grid): T = q_rot·127/max|q_rot| (÷4 for odd code fields f = c % 4, whose
@@ -710,70 +724,76 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
                                                               float sm_scale_log2, float* q_rot, uint4* qk8,
                                                               float* qk_sc, bool fp16_query) {
   asm volatile("griddepcontrol.launch_dependents;");
-  __shared__ float qv[kD];
-  __shared__ float part[4][kD];
-  __shared__ float wmax[4];
-  __shared__ float wsum[4];
-  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
-  const size_t off = (size_t(b) * n_heads + qh) * kD;
-  if (slice == 0) qv[j] = q[off + j];
+  __shared__ float qv[kHeads][kD];
+  __shared__ float part[4][kHeads][kD];
+  __shared__ float wmax[4][4];
+  __shared__ float wsum[4][4];
+  const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
+  for (int hh = slice; hh < r; hh += 4) qv[hh][j] = q[(size_t(b) * n_heads + size_t(h) * r + hh) * kD + j];
   __syncthreads();
-  float x = qv[j];
   if (rot_k) {
-    const float* R = rot_k + size_t(qh / r) * kD * kD;
-    float acc = 0.0f;
+    float rc[kD / 4];  // this thread's quarter of column j of R_k
+    const float* R = rot_k + (size_t(h) * kD + slice * (kD / 4)) * kD + j;
 #pragma unroll
-    for (int i = slice * (kD / 4); i < (slice + 1) * (kD / 4); ++i) acc = fmaf(qv[i], __ldg(R + size_t(i) * kD + j), acc);
-    part[slice][j] = acc;
+    for (int i = 0; i < kD / 4; ++i) rc[i] = __ldg(R + size_t(i) * kD);
+    for (int hh = 0; hh < r; ++hh) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kD / 4; ++i) acc = fmaf(qv[hh][slice * (kD / 4) + i], rc[i], acc);
+      part[slice][hh][j] = acc;
+    }
     __syncthreads();
-    x = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
   }
-  if (slice != 0) return;
-  q_rot[off + j] = x;
-  if (!qk8) return;
   const int warp = j >> 5, lane = j & 31;
-  float amax = fabsf(x);
+  for (int hh = slice; hh < r; hh += 4) {
+    const int qh = h * r + hh;
+    const size_t off = (size_t(b) * n_heads + qh) * kD;
+    const float x = rot_k ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : qv[hh][j];
+    q_rot[off + j] = x;
+    if (!qk8) continue;
+    float amax = fabsf(x);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (lane == 0) wmax[warp] = amax;
-  asm volatile("bar.sync 1, %0;" ::"n"(kD));  // the 4 warps of slice 0 only
-  amax = fmaxf(fmaxf(wmax[0], wmax[1]), fmaxf(wmax[2], wmax[3]));
-  const int h = qh / r, hh = qh % r, n_kv = n_heads / r;
-  // Channel j is field f = j % 4 of code byte l = j / 4 of a key row; thread t = l / 8 of the
-  // MMA warp holds it.
-  const int f = j & 3, l = j >> 2, t = l >> 3;
-  uint8_t* dst = reinterpret_cast<uint8_t*>(qk8 + (((size_t(b) * n_kv + h) * kHeads + hh) * 4 + t) * 4);
-  float sum;  // Σ over channels of the query as the MMAs see it; exact for int8
-  float scale;
-  if (fp16_query) {
-    // Byte l is element l % 2 of word 2·(4·word + f) + half, word = (l / 4) % 2, half = (l / 2) % 2.
-    const float inv = amax > 0.0f ? 1.0f / amax : 1.0f;
-    const __half v = __float2half_rn(x * inv);
-    const int m = 4 * ((l >> 2) & 1) + f, half = (l >> 1) & 1;
-    reinterpret_cast<__half*>(dst)[(2 * m + half) * 2 + (l & 1)] = v;
-    sum = __half2float(v);
-    scale = (amax > 0.0f ? amax : 1.0f) * sm_scale_log2;
-  } else {
-    // Byte l is byte l % 4 of word (f, chunk = (l / 4) % 2): hi at 2f + chunk, lo at 8 + 2f + chunk.
-    const float unit = amax > 0.0f ? amax / 127.0f : 1.0f;
-    const int chunk = (l >> 2) & 1, e = l & 3;
-    const int wgt = (f & 1) ? 4 : 1;
-    const float y = x * (1.0f / unit) * ((f & 1) ? 0.25f : 1.0f);
-    const float hi = rintf(y);
-    const float lo = fminf(fmaxf(rintf((y - hi) * float(kLoScale)), -127.0f), 127.0f);
-    dst[(2 * f + chunk) * 4 + e] = uint8_t(int8_t(hi));
-    dst[(8 + 2 * f + chunk) * 4 + e] = uint8_t(int8_t(lo));
-    sum = float(wgt * (int(hi) * kLoScale + int(lo)));  // |.| < 2^17: float sums stay exact
-    scale = unit / float(kLoScale) * sm_scale_log2;
-  }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) wmax[slice][warp] = amax;
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + slice), "n"(kD));  // the 4 warps of this slice only
+    amax = fmaxf(fmaxf(wmax[slice][0], wmax[slice][1]), fmaxf(wmax[slice][2], wmax[slice][3]));
+    const int n_kv = n_heads / r;
+    // Channel j is field f = j % 4 of code byte l = j / 4 of a key row; thread t = l / 8 of the
+    // MMA warp holds it.
+    const int f = j & 3, l = j >> 2, t = l >> 3;
+    uint8_t* dst = reinterpret_cast<uint8_t*>(qk8 + (((size_t(b) * n_kv + h) * kHeads + hh) * 4 + t) * 4);
+    float sum;  // Σ over channels of the query as the MMAs see it; exact for int8
+    float scale;
+    if (fp16_query) {
+      // Byte l is element l % 2 of word 2·(4·word + f) + half, word = (l / 4) % 2, half = (l / 2) % 2.
+      const float inv = amax > 0.0f ? 1.0f / amax : 1.0f;
+      const __half v = __float2half_rn(x * inv);
+      const int m = 4 * ((l >> 2) & 1) + f, half = (l >> 1) & 1;
+      reinterpret_cast<__half*>(dst)[(2 * m + half) * 2 + (l & 1)] = v;
+      sum = __half2float(v);
+      scale = (amax > 0.0f ? amax : 1.0f) * sm_scale_log2;
+    } else {
+      // Byte l is byte l % 4 of word (f, chunk = (l / 4) % 2): hi at 2f + chunk, lo at 8 + 2f + chunk.
+      const float unit = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const int chunk = (l >> 2) & 1, e = l & 3;
+      const int wgt = (f & 1) ? 4 : 1;
+      const float y = x * (1.0f / unit) * ((f & 1) ? 0.25f : 1.0f);
+      const float hi = rintf(y);
+      const float lo = fminf(fmaxf(rintf((y - hi) * float(kLoScale)), -127.0f), 127.0f);
+      dst[(2 * f + chunk) * 4 + e] = uint8_t(int8_t(hi));
+      dst[(8 + 2 * f + chunk) * 4 + e] = uint8_t(int8_t(lo));
+      sum = float(wgt * (int(hi) * kLoScale + int(lo)));  // |.| < 2^17: float sums stay exact
+      scale = unit / float(kLoScale) * sm_scale_log2;
+    }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (lane == 0) wsum[warp] = sum;
-  asm volatile("bar.sync 1, %0;" ::"n"(kD));
-  if (j == 0) {
-    float* sc = qk_sc + ((size_t(b) * n_kv + h) * kHeads + hh) * 2;
-    sc[0] = (wsum[0] + wsum[1]) + (wsum[2] + wsum[3]);  // int8: exact, |.| < 2^23
-    sc[1] = scale;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) wsum[slice][warp] = sum;
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + slice), "n"(kD));
+    if (j == 0) {
+      float* sc = qk_sc + ((size_t(b) * n_kv + h) * kHeads + hh) * 2;
+      sc[0] = (wsum[slice][0] + wsum[slice][1]) + (wsum[slice][2] + wsum[slice][3]);  // int8: exact, |.| < 2^23
+      sc[1] = scale;
+    }
   }
 }
 
@@ -857,6 +877,68 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   part[slice][j] = o;
   __syncthreads();
   if (slice == 0) out[(size_t(b) * n_heads + qh) * kD + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+}
+
+// The same merge with one CTA per (KV head, sequence): slice k merges heads k, k + 4 over all
+// splits (kChunk per round of loads), and R_vᵀ is read once per group instead of once per head.
+// For many pairs (measured on the H200, same run: batch 64 / 32K 374 -> 363 us, batch 32 / 64K
+// 350 -> 344, batch 8 equal); with few pairs merge_splits' 4 slices per head finish sooner
+// (batch 1 / 32K 17.3 vs 19.2 us).
+template <int kChunk>
+__global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float* part_o, const float* part_ml, int n_kv,
+                                                             int total_splits, int n_heads, int r,
+                                                             const float* rot_v_t, float* out) {
+  __shared__ float ov[kHeads][kD];
+  __shared__ float part[4][kHeads][kD];
+  const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
+  float rv[kD / 4];
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i)
+    rv[i] = rot_v_t ? __ldg(rot_v_t + (size_t(h) * kD + slice * (kD / 4) + i) * kD + j) : 0.0f;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
+  const size_t base = (size_t(b) * n_kv + h) * total_splits;
+  for (int hh = slice; hh < r; hh += 4) {
+    float m_run = -INFINITY, l_run = 0.0f, acc = 0.0f;
+    for (int s0 = 0; s0 < total_splits; s0 += kChunk) {
+      float m[kChunk], l[kChunk], o[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        const int s = s0 + i;
+        const size_t e = (base + s) * kHeads + hh;
+        m[i] = s < total_splits ? part_ml[e * 2] : -INFINITY;
+        l[i] = s < total_splits ? part_ml[e * 2 + 1] : 0.0f;
+        o[i] = s < total_splits ? part_o[e * kD + j] : 0.0f;
+      }
+      float mc = m_run;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) mc = fmaxf(mc, m[i]);
+      if (mc == -INFINITY) continue;
+      const float alpha = m_run == -INFINITY ? 0.0f : exp2f(m_run - mc);
+      l_run *= alpha;
+      acc *= alpha;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        const float w = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mc);
+        l_run = fmaf(w, l[i], l_run);
+        acc = fmaf(w, o[i], acc);
+      }
+      m_run = mc;
+    }
+    ov[hh][j] = l_run > 0.0f ? acc / l_run : 0.0f;
+  }
+  __syncthreads();
+  if (rot_v_t) {
+    for (int hh = 0; hh < r; ++hh) {
+      float o = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kD / 4; ++i) o = fmaf(ov[hh][slice * (kD / 4) + i], rv[i], o);
+      part[slice][hh][j] = o;
+    }
+    __syncthreads();
+  }
+  for (int hh = slice; hh < r; hh += 4)
+    out[(size_t(b) * n_heads + size_t(h) * r + hh) * kD + j] =
+        rot_v_t ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : ov[hh][j];
 }
 
 struct SplitPlan {
@@ -1031,7 +1113,7 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
     return c;
   };
   if (stages & 1)
-    rotate_queries<<<dim3(a.n_heads, batch), kRotThreads, 0, stream>>>(
+    rotate_queries<<<dim3(a.n_kv, batch), kRotThreads, 0, stream>>>(
         q, rot_k, a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, mode == Mode::Int2 ? qk8 : nullptr, qk_sc, table);
   const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
@@ -1050,8 +1132,12 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
     }
   }
   if (stages & 4) {
-    const cudaLaunchConfig_t c = config(dim3(a.n_heads, batch), kMergeThreads, 0);
-    const auto merge = plan.total <= 4 ? merge_splits<1> : plan.total <= 16 ? merge_splits<4> : merge_splits<12>;
+    const bool grouped = batch * a.n_kv >= kFewPairs;
+    const cudaLaunchConfig_t c = config(dim3(grouped ? a.n_kv : a.n_heads, batch), kMergeThreads, 0);
+    const auto merge = grouped ? (plan.total <= 8 ? merge_splits_group<8> : merge_splits_group<12>)
+                       : plan.total <= 4  ? merge_splits<1>
+                       : plan.total <= 16 ? merge_splits<4>
+                                          : merge_splits<12>;
     check_cuda(cudaLaunchKernelEx(&c, merge, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
                                   a.n_kv, plan.total, a.n_heads, a.group_heads, rot_v_t, out),
                "decode (CUDA) merge launch");

@@ -5,7 +5,7 @@
 # once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
 # usage: OUT=dir [BEFORE=old_decode.cu] [ROUNDS=2] [CONFIGS=...] [SWEEP_TARGETS="132 264"] [RACECHECK=variant] [NO_SDPA=1]
 #        [PARTS=configs (time the pipeline stages of the first variant)]
-#        [SWEEP_ENVS="KVCC_RING=2 KVCC_TARGET_CTAS=396" (the first variant once per setting)]
+#        [SWEEP_ENVS="KVCC_RING=2 KVCC_TARGET_CTAS=396,KVCC_STAGES=2" (the first variant once per setting; commas join assignments)]
 #        [SANITIZE_FILTER=gtest filter (racecheck only, on those tests; default: racecheck + memcheck)]
 #   (the device tool returns at most 8 files from $OUT: ROUNDS, SWEEP_* and variants multiply them)
 #        scripts/gpu_perf.sh "name:-DFLAGS" ...
@@ -106,7 +106,7 @@ for target in ${SWEEP_TARGETS:-}; do
 done
 # Other runtime settings of the first variant (environment assignments, one bench run each).
 for e in ${SWEEP_ENVS:-}; do
-  env "$e" "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_${e//[^A-Za-z0-9]/_}.jsonl" --reps 30 |
+  env ${e//,/ } "$D/bench_${names[0]}" --configs "$CONFIGS" --out "$OUT/sweep_${e//[^A-Za-z0-9]/_}.jsonl" --reps 30 |
     grep decode | sed "s/^/$e /"
 done
 if [ -z "${NO_SDPA:-}" ]; then

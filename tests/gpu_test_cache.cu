@@ -206,7 +206,9 @@ struct DevBatch {
 
 // ring: the INT2 kernel build (DecodeShape::ring; 0 = the plan's choice). table: level tables on
 // both sides of half the heads (asymmetric, so the table is not an affine map of the code).
-void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false) {
+// repeat: the batch lists the 7 sequences that many times (each entry with its own query): 2
+// gives 56 (sequence, KV head) pairs, which the per-group merge takes (merge_splits_group).
+void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1) {
   Twin w(test_geometry(2, 4), 256, 10);
   if (table)
     for (size_t i = 0; i < w.codecs.size(); i += 2) {
@@ -220,7 +222,8 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
   w.append({s1, s2, s3, s4, s5}, {30, 320, 321, 1000, 4000});
   const int f = w.fork(s5);
   w.append({f, s5}, {17, 5});
-  const std::vector<int> seqs = {s4, e, s1, s2, s3, s5, f};
+  std::vector<int> seqs;
+  for (int i = 0; i < repeat; ++i) seqs.insert(seqs.end(), {s4, e, s1, s2, s3, s5, f});
   const KvGeometry& g = w.g;
   std::mt19937 rng(99 + n_heads);
   auto rk = random_rotations(g.n_kv_heads, 128, rng), rv = random_rotations(g.n_kv_heads, 128, rng);
@@ -282,6 +285,9 @@ TEST(GpuDecode, Int2LevelTableMatchesReferenceWideRing) { run_decode_check(20, 6
 // The default plan of these few short splits is the 2-stage ring; the 3-stage one, forced:
 TEST(GpuDecode, Int2MatchesReferenceDeepRing) { run_decode_check(16, 0, 3); }
 TEST(GpuDecode, Int2LevelTableMatchesReferenceDeepRing) { run_decode_check(16, 0, 3, true); }
+// (1000 CTAs: 19 splits per pair, more than one round of the merge's loads.)
+TEST(GpuDecode, Int2MatchesReferenceManyPairs) { run_decode_check(16, 1000, 0, false, 2); }
+TEST(GpuDecode, Int2LevelTableMatchesReferenceManyPairs) { run_decode_check(20, 0, 0, true, 2); }
 
 TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const int H = 2, n_heads = 10, P = 64, d = 128;
