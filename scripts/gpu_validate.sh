@@ -7,7 +7,7 @@
 # device image has no PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m
 # oscar artifact unless ART is set) on the GPU runtime, the CPU runtime and the codec path.
 # (scripts/gpu_run.sh runs the device-pool test only.)
-# usage: OUT=dir scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)
+# usage: OUT=dir [RUNS="runtime:gpu runtime:cpu codec:auto"] scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -25,8 +25,8 @@ M=.device/gutenberg-27m
 if [ -d "$M" ]; then
   IDS=${IDS:-.device/gutenberg_heldout_half.ids}
   ART=${ART:-$(ls zoo/published/gutenberg-27m/oscar-*/artifact.*.kvcc.h5 | head -1)}
-  for run in "runtime gpu" "runtime cpu" "codec auto"; do
-    set -- $run
+  for run in ${RUNS:-runtime:gpu runtime:cpu codec:auto}; do
+    set -- ${run/:/ }
     s=$(date +%s%N)
     "$BUILD/cli/kvcc" validate --model "$M" -a "$ART" --ids "$IDS" --tokens "${TOKENS:-8192}" \
       --sink 16 --recent 128 --page-size 64 --cache "$1" --device "$2" \
