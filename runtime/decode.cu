@@ -710,6 +710,27 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   }
 }
 
+// Quarter `slice` of column j of the kD × kD matrix R (rows 32·slice ..), zeros without R.
+__device__ __forceinline__ void load_quarter(const float* R, int slice, int j, float (&rc)[kD / 4]) {
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i) rc[i] = 0.0f;
+  if (!R) return;
+  const float* col = R + (size_t(slice) * (kD / 4) * kD + j);
+#pragma unroll
+  for (int i = 0; i < kD / 4; ++i) rc[i] = __ldg(col + i * kD);
+}
+// The rotation of r rows x[hh] by R, by quarters: part[slice][hh][j] = Σ_i x[hh][32·slice + i]·R[32·slice + i][j],
+// with rc this thread's quarter of R's column j (the caller adds the 4 slices).
+__device__ __forceinline__ void rotate_quarter(const float (*x)[kD], const float (&rc)[kD / 4], int r, int slice, int j,
+                                               float (*part)[kHeads][kD]) {
+  for (int hh = 0; hh < r; ++hh) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kD / 4; ++i) acc = fmaf(x[hh][slice * (kD / 4) + i], rc[i], acc);
+    part[slice][hh][j] = acc;
+  }
+}
+
 // q_rot[b, qh] = q[b, qh] · R_k[qh / r]. One CTA per (KV head, sequence) rotates the group's r
 // query heads, so R_k is read once per group (with a CTA and an R_k read per query head, the two
 // rotations cost ~6 us of the 187 us chain at batch 8 / 128K, measured); 4 slices of threads each
@@ -735,16 +756,9 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
   for (int hh = slice; hh < r; hh += 4) qv[hh][j] = q[(size_t(b) * n_heads + size_t(h) * r + hh) * kD + j];
   __syncthreads();
   if (rot_k) {
-    float rc[kD / 4];  // this thread's quarter of column j of R_k
-    const float* R = rot_k + (size_t(h) * kD + slice * (kD / 4)) * kD + j;
-#pragma unroll
-    for (int i = 0; i < kD / 4; ++i) rc[i] = __ldg(R + size_t(i) * kD);
-    for (int hh = 0; hh < r; ++hh) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kD / 4; ++i) acc = fmaf(qv[hh][slice * (kD / 4) + i], rc[i], acc);
-      part[slice][hh][j] = acc;
-    }
+    float rc[kD / 4];
+    load_quarter(rot_k + size_t(h) * kD * kD, slice, j, rc);
+    rotate_quarter(qv, rc, r, slice, j, part);
     __syncthreads();
   }
   const int warp = j >> 5, lane = j & 31;
@@ -800,40 +814,21 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
   }
 }
 
-// out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
-// merge a quarter of the splits (their loads in one round for up to 4·kChunk splits) and take a quarter of the
-// rotation's inputs per output channel, so few dependent loads are in series.
-// kChunk: splits per slice and round of loads; the launch picks the smallest that needs one round
-// (a chunk's loads and exponentials are issued whether or not its splits exist: 12 where 1 would
-// do cost 4–6 us at batch 32–64, 4K context, measured).
-constexpr int kMergeThreads = 4 * kD;
+// Running log-sum-exp of head hh's channel j over splits first, first + step, ... of the
+// (sequence, KV head) pair whose partials start at split `base`: per round, the (max, sum) and
+// the output of kChunk splits are loaded together. Every split wrote its partial (zeros where it
+// saw no token), so only the count guards them.
 template <int kChunk>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
-                                                              int total_splits, int n_heads, int r,
-                                                              const float* rot_v_t, float* out) {
-  __shared__ float part[4][kD];
-  __shared__ float ov[kD];
-  __shared__ float slice_m[4], slice_l[4];
-  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
-  const int h = qh / r, hh = qh % r;
-  // This thread's quarter of R_vᵀ's column j does not depend on the attention kernel: load it
-  // while that kernel still runs.
-  float rv[kD / 4];
-#pragma unroll
-  for (int i = 0; i < kD / 4; ++i)
-    rv[i] = rot_v_t ? __ldg(rot_v_t + (size_t(h) * kD + slice * (kD / 4) + i) * kD + j) : 0.0f;
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
-  // Slice `slice` merges splits slice, slice + 4, ...: each thread loads their (max, sum) and its
-  // channel of their outputs together, kChunk splits at a time (one round of loads for up to
-  // 4·kChunk splits), and keeps a running log-sum-exp; the 4 slices are combined at the end.
-  // Every split wrote its partial (zeros where it saw no token), so only the count guards them.
-  const size_t base = (size_t(b) * n_kv + h) * total_splits;
-  float m_run = -INFINITY, l_run = 0.0f, acc = 0.0f;
-  for (int s0 = slice; s0 < total_splits; s0 += 4 * kChunk) {
+__device__ __forceinline__ void merge_run(const float* part_o, const float* part_ml, size_t base, int hh, int j,
+                                          int total_splits, int first, int step, float& m_run, float& l_run,
+                                          float& acc) {
+  m_run = -INFINITY;
+  l_run = acc = 0.0f;
+  for (int s0 = first; s0 < total_splits; s0 += step * kChunk) {
     float m[kChunk], l[kChunk], o[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      const int s = s0 + 4 * i;
+      const int s = s0 + step * i;
       const size_t e = (base + s) * kHeads + hh;
       m[i] = s < total_splits ? part_ml[e * 2] : -INFINITY;
       l[i] = s < total_splits ? part_ml[e * 2 + 1] : 0.0f;
@@ -854,6 +849,34 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
     }
     m_run = mc;
   }
+}
+
+// out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
+// merge a quarter of the splits (their loads in one round for up to 4·kChunk splits) and take a quarter of the
+// rotation's inputs per output channel, so few dependent loads are in series.
+// kChunk: splits per slice and round of loads; the launch picks the smallest that needs one round
+// (a chunk's loads and exponentials are issued whether or not its splits exist: 12 where 1 would
+// do cost 4–6 us at batch 32–64, 4K context, measured).
+constexpr int kMergeThreads = 4 * kD;
+template <int kChunk>
+__global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
+                                                              int total_splits, int n_heads, int r,
+                                                              const float* rot_v_t, float* out) {
+  __shared__ float part[4][kD];
+  __shared__ float ov[kD];
+  __shared__ float slice_m[4], slice_l[4];
+  const int qh = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
+  const int h = qh / r, hh = qh % r;
+  // This thread's quarter of R_vᵀ's column j does not depend on the attention kernel: load it
+  // while that kernel still runs.
+  float rv[kD / 4];
+  load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
+  // Slice `slice` merges splits slice, slice + 4, ... (one round of loads for up to 4·kChunk
+  // splits); the 4 slices are combined at the end.
+  const size_t base = (size_t(b) * n_kv + h) * total_splits;
+  float m_run, l_run, acc;
+  merge_run<kChunk>(part_o, part_ml, base, hh, j, total_splits, slice, 4, m_run, l_run, acc);
   part[slice][j] = acc;
   if (j == 0) {
     slice_m[slice] = m_run;
@@ -895,48 +918,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float*
   __shared__ float part[4][kHeads][kD];
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   float rv[kD / 4];
-#pragma unroll
-  for (int i = 0; i < kD / 4; ++i)
-    rv[i] = rot_v_t ? __ldg(rot_v_t + (size_t(h) * kD + slice * (kD / 4) + i) * kD + j) : 0.0f;
+  load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
   asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   for (int hh = slice; hh < r; hh += 4) {
-    float m_run = -INFINITY, l_run = 0.0f, acc = 0.0f;
-    for (int s0 = 0; s0 < total_splits; s0 += kChunk) {
-      float m[kChunk], l[kChunk], o[kChunk];
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        const int s = s0 + i;
-        const size_t e = (base + s) * kHeads + hh;
-        m[i] = s < total_splits ? part_ml[e * 2] : -INFINITY;
-        l[i] = s < total_splits ? part_ml[e * 2 + 1] : 0.0f;
-        o[i] = s < total_splits ? part_o[e * kD + j] : 0.0f;
-      }
-      float mc = m_run;
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) mc = fmaxf(mc, m[i]);
-      if (mc == -INFINITY) continue;
-      const float alpha = m_run == -INFINITY ? 0.0f : exp2f(m_run - mc);
-      l_run *= alpha;
-      acc *= alpha;
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        const float w = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mc);
-        l_run = fmaf(w, l[i], l_run);
-        acc = fmaf(w, o[i], acc);
-      }
-      m_run = mc;
-    }
+    float m_run, l_run, acc;
+    merge_run<kChunk>(part_o, part_ml, base, hh, j, total_splits, 0, 1, m_run, l_run, acc);
     ov[hh][j] = l_run > 0.0f ? acc / l_run : 0.0f;
   }
   __syncthreads();
   if (rot_v_t) {
-    for (int hh = 0; hh < r; ++hh) {
-      float o = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kD / 4; ++i) o = fmaf(ov[hh][slice * (kD / 4) + i], rv[i], o);
-      part[slice][hh][j] = o;
-    }
+    rotate_quarter(ov, rv, r, slice, j, part);
     __syncthreads();
   }
   for (int hh = slice; hh < r; hh += 4)
