@@ -196,14 +196,14 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
 // tokens (exact within fp16's range; beyond ±65504 they saturate). grid (win_rows, n_kv), 32
 // threads: 16-byte chunks of the K and V rows.
 __global__ void __launch_bounds__(32) stage_windows(const __nv_bfloat16* windows, KvGeometry geo, int layer,
-                                                    int seq_slot, int sink_count, int ring_first, int kv_rows,
+                                                    int seq_slot, int sink_count, int64_t hist_tokens, int kv_rows,
                                                     __half* k_dst, __half* v_dst) {
   const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
   const __nv_bfloat16* win = windows + geo.window_block_elem(seq_slot, layer, h);
   const __nv_bfloat16* src =
       i < sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
                      : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
-                           size_t((ring_first + i - sink_count) % geo.recent) * kD;
+                           size_t(ring_slot(geo, hist_tokens + (i - sink_count))) * kD;
   uint4 u = reinterpret_cast<const uint4*>(src)[chunk];
   u.x = bf16x2_to_half2(u.x);
   u.y = bf16x2_to_half2(u.y);
@@ -603,8 +603,8 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   if (plan.win_rows > 0) {
     const KvTiers t = tiers_of(g, length);
     stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(windows), g, layer, seq_slot, t.sink_count,
-        int(t.hist_tokens % g.recent), a.kv_rows, w.k, w.v);
+        reinterpret_cast<const __nv_bfloat16*>(windows), g, layer, seq_slot, t.sink_count, t.hist_tokens, a.kv_rows,
+        w.k, w.v);
   }
   const dim3 grid(plan.row_tiles, g.n_kv_heads, plan.splits);
   if (plan.warps == 4) {

@@ -17,65 +17,29 @@
 #include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
 #include "cache_test_util.h"
+#include "gpu_test_util.h"
 
 namespace kvcc {
 namespace {
-
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-template <class T>
-T* to_device(const std::vector<T>& v) {
-  T* p = nullptr;
-  if (cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)) != cudaSuccess) return nullptr;
-  cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return p;
-}
 
 using testing::random_rotations;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
+using testing::Dev;
+using testing::PoolPair;
+using testing::random_rows;
 
 // The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
-struct Twin {
-  KvGeometry g;
-  KvCache host, dev;
-  std::vector<HeadCodec> codecs;  // [layers * H]
-  std::mt19937 rng{777};
+struct Twin : PoolPair {
   void* ws = nullptr;
   size_t ws_bytes = 0;
 
-  explicit Twin(const KvGeometry& geo, int64_t pages, int seqs)
-      : g(geo), host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
-        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}) {
-    std::uniform_real_distribution<float> ur(0.85f, 1.0f);
-    for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) {
-      HeadCodec c;
-      c.key.clip_ratio = ur(rng);
-      c.value.clip_ratio = ur(rng);
-      codecs.push_back(c);
-    }
-  }
+  Twin(const KvGeometry& geo, int64_t pages, int seqs) : PoolPair(geo, pages, seqs, 777) {}
   ~Twin() { cudaFree(ws); }
-  int add() {
-    int a = host.add_sequence(), b = dev.add_sequence();
-    EXPECT_EQ(a, b);
-    return a;
-  }
-  int fork(int p) {
-    int a = host.fork(p), b = dev.fork(p);
-    EXPECT_EQ(a, b);
-    return a;
-  }
   // Appends random rotated rows (rotation null on both paths) to every layer.
   void append(const std::vector<int>& seqs, const std::vector<int>& counts) {
-    std::vector<int64_t> old, add;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      old.push_back(host.length(seqs[i]));
-      add.push_back(counts[i]);
-    }
-    host.grow_batch(seqs, add);
-    dev.grow_batch(seqs, add);
+    const std::vector<int64_t> old = grow(seqs, counts);
     AppendBatch batch = make_append_batch(seqs, old, counts);
     AppendPlanHost plan{seqs, old, counts, batch.row_offsets, {}};
     for (int s : seqs) plan.page_tables.push_back(dev.page_table(s));
@@ -87,22 +51,15 @@ struct Twin {
       ASSERT_EQ(cudaMalloc(&ws, need), cudaSuccess);
       ws_bytes = need;
     }
-    std::normal_distribution<float> nd;
     for (int l = 0; l < g.n_layers; ++l) {
-      std::vector<float> k(size_t(rows) * g.n_kv_heads * g.head_dim), v(k.size());
-      for (size_t i = 0; i < k.size(); ++i) {
-        k[i] = nd(rng) * ((i % 128) < 4 ? 6.0f : 1.0f) + 0.3f;  // outlier channels, an offset
-        v[i] = nd(rng);
-      }
+      const auto k = random_rows(size_t(rows) * g.n_kv_heads * g.head_dim, rng, true);
+      const auto v = random_rows(k.size(), rng, false);
       const HeadCodec* cod = codecs.data() + size_t(l) * g.n_kv_heads;
       append_ref(host, l, batch, k.data(), v.data(), nullptr, nullptr, cod);
-      float* dk = to_device(k);
-      float* dv = to_device(v);
-      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk, dv, nullptr, nullptr, ws,
-                ws_bytes, nullptr);
+      Dev<float> dk(k), dv(v);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.p, dv.p, nullptr, nullptr, ws, ws_bytes,
+                nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      cudaFree(dk);
-      cudaFree(dv);
     }
   }
   void expect_pools_equal() {
@@ -150,11 +107,11 @@ TEST(GpuAppend, RotationMatchesReference) {
   for (auto& x : v) x = nd(rng);
   append_ref(host, 0, make_append_batch({s}, {0}, {50}), k.data(), v.data(), rk.data(), rv.data(), codecs.data());
   AppendPlanHost plan{{s}, {0}, {50}, {0}, {{}}};
-  void* ws;
   const size_t wsb = append_workspace_bytes(g, 50, 64);
-  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
-  float *dk = to_device(k), *dv = to_device(v), *drk = to_device(rk), *drv = to_device(rv);
-  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk, dv, drk, drv, ws, wsb, nullptr);
+  Dev<uint8_t> ws(wsb);
+  Dev<float> dk(k), dv(v), drk(rk), drv(rv);
+  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.p, dv.p, drk.p, drv.p, ws.p, wsb,
+            nullptr);
   std::vector<uint16_t> win(g.window_slot_bytes() / 2);
   CUDA_OK(cudaMemcpy(win.data(), dev.windows_base(), g.window_slot_bytes(), cudaMemcpyDeviceToHost));
   double num = 0, den = 0;
@@ -167,40 +124,37 @@ TEST(GpuAppend, RotationMatchesReference) {
     }
   EXPECT_GT(den, 1.0);
   EXPECT_LT(std::sqrt(num / den), 4e-3);
-  cudaFree(ws);
-  cudaFree(dk);
-  cudaFree(dv);
-  cudaFree(drk);
-  cudaFree(drv);
 }
 
+// A batch's per-sequence arrays on the host (DeviceBatch's fields).
+struct BatchColumns {
+  std::vector<int32_t> slot, len, off, table;
+  int max_pages = 0;
+};
+// The batch of `seqs` of a cache: their slots, lengths and page tables.
+BatchColumns columns_of(const KvCache& cache, const std::vector<int>& seqs) {
+  BatchColumns c;
+  for (int s : seqs) {
+    c.slot.push_back(s);
+    c.len.push_back(int32_t(cache.length(s)));
+    c.off.push_back(int32_t(c.table.size()));
+    const auto& pt = cache.page_table(s);
+    c.table.insert(c.table.end(), pt.begin(), pt.end());
+    c.max_pages = std::max(c.max_pages, int(pt.size()));
+  }
+  return c;
+}
+// A DeviceBatch over device copies of the columns.
 struct DevBatch {
+  Dev<int32_t> slot, len, off, table;
   DeviceBatch b;
-  std::vector<int32_t*> bufs;
-  DevBatch(const KvCache& cache, const std::vector<int>& seqs) {
-    std::vector<int32_t> slot, len, off, table;
-    int maxp = 0;
-    for (int s : seqs) {
-      slot.push_back(s);
-      len.push_back(int32_t(cache.length(s)));
-      off.push_back(int32_t(table.size()));
-      const auto& pt = cache.page_table(s);
-      table.insert(table.end(), pt.begin(), pt.end());
-      maxp = std::max(maxp, int(pt.size()));
-    }
-    b.batch = int(seqs.size());
-    b.seq_slot = keep(slot);
-    b.seq_len = keep(len);
-    b.page_offset = keep(off);
-    b.page_table = keep(table);
-    b.max_pages = maxp;
-  }
-  const int32_t* keep(const std::vector<int32_t>& v) {
-    bufs.push_back(to_device(v));
-    return bufs.back();
-  }
-  ~DevBatch() {
-    for (auto* p : bufs) cudaFree(p);
+  explicit DevBatch(const BatchColumns& c) : slot(c.slot), len(c.len), off(c.off), table(c.table) {
+    b.batch = int(c.slot.size());
+    b.seq_slot = slot.p;
+    b.seq_len = len.p;
+    b.page_offset = off.p;
+    b.page_table = table.p;
+    b.max_pages = c.max_pages;
   }
 };
 
@@ -237,22 +191,20 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
   std::vector<float> want(q.size());
   decode_ref(w.host, layer, seqs, q.data(), n_heads, rk.data(), rv.data(), cod, scale, want.data());
 
-  DevBatch db(w.dev, seqs);
+  DevBatch db(columns_of(w.dev, seqs));
   DecodeShape shape{n_heads, scale, target_ctas};
   shape.ring = ring;
   const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, target_ctas, ring);
-  void* ws;
-  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
-  float *dq = to_device(q), *drk = to_device(rk), *drvt = to_device(rvt), *dout;
-  ASSERT_EQ(cudaMalloc(&dout, q.size() * 4), cudaSuccess);
+  Dev<uint8_t> ws(wsb);
+  Dev<float> dq(q), drk(rk), drvt(rvt), dout(q.size());
   std::vector<float> got(q.size()), again(q.size());
   for (int rep = 0; rep < 2; ++rep) {
-    CUDA_OK(cudaMemset(dout, 0xff, q.size() * 4));  // NaN sentinels
-    CUDA_OK(cudaMemset(ws, 0xff, wsb));
-    decode_int2(g, w.dev.pages_base(), w.dev.windows_base(), layer, db.b, cod, shape, dq, drk, drvt, dout, ws,
-                wsb, nullptr);
+    CUDA_OK(cudaMemset(dout.p, 0xff, q.size() * 4));  // NaN sentinels
+    CUDA_OK(cudaMemset(ws.p, 0xff, wsb));
+    decode_int2(g, w.dev.pages_base(), w.dev.windows_base(), layer, db.b, cod, shape, dq.p, drk.p, drvt.p, dout.p,
+                ws.p, wsb, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
-    CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost));
   }
   for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "output " << i << " not written";
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "repeated runs differ";
@@ -269,11 +221,6 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
       EXPECT_LT(e, 1e-2) << "seq " << seqs[b] << " len " << w.host.length(seqs[b]) << " head " << h;
     }
   std::printf("decode int2: %d heads, worst per-head relative error %.2e\n", n_heads, worst);
-  cudaFree(ws);
-  cudaFree(dq);
-  cudaFree(drk);
-  cudaFree(drvt);
-  cudaFree(dout);
 }
 
 TEST(GpuDecode, Int2MatchesReferenceGqa4) { run_decode_check(16, 0); }
@@ -294,14 +241,16 @@ TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const std::vector<int> lens = {1, 64, 65, 1000, 3001};
   std::mt19937 rng(31);
   std::normal_distribution<float> nd;
-  std::vector<int32_t> table, off, len, slot;
-  int npages = 0, maxp = 0;
+  BatchColumns cols;
+  std::vector<int32_t>& table = cols.table;
+  const std::vector<int32_t>& off = cols.off;
+  int npages = 0;
   for (int L : lens) {
-    off.push_back(int32_t(table.size()));
-    len.push_back(L);
-    slot.push_back(0);
+    cols.off.push_back(int32_t(table.size()));
+    cols.len.push_back(L);
+    cols.slot.push_back(0);
     const int p = (L + P - 1) / P;
-    maxp = std::max(maxp, p);
+    cols.max_pages = std::max(cols.max_pages, p);
     for (int i = 0; i < p; ++i) table.push_back(npages + p - 1 - i);  // pages out of order
     npages += p;
   }
@@ -333,36 +282,24 @@ TEST(GpuDecode, Bf16PagedMatchesFloat64) {
       }
       for (int c = 0; c < d; ++c) want[(b * n_heads + qh) * d + c] = float(o[size_t(c)] / l);
     }
-  DeviceBatch db;
-  db.batch = int(lens.size());
-  db.seq_slot = to_device(slot);
-  db.seq_len = to_device(len);
-  db.page_offset = to_device(off);
-  db.page_table = to_device(table);
-  db.max_pages = maxp;
+  const DevBatch db(cols);
   KvGeometry g = test_geometry(1, H);
-  const size_t wsb = decode_workspace_bytes(g, db.batch, n_heads, maxp, P);
-  void* ws;
-  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
-  uint16_t* dpages = to_device(pages);
-  float *dq = to_device(q), *dout;
-  ASSERT_EQ(cudaMalloc(&dout, q.size() * 4), cudaSuccess);
-  CUDA_OK(cudaMemset(dout, 0xff, q.size() * 4));
-  decode_bf16_paged(H, d, P, dpages, db, DecodeShape{n_heads, float(scale), 0}, dq, nullptr, nullptr, dout, ws, wsb,
-                    nullptr);
+  const size_t wsb = decode_workspace_bytes(g, db.b.batch, n_heads, cols.max_pages, P);
+  Dev<uint8_t> ws(wsb);
+  Dev<uint16_t> dpages(pages);
+  Dev<float> dq(q), dout(q.size());
+  CUDA_OK(cudaMemset(dout.p, 0xff, q.size() * 4));
+  decode_bf16_paged(H, d, P, dpages.p, db.b, DecodeShape{n_heads, float(scale), 0}, dq.p, nullptr, nullptr, dout.p,
+                    ws.p, wsb, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got(q.size());
-  CUDA_OK(cudaMemcpy(got.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << i;
   for (size_t b = 0; b < lens.size(); ++b)
     for (int qh = 0; qh < n_heads; ++qh) {
       const size_t o = (b * n_heads + qh) * d;
       EXPECT_LT(rel(got.data() + o, want.data() + o, d), 1e-2) << "len " << lens[b] << " head " << qh;
     }
-  cudaFree(ws);
-  cudaFree(dpages);
-  cudaFree(dq);
-  cudaFree(dout);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "runtime/kv_kernels.h"
 #include "runtime/kvcc_runtime.h"
 #include "cache_test_util.h"
+#include "gpu_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -30,81 +31,33 @@ using testing::random_rotations;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
-
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+using testing::Dev;
+using testing::PoolPair;
+using testing::random_rows;
 
 constexpr int kD = 128;
 
-// A device copy of a host array, freed with the object.
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  Dev() = default;
-  explicit Dev(const std::vector<T>& v) {
-    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)), cudaSuccess); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() { cudaFree(p); }
-};
-
-// Random rows with outlier channels and an offset (keys), as the append tests use.
-std::vector<float> random_rows(size_t n, std::mt19937& rng, bool outliers) {
-  std::normal_distribution<float> nd;
-  std::vector<float> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = outliers ? nd(rng) * ((i % kD) < 4 ? 6.0f : 1.0f) + 0.3f : nd(rng);
-  return x;
-}
-
 // A host cache filled by the reference append, and a device pool holding the same bytes.
-struct Caches {
-  KvGeometry g;
-  KvCache host, dev;
-  std::vector<HeadCodec> codecs;  // [layers * H]
-  std::mt19937 rng{4242};
-  Caches(const KvGeometry& geo, int64_t pages, int seqs, bool level_tables)
-      : g(geo), host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
-        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}) {
-    std::uniform_real_distribution<float> ur(0.85f, 1.0f);
-    for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) {
-      HeadCodec c;
-      c.key.clip_ratio = ur(rng);
-      c.value.clip_ratio = ur(rng);
-      if (level_tables && i % 2 == 0) {  // keys of even heads, values of every head
+struct Caches : PoolPair {
+  Caches(const KvGeometry& geo, int64_t pages, int seqs, bool level_tables) : PoolPair(geo, pages, seqs, 4242) {
+    if (!level_tables) return;
+    for (size_t i = 0; i < codecs.size(); ++i) {
+      HeadCodec& c = codecs[i];
+      if (i % 2 == 0) {  // keys of even heads, values of every head
         const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
         c.key.use_table = 1;
         std::copy(lv, lv + 4, c.key.levels);
       }
-      if (level_tables) {
-        const float lv[4] = {-1.7f, -0.5f, 0.41f, 1.3f};  // asymmetric: not exact in bf16
-        c.value.use_table = 1;
-        std::copy(lv, lv + 4, c.value.levels);
-      }
-      codecs.push_back(c);
+      const float lv[4] = {-1.7f, -0.5f, 0.41f, 1.3f};  // asymmetric: not exact in bf16
+      c.value.use_table = 1;
+      std::copy(lv, lv + 4, c.value.levels);
     }
   }
-  int add() {
-    const int a = host.add_sequence(), b = dev.add_sequence();
-    EXPECT_EQ(a, b);
-    return a;
-  }
-  int fork(int p) {
-    const int a = host.fork(p), b = dev.fork(p);
-    EXPECT_EQ(a, b);
-    return a;
-  }
+  // Appends random rows (rotation null) to every layer of the host pool (the reference append).
   void append(const std::vector<int>& seqs, const std::vector<int>& counts) {
-    std::vector<int64_t> old, add;
+    const std::vector<int64_t> old = grow(seqs, counts);
     int64_t rows = 0;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      old.push_back(host.length(seqs[i]));
-      add.push_back(counts[i]);
-      rows += counts[i];
-    }
-    host.grow_batch(seqs, add);
-    dev.grow_batch(seqs, add);
+    for (int c : counts) rows += c;
     const AppendBatch batch = make_append_batch(seqs, old, counts);
     for (int l = 0; l < g.n_layers; ++l) {
       const auto k = random_rows(size_t(rows) * g.n_kv_heads * kD, rng, true);
