@@ -78,14 +78,22 @@ bool cuda_device_present() {
 #endif
 }
 
-CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::string& name,
-                                         const ModelConfig& config, ValidateDevice device) {
+namespace {
+// A scheme named `name` with the artifact's windows and page size (either cache path).
+CacheScheme artifact_scheme(const Artifact& artifact, const std::string& name) {
   CacheScheme s;
   s.name = name;
   s.sink = artifact.recipe.sink;
   s.recent = artifact.recipe.recent;
   s.page_size = artifact.recipe.page_size;
   s.artifact = &artifact;
+  return s;
+}
+}  // namespace
+
+CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::string& name,
+                                         const ModelConfig& config, ValidateDevice device) {
+  CacheScheme s = artifact_scheme(artifact, name);
   s.cache = ValidateCache::Runtime;
   const EngineShape engine{config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim};
   std::string scope;  // why the device pool cannot serve it: checked up front, so that `auto` can
@@ -121,12 +129,7 @@ CacheScheme runtime_scheme_from_artifact(const Artifact& artifact, const std::st
 
 CacheScheme scheme_from_artifact(const Artifact& artifact, const std::string& name,
                                  const ModelConfig& config) {
-  CacheScheme s;
-  s.name = name;
-  s.sink = artifact.recipe.sink;
-  s.recent = artifact.recipe.recent;
-  s.page_size = artifact.recipe.page_size;
-  s.artifact = &artifact;
+  CacheScheme s = artifact_scheme(artifact, name);
   const Artifact* a = &artifact;
   if (artifact.recipe.method == "commvq") {
     // Codebooks decoded once per (layer, KV head); keys are coded pre-RoPE at their positions.

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -32,11 +33,10 @@ using testing::random_rows;
 
 // The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
 struct Twin : PoolPair {
-  void* ws = nullptr;
+  std::unique_ptr<Dev<uint8_t>> ws;  // append's workspace, grown as needed
   size_t ws_bytes = 0;
 
   Twin(const KvGeometry& geo, int64_t pages, int seqs) : PoolPair(geo, pages, seqs, 777) {}
-  ~Twin() { cudaFree(ws); }
   // Appends random rotated rows (rotation null on both paths) to every layer.
   void append(const std::vector<int>& seqs, const std::vector<int>& counts) {
     const std::vector<int64_t> old = grow(seqs, counts);
@@ -47,8 +47,7 @@ struct Twin : PoolPair {
     for (int c : counts) rows += c;
     const size_t need = append_workspace_bytes(g, rows, rows + int64_t(seqs.size()) * g.recent);
     if (need > ws_bytes) {
-      cudaFree(ws);
-      ASSERT_EQ(cudaMalloc(&ws, need), cudaSuccess);
+      ws = std::make_unique<Dev<uint8_t>>(need);
       ws_bytes = need;
     }
     for (int l = 0; l < g.n_layers; ++l) {
@@ -57,8 +56,8 @@ struct Twin : PoolPair {
       const HeadCodec* cod = codecs.data() + size_t(l) * g.n_kv_heads;
       append_ref(host, l, batch, k.data(), v.data(), nullptr, nullptr, cod);
       Dev<float> dk(k), dv(v);
-      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.p, dv.p, nullptr, nullptr, ws, ws_bytes,
-                nullptr);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.p, dv.p, nullptr, nullptr,
+                ws ? ws->p : nullptr, ws_bytes, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
