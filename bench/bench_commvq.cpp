@@ -7,7 +7,7 @@
 //
 // Rows, in order of preference:
 //   --model/--text: layer-0 pre-RoPE keys and values of KV head H computed by the model itself
-//     (embedding, RMSNorm, k/v projections: runtime/forward.h) over the text's documents, N rows
+//     (embedding, RMSNorm, k/v projections: model/forward.h) over the text's documents, N rows
 //     (e.g. gutenberg-27m over ../shared/text/gutenberg_heldout.txt);
 //   --stats: the reservoir rows of (L, H) of a stats file;
 //   otherwise (or to fill up to N): synthetic Gaussian rows with a skewed spectrum (channel scale
@@ -28,9 +28,9 @@
 #include "formats/fp16.h"
 #include "formats/model_file.h"
 #include "formats/stats.h"
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 #include "runtime/commvq_score.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace {
 

@@ -13,7 +13,7 @@
 
 #include "formats/error.h"
 #include "formats/model_file.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace {
 

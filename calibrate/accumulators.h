@@ -8,7 +8,7 @@
 
 #include "formats/model_config.h"
 #include "formats/stats.h"
-#include "runtime/observer.h"
+#include "model/observer.h"
 
 namespace kvcc {
 

@@ -19,7 +19,9 @@
 #include "formats/model_file.h"
 #include "formats/sha256.h"
 #include "formats/stats.h"
-#include "runtime/validate.h"
+#include "eval/experiment.h"
+#include "eval/output.h"
+#include "eval/scheme.h"
 
 namespace kvcc::cli {
 namespace {
@@ -89,7 +91,7 @@ int run_demo(const Args& a) {
   std::vector<CacheScheme> schemes;
   for (size_t i = 0; i < artifacts.size(); ++i) {
     check_artifact_matches(artifacts[i], model, names[i]);
-    schemes.push_back(scheme_from_artifact(artifacts[i], names[i], model.config()));
+    schemes.push_back(scheme_from_artifact(std::move(artifacts[i]), names[i], model.config()));
   }
   ValidateData data;
   data.ids_path = eval_ids;

@@ -8,7 +8,7 @@
 #include "cli/command.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 
 namespace kvcc::cli {
 namespace {

@@ -1,9 +1,11 @@
 // kvcc validate: a model run over text with each artifact's quantised KV cache, against the same
-// run with a full-precision cache (runtime/validate.h).
+// run with a full-precision cache (eval/experiment.h).
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,65 +14,65 @@
 #include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
-#include "runtime/validate.h"
+#include "eval/experiment.h"
+#include "eval/output.h"
+#include "eval/scheme.h"
 
 namespace kvcc::cli {
 namespace {
 
+enum class CachePath { Codec, Runtime };
+
 struct Args {
-  std::string model_path, mode = "pseudo-decode", precision = "float", cache = "codec", device = "auto", json_path,
-      svg_path;
+  std::string model_path, json_path, svg_path;
+  ValidateMode mode = ValidateMode::PseudoDecode;
+  ValidatePrecision precision = ValidatePrecision::Float;
+  CachePath cache = CachePath::Codec;
+  ValidateDevice device = ValidateDevice::Auto;
   std::vector<std::string> artifact_paths;
   ValidateData data;
   int block = 128;
-  int sink = -1, recent = -1, page_size = -1;  // -1: the artifact's recipe
+  std::optional<int> sink, recent, page_size;  // unset: the artifact's recipe
 };
 
 int run_validate(Args& a) {
-  const ValidateMode mode = validate_mode_from_name(a.mode);
-  const ValidatePrecision precision = validate_precision_from_name(a.precision);
-  const ValidateCache cache = validate_cache_from_name(a.cache);
-  const ValidateDevice device = validate_device_from_name(a.device);
-  require(cache == ValidateCache::Runtime || device == ValidateDevice::Auto,
+  require(a.cache == CachePath::Runtime || a.device == ValidateDevice::Auto,
           "--device applies to --cache runtime (the codec path runs on the CPU)");
-  require(cache == ValidateCache::Codec || precision == ValidatePrecision::Float,
+  require(a.cache == CachePath::Codec || a.precision == ValidatePrecision::Float,
           "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
           "the codec path's exact check");
+  require(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
   const ModelFile model = ModelFile::open(a.model_path);
-  std::vector<Artifact> artifacts;
-  artifacts.reserve(a.artifact_paths.size());
-  for (const std::string& path : a.artifact_paths) {
-    artifacts.push_back(read_artifact(path));
-    check_artifact_matches(artifacts.back(), model, path);
-    // Windows and pages are a serving choice: evaluate the same fitted artifact under others.
-    Recipe& r = artifacts.back().recipe;
-    if (a.sink >= 0) r.sink = a.sink;
-    if (a.recent >= 0) r.recent = a.recent;
-    if (a.page_size > 0) r.page_size = a.page_size;
-  }
   std::vector<CacheScheme> schemes;
-  for (size_t i = 0; i < artifacts.size(); ++i) {
-    std::string name = std::filesystem::path(a.artifact_paths[i]).filename().string();
+  for (const std::string& path : a.artifact_paths) {
+    Artifact artifact = read_artifact(path);
+    check_artifact_matches(artifact, model, path);
+    // Windows and pages are a serving choice: evaluate the same fitted artifact under others.
+    Recipe& r = artifact.recipe;
+    if (a.sink) r.sink = *a.sink;
+    if (a.recent) r.recent = *a.recent;
+    if (a.page_size) r.page_size = *a.page_size;
+    std::string name = std::filesystem::path(path).filename().string();
     for (const char* ext : {".kvcc.h5", ".h5"})
       if (name.size() > std::string(ext).size() && name.ends_with(ext)) {
         name.resize(name.size() - std::string(ext).size());
         break;
       }
-    schemes.push_back(cache == ValidateCache::Runtime
-                          ? runtime_scheme_from_artifact(artifacts[i], name, model.config(), device)
-                          : scheme_from_artifact(artifacts[i], name, model.config()));
+    schemes.push_back(a.cache == CachePath::Runtime
+                          ? runtime_scheme_from_artifact(std::move(artifact), name, model.config(), a.device)
+                          : scheme_from_artifact(std::move(artifact), name, model.config()));
   }
   const auto docs = load_validation_documents(model, a.data);
   const bool tty = stderr_is_tty();
   const ValidationResult result = validate_schemes(
-      model, docs, schemes, mode, a.block, [&](const ValidateProgress& p) {
+      model, docs, schemes, a.mode, a.block, [&](const ValidateProgress& p) {
         const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
         std::fprintf(stderr, tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
                                  : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
                      (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
                      (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
       },
-      precision);
+      a.precision);
   if (tty) std::fprintf(stderr, "\n");
   std::cout << format_table(result);
   std::printf("(%.1f s; per-layer relative attention-output errors in the JSON)\n", result.seconds);
@@ -131,17 +133,30 @@ Command reg{"validate", 50,
               sub.add_option("--max-seq-len", a->data.max_seq_len,
                              "truncate documents (0: min(max_position, 2048))")
                   ->capture_default_str();
-              sub.add_option("--block", a->block, "tokens per pseudo-decode block")->capture_default_str();
-              sub.add_option("--mode", a->mode, "pseudo-decode | static")->capture_default_str();
+              sub.add_option("--block", a->block, "tokens per pseudo-decode block")
+                  ->check(CLI::PositiveNumber)
+                  ->capture_default_str();
+              // Names become the library's enums here: the library never sees a flag's spelling.
+              sub.add_option("--mode", a->mode, "pseudo-decode (default) | static")
+                  ->transform(CLI::CheckedTransformer(
+                      std::map<std::string, ValidateMode>{{"pseudo-decode", ValidateMode::PseudoDecode},
+                                                          {"static", ValidateMode::Static}}));
               sub.add_option("--precision", a->precision,
-                             "float | double (slow exact-check mode: activations in double)")
-                  ->capture_default_str();
-              sub.add_option("--cache", a->cache, "codec | runtime (the serving runtime's prefill + append)")
-                  ->capture_default_str();
-              sub.add_option("--device", a->device, "auto | cpu | gpu (for --cache runtime)")->capture_default_str();
-              sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens");
-              sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens");
-              sub.add_option("--page-size", a->page_size, "override every artifact's page size");
+                             "float (default) | double (slow exact-check mode: activations in double)")
+                  ->transform(CLI::CheckedTransformer(std::map<std::string, ValidatePrecision>{
+                      {"float", ValidatePrecision::Float}, {"double", ValidatePrecision::Double}}));
+              sub.add_option("--cache", a->cache, "codec (default) | runtime (the serving runtime's prefill + append)")
+                  ->transform(CLI::CheckedTransformer(
+                      std::map<std::string, CachePath>{{"codec", CachePath::Codec}, {"runtime", CachePath::Runtime}}));
+              sub.add_option("--device", a->device, "auto (default) | cpu | gpu (for --cache runtime)")
+                  ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateDevice>{
+                      {"auto", ValidateDevice::Auto}, {"cpu", ValidateDevice::Cpu}, {"gpu", ValidateDevice::Gpu}}));
+              sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens")
+                  ->check(CLI::NonNegativeNumber);
+              sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens")
+                  ->check(CLI::NonNegativeNumber);
+              sub.add_option("--page-size", a->page_size, "override every artifact's page size")
+                  ->check(CLI::PositiveNumber);
               sub.add_option("--json", a->json_path, "write the metrics as JSON");
               sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
               return [a] { return run_validate(*a); };

@@ -12,7 +12,7 @@
 #include "formats/artifact.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
-#include "formats/oscar_pt.h"
+#include "zoo/oscar_pt.h"
 #include "formats/sha256.h"
 #include "zoo/oscar_interop.h"
 #include "zoo/zoo.h"

@@ -29,12 +29,4 @@ AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<in
 void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
                 const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs);
 
-// Quantises one rotated row of head_dim values (already BF16-rounded) into a packed code row
-// (d/4 bytes) and its per-group (scale, zero) fp16 pairs (2 * groups words).
-void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes,
-                  uint16_t* params);
-// The values a packed row decodes to.
-void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes,
-                    const uint16_t* params, float* row);
-
 }  // namespace kvcc

@@ -6,7 +6,7 @@
 
 #include "formats/error.h"
 #include "formats/fp16.h"
-#include "runtime/append_ref.h"
+#include "formats/page_row_codec.h"
 
 namespace kvcc {
 

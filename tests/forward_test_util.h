@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "formats/model_file.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace kvcc::testing {
 

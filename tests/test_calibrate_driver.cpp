@@ -15,8 +15,8 @@
 #include "formats/error.h"
 #include "formats/model_file.h"
 #include "formats/stats.h"
-#include "formats/tokenizer.h"
-#include "runtime/forward.h"
+#include "model/tokenizer.h"
+#include "model/forward.h"
 
 namespace kvcc {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "calibrate/accumulators.h"
 #include "formats/error.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace kvcc {
 namespace {

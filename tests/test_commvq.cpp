@@ -14,7 +14,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "runtime/commvq_score.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace kvcc {
 namespace {

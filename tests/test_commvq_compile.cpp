@@ -13,7 +13,7 @@
 #include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 namespace kvcc {
 namespace {

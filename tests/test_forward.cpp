@@ -9,7 +9,7 @@
 #include <random>
 
 #include "formats/error.h"
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 #include "forward_test_util.h"
 
 namespace fs = std::filesystem;

@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include "formats/error.h"
-#include "formats/oscar_pt.h"
-#include "formats/pickle.h"
+#include "zoo/oscar_pt.h"
+#include "zoo/pickle.h"
 #include "formats/sha256.h"
-#include "formats/zip.h"
+#include "zoo/zip.h"
 #include <nlohmann/json.hpp>
 
 namespace fs = std::filesystem;

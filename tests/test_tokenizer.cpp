@@ -16,7 +16,7 @@
 
 #include "formats/error.h"
 #include "formats/sha256.h"
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;

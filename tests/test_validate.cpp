@@ -1,4 +1,4 @@
-// Validation (runtime/validate.h): the pseudo-decode path with a full-precision "quantiser"
+// Validation (eval/): the pseudo-decode path with a full-precision "quantiser"
 // reproduces the plain forward pass (exactly in double, at any block size); KL against itself is
 // 0; the per-layer codec equals the per-head one at group <= d; standard errors and effective bits
 // for hand-worked cases; artifacts for another model and empty inputs are refused. The runtime
@@ -17,7 +17,9 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "forward_test_util.h"
-#include "runtime/validate.h"
+#include "eval/experiment.h"
+#include "eval/output.h"
+#include "eval/scheme.h"
 
 namespace kvcc {
 namespace {
@@ -72,9 +74,9 @@ CacheScheme copy_scheme(const ModelConfig& c, int sink, int recent, int page) {
   s.recent = recent;
   s.page_size = page;
   const size_t kvdim = size_t(c.n_kv_heads) * c.head_dim;
-  s.codec = [kvdim](int, KvSide, const float* rows, int n, int64_t, float* out) {
+  s.path = CodecPath{[kvdim](int, KvSide, const float* rows, int n, int64_t, float* out) {
     std::copy(rows, rows + size_t(n) * kvdim, out);
-  };
+  }};
   return s;
 }
 
@@ -207,7 +209,7 @@ TEST(Validate, PerLayerCodecEqualsPerHeadCodecAtGroupWithinHead) {
   per_head.recent = 16;
   per_head.page_size = 8;
   const int d = c.head_dim, n_kv = c.n_kv_heads;
-  per_head.codec = [&art, d, n_kv](int layer, KvSide side, const float* rows, int n, int64_t, float* out) {
+  per_head.path = CodecPath{[&art, d, n_kv](int layer, KvSide side, const float* rows, int n, int64_t, float* out) {
     const size_t kvdim = size_t(n_kv) * d;
     for (int h = 0; h < n_kv; ++h) {
       std::vector<float> head(size_t(n) * d);
@@ -215,7 +217,7 @@ TEST(Validate, PerLayerCodecEqualsPerHeadCodecAtGroupWithinHead) {
       const std::vector<float> q = roundtrip_page(art, layer, h, side, head.data(), n);
       for (int t = 0; t < n; ++t) std::copy_n(q.data() + size_t(t) * d, d, out + t * kvdim + size_t(h) * d);
     }
-  };
+  }};
   const auto docs = random_documents(c.vocab, {120, 60});
   const ValidationResult r = validate_schemes(
       model, docs, {scheme_from_artifact(art, "per-layer", c), per_head}, ValidateMode::PseudoDecode, 32);
@@ -353,8 +355,6 @@ TEST(Validate, RefusesEmptyInput) {
   data.ids_path = path;
   EXPECT_THROW(load_validation_documents(model, data), Error);
   std::filesystem::remove(path);
-  EXPECT_THROW(validate_mode_from_name("decode"), Error);
-  EXPECT_THROW(validate_precision_from_name("half"), Error);
 }
 
 // ---- The runtime cache path (--cache runtime): kvcc::Runtime's prefill + append ----
@@ -496,8 +496,8 @@ TEST(ValidateRuntime, Refusals) {
   refused(identity_artifact(model, 16, 16, 32), ValidateDevice::Cpu, "recent window");
   const Artifact ok = identity_artifact(model, 16, 32, 16);
   // head_dim 64 is outside the GPU kernels' scope; without a device gpu is refused for that first.
-  refused(ok, ValidateDevice::Gpu, cuda_device_present() ? "head_dim 64" : "--device gpu");
-  EXPECT_EQ(runtime_scheme_from_artifact(ok, "ok", c, ValidateDevice::Auto).pool, PoolMemory::Host);
+  refused(ok, ValidateDevice::Gpu, cuda_device_present() ? "head_dim 64" : "device gpu");
+  EXPECT_EQ(runtime_scheme_from_artifact(ok, "ok", c, ValidateDevice::Auto).path_name(), "runtime/cpu");
   // Double precision, and windows that are not the recipe's.
   const auto docs = random_documents(c.vocab, {40});
   const CacheScheme rt = runtime_scheme_from_artifact(ok, "ok", c, ValidateDevice::Cpu);
@@ -510,8 +510,6 @@ TEST(ValidateRuntime, Refusals) {
   CacheScheme other_windows = rt;
   other_windows.recent = 64;
   EXPECT_THROW(validate_schemes(model, docs, {other_windows}, ValidateMode::PseudoDecode, 32), Error);
-  EXPECT_THROW(validate_cache_from_name("gpu"), Error);
-  EXPECT_THROW(validate_device_from_name("cuda"), Error);
 }
 
 // The device pool (CUDA kernels) against the host pool (CPU reference) on a head_dim-128 model in

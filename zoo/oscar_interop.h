@@ -1,4 +1,4 @@
-// OSCAR RotationZoo interop: OSCAR's K and V rotation files (formats/oscar_pt.h) <-> a kvcc
+// OSCAR RotationZoo interop: OSCAR's K and V rotation files (zoo/oscar_pt.h) <-> a kvcc
 // artifact. Rotations and eigenvalues are float32 in OSCAR files and float64 in artifacts; the
 // import is exact (every float32 is a float64), the export rounds to nearest float32 (exact for
 // imported artifacts). docs/zoo.md documents the mapping.
@@ -7,7 +7,7 @@
 
 #include "formats/artifact.h"
 #include "formats/model_config.h"
-#include "formats/oscar_pt.h"
+#include "zoo/oscar_pt.h"
 
 namespace kvcc::zoo {
 

@@ -1,4 +1,4 @@
-#include "runtime/forward.h"
+#include "model/forward.h"
 
 #include <cblas.h>
 

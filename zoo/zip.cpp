@@ -1,4 +1,4 @@
-#include "formats/zip.h"
+#include "zoo/zip.h"
 
 #include <array>
 #include <fstream>

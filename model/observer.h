@@ -1,5 +1,5 @@
 // The hook through which calibration watches the forward pass without runtime depending on it.
-// The forward pass (runtime/forward.h) calls an observer, when given one, for every sequence and
+// The forward pass (model/forward.h) calls an observer, when given one, for every sequence and
 // layer; calibrate/ implements it to accumulate statistics.
 #pragma once
 #include <cstdint>

@@ -8,8 +8,8 @@
 #include <unordered_map>
 
 #include "formats/error.h"
-#include "formats/tokenizer_bpe.h"
-#include "formats/tokenizer_impl.h"
+#include "model/tokenizer_bpe.h"
+#include "model/tokenizer_impl.h"
 
 namespace kvcc::detail {
 namespace {

@@ -1,11 +1,11 @@
-#include "formats/oscar_pt.h"
+#include "zoo/oscar_pt.h"
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 
 #include "formats/error.h"
-#include "formats/pickle.h"
+#include "zoo/pickle.h"
 
 namespace kvcc {
 namespace {

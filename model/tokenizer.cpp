@@ -1,5 +1,5 @@
 // Tokenizer discovery (which file belongs to a model), document splitting and pre-tokenized input.
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 
 #include <algorithm>
 #include <charconv>
@@ -9,7 +9,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
-#include "formats/tokenizer_impl.h"
+#include "model/tokenizer_impl.h"
 
 namespace kvcc {
 namespace fs = std::filesystem;

@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "formats/tokenizer.h"
+#include "model/tokenizer.h"
 
 namespace kvcc::detail {
 

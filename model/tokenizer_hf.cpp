@@ -27,8 +27,8 @@
 #endif
 
 #include "formats/error.h"
-#include "formats/tokenizer_bpe.h"
-#include "formats/tokenizer_impl.h"
+#include "model/tokenizer_bpe.h"
+#include "model/tokenizer_impl.h"
 
 namespace kvcc::detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "formats/pickle.h"
+#include "zoo/pickle.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
-#include "formats/zip.h"
+#include "zoo/zip.h"
 
 namespace kvcc {
 
