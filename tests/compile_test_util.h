@@ -1,7 +1,7 @@
 // Shared fixture of the compile tests: small synthetic statistics, and BLAS pinned to one thread
 // (compile_artifact runs LAPACK single-threaded, bit-reproducible; references must match it).
 #pragma once
-#include <cblas.h>
+#include "one_blas_thread.h"
 
 #include "compile/synthetic_stats.h"
 #include "formats/stats.h"
@@ -24,10 +24,5 @@ inline const Stats& small_stats() {
   static const Stats stats = make_small_stats(2, 64);
   return stats;
 }
-
-inline const int single_threaded_blas = [] {
-  openblas_set_num_threads(1);
-  return 1;
-}();
 
 }  // namespace kvcc::test

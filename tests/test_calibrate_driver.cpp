@@ -17,6 +17,7 @@
 #include "formats/stats.h"
 #include "model/tokenizer.h"
 #include "model/forward.h"
+#include "one_blas_thread.h"
 
 namespace kvcc {
 namespace {
@@ -245,8 +246,8 @@ TEST(CalibrateDriver, MpirunRanksEqualSingleRun) {
     const std::string out = dir / ("mpi" + std::to_string(ranks) + ".h5");
     std::string log;
     const int rc = run_command(
-        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 "
-        "mpirun -n " + std::to_string(ranks) + " --oversubscribe " + shell_quote(KVCC_BINARY) +
+        std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") + test::kOneBlasThreadEnv +
+            "mpirun -n " + std::to_string(ranks) + " --oversubscribe " + shell_quote(KVCC_BINARY) +
             cli_args(out),
         &log);
     ASSERT_EQ(rc, 0) << log;
@@ -262,7 +263,8 @@ TEST(CalibrateDriver, CliWritesTheSameStatsAndReportsProgress) {
   REQUIRE_SHARED();
   TempDir dir;
   std::string log;
-  ASSERT_EQ(run_command(shell_quote(KVCC_BINARY) + cli_args(dir / "cli.h5"), &log), 0) << log;
+  ASSERT_EQ(run_command(test::kOneBlasThreadEnv + shell_quote(KVCC_BINARY) + cli_args(dir / "cli.h5"), &log), 0)
+      << log;
   const int n_layers = ModelFile::open(kModel).config().n_layers;
   const std::string last_line = "layer " + std::to_string(n_layers) + "/" + std::to_string(n_layers);
   EXPECT_NE(log.find(last_line), std::string::npos) << log;  // plain progress lines (no tty)

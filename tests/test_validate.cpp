@@ -412,9 +412,8 @@ std::vector<float> bf16_window_logits(const ModelFile& model, const Artifact& ar
 // (1) With a sink covering every token nothing is quantised: the runtime path's NLL is the plain
 // forward pass's with K/V rounded to BF16 in the rotated basis (bf16_window_logits), at any block
 // size (prefill rounds the block's own K/V as the ring will hold them). The two differ only in
-// float summation order (prefill_ref accumulates in double, the forward in float GEMMs): 1e-6
-// relative. The rounding itself moves the NLL by far more than that (checked), so a runtime that
-// kept float windows fails. Pseudo-decode only: in static mode the cache holds the reference run's
+// float summation order (prefill_ref accumulates in double, the forward in float GEMMs), which can
+// flip the BF16 rounding of a few elements (tolerance below). Pseudo-decode only: in static mode the cache holds the reference run's
 // K/V, which this forward pass does not compute (with one block per document there is no cache,
 // and static equals it too: checked at block 256).
 TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
@@ -424,8 +423,14 @@ TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
   const Artifact art = hadamard_artifact(model, 256, 16, 16);
   const double bf16_ref = mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
   const double plain = plain_forward_nll(model, docs);
-  const double tol = 1e-6 * plain;
-  EXPECT_GT(std::abs(bf16_ref - plain), 20 * tol) << "BF16 rounding must be visible for this test to mean anything";
+  // The effect under test is the BF16 rounding of the windows: the runtime must sit four times
+  // closer to the BF16-window forward than that rounding moves the NLL (~4e-5 relative), so a
+  // runtime that kept float windows fails. Per-block and whole-document GEMMs sum in different
+  // orders, and one K/V element whose BF16 rounding flips moves the NLL ~5e-6 relative (seen on
+  // one machine): the tolerance leaves room for a couple of such flips.
+  const double bf16_effect = std::abs(bf16_ref - plain);
+  ASSERT_GT(bf16_effect, 1e-5 * plain) << "BF16 rounding must be visible for this test to mean anything";
+  const double tol = 0.25 * bf16_effect;
   for (int block : {1, 32, 256})
     for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
       if (mode == ValidateMode::Static && block < 256) continue;
