@@ -1,40 +1,36 @@
 #!/usr/bin/env bash
-# Compare decode kernel variants in one GPU session: build runtime/decode.cu under several
-# compile-time settings (plus an optional "before" copy of decode.cu), run the GPU tests against
-# each tested variant, then bench_decode for every variant on the same shapes and PyTorch SDPA
-# once. Results: $OUT/perf_<variant>.jsonl, $OUT/sdpa.jsonl, $OUT/perf_log.txt.
+# Compare decode kernel variants in one run: build runtime/decode.cu under several compile-time
+# settings (plus an optional "before" copy of decode.cu), each linked against the CMake build's
+# libraries (scripts/gpu_common.sh), run the GPU tests against each tested variant, then
+# bench_decode for every variant on the same shapes and PyTorch SDPA once. Results in the output
+# directory: perf_<variant>_r<round>.jsonl, sdpa.jsonl, perf_log.txt.
 # usage: OUT=dir [BEFORE=old_decode.cu] [ROUNDS=2] [CONFIGS=...] [SWEEP_TARGETS="132 264"] [RACECHECK=variant] [NO_SDPA=1]
 #        [PARTS=configs (time the pipeline stages of the first variant)]
 #        [SWEEP_ENVS="KVCC_RING=2 KVCC_TARGET_CTAS=396,KVCC_STAGES=2" (the first variant once per setting; commas join assignments)]
 #        [SANITIZE_FILTER=gtest filter (racecheck only, on those tests; default: racecheck + memcheck)]
-#   (the device tool returns at most 8 files from $OUT: ROUNDS, SWEEP_* and variants multiply them)
+#        [BUILD=dir for the variants' objects (default build-gpu-perf)] [GPU_BUILD=CMake build dir (default build-gpu)]
+#   (where the output directory is copied back with a limit on the number of files: ROUNDS,
+#   SWEEP_* and variants multiply them)
 #        scripts/gpu_perf.sh "name:-DFLAGS" ...
 #   each argument is a variant name and its nvcc defines (or @path: another decode.cu); variants
-#   named test* also run the tests.
+#   named test* also run the tests. A snapshot of decode.cu must match the current
+#   runtime/kv_kernels.h and define what the current decode.cu defines (scripts/gpu_common.sh).
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_common.sh"
 D=${BUILD:-build-gpu-perf}
 mkdir -p "$D"
 exec > >(tee -a "$OUT/perf_log.txt") 2>&1
-date -u
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+gpu_provenance
 CONFIGS=${CONFIGS:-32:8:1:4096,32:8:1:32768,32:8:8:32768,32:8:8:131072,32:8:64:32768,32:8:1:131072}
-CUINC=$(dirname "$(dirname "$(command -v nvcc)")")/include
-NV="nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -lineinfo -DKVCC_HAVE_CUDA=1 -I."
 t0=$(date +%s)
+# The runtime and formats libraries the variants link against.
+gpu_cmake_build kvcc_runtime kvcc_formats >"$D/cmake_build.txt" 2>&1 &
+cmake_pid=$!
 # Explicit pids: a bare `wait` would also wait for the tee above, which never ends.
 pids=()
-for f in runtime/kv_cache.cpp runtime/append_ref.cpp runtime/attention_ref.cpp; do
-  g++ -std=c++20 -O2 -DKVCC_HAVE_CUDA=1 -I. -I"$CUINC" -c "$f" -o "$D/$(basename "$f").o" &
-  pids+=($!)
-done
-$NV -c runtime/append.cu -o "$D/append.o" &
+gpu_nvcc -c bench/bench_decode.cu -o "$D/bench.o" &
 pids+=($!)
-$NV -c bench/bench_decode.cu -o "$D/bench.o" &
-pids+=($!)
-$NV -c tests/gpu_test_cache.cu -o "$D/test.o" &
+gpu_nvcc -c tests/gpu_test_cache.cu -o "$D/test.o" &
 pids+=($!)
 names=()
 for v in "$@"; do
@@ -46,16 +42,16 @@ for v in "$@"; do
   # "name:@path/to/decode.cu" builds another copy of decode.cu (a snapshot) without extra flags.
   if [ "${flags#@}" != "$flags" ]; then src=${flags#@}; flags=; fi
   # (the old file includes its headers relative to the repo root, so -I. serves both)
-  $NV $flags -Xptxas -v -c "$src" -o "$D/decode_$name.o" >"$D/ptxas_$name.txt" 2>&1 &
+  gpu_nvcc $flags -Xptxas -v -c "$src" -o "$D/decode_$name.o" >"$D/ptxas_$name.txt" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || echo "COMPILE FAILED (pid $p)"; done
-COMMON="$D/append.o $D/kv_cache.cpp.o $D/append_ref.cpp.o $D/attention_ref.cpp.o"
+wait "$cmake_pid" || { echo "CMAKE BUILD FAILED ($GPU_BUILD)"; tail -20 "$D/cmake_build.txt"; }
 for name in "${names[@]}"; do
   grep -A2 'ModeE0' "$D/ptxas_$name.txt" | grep -E 'registers|spill' | sed "s/^/$name int2 kernel: /"
-  nvcc -arch=sm_90 "$D/bench.o" "$D/decode_$name.o" $COMMON -o "$D/bench_$name" || echo "LINK FAILED $name"
+  gpu_link "$D/bench_$name" "$D/bench.o" "$D/decode_$name.o" || echo "LINK FAILED $name"
   case $name in
-    test*) nvcc -arch=sm_90 "$D/test.o" "$D/decode_$name.o" $COMMON -lgtest -lgtest_main -o "$D/test_$name" ||
+    test*) gpu_link "$D/test_$name" "$D/test.o" "$D/decode_$name.o" -lgtest -lgtest_main ||
              echo "LINK FAILED test $name" ;;
   esac
 done
@@ -96,7 +92,7 @@ done
 # Where small-batch time goes (KVCC_STAGES bits: 1 rotate q, 2 attention, 4 merge), first variant.
 if [ -n "${PARTS:-}" ]; then
   for st in 2 1 4; do
-    KVCC_STAGES=$st "$D/bench_${names[0]}" --configs "$PARTS" --out /tmp/parts.jsonl --reps 20 | grep decode | sed "s/^/stages=$st /"
+    KVCC_STAGES=$st "$D/bench_${names[0]}" --configs "$PARTS" --out "$D/parts.jsonl" --reps 20 | grep decode | sed "s/^/stages=$st /"
   done
 fi
 # Split-K plan sweep: the first variant with KVCC_TARGET_CTAS (CTAs the plan aims at) overridden.

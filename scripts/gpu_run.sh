@@ -1,30 +1,26 @@
 #!/usr/bin/env bash
-# One GPU session: build the CUDA targets, run the GPU tests (decode/append, prefill and the
+# One GPU run: build the CUDA targets, run the GPU tests (decode/append, prefill and the
 # validation's device pool, plus compute-sanitizer on a subset), run the decode/append and
-# prefill benchmarks and PyTorch SDPA on the decode shapes, and write
-# $OUT/gpu_results.json and $OUT/gpu_results.md (scripts/gpu_report.py), and everything in one
-# $OUT/gpu_out.tgz (the device tool returns at most 8 files).
-# BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same session
+# prefill benchmarks and PyTorch SDPA on the decode shapes, and write gpu_results.json and
+# gpu_results.md (scripts/gpu_report.py) into the output directory, and everything in one
+# gpu_out.tgz there (for machines that copy back only a few files).
+# BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same run
 # (scripts/gpu_perf.sh) and adds its column and ratios to the report.
-# usage: OUT=dir [BEFORE=old_decode.cu] scripts/gpu_run.sh [quick]
+# usage: OUT=dir [BEFORE=old_decode.cu] [BUILD=CMake build dir, default build-gpu] scripts/gpu_run.sh [quick]
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-BUILD=${BUILD:-build-gpu}
+source "$(dirname "$0")/gpu_common.sh"
+BUILD=${BUILD:-$GPU_BUILD}
+GPU_BUILD=$BUILD
 LOG=$OUT/gpu_log.txt
 exec > >(tee -a "$LOG") 2>&1
-date -u
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-JOBS=$(nproc)
+gpu_provenance
 
 # Build through CMake (only the targets needed).
 TEST=$BUILD/tests/gpu_test_cache
 PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-  cmake --build "$BUILD" --target gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill -j"$JOBS" ||
+gpu_cmake_build gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
@@ -57,13 +53,13 @@ echo "bench_decode exit: $?"
 echo "bench_prefill exit: $?"
 # Where small-batch time goes (KVCC_STAGES bits: 1 rotate q, 2 attention, 4 merge); not in the table.
 for st in 2 1 4; do
-  KVCC_STAGES=$st "$BENCH" --configs 32:8:1:4096,32:8:1:32768 --out /tmp/parts.jsonl --reps 20 | grep decode | sed "s/^/stages=$st /"
+  KVCC_STAGES=$st "$BENCH" --configs 32:8:1:4096,32:8:1:32768 --out "$BUILD/parts.jsonl" --reps 20 | grep decode | sed "s/^/stages=$st /"
 done
 PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30
 echo "bench_sdpa exit: $?"
 REPORT_ARGS=()
 if [ -n "${BEFORE:-}" ]; then
-  OUT=$OUT/before BUILD=build-gpu-perf BEFORE=$BEFORE ROUNDS=1 NO_SDPA=1 CONFIGS=$CONFIGS scripts/gpu_perf.sh before: >/dev/null 2>&1
+  OUT=$OUT/before GPU_BUILD=$BUILD BUILD=build-gpu-perf BEFORE=$BEFORE ROUNDS=1 NO_SDPA=1 CONFIGS=$CONFIGS scripts/gpu_perf.sh before: >/dev/null 2>&1
   echo "before ($BEFORE) exit: $?"
   REPORT_ARGS=(--before before/perf_before_r1.jsonl)
 fi

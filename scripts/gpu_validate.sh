@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # `kvcc validate --cache runtime` on the GPU: builds kvcc and test_validate with CUDA, runs the
 # device-pool test (ValidateRuntime.DevicePoolMatchesHostPool: the GPU runtime's NLL/KL against
-# the host pool's on a synthetic d = 128 model), and, when a real model was carried to .device/
-# (.device/gutenberg-27m, or .device/gutenberg-27m.tar.xz to fit the device's 64 MiB carry, and
-# held-out documents as token ids, .device/gutenberg_heldout_half.ids from `kvcc tokenize`: the
-# device image has no PCRE2, which this model's tokenizer needs), times the same validation (the zoo's gutenberg-27m
-# oscar artifact unless ART is set) on the GPU runtime, the CPU runtime and the codec path.
-# (scripts/gpu_run.sh runs the device-pool test only.)
-# usage: OUT=dir [RUNS="runtime:gpu runtime:cpu codec:auto"] scripts/gpu_validate.sh   (writes $OUT/validate_*.txt / .json)
+# the host pool's on a synthetic d = 128 model), and, when a real model was copied into the
+# git-ignored .device/ (.device/gutenberg-27m, or .device/gutenberg-27m.tar.xz when the copy must
+# be small, and held-out documents as token ids, .device/gutenberg_heldout_half.ids from
+# `kvcc tokenize`, for a GPU machine without PCRE2, which this model's tokenizer needs), times the
+# same validation (the zoo's gutenberg-27m oscar artifact unless ART is set) on the GPU runtime,
+# the CPU runtime and the codec path. (scripts/gpu_run.sh runs the device-pool test only.)
+# usage: OUT=dir [RUNS="runtime:gpu runtime:cpu codec:auto"] [BUILD=CMake build dir, default build-gpu]
+#        scripts/gpu_validate.sh   (writes validate_*.txt / .json into the output directory)
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-BUILD=${BUILD:-build-gpu}
+source "$(dirname "$0")/gpu_common.sh"
+BUILD=${BUILD:-$GPU_BUILD}
+GPU_BUILD=$BUILD
+gpu_provenance
 t0=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-  cmake --build "$BUILD" --target kvcc test_validate -j"$(nproc)" >"$OUT/validate_build.txt" 2>&1 ||
+gpu_cmake_build kvcc test_validate >"$OUT/validate_build.txt" 2>&1 ||
   { echo "validate BUILD FAILED (see $OUT/validate_build.txt)"; tail -20 "$OUT/validate_build.txt"; exit 1; }
 echo "validate build: $(( $(date +%s) - t0 )) s"
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.*' | tee "$OUT/validate_device_test.txt" |

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The comparison sweep (docs/validation.md "The comparison sweep"): for each real model in
-# ../shared/models, calibrate on the first half of its text (split by documents), compile every
-# method at ~2 bits, and validate on the other half under pseudo-decode.
+# The comparison sweep (docs/validation.md "The comparison sweep"): for each real model of the
+# model set, calibrate on the first half of its text (split by documents), compile every method
+# at ~2 bits, and validate on the other half under pseudo-decode.
 #   gutenberg-27m: windows default (sink 64 / recent 256 / pages 64), small (4 / 32 / 32) and
 #                  matched (4 / 128 / 128: KIVI's key token group and KVarN's tile are the
 #                  128-token page, so KIVI-2 with 128-token key groups costs the same bits as the
@@ -11,20 +11,23 @@
 #                  spanning KV heads (G = 64 and 32 channels: 4 heads of d = 16 / 8; 2.5 and 3
 #                  bits per quantised element instead of 4 and 6 at G = head_dim).
 #
-#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--calib-tokens N] [--eval-docs N]
+#   scripts/sweep.sh [--kvcc PATH] [--out DIR] [--shared DIR] [--calib-tokens N] [--eval-docs N]
 #                    [--eval-tokens N] [--models "a b"] [--windows "default small matched"] [--reuse]
 #
+# --shared: the model set, DIR/models/<model> and DIR/text/*.txt (default $KVCC_SHARED, else the
+# location the tests use, KVCC_SHARED_DIR in tests/CMakeLists.txt).
 # --eval-docs: validate on the first N held-out documents (0 = all; default 8 for gutenberg-27m,
 # each cut at 2048 tokens, all 50 for the tiny models); whole documents, so no truncated tail
 # document dilutes the means. --eval-tokens additionally caps the tokens (default 0 = no cap).
 # --windows replaces every model's window list; --reuse keeps stats.h5 and artifacts already in
-# DIR (re-validate without recalibrating; it assumes their compile options are unchanged). With
-# the defaults (65536 calibration tokens) the whole sweep takes ~40 min on a shared 2-core machine, 28 of them gutenberg-27m's three validations;
-# docs/validation.md gives the measured times and the results. Output: DIR/<model>-<windows>.
-# {json,svg,txt}; logs and artifacts in DIR/<model>/.
+# the --out directory (re-validate without recalibrating; it assumes their compile options are
+# unchanged). Output: OUT/<model>-<windows>.{json,svg,txt} (OUT: --out, default out/sweep); logs
+# and artifacts in OUT/<model>/. With the defaults (65536 calibration tokens) the whole sweep took
+# ~40 min on a shared 2-core machine, 28 of them gutenberg-27m's three validations
+# (docs/results/2026-11-30-validation-sweep.md).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-shared="$root/../shared"
+shared="${KVCC_SHARED:-$root/../shared}"
 kvcc="$root/build/cli/kvcc"
 out="$root/out/sweep"  # out/ is git-ignored: results are data, never committed
 calib_tokens=65536
@@ -37,6 +40,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --kvcc) kvcc="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --shared) shared="$2"; shift 2 ;;
     --calib-tokens) calib_tokens="$2"; shift 2 ;;
     --eval-docs) eval_docs="$2"; shift 2 ;;
     --eval-tokens) eval_tokens="$2"; shift 2 ;;
@@ -48,7 +52,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -x "$kvcc" ]] || { echo "sweep.sh: no kvcc binary at $kvcc (use --kvcc)" >&2; exit 1; }
-[[ -d "$shared/models" ]] || { echo "sweep.sh: $shared/models is missing" >&2; exit 1; }
+[[ -d "$shared/models" ]] || { echo "sweep.sh: $shared/models is missing (use --shared)" >&2; exit 1; }
 mkdir -p "$out"
 
 # Writes the first (half=1) or second (half=2) half of TEXT's documents to DEST, at most MAX of
