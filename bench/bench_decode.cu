@@ -21,9 +21,11 @@
 
 #include "formats/error.h"
 #include "formats/kv_layout.h"
-#include "runtime/kv_cache.h"
 #include "runtime/cuda_util.cuh"
+#include "runtime/device_buffer.h"
+#include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
+#include "runtime/served.h"
 
 using namespace kvcc;
 
@@ -68,13 +70,9 @@ __global__ void fill_bf16(uint16_t* x, size_t n, uint32_t seed) {
     x[i] = rand_bf16(i, seed);
 }
 
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)));
-  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+constexpr int kD = kGpuHeadDim;
+// The BF16 baseline's own paged cache (not kv_layout.h's): pages of 64 tokens.
+constexpr int kBf16PageTokens = 64;
 
 std::vector<float> random_orthogonal(int heads, int d, std::mt19937& rng, bool transpose) {
   std::normal_distribution<double> nd;
@@ -139,10 +137,8 @@ __global__ void copy_words(const uint4* __restrict__ src, uint4* __restrict__ ds
 // counting bytes read plus bytes written.
 double copy_ceiling_gbps(cudaStream_t s) {
   const size_t bytes = size_t(2) << 30;
-  void *src, *dst;
-  CK(cudaMalloc(&src, bytes));
-  CK(cudaMalloc(&dst, bytes));
-  fill_bf16<<<1024, 256, 0, s>>>(static_cast<uint16_t*>(src), bytes / 2, 7);
+  DeviceBuffer<uint4> src(bytes / 16), dst(bytes / 16);
+  fill_bf16<<<1024, 256, 0, s>>>(reinterpret_cast<uint16_t*>(src.data()), bytes / 2, 7);
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   double best_us = 1e30;
@@ -151,17 +147,15 @@ double copy_ceiling_gbps(cudaStream_t s) {
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     if (variant == 0)
-      CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+      CK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
     else
-      copy_words<<<sms * 8, 512, 0, s>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst), bytes / 16);
+      copy_words<<<sms * 8, 512, 0, s>>>(src.data(), dst.data(), bytes / 16);
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     best_us = std::min(best_us, time_graph(exec, s, 20));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
-  cudaFree(src);
-  cudaFree(dst);
   return 2.0 * double(bytes) / (best_us * 1e-6) / 1e9;  // read + write
 }
 
@@ -169,26 +163,28 @@ struct Config {
   int hq, hkv, batch, ctx;
 };
 
-KvGeometry geometry(int hkv) {
-  KvGeometry g;
-  g.n_layers = 1;
-  g.n_kv_heads = hkv;
-  g.head_dim = 128;
-  g.group = 128;
-  g.page_tokens = 64;
-  g.sink = 64;
-  g.recent = 256;
-  return g;
-}
+// One layer of the kernels' geometry (served.h: kv_layout.h's default windows and pages).
+KvGeometry geometry(int hkv) { return gpu_geometry(1, hkv); }
 
 void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   const KvGeometry g = geometry(c.hkv);
+  // KVCC_TABLE=1 times the level-table kernel (oscar-lm codecs) on the same random pages.
+  const char* table_env = std::getenv("KVCC_TABLE");
+  const bool level_table = table_env && std::atoi(table_env);
+  // Shapes the kernels do not serve are skipped with the table's reason (one line, no timing).
+  std::string why = gpu_unsupported_reason(g, c.hq, kGpuDecode, level_table);
+  if (why.empty()) why = gpu_bf16_unsupported_reason(c.hkv, kD, c.hq, kBf16PageTokens);
+  if (!why.empty()) {
+    std::printf("decode %2d/%d b=%-3d ctx=%-6d skipped: %s\n", c.hq, c.hkv, c.batch, c.ctx, why.c_str());
+    return;
+  }
   const int64_t pages_per_seq = history_pages(g, c.ctx);
   const KvTiers tiers = tiers_of(g, c.ctx);
+  // Bytes read: INT2 page blocks and BF16 window rows (K and V) per (sequence, KV head).
   const double int2_bytes = double(c.batch) * c.hkv *
-                            (double(pages_per_seq) * g.page_tokens * (2 * 32 + 2 * 4) +
-                             double(tiers.sink_count + tiers.ring_count) * 2 * 256);
-  const double bf16_bytes = double(c.batch) * c.hkv * double(c.ctx) * 2 * 256;
+                            (double(pages_per_seq) * double(g.page_head_bytes()) +
+                             double(tiers.sink_count + tiers.ring_count) * 2 * kGpuBf16RowBytes);
+  const double bf16_bytes = double(c.batch) * c.hkv * double(c.ctx) * 2 * kGpuBf16RowBytes;
   const int R = int(std::clamp(std::ceil(512e6 / int2_bytes), 1.0, 16.0));
 
   // INT2 cache, R replicas of the batch, through the allocator.
@@ -207,19 +203,18 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   CK(cudaGetLastError());
 
   std::mt19937 rng(c.hq * 131 + c.ctx + c.batch);
-  std::vector<float> q(size_t(c.batch) * c.hq * 128);
+  std::vector<float> q(size_t(c.batch) * c.hq * kD);
   std::normal_distribution<float> nd;
   for (auto& x : q) x = nd(rng);
-  float* dq = upload(q);
-  float* rk = upload(random_orthogonal(c.hkv, 128, rng, false));
-  float* rvt = upload(random_orthogonal(c.hkv, 128, rng, true));
+  const DeviceBuffer<float> dq(q), d_rk(random_orthogonal(c.hkv, kD, rng, false)),
+      d_rvt(random_orthogonal(c.hkv, kD, rng, true));
+  const float* rk = d_rk.data();
+  const float* rvt = d_rvt.data();
   // KVCC_NO_ROT=1: no rotations (what the query and output rotations cost; A/B runs only).
   if (const char* e = std::getenv("KVCC_NO_ROT"); e && std::atoi(e)) rk = rvt = nullptr;
-  float* dout;
-  CK(cudaMalloc(&dout, q.size() * 4));
+  DeviceBuffer<float> dout(q.size());
   std::vector<HeadCodec> codecs(size_t(c.hkv));
-  // KVCC_TABLE=1 times the level-table kernel (oscar-lm codecs) on the same random pages.
-  if (const char* table_env = std::getenv("KVCC_TABLE"); table_env && std::atoi(table_env))
+  if (level_table)
     for (auto& hc : codecs) {
       const float lv[4] = {-1.5f, -0.45f, 0.45f, 1.5f};
       hc.key.use_table = hc.value.use_table = 1;
@@ -229,13 +224,17 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   // KVCC_TARGET_CTAS overrides the split-K plan's CTA target (for tuning runs).
   const char* target_env = std::getenv("KVCC_TARGET_CTAS");
   const char* stages_env = std::getenv("KVCC_STAGES");  // benchmarking: which decode kernels run
-  DecodeShape shape{c.hq, 1.0f / std::sqrt(128.0f), target_env ? std::atoi(target_env) : 0,
+  DecodeShape shape{c.hq, 1.0f / std::sqrt(float(kD)), target_env ? std::atoi(target_env) : 0,
                     stages_env ? std::atoi(stages_env) : 7};
   // KVCC_RING forces the INT2 page-ring depth (2 or 3) instead of the plan's choice (A/B runs).
   if (const char* ring_env = std::getenv("KVCC_RING")) shape.ring = std::atoi(ring_env);
 
   std::vector<DeviceBatch> batches;
-  std::vector<int32_t*> bufs;
+  std::vector<DeviceBuffer<int32_t>> bufs;
+  auto upload = [&](const std::vector<int32_t>& v) {
+    bufs.emplace_back(v);
+    return bufs.back().data();
+  };
   for (int r = 0; r < R; ++r) {
     std::vector<int32_t> slot, len, off, table;
     for (int id : seqs[size_t(r)]) {
@@ -247,22 +246,18 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
     }
     DeviceBatch db;
     db.batch = c.batch;
-    bufs.push_back(upload(slot));
-    db.seq_slot = bufs.back();
-    bufs.push_back(upload(len));
-    db.seq_len = bufs.back();
-    bufs.push_back(upload(off));
-    db.page_offset = bufs.back();
-    bufs.push_back(upload(table));
-    db.page_table = bufs.back();
+    db.seq_slot = upload(slot);
+    db.seq_len = upload(len);
+    db.page_offset = upload(off);
+    db.page_table = upload(table);
     db.max_pages = int(pages_per_seq);
     batches.push_back(db);
   }
   const size_t ws_int2 = decode_workspace_bytes(g, c.batch, c.hq, int(pages_per_seq), 0, shape.target_ctas, shape.ring);
-  const int bf16_pages_per_seq = (c.ctx + 63) / 64;
-  const size_t ws_bf16 = decode_workspace_bytes(g, c.batch, c.hq, bf16_pages_per_seq, 64, shape.target_ctas);
-  void* ws;
-  CK(cudaMalloc(&ws, std::max(ws_int2, ws_bf16)));
+  const int bf16_pages_per_seq = (c.ctx + kBf16PageTokens - 1) / kBf16PageTokens;
+  const size_t ws_bf16 =
+      decode_workspace_bytes(g, c.batch, c.hq, bf16_pages_per_seq, kBf16PageTokens, shape.target_ctas);
+  DeviceBuffer<uint8_t> ws(std::max(ws_int2, ws_bf16));
 
   // INT2 graph.
   cudaGraph_t graph;
@@ -270,8 +265,8 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   CK(cudaStreamSynchronize(s));
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (int r = 0; r < R; ++r)
-    decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq, rk,
-                rvt, dout, ws, ws_int2, s);
+    decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq.data(),
+                rk, rvt, dout.data(), ws.data(), ws_int2, s);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   const double int2_us = time_graph(exec, s, reps) / R;
@@ -279,18 +274,23 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   cudaGraphDestroy(graph);
   // Every output written and finite (the inputs are random, never zero).
   std::vector<float> host_out(q.size());
-  CK(cudaMemcpy(host_out.data(), dout, q.size() * 4, cudaMemcpyDeviceToHost));
+  dout.download(host_out.data(), host_out.size());
   bool finite = true;
   for (float x : host_out) finite = finite && std::isfinite(x);
 
   // BF16 in-house baseline over a plain paged BF16 cache of the same shape.
   const int Rb = int(std::clamp(std::ceil(512e6 / bf16_bytes), 1.0, 16.0));
   const size_t bf16_pages = size_t(Rb) * c.batch * bf16_pages_per_seq;
-  const size_t page_elems = size_t(c.hkv) * 2 * 64 * 128;
-  uint16_t* bpool;
+  const size_t page_elems = size_t(c.hkv) * 2 * kBf16PageTokens * kD;
+  DeviceBuffer<uint16_t> bpool;
+  try {
+    bpool = DeviceBuffer<uint16_t>(bf16_pages * page_elems);
+  } catch (const Error&) {
+    cudaGetLastError();  // too large for the GPU: no baseline for this shape
+  }
   double bf16_us = -1;
-  if (cudaMalloc(&bpool, bf16_pages * page_elems * 2) == cudaSuccess) {
-    fill_bf16<<<2048, 256, 0, s>>>(bpool, bf16_pages * page_elems, 17);
+  if (!bpool.empty()) {
+    fill_bf16<<<2048, 256, 0, s>>>(bpool.data(), bf16_pages * page_elems, 17);
     std::vector<DeviceBatch> bb;
     for (int r = 0; r < Rb; ++r) {
       std::vector<int32_t> slot(size_t(c.batch), 0), len(size_t(c.batch), c.ctx), off, table;
@@ -301,27 +301,23 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
       }
       DeviceBatch db;
       db.batch = c.batch;
-      bufs.push_back(upload(slot));
-      db.seq_slot = bufs.back();
-      bufs.push_back(upload(len));
-      db.seq_len = bufs.back();
-      bufs.push_back(upload(off));
-      db.page_offset = bufs.back();
-      bufs.push_back(upload(table));
-      db.page_table = bufs.back();
+      db.seq_slot = upload(slot);
+      db.seq_len = upload(len);
+      db.page_offset = upload(off);
+      db.page_table = upload(table);
       db.max_pages = bf16_pages_per_seq;
       bb.push_back(db);
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int r = 0; r < Rb; ++r)
-      decode_bf16_paged(c.hkv, 128, 64, bpool, bb[size_t(r)], shape, dq, rk, rvt, dout, ws, ws_bf16, s);
+      decode_bf16_paged(c.hkv, kD, kBf16PageTokens, bpool.data(), bb[size_t(r)], shape, dq.data(), rk, rvt,
+                        dout.data(), ws.data(), ws_bf16, s);
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     bf16_us = time_graph(exec, s, reps) / Rb;
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    cudaFree(bpool);
   }
   std::fprintf(out,
                "{\"kind\":\"decode\",\"q_heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"context\":%d,"
@@ -329,49 +325,41 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
                "\"int2_gbps\":%.1f,\"bf16_inhouse_gbps\":%.1f,\"int2_bytes_per_token_layer\":%.2f,"
                "\"bf16_bytes_per_token_layer\":%d,\"replicas\":%d,\"outputs_finite\":%s}\n",
                c.hq, c.hkv, c.batch, c.ctx, int2_us, bf16_us, int2_bytes, bf16_bytes, int2_bytes / int2_us / 1e3,
-               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, mem_per_token_layer, 2 * c.hkv * 128 * 2, R,
+               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, mem_per_token_layer, 2 * c.hkv * kGpuBf16RowBytes, R,
                finite ? "true" : "false");
   std::fflush(out);
   std::printf("decode %2d/%d b=%-3d ctx=%-6d int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  %s\n",
               c.hq, c.hkv, c.batch, c.ctx, int2_us, int2_bytes / int2_us / 1e3, bf16_us,
               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, finite ? "" : "NON-FINITE OUTPUT");
-  for (auto* p : bufs) cudaFree(p);
-  cudaFree(ws);
-  cudaFree(dq);
-  cudaFree(rk);
-  cudaFree(rvt);
-  cudaFree(dout);
 }
 
 // Append throughput: a prefill of `tokens` into one sequence, and `steps` decode steps of a
 // batch; bandwidth counts fp32 inputs read plus cache bytes written.
 void bench_append(cudaStream_t s, std::FILE* out) {
   const KvGeometry g = geometry(8);
+  const std::string why = gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend);
+  if (!why.empty()) {
+    std::printf("append skipped: %s\n", why.c_str());
+    return;
+  }
   std::mt19937 rng(3);
-  float* rk = upload(random_orthogonal(8, 128, rng, false));
-  float* rv = upload(random_orthogonal(8, 128, rng, false));
+  const DeviceBuffer<float> rk(random_orthogonal(8, kD, rng, false)), rv(random_orthogonal(8, kD, rng, false));
   std::vector<HeadCodec> codecs(8);
   for (auto& c : codecs) c.key.clip_ratio = c.value.clip_ratio = 0.95f;
   const int tokens = 32768;
-  const size_t in_elems = size_t(tokens) * 8 * 128;
-  uint16_t* tmp;
-  CK(cudaMalloc(&tmp, in_elems * 2));
-  float *k, *v;
-  CK(cudaMalloc(&k, in_elems * 4));
-  CK(cudaMalloc(&v, in_elems * 4));
+  const size_t in_elems = size_t(tokens) * 8 * kD;
+  DeviceBuffer<float> k(in_elems), v(in_elems);
   {
     std::vector<float> h(in_elems);
     std::normal_distribution<float> nd;
     for (auto& x : h) x = nd(rng);
-    CK(cudaMemcpy(k, h.data(), in_elems * 4, cudaMemcpyHostToDevice));
+    k.upload(h);
     for (auto& x : h) x = nd(rng);
-    CK(cudaMemcpy(v, h.data(), in_elems * 4, cudaMemcpyHostToDevice));
+    v.upload(h);
   }
-  cudaFree(tmp);
   KvCache cache(KvCacheConfig{g, history_pages(g, tokens) + 64 * 8, 65, PoolMemory::Device});
   const size_t wsb = append_workspace_bytes(g, tokens, tokens);
-  void* ws;
-  CK(cudaMalloc(&ws, wsb));
+  DeviceBuffer<uint8_t> ws(wsb);
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
@@ -381,7 +369,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
     cache.grow(id, tokens);
     AppendPlanHost plan{{id}, {0}, {tokens}, {0}, {cache.page_table(id)}};
     CK(cudaEventRecord(a, s));
-    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k, v, rk, rv, ws, wsb, s);
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), rk.data(),
+              rv.data(), ws.data(), wsb, s);
     CK(cudaEventRecord(b, s));
     CK(cudaEventSynchronize(b));
     float t;
@@ -392,7 +381,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
   std::sort(ms.begin(), ms.end());
   const double prefill_us = 1000.0 * ms[ms.size() / 2];
   const KvTiers t = tiers_of(g, tokens);
-  const double written = double(8) * (double(t.hist_tokens) * 72 + double(t.sink_count + t.ring_count) * 512);
+  const double written = double(8) * (double(t.hist_tokens) * double(g.page_head_bytes()) / g.page_tokens +
+                                      double(t.sink_count + t.ring_count) * 2 * kGpuBf16RowBytes);
   const double prefill_bytes = double(in_elems) * 4 * 2 + written;
   // Decode steps: 64 sequences at 4096 tokens, 64 steps of one token each (every sequence
   // flushes one page in that window). Wall time per step includes the host planning.
@@ -412,7 +402,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
       plan.row_offsets.push_back(i);
       plan.page_tables.push_back(cache.page_table(ids[size_t(i)]));
     }
-    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k, v, rk, rv, ws, wsb, s);
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), rk.data(),
+              rv.data(), ws.data(), wsb, s);
   }
   CK(cudaEventRecord(b, s));
   CK(cudaEventSynchronize(b));
@@ -426,11 +417,6 @@ void bench_append(cudaStream_t s, std::FILE* out) {
   std::printf("append: prefill %d tokens x 8 kv heads: %.1f us (%.0f GB/s of fp32 input + cache written); "
               "decode step (batch 64, 1 token): %.1f us\n",
               tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
-  cudaFree(ws);
-  cudaFree(k);
-  cudaFree(v);
-  cudaFree(rk);
-  cudaFree(rv);
 }
 
 }  // namespace
@@ -449,6 +435,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
+    require_hopper();
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaDeviceProp prop;

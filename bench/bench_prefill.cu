@@ -17,10 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "formats/error.h"
 #include "formats/kv_layout.h"
-#include "runtime/kv_cache.h"
 #include "runtime/cuda_util.cuh"
+#include "runtime/device_buffer.h"
+#include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
+#include "runtime/served.h"
 
 using namespace kvcc;
 
@@ -28,13 +31,7 @@ namespace {
 
 #define CK(x) check_cuda((x), #x)  // a failed CUDA call ends the benchmark with its name
 
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)));
-  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+constexpr int kD = kGpuHeadDim;
 
 std::vector<int> parse_ints(const std::string& s, char sep) {
   std::vector<int> out;
@@ -45,11 +42,12 @@ std::vector<int> parse_ints(const std::string& s, char sep) {
 }
 
 void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, int reps) {
-  KvGeometry g;
-  g.n_layers = 1;
-  g.n_kv_heads = n_kv;
-  g.head_dim = 128;
-  g.group = 128;
+  const KvGeometry g = gpu_geometry(1, n_kv);
+  // Shapes the kernels do not serve are skipped with the table's reason.
+  if (const std::string why = gpu_unsupported_reason(g, n_heads, kGpuPrefill); !why.empty()) {
+    std::fprintf(stderr, "prefill %d:%d:%d:%d skipped: %s\n", n_heads, n_kv, ctx, T, why.c_str());
+    return;
+  }
   const int64_t pages = history_pages(g, ctx);
   KvCache cache(KvCacheConfig{g, std::max<int64_t>(1, pages), 1, PoolMemory::Device});
   const int seq = cache.add_sequence();
@@ -70,25 +68,25 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   for (size_t i = 0; i < g.window_slot_bytes() / 2; ++i) win[i] = uint16_t(0x3F80 ^ (rng() & 0x807F));  // ±[1, 2)
   CK(cudaMemcpy(cache.pages_base(), pool.data(), pool.size(), cudaMemcpyHostToDevice));
   const auto& pt = cache.page_table(seq);
-  int32_t* table = upload(std::vector<int32_t>(pt.begin(), pt.begin() + pages));
+  const DeviceBuffer<int32_t> table(std::vector<int32_t>(pt.begin(), pt.begin() + pages));
   std::normal_distribution<float> nd;
-  std::vector<float> q(size_t(T) * n_heads * 128), kv(size_t(T) * n_kv * 128), rot(size_t(n_kv) * 128 * 128);
+  std::vector<float> q(size_t(T) * n_heads * kD), kv(size_t(T) * n_kv * kD), rot(size_t(n_kv) * kD * kD);
   for (auto& x : q) x = nd(rng);
   for (auto& x : kv) x = nd(rng);
-  for (auto& x : rot) x = nd(rng) / std::sqrt(128.0f);  // timing only: any dense matrix
-  float *dq = upload(q), *dkv = upload(kv), *drot = upload(rot), *dout = nullptr;
-  CK(cudaMalloc(&dout, q.size() * sizeof(float)));
+  for (auto& x : rot) x = nd(rng) / std::sqrt(float(kD));  // timing only: any dense matrix
+  const DeviceBuffer<float> dq(q), dkv(kv), drot(rot);
+  DeviceBuffer<float> dout(q.size());
   const std::vector<HeadCodec> codecs(static_cast<size_t>(n_kv));
   const double keys = double(ctx) * T + 0.5 * double(T) * T;
-  const double flops = 4.0 * n_heads * 128 * keys;
+  const double flops = 4.0 * n_heads * kD * keys;
   for (int w : warps) {
-    PrefillShape shape{n_heads, 1.0f / std::sqrt(128.0f), 0, w};
+    PrefillShape shape{n_heads, 1.0f / std::sqrt(float(kD)), 0, w};
     const size_t wsb = prefill_workspace_bytes(g, ctx, T, shape);
-    void* ws = nullptr;
-    CK(cudaMalloc(&ws, wsb));
+    DeviceBuffer<uint8_t> ws(wsb);
     auto call = [&] {
-      prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, seq, ctx, table, T, codecs.data(), shape, dq, dkv,
-                   dkv, drot, drot, drot, dout, ws, wsb, nullptr);
+      prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, seq, ctx, table.data(), T, codecs.data(), shape,
+                   dq.data(), dkv.data(), dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(),
+                   wsb, nullptr);
     };
     for (int i = 0; i < 3; ++i) call();
     CK(cudaDeviceSynchronize());
@@ -112,13 +110,7 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
                 n_heads, n_kv, ctx, T, w, ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
-    CK(cudaFree(ws));
   }
-  CK(cudaFree(table));
-  CK(cudaFree(dq));
-  CK(cudaFree(dkv));
-  CK(cudaFree(drot));
-  CK(cudaFree(dout));
 }
 
 }  // namespace
@@ -139,13 +131,19 @@ int main(int argc, char** argv) {
   }
   std::stringstream ss(configs);
   std::string item;
-  while (std::getline(ss, item, ',')) {
-    const std::vector<int> c = parse_ints(item, ':');
-    if (c.size() != 4) {
-      std::fprintf(stderr, "bad config '%s' (want Hq:Hkv:ctx:T)\n", item.c_str());
-      return 2;
+  try {
+    require_hopper();
+    while (std::getline(ss, item, ',')) {
+      const std::vector<int> c = parse_ints(item, ':');
+      if (c.size() != 4) {
+        std::fprintf(stderr, "bad config '%s' (want Hq:Hkv:ctx:T)\n", item.c_str());
+        return 2;
+      }
+      run_config(c[0], c[1], c[2], c[3], warps, reps);
     }
-    run_config(c[0], c[1], c[2], c[3], warps, reps);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_prefill: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // Append kernels: rotate + round to BF16 (staging), quantise the tokens that enter history
 // (from the old ring or straight from staging) into their pages, then write sink and ring.
-// Semantics: runtime/append_ref.cpp. The host plans which token goes where from the lengths.
+// Semantics: runtime/append_ref.cpp. The host plans which token goes where from the lengths
+// (plan_append_moves, runtime/plan.cpp).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -12,21 +13,15 @@
 #include "formats/kv_layout.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
+#include "runtime/plan.h"
+#include "runtime/served.h"
 
 namespace kvcc {
 namespace {
 
-constexpr int kD = 128;
-
-// A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring) or from
-// staging row `src`, into (page, row).
-struct Move {
-  int32_t seq_slot, from_ring, src, page, row;
-};
-// A new token staying in the BF16 windows: staging row `src` to sink position or ring slot `dst`.
-struct WindowWrite {
-  int32_t seq_slot, to_ring, src, dst;
-};
+constexpr int kD = kGpuHeadDim;
+using Move = AppendMove;
+using WindowWrite = AppendWindowWrite;
 
 // staging[side][row, head, :] = bf16(x[row, head, :] · R[head])  (x = k for side 0, v for side 1)
 __global__ void rotate_rows(const float* k, const float* v, const float* rot_k, const float* rot_v,
@@ -56,7 +51,9 @@ __global__ void rotate_rows(const float* k, const float* v, const float* rot_k, 
   for (int t = 0; t < nr; ++t) out[(size_t(r0 + t) * n_kv + h) * kD + j] = __float2bfloat16_rn(acc[t]);
 }
 
-// One warp per (move, head, side): clip + quantise + pack one row (codec_scalar.h semantics).
+// One warp per (move, head, side): clip + quantise + pack one row (codec_scalar.h semantics); lane
+// l holds channels 4l .. 4l + 3, i.e. code byte l.
+static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
 __global__ void quantize_moves(const Move* moves, int n_moves, KvGeometry geo, int layer,
                                const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows,
                                uint8_t* pages, const HeadCodec* codecs) {
@@ -164,62 +161,29 @@ __global__ void write_windows(const WindowWrite* writes, int n_writes, KvGeometr
 }  // namespace
 
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {
-  return align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2) +
-         align256(size_t(max_moves) * sizeof(Move)) + align256(size_t(rows) * sizeof(WindowWrite)) +
-         align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));
+  return append_workspace(g, rows, max_moves).bytes;
 }
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer,
                const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
                const float* rot_k, const float* rot_v, void* workspace, size_t workspace_bytes,
                cudaStream_t stream) {
-  require(g.head_dim == kD, "append (CUDA): head_dim " + std::to_string(g.head_dim) +
-                                " is not supported (needs 128)");
-  require(g.group == g.head_dim, "append (CUDA): needs one (scale, zero) group per row");
+  require_hopper();
+  require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   require(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
-  const size_t nseq = plan.seq_slots.size();
-  require(plan.old_lengths.size() == nseq && plan.counts.size() == nseq &&
-              plan.row_offsets.size() == nseq && plan.page_tables.size() == nseq,
-          "append (CUDA): plan arrays differ in size");
   // Plan the moves and window writes (the same walk as append_ref).
-  std::vector<Move> moves;
-  std::vector<WindowWrite> writes;
-  int64_t rows = 0;
-  for (size_t i = 0; i < nseq; ++i) {
-    const int64_t n0 = plan.old_lengths[i], n1 = n0 + plan.counts[i];
-    rows = std::max(rows, plan.row_offsets[i] + plan.counts[i]);
-    const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
-    require(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
-            "append (CUDA): sequence was not grown before appending");
-    const int slot = plan.seq_slots[i];
-    auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };
-    const int64_t post0 = n0 - t0.sink_count;
-    for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < post0; ++post)
-      moves.push_back(Move{slot, 1, ring_slot(g, post), page_of(post), int32_t(post % g.page_tokens)});
-    for (int j = 0; j < plan.counts[i]; ++j) {
-      const int64_t pos = n0 + j;
-      const int32_t src = int32_t(plan.row_offsets[i] + j);
-      if (pos < g.sink) {
-        writes.push_back(WindowWrite{slot, 0, src, int32_t(pos)});
-      } else if (pos - g.sink < t1.hist_tokens) {
-        const int64_t post = pos - g.sink;
-        moves.push_back(Move{slot, 0, src, page_of(post), int32_t(post % g.page_tokens)});
-      } else {
-        writes.push_back(WindowWrite{slot, 1, src, ring_slot(g, pos - g.sink)});
-      }
-    }
-  }
+  const AppendMoves m = plan_append_moves(g, plan);
+  const std::vector<Move>& moves = m.moves;
+  const std::vector<WindowWrite>& writes = m.writes;
+  const int64_t rows = m.rows;
   if (rows == 0) return;
-  require(workspace_bytes >= append_workspace_bytes(g, rows, int64_t(moves.size())),
-          "append (CUDA): workspace too small");
+  const AppendWorkspace lay = append_workspace(g, rows, int64_t(moves.size()));
+  require(workspace_bytes >= lay.bytes, "append (CUDA): workspace too small");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  auto* staging = reinterpret_cast<__nv_bfloat16*>(ws);
-  ws += align256(size_t(rows) * g.n_kv_heads * kD * 2 * 2);
-  auto* d_moves = reinterpret_cast<Move*>(ws);
-  ws += align256(moves.size() * sizeof(Move));
-  auto* d_writes = reinterpret_cast<WindowWrite*>(ws);
-  ws += align256(size_t(rows) * sizeof(WindowWrite));
-  auto* d_codecs = reinterpret_cast<HeadCodec*>(ws);
+  auto* staging = reinterpret_cast<__nv_bfloat16*>(ws + lay.staging);
+  auto* d_moves = reinterpret_cast<Move*>(ws + lay.moves);
+  auto* d_writes = reinterpret_cast<WindowWrite*>(ws + lay.writes);
+  auto* d_codecs = reinterpret_cast<HeadCodec*>(ws + lay.codecs);
   // Pageable host memory: the copies complete (staged) before cudaMemcpyAsync returns.
   if (!moves.empty())
     check_cuda(cudaMemcpyAsync(d_moves, moves.data(), moves.size() * sizeof(Move), cudaMemcpyHostToDevice, stream),

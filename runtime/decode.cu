@@ -13,6 +13,8 @@
 //      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,  Σ(p·s)·c = acc/κ.
 //  - BF16 sink and ring (and the baseline's pages) are extra splits of the same launch; one
 //    merge kernel combines the splits' (max, sum, output) by log-sum-exp and rotates by R_vᵀ.
+// Shared with prefill: the PTX wrappers (runtime/ptx.cuh), the log-sum-exp merge
+// (runtime/merge.cuh), the geometry (runtime/served.h); the host-side plan is runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,6 +29,10 @@
 #include "formats/kv_layout.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
+#include "runtime/merge.cuh"
+#include "runtime/plan.h"
+#include "runtime/ptx.cuh"
+#include "runtime/served.h"
 
 namespace kvcc {
 namespace {
@@ -34,10 +40,10 @@ namespace {
 // Pages in each warp's shared-memory ring (ring - 1 in flight while one is computed). Two builds of
 // the INT2 kernel: a 3-stage ring at 3 CTAs per SM (what shared memory fits), and a 2-stage ring
 // at 4 CTAs per SM (registers capped at 128): more warps to hide latency, less prefetch per warp.
-// The plan picks the second when there are enough long splits to fill its waves (plan_splits);
+// The plan picks the second when there are enough long splits to fill its waves (runtime/plan.cpp);
 // DecodeShape::ring forces one (tests, and A/B runs through bench_decode's KVCC_RING).
-constexpr int kRingDeep = 3, kRingWide = 2;
-constexpr int ctas_per_sm(int ring) { return ring == kRingWide ? 4 : 3; }
+constexpr int kRingDeep = kDecodeRingDeep, kRingWide = kDecodeRingWide;
+constexpr int ctas_per_sm(int ring) { return decode_ctas_per_sm(ring); }
 // Lazy online softmax: the running max moves only when a logit exceeds it by more than this many
 // log2 units, so p <= 2^slack and most tiles skip the warp reduction and the rescale. Negative:
 // move it on every tile. p·s_v is an fp16 operand, so 2^slack·s_v must stay far below 65504.
@@ -45,53 +51,24 @@ constexpr int ctas_per_sm(int ring) { return ring == kRingWide ? 4 : 3; }
 #define KVCC_DECODE_SLACK 4.0f
 #endif
 constexpr float kSlack = KVCC_DECODE_SLACK;
-constexpr int kPageBytes = 4608;  // one (page, layer, head) block at P = 64, d = 128, G = d
+constexpr int kPageBytes = kGpuPageBytes;  // one (page, layer, head) block (served.h)
+// A page is walked in 16-token subtiles (the MMA's M).
+constexpr int kSubtiles = kGpuPageTokens / 16;
+static_assert(kSubtiles == 4, "load_keys, load_values and int2_page hold a page's 4 subtiles in registers");
 
-constexpr int kD = 128;      // head_dim of the tensor-core kernel
-constexpr int kHeads = 8;    // MMA n: query heads per KV head, padded
-constexpr int kWarps = 4;
+constexpr int kD = kGpuHeadDim;          // head_dim of the tensor-core kernel
+constexpr int kHeads = kGpuMaxGroupHeads; // MMA n: query heads per KV head, padded
+constexpr int kWarps = kDecodeWarps;
 // Per-warp output slab of the CTA's final reduction: [kHeads][kSlabRow] floats, rows padded
 // against shared-memory bank conflicts (the final sum adds exactly 4 slabs).
 static_assert(kWarps == 4, "the slab sum is written for 4 warps");
 constexpr int kSlabRow = kD + 4, kSlabFloats = kHeads * kSlabRow;
 constexpr size_t kSlabBytes = size_t(kWarps) * kSlabFloats * sizeof(float);
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxTableHeads = 64;  // KV heads the level-table kernel takes (its tables are kernel parameters)
+static_assert(kGpuWindowTile == 16, "the BF16 windows are walked in bf16_tile's 16-row tiles");
+constexpr int kMaxTableHeads = kDecodeMaxTableHeads;  // KV heads the level-table kernel takes
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// Integer MMA: int8 A (row) × int8 B (col), exact int32 accumulation. A = key codes, B = query.
-__device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t transpose8x8(uint32_t a) {
-  uint32_t d;
-  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
-  return d;
-}
-// 2^x (MUFU.EX2; 2^-inf = 0). Relative error ~2^-22, far below the fp16/bf16 operands'.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ __half2 u32_as_h2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -130,7 +107,7 @@ struct DecodeArgs {
   const int32_t* page_offset;
   const int32_t* page_table;
   // queries and split plan
-  const float* q_rot;  // [batch, n_heads, 128]
+  const float* q_rot;  // [batch, n_heads, kD]
   // The query of the INT2 key MMAs (rotate_queries; int8, or fp16 for the level-table kernel):
   // per (sequence, KV head, head of the group, t) the 16 B-fragment words of thread (g = head, t)
   // (KeyQuery::frag); per (sequence, KV head, head) its sum and logit scale (KeyQuery).
@@ -139,8 +116,8 @@ struct DecodeArgs {
   int n_heads, group_heads;
   float sm_scale_log2;  // sm_scale · log2(e)
   int paged_splits, units_per_split, total_splits, win_tiles_per_split;
-  float* part_o;   // [batch, n_kv, total_splits, 8, 128]
-  float* part_ml;  // [batch, n_kv, total_splits, 8, 2]
+  float* part_o;   // [batch, n_kv, total_splits, kHeads, kD]
+  float* part_ml;  // [batch, n_kv, total_splits, kHeads, 2]
   // Level-table kernel only: per KV head and side (K, V) the code values L(0..3) as fp16,
   // (L0 | L1 << 16, L2 | L3 << 16); (0, 1, 2, 3) for a head on the uniform grid.
   uint32_t tables[kMaxTableHeads][2][2];
@@ -206,38 +183,38 @@ __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float m
   }
 }
 
-// The bytes one warp reads of a 64-token INT2 page (staged in shared memory): per 16-token
+// The bytes one warp reads of an INT2 page (staged in shared memory): per 16-token
 // subtile s, the K code words of tokens g and g+8 (8 bytes at 8t) and their (scale, zero) pairs;
 // then the V code words of tokens 2t, 2t+1, 2t+8, 2t+9 (4 bytes at 4g) and the (scale, zero)
 // pairs of tokens g and g+8. Keys and values are loaded separately, just before their MMAs, so
 // that fewer registers are live at once.
 struct KeyRegs {
-  uint2 kw[4][2];
-  uint32_t kp[4][2];
+  uint2 kw[kSubtiles][2];
+  uint32_t kp[kSubtiles][2];
 };
 struct ValueRegs {
-  uint32_t vw[4][4], vp[4][2];
-  uint32_t vz[4][4];  // the A fragment of the Σ P'·z MMA (int2_page)
+  uint32_t vw[kSubtiles][4], vp[kSubtiles][2];
+  uint32_t vz[kSubtiles][4];  // the A fragment of the Σ P'·z MMA (int2_page)
 };
 __device__ __forceinline__ void load_keys(const uint8_t* blk, KeyRegs& d, int g, int t) {
-  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32);
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + kGpuKParamsOffset);
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    d.kw[s][0] = *reinterpret_cast<const uint2*>(blk + (16 * s + g) * 32 + 8 * t);
-    d.kw[s][1] = *reinterpret_cast<const uint2*>(blk + (16 * s + g + 8) * 32 + 8 * t);
+  for (int s = 0; s < kSubtiles; ++s) {
+    d.kw[s][0] = *reinterpret_cast<const uint2*>(blk + (16 * s + g) * kGpuCodeRowBytes + 8 * t);
+    d.kw[s][1] = *reinterpret_cast<const uint2*>(blk + (16 * s + g + 8) * kGpuCodeRowBytes + 8 * t);
     d.kp[s][0] = kpar[16 * s + g];
     d.kp[s][1] = kpar[16 * s + g + 8];
   }
 }
 __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, int g, int t) {
-  const uint8_t* vc = blk + 64 * 32;
-  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + 2 * 64 * 32) + 64;
+  const uint8_t* vc = blk + kGpuVCodesOffset;
+  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + kGpuVParamsOffset);
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * 32 + 4 * g);
-    d.vw[s][1] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * 32 + 4 * g);
-    d.vw[s][2] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * 32 + 4 * g);
-    d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * 32 + 4 * g);
+  for (int s = 0; s < kSubtiles; ++s) {
+    d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * kGpuCodeRowBytes + 4 * g);
+    d.vw[s][1] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * kGpuCodeRowBytes + 4 * g);
+    d.vw[s][2] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * kGpuCodeRowBytes + 4 * g);
+    d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * kGpuCodeRowBytes + 4 * g);
     d.vp[s][0] = vpar[16 * s + g];
     d.vp[s][1] = vpar[16 * s + g + 8];
     const uint2 za = *reinterpret_cast<const uint2*>(vpar + 16 * s + 2 * t);
@@ -247,35 +224,6 @@ __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, in
     d.vz[s][2] = __byte_perm(zb.x, zb.y, 0x7632);
     d.vz[s][3] = zb.y;
   }
-}
-
-// One bulk copy (the TMA unit) of `bytes` into shared memory, completing on mbarrier `bar`: one
-// instruction of one lane per page instead of 9 cp.async per lane (measured 0.5–1% faster at
-// >= 32K context, 0.4–1.5% slower at 4K, same run).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* gmem, uint32_t bytes, uint32_t b) {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's earlier reads come first
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(gmem), "r"(bytes), "r"(b)
-               : "memory");
-}
-// Barriers bar[0 .. n) for one arrival each (the copy's issuer), made by lane 0 for its warp.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int n, int lane) {
-  if (lane == 0)
-    for (int i = 0; i < n; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i)))
-                   : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy unit
-  __syncwarp();
-}
-__device__ __forceinline__ void mbar_wait(uint32_t b, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done)
-                 : "r"(b), "r"(parity)
-                 : "memory");
 }
 
 // The query side of the int8 key MMAs (made by rotate_queries). Channel c of a key code row sits
@@ -300,7 +248,7 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
   return __byte_perm(lo, hi, x * 0x22u + 0x1010u);
 }
 
-// One 64-token INT2 page block, staged in shared memory at blk. kTable: code values from the
+// One INT2 page block, staged in shared memory at blk. kTable: code values from the
 // head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs.
 template <bool kTable>
 __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, WarpState& st, int g, int t,
@@ -309,10 +257,10 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   load_keys(blk, kr, g, t);
   const auto& kw = kr.kw;
   const auto& kp = kr.kp;
-  float sc[4][4];
+  float sc[kSubtiles][4];
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < kSubtiles; ++s) {
     if (kTable) {
       // MMA m = 4·word + f takes field f of the thread's code word `word` (bytes 8t + 4·word ..),
       // bytes (0, 1) as a0 / a1 (tokens g, g + 8) and bytes (2, 3) as a2 / a3.
@@ -376,7 +324,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   const auto& vp = vr.vp;
   const auto& vz = vr.vz;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < kSubtiles; ++s) {
     float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) pr[i] = fast_exp2(fmaf(sc[s][i], q.scale[i & 1], -msub[i & 1]));
@@ -418,8 +366,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   }
 }
 
-// One 16-token BF16 tile: rows 0..15 at kbase/vbase (row stride 128), row r valid if bit r of
-// `valid` is set (invalid rows are neither read nor counted).
+// One 16-token BF16 tile (the MMA's M, served.h's kGpuWindowTile): rows 0..15 at kbase/vbase (row
+// stride kD), row r valid if bit r of `valid` is set (invalid rows are neither read nor counted).
 // kSplitQ: q = q_hi + q_lo in two bf16 MMAs, so the logits carry fp32-like precision (the
 // windows of the INT2 cache); the plain BF16 baseline rounds q once, as BF16 attention does.
 template <bool kSplitQ>
@@ -435,7 +383,7 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
     const bool ok = (valid >> row) & 1u;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      kr[rr][i] = ok ? __ldg(reinterpret_cast<const uint4*>(kbase + row * kD + 32 * t + 8 * i)) : zero4;
+      kr[rr][i] = ok ? __ldg(reinterpret_cast<const uint4*>(kbase + row * kD + (kD / 4) * t + 8 * i)) : zero4;
   }
 #pragma unroll
   for (int rr = 0; rr < 4; ++rr) {
@@ -499,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   __shared__ float qs[kHeads][kD];
   __shared__ float w_m[kWarps][kHeads], w_l[kWarps][kHeads];
 
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
   const int len = a.seq_len[b];
   const int r = a.group_heads;
   // Which work this split does.
@@ -542,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   if (int2_split)
 #pragma unroll
     for (int k = 0; k < kRing - 1; ++k) issue(k);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the query comes from rotate_queries
+  pdl_wait();  // the query comes from rotate_queries
   if (!int2_split) {
     for (int i = threadIdx.x; i < kHeads * kD; i += kThreads) {
       const int hh = i / kD, c = i % kD;
@@ -591,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
     auto lo_part = [](float x) { return x - __bfloat162float(__float2bfloat16_rn(x)); };
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) {
-      const int c = 32 * t + 4 * kb;
+      const int c = (kD / 4) * t + 4 * kb;
       kq[kb][0] = pack_bf162(qs[g][c], qs[g][c + 1]);
       kq[kb][1] = pack_bf162(qs[g][c + 2], qs[g][c + 3]);
       kq_lo[kb][0] = pack_bf162(lo_part(qs[g][c]), lo_part(qs[g][c + 1]));
@@ -618,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
     } else {
       const KvGeometry& geo = a.geo;
       const KvTiers tiers = tiers_of(geo, len);
-      const int sink_tiles = geo.sink / 16, ring_tiles = geo.recent / 16;
+      const int sink_tiles = geo.sink / kGpuWindowTile, ring_tiles = geo.recent / kGpuWindowTile;
       const int first_tile = (split - a.paged_splits) * a.win_tiles_per_split;
       const int last_tile = min(sink_tiles + ring_tiles, first_tile + a.win_tiles_per_split);
       const __nv_bfloat16* win = a.windows + geo.window_block_elem(a.seq_slot[b], a.layer, h);
@@ -747,7 +695,7 @@ constexpr int kRotThreads = 4 * kD;
 __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, const float* rot_k, int n_heads, int r,
                                                               float sm_scale_log2, float* q_rot, uint4* qk8,
                                                               float* qk_sc, bool fp16_query) {
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
   __shared__ float qv[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   __shared__ float wmax[4][4];
@@ -814,43 +762,6 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
   }
 }
 
-// Running log-sum-exp of head hh's channel j over splits first, first + step, ... of the
-// (sequence, KV head) pair whose partials start at split `base`: per round, the (max, sum) and
-// the output of kChunk splits are loaded together. Every split wrote its partial (zeros where it
-// saw no token), so only the count guards them.
-template <int kChunk>
-__device__ __forceinline__ void merge_run(const float* part_o, const float* part_ml, size_t base, int hh, int j,
-                                          int total_splits, int first, int step, float& m_run, float& l_run,
-                                          float& acc) {
-  m_run = -INFINITY;
-  l_run = acc = 0.0f;
-  for (int s0 = first; s0 < total_splits; s0 += step * kChunk) {
-    float m[kChunk], l[kChunk], o[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const int s = s0 + step * i;
-      const size_t e = (base + s) * kHeads + hh;
-      m[i] = s < total_splits ? part_ml[e * 2] : -INFINITY;
-      l[i] = s < total_splits ? part_ml[e * 2 + 1] : 0.0f;
-      o[i] = s < total_splits ? part_o[e * kD + j] : 0.0f;
-    }
-    float mc = m_run;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) mc = fmaxf(mc, m[i]);
-    if (mc == -INFINITY) continue;
-    const float alpha = m_run == -INFINITY ? 0.0f : exp2f(m_run - mc);
-    l_run *= alpha;
-    acc *= alpha;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const float w = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mc);
-      l_run = fmaf(w, l[i], l_run);
-      acc = fmaf(w, o[i], acc);
-    }
-    m_run = mc;
-  }
-}
-
 // out[b, qh] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ. 4 slices of threads each
 // merge a quarter of the splits (their loads in one round for up to 4·kChunk splits) and take a quarter of the
 // rotation's inputs per output channel, so few dependent loads are in series.
@@ -871,27 +782,21 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   // while that kernel still runs.
   float rv[kD / 4];
   load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
+  pdl_wait();  // partials come from decode_kernel
   // Slice `slice` merges splits slice, slice + 4, ... (one round of loads for up to 4·kChunk
   // splits); the 4 slices are combined at the end.
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   float m_run, l_run, acc;
-  merge_run<kChunk>(part_o, part_ml, base, hh, j, total_splits, slice, 4, m_run, l_run, acc);
+  // Split s of head hh: entry (base + s)·kHeads + hh of the partials (DecodeArgs::part_o, part_ml).
+  merge_run<kChunk, kD>(part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits,
+                        slice, 4, m_run, l_run, acc);
   part[slice][j] = acc;
   if (j == 0) {
     slice_m[slice] = m_run;
     slice_l[slice] = l_run;
   }
   __syncthreads();
-  if (slice == 0) {
-    const float mall = fmaxf(fmaxf(slice_m[0], slice_m[1]), fmaxf(slice_m[2], slice_m[3]));
-    float w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = slice_m[k] == -INFINITY ? 0.0f : exp2f(slice_m[k] - mall);
-    const float sum = (w[0] * part[0][j] + w[1] * part[1][j]) + (w[2] * part[2][j] + w[3] * part[3][j]);
-    const float lsum = (w[0] * slice_l[0] + w[1] * slice_l[1]) + (w[2] * slice_l[2] + w[3] * slice_l[3]);
-    ov[j] = lsum > 0.0f ? sum / lsum : 0.0f;
-  }
+  if (slice == 0) ov[j] = merge_slices(slice_m, slice_l, &part[0][j], kD);
   __syncthreads();
   float o = slice == 0 ? ov[j] : 0.0f;
   if (rot_v_t) {
@@ -919,11 +824,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float*
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   float rv[kD / 4];
   load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // partials come from decode_kernel
+  pdl_wait();  // partials come from decode_kernel
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   for (int hh = slice; hh < r; hh += 4) {
     float m_run, l_run, acc;
-    merge_run<kChunk>(part_o, part_ml, base, hh, j, total_splits, 0, 1, m_run, l_run, acc);
+    merge_run<kChunk, kD>(part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits, 0,
+                          1, m_run, l_run, acc);
     ov[hh][j] = l_run > 0.0f ? acc / l_run : 0.0f;
   }
   __syncthreads();
@@ -936,14 +842,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float*
         rot_v_t ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : ov[hh][j];
 }
 
-struct SplitPlan {
-  int paged_splits, units_per_split, window_splits, win_tiles_per_split, total;
-  int ring = kRingDeep;  // which INT2 kernel build runs it
-};
-
 // Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
 constexpr size_t int2_smem_bytes(int ring) { return size_t(kWarps) * ring * kPageBytes; }
 static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
+static_assert(4 * sizeof(uint4) * 4 == kDecodeQk8Bytes, "DecodeArgs::qk8 per head: [4 t][4] uint4");
 void prepare_int2_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -962,124 +864,34 @@ void prepare_int2_kernels() {
   });
 }
 
-// CTAs of the INT2 kernel with this ring resident at once on the whole GPU.
-int resident_ctas(int ring) {
-  static const int n[2] = {[] {
-                             int per_sm = 0;
-                             prepare_int2_kernels();
-                             cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &per_sm, decode_kernel<Mode::Int2, kRingDeep>, kThreads, int2_smem_bytes(kRingDeep));
-                             return std::max(1, per_sm) * multiprocessors();
-                           }(),
-                           [] {
-                             int per_sm = 0;
-                             prepare_int2_kernels();
-                             cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &per_sm, decode_kernel<Mode::Int2, kRingWide>, kThreads, int2_smem_bytes(kRingWide));
-                             return std::max(1, per_sm) * multiprocessors();
-                           }()};
-  return n[ring == kRingWide ? 1 : 0];
+// What the split-K plan needs of this GPU: its SMs and the CTAs of each INT2 build resident at
+// once (occupancy), asked once per process. An explicit CTA target needs nothing of the device.
+const DecodeGpu& decode_gpu(int target_ctas) {
+  static const DecodeGpu none{};
+  if (target_ctas > 0) return none;
+  static const DecodeGpu gpu = [] {
+    prepare_int2_kernels();
+    auto resident = [](auto kernel, int ring) {
+      int per_sm = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, int2_smem_bytes(ring));
+      return std::max(1, per_sm) * multiprocessors();
+    };
+    DecodeGpu d;
+    d.sms = multiprocessors();
+    d.resident_deep = resident(decode_kernel<Mode::Int2, kRingDeep>, kRingDeep);
+    d.resident_wide = resident(decode_kernel<Mode::Int2, kRingWide>, kRingWide);
+    return d;
+  }();
+  return gpu;
 }
 
-// Split-K plan for `splits_per_pair` history splits per (sequence, KV head) pair; window tiles
-// grouped so that a window CTA reads about as many bytes as a history split (unit_bytes per page).
-SplitPlan plan_for(int splits_per_pair, int max_units, int window_tiles, double unit_bytes) {
-  SplitPlan p{};
-  const int units = std::max(1, max_units);
-  p.units_per_split = std::max(1, (units + splits_per_pair - 1) / splits_per_pair);
-  p.paged_splits = (units + p.units_per_split - 1) / p.units_per_split;
-  if (window_tiles > 0) {
-    const double tile_bytes = 16.0 * 2 * 256;
-    int tps = int(std::ceil(p.units_per_split * unit_bytes / tile_bytes / kWarps)) * kWarps;
-    p.win_tiles_per_split = std::min(std::max(tps, kWarps), (window_tiles + kWarps - 1) / kWarps * kWarps);
-    p.window_splits = (window_tiles + p.win_tiles_per_split - 1) / p.win_tiles_per_split;
-  }
-  p.total = p.paged_splits + p.window_splits;
-  return p;
-}
-
-// (sequence, KV head) pairs below which decode is latency-bound whatever the context.
-constexpr int kFewPairs = 48;
-
-// Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. An explicit
-// target_ctas (tests, tuning) is used as is, with the ring `ring` (0: the deep one). By default,
-// measured on the H200 (docs/runtime.md, tuning log), with many pairs: 4 waves of resident CTAs
-// of the wide-ring kernel if that leaves splits of >= 24 pages, else 2 waves if >= 48 pages (more
-// waves balance the tail; too short splits pay each CTA's fixed cost too often). Otherwise (few
-// pairs or short contexts) fewer, longer CTAs (the deep-ring build unless the splits are short,
-// below): 2 per SM, at least min_units pages per split so that no warp of a CTA idles. (Batch 8
-// at 64K / 128K and batch 32 at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4;
-// batch 8 at 16K: 44 us with 2 per SM, 47 with 2 waves, 50 with 4.)
-struct Waves {
-  int waves, min_pages;
-};
-constexpr Waves kWavePlans[] = {{4, 24}, {2, 48}};
-SplitPlan plan_splits(int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
-                      int min_units = 1, double unit_bytes = 64.0 * 72.0, int ring = 0) {
-  const int pairs = std::max(1, batch * n_kv);
-  const int units = std::max(1, max_units);
-  if (target_ctas > 0) {
-    SplitPlan p = plan_for((target_ctas + pairs - 1) / pairs, units, window_tiles, unit_bytes);
-    p.ring = ring > 0 ? ring : kRingDeep;
-    return p;
-  }
-  if (pairs >= kFewPairs) {
-    const int waves_ring = ring > 0 ? ring : kRingWide;
-    for (const Waves& w : kWavePlans) {
-      const int target = resident_ctas(waves_ring) * w.waves;
-      SplitPlan p = plan_for((target + pairs - 1) / pairs, units, window_tiles, unit_bytes);
-      p.ring = waves_ring;
-      if (p.units_per_split >= w.min_pages) return p;
-    }
-  }
-  const int want = (2 * multiprocessors() + pairs - 1) / pairs;
-  const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
-  SplitPlan p = plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
-  // Short splits (<= 4 pages per warp) gain more from the wide build's lighter warps than from a
-  // deeper prefetch: batch 1 at 32K (16-page splits) 18.7 vs 19.5 us; at 128K (62-page splits)
-  // 46.2 vs 45.0, batch 8 at 16K / 32K (52 / 103 pages) 52.1 / 89.6 vs 43.7 / 71.4. (Splits of
-  // 17–61 pages were not measured.)
-  p.ring = ring > 0 ? ring : p.units_per_split <= 4 * kWarps ? kRingWide : kRingDeep;
-  return p;
-}
-
-// The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
-int bf16_target(int target_ctas) { return target_ctas > 0 ? target_ctas : 2 * multiprocessors(); }
-
-// Workspace: q_rot, the int8 query and its sums, the splits' partial outputs and (max, sum).
-struct Workspace {
-  size_t q_rot, qk8, qk_sc, part_o, part_ml, total;
-  Workspace(int batch, int n_heads, int n_kv, const SplitPlan& p) {
-    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-    q_rot = 0;
-    qk8 = up(size_t(batch) * n_heads * kD * sizeof(float));
-    qk_sc = qk8 + up(size_t(batch) * n_kv * kHeads * 16 * sizeof(uint4));
-    part_o = qk_sc + up(size_t(batch) * n_kv * kHeads * 2 * sizeof(float));
-    part_ml = part_o + up(size_t(batch) * n_kv * p.total * kHeads * kD * sizeof(float));
-    total = part_ml + size_t(batch) * n_kv * p.total * kHeads * 2 * sizeof(float);
-  }
-};
-size_t workspace_for(int batch, int n_heads, int n_kv, const SplitPlan& p) {
-  return Workspace(batch, n_heads, n_kv, p).total;
-}
-
-void check_shape(int n_kv, int head_dim, const DecodeShape& shape) {
-  require(head_dim == kD, "decode (CUDA): head_dim " + std::to_string(head_dim) +
-                              " is not supported (the tensor-core kernel needs 128)");
-  require(shape.n_heads > 0 && shape.n_heads % n_kv == 0,
-          "decode (CUDA): query heads must be a multiple of KV heads");
-  require(shape.n_heads / n_kv <= kHeads, "decode (CUDA): more than 8 query heads per KV head");
-  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
-}
-
-void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int batch, const float* q,
+void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int batch, const float* q,
             const float* rot_k, const float* rot_v_t, float* out, void* workspace,
             size_t workspace_bytes, cudaStream_t stream, int stages) {
-  require(workspace_bytes >= workspace_for(batch, a.n_heads, a.n_kv, plan),
-          "decode (CUDA): workspace too small");
+  const DecodeWorkspace lay = decode_workspace(batch, a.n_heads, a.n_kv, plan);
+  require(workspace_bytes >= lay.total, "decode (CUDA): workspace too small");
   if (batch == 0) return;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  const Workspace lay(batch, a.n_heads, a.n_kv, plan);
   float* q_rot = reinterpret_cast<float*>(ws + lay.q_rot);
   uint4* qk8 = reinterpret_cast<uint4*>(ws + lay.qk8);
   float* qk_sc = reinterpret_cast<float*>(ws + lay.qk_sc);
@@ -1127,12 +939,12 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
     }
   }
   if (stages & 4) {
-    const bool grouped = batch * a.n_kv >= kFewPairs;
-    const cudaLaunchConfig_t c = config(dim3(grouped ? a.n_kv : a.n_heads, batch), kMergeThreads, 0);
-    const auto merge = grouped ? (plan.total <= 8 ? merge_splits_group<8> : merge_splits_group<12>)
-                       : plan.total <= 4  ? merge_splits<1>
-                       : plan.total <= 16 ? merge_splits<4>
-                                          : merge_splits<12>;
+    const MergePlan m = plan_decode_merge(batch * a.n_kv, plan.total);
+    const cudaLaunchConfig_t c = config(dim3(m.grouped ? a.n_kv : a.n_heads, batch), kMergeThreads, 0);
+    const auto merge = m.grouped ? (m.chunk == 8 ? merge_splits_group<8> : merge_splits_group<12>)
+                       : m.chunk == 1 ? merge_splits<1>
+                       : m.chunk == 4 ? merge_splits<4>
+                                      : merge_splits<12>;
     check_cuda(cudaLaunchKernelEx(&c, merge, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
                                   a.n_kv, plan.total, a.n_heads, a.group_heads, rot_v_t, out),
                "decode (CUDA) merge launch");
@@ -1144,31 +956,22 @@ void launch(Mode mode, bool table, DecodeArgs& a, const SplitPlan& plan, int bat
 
 size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
                               int page_tokens_bf16, int target_ctas, int ring) {
-  if (page_tokens_bf16 > 0) {
-    const SplitPlan p = plan_splits(batch, g.n_kv_heads, max_pages, bf16_target(target_ctas), 0);
-    return workspace_for(batch, n_heads, g.n_kv_heads, SplitPlan{p.total, 0, 0, 0, p.total});
-  }
-  const SplitPlan p =
-      plan_splits(batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / 16, kWarps, 64.0 * 72.0, ring);
-  return workspace_for(batch, n_heads, g.n_kv_heads, p);
+  return decode_workspace_bytes(decode_gpu(target_ctas), g, batch, n_heads, max_pages, page_tokens_bf16, target_ctas,
+                                ring);
 }
 
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                  const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape,
                  const float* q, const float* rot_k, const float* rot_v_t, float* out,
                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  check_shape(g.n_kv_heads, g.head_dim, shape);
-  require(g.group == g.head_dim, "decode (CUDA): needs one (scale, zero) group per row");
-  require(g.page_tokens == 64, "decode (CUDA): needs 64-token pages");
-  require(g.sink % 16 == 0 && g.recent % 16 == 0,
-          "decode (CUDA): sink and recent windows must be multiples of 16 tokens");
+  require_hopper();
+  bool table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
+  require_gpu_served(g, shape.n_heads, kGpuDecode, table, "decode (CUDA)");
+  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   require(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
   require(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
           "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
-  bool table = false;
-  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
-  require(!table || g.n_kv_heads <= kMaxTableHeads,
-          "decode (CUDA): level-table codecs need <= " + std::to_string(kMaxTableHeads) + " KV heads");
   DecodeArgs a{};
   if (table) {
     // Code values as fp16: the level table, or the uniform grid's 0..3 (its zero is in the pages).
@@ -1193,9 +996,8 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   a.n_heads = shape.n_heads;
   a.group_heads = shape.n_heads / g.n_kv_heads;
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
-  const SplitPlan plan =
-      plan_splits(batch.batch, g.n_kv_heads, batch.max_pages, shape.target_ctas, (g.sink + g.recent) / 16,
-                  kWarps, 64.0 * 72.0, shape.ring);
+  const DecodePlan plan =
+      plan_decode_int2(decode_gpu(shape.target_ctas), g, batch.batch, batch.max_pages, shape.target_ctas, shape.ring);
   launch(Mode::Int2, table, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
          shape.stages);
 }
@@ -1204,8 +1006,10 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
                        const DeviceBatch& batch, const DecodeShape& shape, const float* q,
                        const float* rot_k, const float* rot_v_t, float* out, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream) {
-  check_shape(n_kv_heads, head_dim, shape);
-  require(page_tokens > 0 && page_tokens % 16 == 0, "decode (CUDA): BF16 pages must be multiples of 16 tokens");
+  require_hopper();
+  const std::string why = gpu_bf16_unsupported_reason(n_kv_heads, head_dim, shape.n_heads, page_tokens);
+  require(why.empty(), "decode (CUDA): " + why + " is not supported");
+  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   DecodeArgs a{};
   a.bf16_pages = reinterpret_cast<const __nv_bfloat16*>(bf16_pages);
   a.bf16_page_tokens = page_tokens;
@@ -1217,8 +1021,8 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
   a.n_heads = shape.n_heads;
   a.group_heads = shape.n_heads / n_kv_heads;
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
-  SplitPlan plan = plan_splits(batch.batch, n_kv_heads, batch.max_pages, bf16_target(shape.target_ctas), 0);
-  plan = SplitPlan{plan.total, plan.units_per_split, 0, 0, plan.total};
+  const DecodePlan plan =
+      plan_decode_bf16(decode_gpu(shape.target_ctas), batch.batch, n_kv_heads, batch.max_pages, shape.target_ctas);
   launch(Mode::Bf16Paged, false, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
          shape.stages);
 }

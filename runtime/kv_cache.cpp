@@ -8,16 +8,24 @@
 
 #if defined(KVCC_HAVE_CUDA)
 #include <cuda_runtime.h>
+
+#include "runtime/cuda_util.cuh"
 #endif
 
 namespace kvcc {
 
 namespace {
-void check_geometry(const KvGeometry& g) {
+void check_geometry(const KvGeometry& g, PoolMemory memory) {
   require(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0,
           "kv cache: layers, KV heads and head_dim must be positive");
-  require(g.head_dim % 16 == 0, "kv cache: head_dim must be a multiple of 16, got " +
-                                    std::to_string(g.head_dim));
+  // The layout (formats/kv_layout.h) packs a row's 2-bit codes 4 to a byte: code rows of head_dim/4
+  // bytes, so a host pool (the CPU reference kernels) takes any multiple of 4. A device pool keeps
+  // the multiple of 16 (its kernels' scope is runtime/served.h's, checked by the Runtime).
+  const int multiple = memory == PoolMemory::Host ? 4 : 16;
+  require(g.head_dim % multiple == 0, std::string("kv cache: head_dim must be a multiple of ") +
+                                          std::to_string(multiple) + " for a " +
+                                          (memory == PoolMemory::Host ? "host" : "device") + " pool, got " +
+                                          std::to_string(g.head_dim));
   require(g.group > 0 && g.head_dim % g.group == 0,
           "kv cache: group " + std::to_string(g.group) + " does not divide head_dim " +
               std::to_string(g.head_dim));
@@ -32,7 +40,7 @@ void check_geometry(const KvGeometry& g) {
 }  // namespace
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
-  check_geometry(config.geometry);
+  check_geometry(config.geometry, config.memory);
   require(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31),
           "kv cache: page count out of range");
   require(config.max_sequences > 0, "kv cache: max_sequences must be positive");
@@ -46,6 +54,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     std::memset(pool_, 0, pool_bytes_);
   } else {
 #if defined(KVCC_HAVE_CUDA)
+    require_hopper();  // the kernels that read and write a device pool are built for sm_90 only
     void* p = nullptr;
     cudaError_t e = cudaMalloc(&p, pool_bytes_);
     require(e == cudaSuccess, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +

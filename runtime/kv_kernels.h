@@ -1,9 +1,9 @@
 // CUDA kernels of the paged INT2 KV cache (device pointers, explicit streams). Each has a CPU
 // reference with the same semantics (runtime/append_ref.h, runtime/attention_ref.h). Compiled only
-// with KVCC_HAVE_CUDA. The GPU decode kernel supports head_dim 128, one (scale, zero) group per
-// row (group = head_dim), up to 8 query heads per KV head, the uniform grid and the level table
-// (<= 64 KV heads then); the CPU reference covers the rest, and the launchers throw Error
-// outside that range.
+// with KVCC_HAVE_CUDA. Which shapes they serve is runtime/served.h's gpu_unsupported_reason
+// (head_dim 128, one (scale, zero) group per row, 64-token pages, ...); the CPU reference covers
+// the rest, and the launchers throw Error outside that scope, or on a GPU that is not Hopper
+// (sm_90). Their host-side planning and workspace layouts are runtime/plan.h.
 #pragma once
 #if defined(KVCC_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "formats/kv_layout.h"
+#include "runtime/plan.h"
+#include "runtime/served.h"
 
 namespace kvcc {
 
@@ -61,14 +63,8 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
 // move into history, write sink and ring. The cache must have grown already (KvCache::grow).
 // k, v: device [rows, n_kv, d] fp32 unrotated (rows of sequence i start at row_offsets[i]);
 // rot_k, rot_v: device [n_kv, d, d], or null when k and v are already rotated.
-// codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given.
-struct AppendPlanHost {
-  std::vector<int> seq_slots;
-  std::vector<int64_t> old_lengths;
-  std::vector<int> counts;
-  std::vector<int64_t> row_offsets;
-  std::vector<std::vector<int32_t>> page_tables;  // each sequence's full page table after growing
-};
+// codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
+// (AppendPlanHost, plan_append_moves: runtime/plan.h).
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves);
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer,
                const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
@@ -80,12 +76,11 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
 // stored (BF16 sink, INT2 history, BF16 ring) and to themselves, rotated and BF16-rounded as the
 // ring will hold them. Does not modify the cache (append the tokens afterwards). Scope: head_dim
 // 128, group = head_dim, 64-token pages, any sink / recent sizes, any query-head group, uniform
-// grid and level-table codecs, up to kPrefillMaxKvHeads KV heads.
+// grid and level-table codecs, up to kPrefillMaxKvHeads KV heads (served.h).
 // q: device [T, n_heads, d], k, v: device [T, n_kv, d], fp32 post-RoPE, unrotated.
 // page_table: device, the sequence's first history_pages(length) page ids. rot_k, rot_v, rot_v_t:
 // device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity). out: device [T, n_heads, d] fp32.
 // codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same arguments.
-constexpr int kPrefillMaxKvHeads = 64;
 struct PrefillShape {
   int n_heads = 0;     // query heads, a multiple of the KV heads
   float sm_scale = 0;  // softmax scale, usually 1/sqrt(d)

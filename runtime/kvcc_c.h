@@ -14,7 +14,7 @@ enum kvcc_status { KVCC_OK = 0, KVCC_ERROR = 1, KVCC_CACHE_FULL = 2, KVCC_BAD_AR
 
 typedef struct kvcc_runtime kvcc_runtime;
 
-/* memory: 0 = host pool (CPU reference), 1 = device pool (CUDA). */
+/* memory: 0 = host pool (CPU reference), 1 = device pool (CUDA, a Hopper GPU: sm_90). */
 int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                       int64_t max_pages, int max_sequences, int memory, kvcc_runtime** out);
 void kvcc_runtime_free(kvcc_runtime* rt);

@@ -7,10 +7,13 @@
 #include "formats/error.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
+#include "runtime/served.h"
 
 #if defined(KVCC_HAVE_CUDA)
 #include <cuda_runtime.h>
 
+#include "runtime/cuda_util.cuh"
+#include "runtime/device_buffer.h"
 #include "runtime/kv_kernels.h"
 #endif
 
@@ -53,42 +56,19 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
 
 #if defined(KVCC_HAVE_CUDA)
 struct Runtime::DeviceState {
-  float* rot_k = nullptr;    // [layers, n_kv, d, d]
-  float* rot_v_t = nullptr;  // R_vᵀ
-  float* rot_v = nullptr;
-  int32_t* batch = nullptr;  // seq_slot | seq_len | page_offset | page_table
-  size_t batch_cap = 0;
-  void* ws = nullptr;
-  size_t ws_cap = 0;
-  ~DeviceState() {
-    cudaFree(rot_k);
-    cudaFree(rot_v_t);
-    cudaFree(rot_v);
-    cudaFree(batch);
-    cudaFree(ws);
-  }
-  void ensure_ws(size_t bytes) {
-    if (bytes <= ws_cap) return;
-    cudaFree(ws);
-    ws = nullptr;
-    ws_cap = 0;
-    require(cudaMalloc(&ws, bytes) == cudaSuccess, "runtime: cannot allocate " + std::to_string(bytes) + " bytes of workspace");
-    ws_cap = bytes;
-  }
+  DeviceBuffer<float> rot_k;    // [layers, n_kv, d, d]; empty: no rotation
+  DeviceBuffer<float> rot_v_t;  // R_vᵀ
+  DeviceBuffer<float> rot_v;
+  DeviceBuffer<int32_t> batch;  // seq_slot | seq_len | page_offset | page_table
+  DeviceBuffer<uint8_t> ws;
+  // r from element off on (a layer's rotations), or null when the artifact has none.
+  static const float* at(const DeviceBuffer<float>& r, size_t off) { return r.empty() ? nullptr : r.data() + off; }
   // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
   int32_t* upload_batch(const std::vector<int32_t>& host, cudaStream_t s) {
-    if (host.empty()) return batch;
-    if (host.size() > batch_cap) {
-      cudaFree(batch);
-      batch = nullptr;
-      batch_cap = 0;
-      require(cudaMalloc(&batch, host.size() * 2 * sizeof(int32_t)) == cudaSuccess, "runtime: cannot allocate batch");
-      batch_cap = host.size() * 2;
-    }
-    require(cudaMemcpyAsync(batch, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s) ==
-                cudaSuccess,
-            "runtime: cannot copy the batch");
-    return batch;
+    if (host.empty()) return batch.data();
+    if (host.size() > batch.size()) batch.reserve(host.size() * 2);
+    batch.upload(host.data(), host.size(), s);
+    return batch.data();
   }
 };
 #else
@@ -96,11 +76,10 @@ struct Runtime::DeviceState {};
 #endif
 
 std::string device_scope_problem(const KvGeometry& g) {
-  if (g.head_dim != 128) return "head_dim " + std::to_string(g.head_dim) + " (the kernels need 128)";
-  if (g.group != g.head_dim) return "group " + std::to_string(g.group) + " (the kernels need group = head_dim)";
-  if (g.page_tokens != 64) return "page size " + std::to_string(g.page_tokens) + " (the kernels need 64)";
-  if (g.n_kv_heads > 64) return std::to_string(g.n_kv_heads) + " KV heads (the kernels take <= 64)";
-  return "";
+  return gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend | kGpuPrefill);
+}
+std::string device_scope_problem(const KvGeometry& g, int n_heads) {
+  return gpu_unsupported_reason(g, n_heads, kGpuAllOps);
 }
 
 Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& o) : engine_(e), options_(o) {
@@ -114,8 +93,15 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   g.sink = a.recipe.sink;
   g.recent = a.recipe.recent;
   if (o.memory == PoolMemory::Device) {
-    const std::string scope = device_scope_problem(g);
+    // Everything the device pool's append, decode and prefill will check, checked now.
+    bool table = false;
+    for (const HeadArtifact& h : a.heads) table = table || !h.key.levels.empty() || !h.value.levels.empty();
+    const std::string scope = gpu_unsupported_reason(g, e.n_heads, kGpuAllOps, table);
     require(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
+    require(o.sm_scale >= 0.0f, "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
+#if defined(KVCC_HAVE_CUDA)
+    require_hopper();
+#endif
   }
   cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
@@ -147,14 +133,9 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     for (size_t m = 0; m < rot_v_.size() / dd; ++m)
       for (size_t i = 0; i < d; ++i)
         for (size_t j = 0; j < d; ++j) rvt[m * dd + j * d + i] = rot_v_[m * dd + i * d + j];
-    auto up = [&](const std::vector<float>& v, float*& p) {
-      require(cudaMalloc(&p, v.size() * sizeof(float)) == cudaSuccess, "runtime: cannot allocate rotations");
-      require(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess,
-              "runtime: cannot copy rotations");
-    };
-    up(rot_k_, dev_->rot_k);
-    up(rot_v_, dev_->rot_v);
-    up(rvt, dev_->rot_v_t);
+    dev_->rot_k = DeviceBuffer<float>(rot_k_);
+    dev_->rot_v = DeviceBuffer<float>(rot_v_);
+    dev_->rot_v_t = DeviceBuffer<float>(rvt);
   }
 #endif
 }
@@ -204,10 +185,10 @@ void Runtime::append(int layer, const float* k, const float* v, void* stream) {
     rows += pending_counts_[i];
     moves += pending_counts_[i] + g.recent;
   }
-  dev_->ensure_ws(append_workspace_bytes(g, rows, moves));
+  dev_->ws.reserve(append_workspace_bytes(g, rows, moves));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   append_kv(g, cache_->pages_base(), cache_->windows_base(), layer, plan, codecs(layer), k, v,
-            dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v ? dev_->rot_v + off : nullptr, dev_->ws, dev_->ws_cap,
+            DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(),
             static_cast<cudaStream_t>(stream));
 #else
   throw Error("runtime: built without CUDA");
@@ -239,17 +220,17 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   dev_->upload_batch(host, s);
   DeviceBatch db;
   db.batch = n;
-  db.seq_slot = dev_->batch;
-  db.seq_len = dev_->batch + n;
-  db.page_offset = dev_->batch + 2 * n;
-  db.page_table = dev_->batch + 3 * n;
+  db.seq_slot = dev_->batch.data();
+  db.seq_len = dev_->batch.data() + n;
+  db.page_offset = dev_->batch.data() + 2 * n;
+  db.page_table = dev_->batch.data() + 3 * n;
   db.max_pages = max_pages;
   DecodeShape shape{engine_.n_heads, options_.sm_scale, 0};
-  dev_->ensure_ws(decode_workspace_bytes(g, n, engine_.n_heads, max_pages));
+  dev_->ws.reserve(decode_workspace_bytes(g, n, engine_.n_heads, max_pages));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
-              dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v_t ? dev_->rot_v_t + off : nullptr, out, dev_->ws,
-              dev_->ws_cap, s);
+              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
+              dev_->ws.bytes(), s);
 #else
   throw Error("runtime: built without CUDA");
 #endif
@@ -286,11 +267,11 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
   const std::vector<int32_t> hist(pt.begin(), pt.begin() + history_pages(g, length));
   const int32_t* table = dev_->upload_batch(hist, s);
   const PrefillShape shape{engine_.n_heads, options_.sm_scale};
-  dev_->ensure_ws(prefill_workspace_bytes(g, length, T, shape));
+  dev_->ws.reserve(prefill_workspace_bytes(g, length, T, shape));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,
-               k, v, dev_->rot_k ? dev_->rot_k + off : nullptr, dev_->rot_v ? dev_->rot_v + off : nullptr,
-               dev_->rot_v_t ? dev_->rot_v_t + off : nullptr, out, dev_->ws, dev_->ws_cap, s);
+               k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
+               DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(), dev_->ws.bytes(), s);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -1,9 +1,10 @@
 // The C++ API an inference engine links (runtime + formats only): an artifact's rotations and
 // quantizer parameters, the paged INT2 cache, and the append / decode / prefill kernels.
 //
-// One Runtime serves one model. With PoolMemory::Device (needs CUDA) all tensor arguments are
-// device pointers and work is queued on the given stream; with PoolMemory::Host the same calls run
-// the CPU reference on host pointers (the stream is ignored). Per step:
+// One Runtime serves one model. With PoolMemory::Device (needs CUDA and a Hopper GPU, sm_90; other
+// GPUs are refused by name when the Runtime is made) all tensor arguments are device pointers and
+// work is queued on the given stream; with PoolMemory::Host the same calls run the CPU reference
+// on host pointers (the stream is ignored). Per step:
 //   begin_append(seqs, counts)  -- grows the sequences (allocates pages, all or nothing)
 //   append(layer, k, v, stream) -- for every layer: rotate, write windows, quantise into pages
 //   decode(layer, seqs, q, out, stream)
@@ -78,11 +79,15 @@ class Runtime {
 // the first mismatch.
 void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engine);
 
-// Why the device pool's append and prefill kernels cannot serve this cache geometry, or "" when
-// they can: they need head_dim 128, one (scale, zero) group per row, 64-token pages and <= 64 KV
-// heads (runtime/kv_kernels.h). Decode also needs the sink and recent windows in multiples of 16
-// tokens, checked when it is called. A Runtime with a device pool refuses a geometry outside this
-// scope; `kvcc validate --device auto` falls back to the host pool.
+// Why the device pool's kernels cannot serve this cache geometry, or "" when they can (one table
+// for the Runtime and every launcher: runtime/served.h's gpu_unsupported_reason). Without
+// n_heads, the append and prefill kernels' rules on the cache alone: head_dim 128, one (scale,
+// zero) group per row, 64-token pages and <= 64 KV heads. With the model's query heads, all a
+// device Runtime needs, decode included: also a whole number of query heads per KV head, at most
+// 8, and sink and recent windows in multiples of 16 tokens. A Runtime with a device pool refuses a
+// model outside the latter when it is made (never at its first decode or prefill); `kvcc validate
+// --device auto` falls back to the host pool.
 std::string device_scope_problem(const KvGeometry& g);
+std::string device_scope_problem(const KvGeometry& g, int n_heads);
 
 }  // namespace kvcc

@@ -17,55 +17,37 @@
 //     values (exact: 0..3, or the level table rounded to fp16) and the per-token scale and zero are
 //     folded in once per token (DESIGN.md): q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z.
 //     fp16 rows use s = 1, z = 0, so one code path serves every tier.
-//  4. finish: log-sum-exp merge of the splits, normalisation, ·R_vᵀ.
+//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation, ·R_vᵀ.
+// The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 
 #include "formats/error.h"
 #include "formats/kv_layout.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
+#include "runtime/merge.cuh"
+#include "runtime/plan.h"
+#include "runtime/ptx.cuh"
+#include "runtime/served.h"
 
 namespace kvcc {
 namespace {
 
-constexpr int kD = 128;          // head_dim
-constexpr int kBN = 64;          // key tokens per tile (= page_tokens)
+constexpr int kD = kGpuHeadDim;        // head_dim
+constexpr int kBN = kPrefillKeyTile;    // key tokens per tile (= page_tokens)
 constexpr int kStride = kD + 8;  // shared row stride in 16-bit elements: 272 B, so ldmatrix rows hit distinct banks
-constexpr int kPageBytes = 4608; // one (page, layer, head) block at P = 64, d = 128, G = d
-static_assert(kPageBytes == 2 * kBN * (kD / 4) + 2 * kBN * 4, "codes + (scale, zero) pairs, K and V");
+constexpr int kPageBytes = kGpuPageBytes;  // one (page, layer, head) block (served.h)
+constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kRotRows = 32;     // rows per CTA of the rotation kernels
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
-}
-// 16 bytes global -> shared; src_bytes = 0 writes zeros (rows outside the valid range, so that
-// 0·garbage never reaches the PV product).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const uint32_t dst = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // fp16 with saturation instead of overflow to infinity.
 __device__ __forceinline__ __half to_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -78,11 +60,6 @@ __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
 __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
   return pack_half2(f.x, f.y);
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -124,50 +101,41 @@ __global__ void __launch_bounds__(kD) rotate_in(const float* x, const float* rot
 }
 
 // out[token, head] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ[h]. kFinRows rows per CTA,
-// kSlices slices of kD threads: the slices sum disjoint sets of splits, then disjoint quarters of
-// the rotation's inputs, so few dependent loads are in series when there are many splits.
+// kSlices slices of kD threads: the slices merge disjoint sets of splits (merge_run: one round of
+// loads for up to kSlices·kChunk splits), then take disjoint quarters of the rotation's inputs, so
+// few dependent loads are in series when there are many splits.
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
-constexpr int kMaxSplits = 128;  // bounds the weights' shared memory
+static_assert(kSlices == 4, "merge_slices combines 4 runs");
+template <int kChunk>
 __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const float* part_ml, int splits, int rows,
                                                       int n_kv, int r, const float* rot_v_t, float* out) {
-  __shared__ float wts[kFinRows][kMaxSplits];
-  __shared__ float lsum[kFinRows];
+  __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
   __shared__ float ov[kFinRows][kD];
   const int h = blockIdx.y, p0 = blockIdx.x * kFinRows, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, j = tid % kD, slice = tid / kD;
+  const int j = tid % kD, slice = tid / kD;
   const int n = min(kFinRows, rows - p0);
-  auto at = [&](int s, int i) { return (size_t(s) * n_kv + h) * rows + p0 + i; };
-  if (warp < kFinRows) {  // warp i: the split weights of row i
-    const int i = warp;
-    float mall = -INFINITY;
-    for (int s = lane; s < splits && i < n; s += 32) mall = fmaxf(mall, part_ml[at(s, i) * 2]);
-    for (int off = 16; off > 0; off >>= 1) mall = fmaxf(mall, __shfl_xor_sync(0xffffffffu, mall, off));
-    float l = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-      const float m = i < n ? part_ml[at(s, i) * 2] : -INFINITY;
-      const float w = m == -INFINITY ? 0.0f : exp2f(m - mall);  // -inf: the split saw no key of the row
-      wts[i][s] = w;
-      if (w != 0.0f) l = fmaf(w, part_ml[at(s, i) * 2 + 1], l);
+  // Split s of row i: entry (s·n_kv + h)·rows + p0 + i of the partials (PrefillArgs::part_o, part_ml).
+  const size_t split_stride = size_t(n_kv) * rows;
+  for (int i = 0; i < kFinRows; ++i) {
+    float m = -INFINITY, l = 0.0f, acc = 0.0f;
+    if (i < n) {
+      const size_t row = size_t(h) * rows + p0 + i;
+      merge_run<kChunk, kD>(part_o, part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j,
+                            splits, slice, kSlices, m, l, acc);
     }
-    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) lsum[i] = l;
+    part[slice][i][j] = acc;
+    if (j == 0) {
+      run_m[i][slice] = m;
+      run_l[i][slice] = l;
+    }
   }
   __syncthreads();
-  float acc[kFinRows];
-#pragma unroll
-  for (int i = 0; i < kFinRows; ++i) acc[i] = 0.0f;
-  for (int s = slice; s < splits; s += kSlices)
-#pragma unroll
-    for (int i = 0; i < kFinRows; ++i)
-      if (i < n && wts[i][s] != 0.0f) acc[i] = fmaf(wts[i][s], part_o[at(s, i) * kD + j], acc[i]);
-#pragma unroll
-  for (int i = 0; i < kFinRows; ++i) part[slice][i][j] = acc[i];
-  __syncthreads();
-  for (int i = slice; i < kFinRows; i += kSlices)  // every row sees its own token: lsum > 0
-    ov[i][j] = i < n ? ((part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j])) / lsum[i] : 0.0f;
+  for (int i = slice; i < kFinRows; i += kSlices)  // every row sees its own token: its sum > 0
+    ov[i][j] = i < n ? merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD) : 0.0f;
   __syncthreads();
   const float* R = rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr;
+  float acc[kFinRows];
 #pragma unroll
   for (int i = 0; i < kFinRows; ++i) acc[i] = (!R && slice == 0) ? ov[i][j] : 0.0f;
   if (R) {
@@ -275,7 +243,7 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
     uint8_t* dst = sm.raw[(u - u0) & 1];
     for (int i = tid; i < kPageBytes / 16; i += kThreads) cp_async16(dst + 16 * i, src + 16 * i, 16);
   };
-  auto issue_tile = [&](int u) {  // 64 staged fp16 rows straight into the stage (zeros past the end)
+  auto issue_tile = [&](int u) {  // kBN staged fp16 rows straight into the stage (zeros past the end)
     if (u >= u1 || u < a.n_pages) return;
     Stage& s = sm.stage[(u - u0) & 1];
     const int key0 = (u - a.n_pages) * kBN;
@@ -290,9 +258,10 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
     if (u >= u1 || u >= a.n_pages) return;
     Stage& s = sm.stage[(u - u0) & 1];
     const uint8_t* raw = sm.raw[(u - u0) & 1];
-    for (int i = tid; i < 2 * kBN * 8; i += kThreads) {
-      const int side = i / (kBN * 8), row = (i / 8) % kBN, wi = i % 8;  // 16 codes per word
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + side * kBN * 32 + row * 32 + 4 * wi);
+    for (int i = tid; i < 2 * kBN * kCodeWords; i += kThreads) {
+      const int side = i / (kBN * kCodeWords), row = (i / kCodeWords) % kBN, wi = i % kCodeWords;  // 16 codes per word
+      const uint32_t w =
+          *reinterpret_cast<const uint32_t*>(raw + side * kGpuVCodesOffset + row * kGpuCodeRowBytes + 4 * wi);
       uint4 lo, hi;
       lo.x = lut[side][w & 15];
       lo.y = lut[side][(w >> 4) & 15];
@@ -306,10 +275,11 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
       reinterpret_cast<uint4*>(dst)[0] = lo;
       reinterpret_cast<uint4*>(dst)[1] = hi;
     }
-    const uint32_t* params = reinterpret_cast<const uint32_t*>(raw + 2 * kBN * 32);
+    const uint32_t* kparams = reinterpret_cast<const uint32_t*>(raw + kGpuKParamsOffset);
+    const uint32_t* vparams = reinterpret_cast<const uint32_t*>(raw + kGpuVParamsOffset);
     for (int row = tid; row < kBN; row += kThreads) {
-      const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(&params[row]));
-      const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(&params[kBN + row]));
+      const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(&kparams[row]));
+      const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(&vparams[row]));
       s.tok[row] = make_float4(kp.x, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
     }
   };
@@ -464,85 +434,42 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
   }
 }
 
-template <int kWarps>
-int resident_ctas() {
-  static int n = [] {
-    check_cuda(cudaFuncSetAttribute(prefill_kernel<kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSmemBytes)),
+// The shared-memory attribute of both builds, set once per process.
+void prepare_prefill_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    check_cuda(cudaFuncSetAttribute(prefill_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
                "prefill (CUDA): shared memory attribute");
-    int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prefill_kernel<kWarps>, 32 * kWarps, kSmemBytes);
-    return std::max(1, per_sm) * multiprocessors();
+    check_cuda(cudaFuncSetAttribute(prefill_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
+               "prefill (CUDA): shared memory attribute");
+  });
+}
+
+// What the plan needs of this GPU: the CTAs of each build resident at once (occupancy), asked once.
+const PrefillGpu& prefill_gpu() {
+  static const PrefillGpu gpu = [] {
+    prepare_prefill_kernels();
+    auto resident = [](auto kernel, int threads) {
+      int per_sm = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, kSmemBytes);
+      return std::max(1, per_sm) * multiprocessors();
+    };
+    PrefillGpu p;
+    p.resident4 = resident(prefill_kernel<4>, 32 * 4);
+    p.resident8 = resident(prefill_kernel<8>, 32 * 8);
+    return p;
   }();
-  return n;
+  return gpu;
 }
 
-struct Plan {
-  int warps, rows, row_tiles, splits, units_per_split;
-  int n_pages, win_rows;  // INT2 pages; BF16 window rows staged ahead of the new tokens
-};
-
-// Key-range splits only when the query tiles alone leave the GPU idle (short extends over long
-// contexts); each split keeps at least 4 key tiles.
-Plan plan_for(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
-  Plan p{};
-  p.rows = T * (shape.n_heads / g.n_kv_heads);
-  // 8 warps (128 rows, one CTA per SM) use each key tile for twice the rows: 9-14% faster on the
-  // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
-  // half empty (docs/runtime.md).
-  p.warps = shape.warps > 0 ? shape.warps : (p.rows >= 128 ? 8 : 4);
-  require(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
-  p.row_tiles = (p.rows + 16 * p.warps - 1) / (16 * p.warps);
-  const KvTiers t = tiers_of(g, length);
-  p.n_pages = int(t.hist_tokens / kBN);
-  p.win_rows = t.sink_count + t.ring_count;
-  const int max_units = p.n_pages + (p.win_rows + T + kBN - 1) / kBN;
-  int splits = shape.splits;
-  if (splits <= 0) {
-    const int ctas = std::max(1, p.row_tiles * g.n_kv_heads);
-    const int resident = p.warps == 4 ? resident_ctas<4>() : resident_ctas<8>();
-    splits = std::min((resident + ctas - 1) / ctas, std::max(1, max_units / 4));
-  }
-  splits = std::min(splits, kMaxSplits);
-  p.units_per_split = (max_units + splits - 1) / splits;
-  p.splits = (max_units + p.units_per_split - 1) / p.units_per_split;
-  return p;
-}
-
-
-struct Workspace {
-  __half *q, *k, *v;
-  float *part_o, *part_ml;
-  size_t bytes;
-};
-Workspace carve(void* base, const KvGeometry& g, int T, const Plan& p) {
-  const size_t rows_all = size_t(p.rows) * g.n_kv_heads;  // T · n_heads
-  const size_t kv = size_t(p.win_rows + T) * g.n_kv_heads * kD;
-  uint8_t* b = static_cast<uint8_t*>(base);
-  Workspace w{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    uint8_t* at = b ? b + off : nullptr;
-    off += align256(bytes);
-    return at;
-  };
-  w.q = reinterpret_cast<__half*>(take(rows_all * kD * 2));
-  w.k = reinterpret_cast<__half*>(take(kv * 2));
-  w.v = reinterpret_cast<__half*>(take(kv * 2));
-  w.part_o = reinterpret_cast<float*>(take(size_t(p.splits) * rows_all * kD * 4));
-  w.part_ml = reinterpret_cast<float*>(take(size_t(p.splits) * rows_all * 2 * 4));
-  w.bytes = off;
-  return w;
+// (Explicit splits need nothing of the device.)
+PrefillPlan plan_of(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
+  return plan_prefill(shape.splits > 0 ? PrefillGpu{} : prefill_gpu(), g, length, T, shape.n_heads, shape.splits,
+                      shape.warps);
 }
 
 void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
-  require(g.head_dim == kD, "prefill (CUDA): head_dim " + std::to_string(g.head_dim) + " is not supported (needs 128)");
-  require(g.group == g.head_dim, "prefill (CUDA): needs one (scale, zero) group per row");
-  require(g.page_tokens == kBN, "prefill (CUDA): needs 64-token pages");
-  require(g.n_kv_heads > 0 && g.n_kv_heads <= kPrefillMaxKvHeads,
-          "prefill (CUDA): at most " + std::to_string(kPrefillMaxKvHeads) + " KV heads");
-  require(shape.n_heads > 0 && shape.n_heads % g.n_kv_heads == 0,
-          "prefill (CUDA): query heads must be a multiple of KV heads");
+  require_gpu_served(g, shape.n_heads, kGpuPrefill, true, "prefill (CUDA)");
   require(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
   require(T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) &&
               int64_t(T) * shape.n_heads < (int64_t(1) << 31),
@@ -553,7 +480,7 @@ void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const Pr
 
 size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
   check_scope(g, 0, length, T, shape);
-  return carve(nullptr, g, T, plan_for(g, length, T, shape)).bytes;
+  return prefill_workspace(g, T, plan_of(g, length, T, shape)).bytes;
 }
 
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
@@ -562,13 +489,20 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
                   const float* k, const float* v, const float* rot_k, const float* rot_v,
                   const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
                   cudaStream_t stream) {
+  require_hopper();
   check_scope(g, layer, length, T, shape);
   require(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
           "prefill (CUDA): give all three rotations or none");
   if (T == 0) return;
-  const Plan plan = plan_for(g, length, T, shape);
-  const Workspace w = carve(workspace, g, T, plan);
-  require(workspace && workspace_bytes >= w.bytes, "prefill (CUDA): workspace too small");
+  const PrefillPlan plan = plan_of(g, length, T, shape);
+  const PrefillWorkspace lay = prefill_workspace(g, T, plan);
+  require(workspace && workspace_bytes >= lay.bytes, "prefill (CUDA): workspace too small");
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  __half* wq = reinterpret_cast<__half*>(ws + lay.q);
+  __half* wk = reinterpret_cast<__half*>(ws + lay.k);
+  __half* wv = reinterpret_cast<__half*>(ws + lay.v);
+  float* part_o = reinterpret_cast<float*>(ws + lay.part_o);
+  float* part_ml = reinterpret_cast<float*>(ws + lay.part_ml);
   PrefillArgs a{};
   a.pages = pages;
   a.geo = g;
@@ -581,11 +515,11 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   a.win_rows = plan.win_rows;
   a.kv_rows = plan.win_rows + T;
   a.page_table = page_table;
-  a.q = w.q;
-  a.k = w.k;
-  a.v = w.v;
-  a.part_o = w.part_o;
-  a.part_ml = w.part_ml;
+  a.q = wq;
+  a.k = wk;
+  a.v = wv;
+  a.part_o = part_o;
+  a.part_ml = part_ml;
   a.units_per_split = plan.units_per_split;
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   for (int h = 0; h < g.n_kv_heads; ++h)
@@ -597,26 +531,25 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
 
   const dim3 rot_grid_q((plan.rows + kRotRows - 1) / kRotRows, g.n_kv_heads);
   const dim3 rot_grid_kv((T + kRotRows - 1) / kRotRows, g.n_kv_heads);
-  rotate_in<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, w.q, plan.rows, 0);
-  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, T, g.n_kv_heads, 1, 1, w.k, a.kv_rows, a.win_rows);
-  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, T, g.n_kv_heads, 1, 1, w.v, a.kv_rows, a.win_rows);
+  rotate_in<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, wq, plan.rows, 0);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, T, g.n_kv_heads, 1, 1, wk, a.kv_rows, a.win_rows);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, T, g.n_kv_heads, 1, 1, wv, a.kv_rows, a.win_rows);
   if (plan.win_rows > 0) {
     const KvTiers t = tiers_of(g, length);
     stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(windows), g, layer, seq_slot, t.sink_count, t.hist_tokens, a.kv_rows,
-        w.k, w.v);
+        wk, wv);
   }
   const dim3 grid(plan.row_tiles, g.n_kv_heads, plan.splits);
-  if (plan.warps == 4) {
-    resident_ctas<4>();  // sets the shared-memory attribute once
+  prepare_prefill_kernels();
+  if (plan.warps == 4)
     prefill_kernel<4><<<grid, 128, kSmemBytes, stream>>>(a);
-  } else {
-    resident_ctas<8>();
+  else
     prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
-  }
   const dim3 fin_grid((plan.rows + kFinRows - 1) / kFinRows, g.n_kv_heads);
-  finish<<<fin_grid, kFinThreads, 0, stream>>>(w.part_o, w.part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r,
-                                               rot_v_t, out);
+  const int chunk = merge_slice_chunk(plan.splits);
+  const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
+  fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t, out);
   check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
 }
 

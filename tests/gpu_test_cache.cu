@@ -7,16 +7,19 @@
 
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
+#include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
+#include "runtime/served.h"
 #include "cache_test_util.h"
 #include "gpu_test_util.h"
 
@@ -27,14 +30,12 @@ using testing::random_rotations;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
-using testing::Dev;
 using testing::PoolPair;
 using testing::random_rows;
 
 // The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
 struct Twin : PoolPair {
-  std::unique_ptr<Dev<uint8_t>> ws;  // append's workspace, grown as needed
-  size_t ws_bytes = 0;
+  DeviceBuffer<uint8_t> ws;  // append's workspace, grown as needed
 
   Twin(const KvGeometry& geo, int64_t pages, int seqs) : PoolPair(geo, pages, seqs, 777) {}
   // Appends random rotated rows (rotation null on both paths) to every layer.
@@ -46,18 +47,15 @@ struct Twin : PoolPair {
     int64_t rows = 0;
     for (int c : counts) rows += c;
     const size_t need = append_workspace_bytes(g, rows, rows + int64_t(seqs.size()) * g.recent);
-    if (need > ws_bytes) {
-      ws = std::make_unique<Dev<uint8_t>>(need);
-      ws_bytes = need;
-    }
+    ws.reserve(need);
     for (int l = 0; l < g.n_layers; ++l) {
       const auto k = random_rows(size_t(rows) * g.n_kv_heads * g.head_dim, rng, true);
       const auto v = random_rows(k.size(), rng, false);
       const HeadCodec* cod = codecs.data() + size_t(l) * g.n_kv_heads;
       append_ref(host, l, batch, k.data(), v.data(), nullptr, nullptr, cod);
-      Dev<float> dk(k), dv(v);
-      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.p, dv.p, nullptr, nullptr,
-                ws ? ws->p : nullptr, ws_bytes, nullptr);
+      DeviceBuffer<float> dk(k), dv(v);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), nullptr, nullptr,
+                ws.data(), ws.bytes(), nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
@@ -107,10 +105,10 @@ TEST(GpuAppend, RotationMatchesReference) {
   append_ref(host, 0, make_append_batch({s}, {0}, {50}), k.data(), v.data(), rk.data(), rv.data(), codecs.data());
   AppendPlanHost plan{{s}, {0}, {50}, {0}, {{}}};
   const size_t wsb = append_workspace_bytes(g, 50, 64);
-  Dev<uint8_t> ws(wsb);
-  Dev<float> dk(k), dv(v), drk(rk), drv(rv);
-  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.p, dv.p, drk.p, drv.p, ws.p, wsb,
-            nullptr);
+  DeviceBuffer<uint8_t> ws(wsb);
+  DeviceBuffer<float> dk(k), dv(v), drk(rk), drv(rv);
+  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.data(), dv.data(), drk.data(),
+            drv.data(), ws.data(), wsb, nullptr);
   std::vector<uint16_t> win(g.window_slot_bytes() / 2);
   CUDA_OK(cudaMemcpy(win.data(), dev.windows_base(), g.window_slot_bytes(), cudaMemcpyDeviceToHost));
   double num = 0, den = 0;
@@ -145,14 +143,14 @@ BatchColumns columns_of(const KvCache& cache, const std::vector<int>& seqs) {
 }
 // A DeviceBatch over device copies of the columns.
 struct DevBatch {
-  Dev<int32_t> slot, len, off, table;
+  DeviceBuffer<int32_t> slot, len, off, table;
   DeviceBatch b;
   explicit DevBatch(const BatchColumns& c) : slot(c.slot), len(c.len), off(c.off), table(c.table) {
     b.batch = int(c.slot.size());
-    b.seq_slot = slot.p;
-    b.seq_len = len.p;
-    b.page_offset = off.p;
-    b.page_table = table.p;
+    b.seq_slot = slot.data();
+    b.seq_len = len.data();
+    b.page_offset = off.data();
+    b.page_table = table.data();
     b.max_pages = c.max_pages;
   }
 };
@@ -194,16 +192,16 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
   DecodeShape shape{n_heads, scale, target_ctas};
   shape.ring = ring;
   const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, target_ctas, ring);
-  Dev<uint8_t> ws(wsb);
-  Dev<float> dq(q), drk(rk), drvt(rvt), dout(q.size());
+  DeviceBuffer<uint8_t> ws(wsb);
+  DeviceBuffer<float> dq(q), drk(rk), drvt(rvt), dout(q.size());
   std::vector<float> got(q.size()), again(q.size());
   for (int rep = 0; rep < 2; ++rep) {
-    CUDA_OK(cudaMemset(dout.p, 0xff, q.size() * 4));  // NaN sentinels
-    CUDA_OK(cudaMemset(ws.p, 0xff, wsb));
-    decode_int2(g, w.dev.pages_base(), w.dev.windows_base(), layer, db.b, cod, shape, dq.p, drk.p, drvt.p, dout.p,
-                ws.p, wsb, nullptr);
+    CUDA_OK(cudaMemset(dout.data(), 0xff, q.size() * 4));  // NaN sentinels
+    CUDA_OK(cudaMemset(ws.data(), 0xff, wsb));
+    decode_int2(g, w.dev.pages_base(), w.dev.windows_base(), layer, db.b, cod, shape, dq.data(), drk.data(),
+                drvt.data(), dout.data(), ws.data(), wsb, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
-    CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
   }
   for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "output " << i << " not written";
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "repeated runs differ";
@@ -284,21 +282,60 @@ TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const DevBatch db(cols);
   KvGeometry g = test_geometry(1, H);
   const size_t wsb = decode_workspace_bytes(g, db.b.batch, n_heads, cols.max_pages, P);
-  Dev<uint8_t> ws(wsb);
-  Dev<uint16_t> dpages(pages);
-  Dev<float> dq(q), dout(q.size());
-  CUDA_OK(cudaMemset(dout.p, 0xff, q.size() * 4));
-  decode_bf16_paged(H, d, P, dpages.p, db.b, DecodeShape{n_heads, float(scale), 0}, dq.p, nullptr, nullptr, dout.p,
-                    ws.p, wsb, nullptr);
+  DeviceBuffer<uint8_t> ws(wsb);
+  DeviceBuffer<uint16_t> dpages(pages);
+  DeviceBuffer<float> dq(q), dout(q.size());
+  CUDA_OK(cudaMemset(dout.data(), 0xff, q.size() * 4));
+  decode_bf16_paged(H, d, P, dpages.data(), db.b, DecodeShape{n_heads, float(scale), 0}, dq.data(), nullptr, nullptr,
+                    dout.data(), ws.data(), wsb, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got(q.size());
-  CUDA_OK(cudaMemcpy(got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << i;
   for (size_t b = 0; b < lens.size(); ++b)
     for (int qh = 0; qh < n_heads; ++qh) {
       const size_t o = (b * n_heads + qh) * d;
       EXPECT_LT(rel(got.data() + o, want.data() + o, d), 1e-2) << "len " << lens[b] << " head " << qh;
     }
+}
+
+// The launchers ask the same table as the Runtime (runtime/served.h) and name what they refuse;
+// this GPU is the one they are built for.
+TEST(GpuServed, LaunchersRefuseWhatTheTableRefuses) {
+  ASSERT_NO_THROW(require_hopper());
+  auto message = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  KvGeometry g = test_geometry(1, 2);
+  g.sink = 4;
+  ASSERT_FALSE(gpu_unsupported_reason(g, 8, kGpuDecode).empty());
+  std::vector<HeadCodec> codecs(2);
+  const std::string decode = message([&] {
+    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{8, 0.1f}, nullptr, nullptr, nullptr,
+                nullptr, nullptr, 0, nullptr);
+  });
+  EXPECT_NE(decode.find("sink 4"), std::string::npos) << decode;
+  EXPECT_EQ(gpu_unsupported_reason(g, 8, kGpuPrefill), "");  // prefill serves any windows
+  g = test_geometry(1, 2);
+  const std::string heads = message([&] {
+    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{18, 0.1f}, nullptr, nullptr,
+                nullptr, nullptr, nullptr, 0, nullptr);
+  });
+  EXPECT_NE(heads.find("9 query heads per KV head"), std::string::npos) << heads;
+  g.group = 32;
+  const std::string append = message([&] {
+    append_kv(g, nullptr, nullptr, 0, AppendPlanHost{}, codecs.data(), nullptr, nullptr, nullptr, nullptr, nullptr, 0,
+              nullptr);
+  });
+  EXPECT_NE(append.find("group 32"), std::string::npos) << append;
+  g = test_geometry(1, 72);
+  const std::string prefill = message([&] { prefill_workspace_bytes(g, 0, 4, PrefillShape{72, 0.1f}); });
+  EXPECT_NE(prefill.find("72 KV heads"), std::string::npos) << prefill;
 }
 
 }  // namespace

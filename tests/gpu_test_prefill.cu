@@ -20,6 +20,7 @@
 #include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
 #include "runtime/kvcc_runtime.h"
+#include "runtime/served.h"
 #include "cache_test_util.h"
 #include "gpu_test_util.h"
 
@@ -31,11 +32,10 @@ using testing::random_rotations;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
-using testing::Dev;
 using testing::PoolPair;
 using testing::random_rows;
 
-constexpr int kD = 128;
+constexpr int kD = kGpuHeadDim;
 
 // A host cache filled by the reference append, and a device pool holding the same bytes.
 struct Caches : PoolPair {
@@ -86,7 +86,7 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
     rv = random_rotations(g.n_kv_heads, kD, rng);
     rvt = transpose_heads(rv, g.n_kv_heads, kD);
   }
-  Dev<float> drk(rk), drv(rv), drvt(rvt);
+  DeviceBuffer<float> drk(rk), drv(rv), drvt(rvt);
   const float scale = 1.0f / std::sqrt(float(kD));
   const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
   const PrefillShape shape{n_heads, scale, splits, warps};
@@ -103,19 +103,19 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
                 rotate ? rv.data() : nullptr, cod, scale, want.data());
 
     const auto& pt = c.dev.page_table(cs.seq);
-    Dev<int32_t> table(std::vector<int32_t>(pt.begin(), pt.begin() + history_pages(g, len)));
-    Dev<float> dq(q), dk(k), dv(v), dout(q.size());
+    DeviceBuffer<int32_t> table(std::vector<int32_t>(pt.begin(), pt.begin() + history_pages(g, len)));
+    DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size());
     const size_t wsb = prefill_workspace_bytes(g, len, T, shape);
-    Dev<uint8_t> ws(wsb);
+    DeviceBuffer<uint8_t> ws(wsb);
     std::vector<float> got(q.size()), again(q.size());
     for (int rep = 0; rep < 2; ++rep) {
-      EXPECT_EQ(cudaMemset(dout.p, 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
-      EXPECT_EQ(cudaMemset(ws.p, 0xff, wsb), cudaSuccess);
-      prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, cs.seq, len, table.p, T, cod, shape, dq.p,
-                   dk.p, dv.p, rotate ? drk.p : nullptr, rotate ? drv.p : nullptr, rotate ? drvt.p : nullptr, dout.p,
-                   ws.p, wsb, nullptr);
+      EXPECT_EQ(cudaMemset(dout.data(), 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
+      EXPECT_EQ(cudaMemset(ws.data(), 0xff, wsb), cudaSuccess);
+      prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, cs.seq, len, table.data(), T, cod, shape,
+                   dq.data(), dk.data(), dv.data(), rotate ? drk.data() : nullptr, rotate ? drv.data() : nullptr,
+                   rotate ? drvt.data() : nullptr, dout.data(), ws.data(), wsb, nullptr);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost),
+      EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost),
                 cudaSuccess);
     }
     size_t unwritten = 0;
@@ -234,35 +234,106 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
       const auto k = random_rows(size_t(rows) * kKv * kD, rng, true);
       const auto v = random_rows(k.size(), rng, false);
       const auto q = random_rows(size_t(rows) * kHeads * kD, rng, false);
-      Dev<float> dq(q), dk(k), dv(v), dout(q.size());
+      DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size());
       std::vector<float> want(q.size()), got(q.size());
       size_t qoff = 0, kvoff = 0;
       for (int i = 0; i < 2; ++i) {
         const int seq = i ? b : a, T = counts[size_t(i)];
         host.prefill(l, seq, T, q.data() + qoff, k.data() + kvoff, v.data() + kvoff, want.data() + qoff);
-        dev.prefill(l, seq, T, dq.p + qoff, dk.p + kvoff, dv.p + kvoff, dout.p + qoff);
+        dev.prefill(l, seq, T, dq.data() + qoff, dk.data() + kvoff, dv.data() + kvoff, dout.data() + qoff);
         qoff += size_t(T) * kHeads * kD;
         kvoff += size_t(T) * kKv * kD;
       }
-      CUDA_OK(cudaMemcpy(got.data(), dout.p, q.size() * 4, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
       for (size_t row = 0; row < size_t(rows) * kHeads; ++row) {
         const double e = rel(got.data() + row * kD, want.data() + row * kD, kD);
         worst = std::max(worst, e);
         ASSERT_LT(e, 1e-2) << "layer " << l << " row " << row;
       }
       host.append(l, k.data(), v.data());
-      dev.append(l, dk.p, dv.p);
+      dev.append(l, dk.data(), dv.data());
       CUDA_OK(cudaDeviceSynchronize());
     }
   }
   // After the step's append of a layer, prefill of that layer for the step is refused.
   dev.begin_append({a}, {4});
-  Dev<float> dq(size_t(4) * kHeads * kD), dk(size_t(4) * kKv * kD), dout(size_t(4) * kHeads * kD);
-  EXPECT_THROW(dev.prefill(0, a, 5, dq.p, dk.p, dk.p, dout.p), Error);  // not the step's count
-  dev.append(0, dk.p, dk.p);
-  EXPECT_THROW(dev.prefill(0, a, 4, dq.p, dk.p, dk.p, dout.p), Error);
+  DeviceBuffer<float> dq(size_t(4) * kHeads * kD), dk(size_t(4) * kKv * kD), dout(size_t(4) * kHeads * kD);
+  EXPECT_THROW(dev.prefill(0, a, 5, dq.data(), dk.data(), dk.data(), dout.data()), Error);  // not the step's count
+  dev.append(0, dk.data(), dk.data());
+  EXPECT_THROW(dev.prefill(0, a, 4, dq.data(), dk.data(), dk.data(), dout.data()), Error);
   CUDA_OK(cudaDeviceSynchronize());
   std::printf("runtime device vs host prefill: worst per-head relative error %.2e\n", worst);
+}
+
+// Every edge of the served-shape table (runtime/served.h) runs on a device Runtime: 8, 1 and 5
+// query heads per KV head, windows in 16-token multiples that are not page multiples, no sink.
+// Its prefill, append and decode match a host Runtime's; a device Runtime that was made never
+// refuses the shape at its first call.
+TEST(GpuRuntime, ServedShapesRunEveryKernel) {
+  struct Shape {
+    int n_heads, n_kv, sink, recent;
+  } shapes[] = {{64, 8, 16, 96}, {4, 4, 0, 64}, {20, 4, 48, 80}};
+  std::mt19937 rng(21);
+  for (const Shape& sh : shapes) {
+    Artifact art;
+    art.n_layers = 1;
+    art.n_heads = sh.n_heads;
+    art.n_kv_heads = sh.n_kv;
+    art.head_dim = kD;
+    art.recipe.method = "oscar";
+    art.recipe.sink = sh.sink;
+    art.recipe.recent = sh.recent;
+    for (int i = 0; i < sh.n_kv; ++i) {
+      HeadArtifact h;
+      h.key.rotation = random_orthogonal(1, kD, rng);
+      h.value.rotation = random_orthogonal(1, kD, rng);
+      h.key.clip_ratio = h.value.clip_ratio = 0.95;
+      art.heads.push_back(h);
+    }
+    const EngineShape e{1, sh.n_heads, sh.n_kv, kD};
+    RuntimeOptions o;
+    o.max_pages = 64;
+    o.max_sequences = 1;
+    o.memory = PoolMemory::Host;
+    Runtime host(art, e, o);
+    ASSERT_EQ(device_scope_problem(host.geometry(), sh.n_heads), "");
+    o.memory = PoolMemory::Device;
+    Runtime dev(art, e, o);
+    const int seq = host.cache().add_sequence();
+    ASSERT_EQ(dev.cache().add_sequence(), seq);
+    double worst = 0;
+    for (int T : {300, 1, 70, 1}) {
+      host.begin_append({seq}, {T});
+      dev.begin_append({seq}, {T});
+      const auto k = random_rows(size_t(T) * sh.n_kv * kD, rng, true);
+      const auto v = random_rows(k.size(), rng, false);
+      const auto q = random_rows(size_t(T) * sh.n_heads * kD, rng, false);
+      DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size());
+      std::vector<float> want(q.size());
+      host.prefill(0, seq, T, q.data(), k.data(), v.data(), want.data());
+      dev.prefill(0, seq, T, dq.data(), dk.data(), dv.data(), dout.data());
+      host.append(0, k.data(), v.data());
+      dev.append(0, dk.data(), dv.data());
+      std::vector<float> got = dout.download();
+      // Decode of the step's last token's queries over the cache as appended.
+      const std::vector<float> qd(q.end() - ptrdiff_t(sh.n_heads) * kD, q.end());
+      std::vector<float> want_d(qd.size());
+      DeviceBuffer<float> dqd(qd), doutd(qd.size());
+      host.decode(0, {seq}, qd.data(), want_d.data());
+      dev.decode(0, {seq}, dqd.data(), doutd.data());
+      const std::vector<float> got_d = doutd.download();
+      got.insert(got.end(), got_d.begin(), got_d.end());
+      want.insert(want.end(), want_d.begin(), want_d.end());
+      for (size_t row = 0; row < got.size() / kD; ++row) {
+        const double err = rel(got.data() + row * kD, want.data() + row * kD, kD);
+        worst = std::max(worst, err);
+        ASSERT_LT(err, 1e-2) << sh.n_heads << "/" << sh.n_kv << " S " << sh.sink << " W " << sh.recent << " T " << T
+                             << " row " << row;
+      }
+    }
+    std::printf("served shape %d/%d, sink %d, ring %d: worst per-head relative error %.2e\n", sh.n_heads, sh.n_kv,
+                sh.sink, sh.recent, worst);
+  }
 }
 
 }  // namespace

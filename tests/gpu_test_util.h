@@ -1,40 +1,29 @@
 // Helpers shared by the GPU tests (gpu_test_cache.cu, gpu_test_prefill.cu): device copies of
-// host arrays, random K/V rows, and a host + device cache pair driven by the same operations.
+// host arrays (DeviceBuffer), random K/V rows, and a host + device cache pair driven by the same
+// operations.
 #pragma once
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <random>
 #include <vector>
 
 #include "formats/kv_layout.h"
+#include "runtime/device_buffer.h"
 #include "runtime/kv_cache.h"
+#include "runtime/served.h"
 
 namespace kvcc::testing {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-// A device array (a copy of a host vector, or n uninitialised elements), freed with the object.
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  explicit Dev(const std::vector<T>& v) : Dev(v.size()) {
-    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)), cudaSuccess); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() { cudaFree(p); }
-};
-
-// n values of 128-wide rows: keys with 4 outlier channels (×6) and an offset (+0.3), as real
+// n values of head_dim-wide rows: keys with 4 outlier channels (×6) and an offset (+0.3), as real
 // keys have, or plain standard normal values.
 inline std::vector<float> random_rows(size_t n, std::mt19937& rng, bool outliers) {
   std::normal_distribution<float> nd;
   std::vector<float> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = outliers ? nd(rng) * ((i % 128) < 4 ? 6.0f : 1.0f) + 0.3f : nd(rng);
+  for (size_t i = 0; i < n; ++i) x[i] = outliers ? nd(rng) * ((i % kGpuHeadDim) < 4 ? 6.0f : 1.0f) + 0.3f : nd(rng);
   return x;
 }
 

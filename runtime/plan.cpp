@@ -1,0 +1,208 @@
+#include "runtime/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "formats/error.h"
+
+namespace kvcc {
+
+namespace {
+
+constexpr int kWarps = kDecodeWarps;
+
+// Split-K plan for `splits_per_pair` history splits per (sequence, KV head) pair; window tiles
+// grouped so that a window CTA reads about as many bytes as a history split (unit_bytes per page).
+DecodePlan plan_for(int splits_per_pair, int max_units, int window_tiles, double unit_bytes) {
+  DecodePlan p{};
+  const int units = std::max(1, max_units);
+  p.units_per_split = std::max(1, (units + splits_per_pair - 1) / splits_per_pair);
+  p.paged_splits = (units + p.units_per_split - 1) / p.units_per_split;
+  if (window_tiles > 0) {
+    const double tile_bytes = double(kGpuWindowTile) * 2 * kGpuBf16RowBytes;  // K and V rows
+    int tps = int(std::ceil(p.units_per_split * unit_bytes / tile_bytes / kWarps)) * kWarps;
+    p.win_tiles_per_split = std::min(std::max(tps, kWarps), (window_tiles + kWarps - 1) / kWarps * kWarps);
+    p.window_splits = (window_tiles + p.win_tiles_per_split - 1) / p.win_tiles_per_split;
+  }
+  p.total = p.paged_splits + p.window_splits;
+  return p;
+}
+
+// Split-K plan: ceil(target / pairs) history splits per (sequence, KV head) pair. An explicit
+// target_ctas (tests, tuning) is used as is, with the ring `ring` (0: the deep one). By default,
+// measured on the H200 (docs/runtime.md, tuning log), with many pairs: 4 waves of resident CTAs
+// of the wide-ring kernel if that leaves splits of >= 24 pages, else 2 waves if >= 48 pages (more
+// waves balance the tail; too short splits pay each CTA's fixed cost too often). Otherwise (few
+// pairs or short contexts) fewer, longer CTAs (the deep-ring build unless the splits are short,
+// below): 2 per SM, at least min_units pages per split so that no warp of a CTA idles. (Batch 8
+// at 64K / 128K and batch 32 at 32K: 126 / 230 / 250 us with 2 waves, 119 / 222 / 243 with 4;
+// batch 8 at 16K: 44 us with 2 per SM, 47 with 2 waves, 50 with 4.)
+struct Waves {
+  int waves, min_pages;
+};
+constexpr Waves kWavePlans[] = {{4, 24}, {2, 48}};
+DecodePlan plan_splits(const DecodeGpu& gpu, int batch, int n_kv, int max_units, int target_ctas, int window_tiles,
+                       int min_units = 1, double unit_bytes = kGpuPageBytes, int ring = 0) {
+  const int pairs = std::max(1, batch * n_kv);
+  const int units = std::max(1, max_units);
+  if (target_ctas > 0) {
+    DecodePlan p = plan_for((target_ctas + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+    p.ring = ring > 0 ? ring : kDecodeRingDeep;
+    return p;
+  }
+  if (pairs >= kDecodeFewPairs) {
+    const int waves_ring = ring > 0 ? ring : kDecodeRingWide;
+    for (const Waves& w : kWavePlans) {
+      const int target = gpu.resident(waves_ring) * w.waves;
+      DecodePlan p = plan_for((target + pairs - 1) / pairs, units, window_tiles, unit_bytes);
+      p.ring = waves_ring;
+      if (p.units_per_split >= w.min_pages) return p;
+    }
+  }
+  const int want = (2 * gpu.sms + pairs - 1) / pairs;
+  const int most = (units + std::max(1, min_units) - 1) / std::max(1, min_units);
+  DecodePlan p = plan_for(std::max(1, std::min(want, most)), units, window_tiles, unit_bytes);
+  // Short splits (<= 4 pages per warp) gain more from the wide build's lighter warps than from a
+  // deeper prefetch: batch 1 at 32K (16-page splits) 18.7 vs 19.5 us; at 128K (62-page splits)
+  // 46.2 vs 45.0, batch 8 at 16K / 32K (52 / 103 pages) 52.1 / 89.6 vs 43.7 / 71.4. (Splits of
+  // 17–61 pages were not measured.)
+  p.ring = ring > 0 ? ring : p.units_per_split <= 4 * kWarps ? kDecodeRingWide : kDecodeRingDeep;
+  return p;
+}
+
+// The BF16 baseline's default: two CTAs per multiprocessor (its best measured on the H200).
+int bf16_target(const DecodeGpu& gpu, int target_ctas) { return target_ctas > 0 ? target_ctas : 2 * gpu.sms; }
+
+}  // namespace
+
+DecodePlan plan_decode_int2(const DecodeGpu& gpu, const KvGeometry& g, int batch, int max_pages, int target_ctas,
+                            int ring) {
+  return plan_splits(gpu, batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / kGpuWindowTile, kWarps,
+                     kGpuPageBytes, ring);
+}
+
+DecodePlan plan_decode_bf16(const DecodeGpu& gpu, int batch, int n_kv, int max_pages, int target_ctas) {
+  const DecodePlan p = plan_splits(gpu, batch, n_kv, max_pages, bf16_target(gpu, target_ctas), 0);
+  return DecodePlan{p.total, p.units_per_split, 0, 0, p.total};
+}
+
+// kChunk is the smallest that needs one round of loads (a chunk's loads and exponentials issue
+// whether or not its splits exist: 12 where 1 would do cost 4–6 us at batch 32–64, 4K, measured).
+int merge_slice_chunk(int total_splits) { return total_splits <= 4 ? 1 : total_splits <= 16 ? 4 : 12; }
+
+MergePlan plan_decode_merge(int pairs, int total_splits) {
+  if (pairs >= kDecodeFewPairs) return MergePlan{true, total_splits <= 8 ? 8 : 12};
+  return MergePlan{false, merge_slice_chunk(total_splits)};
+}
+
+DecodeWorkspace decode_workspace(int batch, int n_heads, int n_kv, const DecodePlan& p) {
+  constexpr size_t kHeads = kGpuMaxGroupHeads, kD = kGpuHeadDim;
+  DecodeWorkspace w;
+  w.q_rot = 0;
+  w.qk8 = align256(size_t(batch) * n_heads * kD * sizeof(float));
+  w.qk_sc = w.qk8 + align256(size_t(batch) * n_kv * kHeads * kDecodeQk8Bytes);
+  w.part_o = w.qk_sc + align256(size_t(batch) * n_kv * kHeads * 2 * sizeof(float));
+  w.part_ml = w.part_o + align256(size_t(batch) * n_kv * p.total * kHeads * kD * sizeof(float));
+  w.total = w.part_ml + size_t(batch) * n_kv * p.total * kHeads * 2 * sizeof(float);
+  return w;
+}
+
+size_t decode_workspace_bytes(const DecodeGpu& gpu, const KvGeometry& g, int batch, int n_heads, int max_pages,
+                              int page_tokens_bf16, int target_ctas, int ring) {
+  const DecodePlan p = page_tokens_bf16 > 0 ? plan_decode_bf16(gpu, batch, g.n_kv_heads, max_pages, target_ctas)
+                                           : plan_decode_int2(gpu, g, batch, max_pages, target_ctas, ring);
+  return decode_workspace(batch, n_heads, g.n_kv_heads, p).total;
+}
+
+// Key-range splits only when the query tiles alone leave the GPU idle (short extends over long
+// contexts); each split keeps at least 4 key tiles.
+PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, int64_t length, int T, int n_heads, int splits,
+                         int warps) {
+  PrefillPlan p{};
+  p.rows = T * (n_heads / g.n_kv_heads);
+  // 8 warps (128 rows, one CTA per SM) use each key tile for twice the rows: 9-14% faster on the
+  // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
+  // half empty (docs/runtime.md).
+  p.warps = warps > 0 ? warps : (p.rows >= 128 ? 8 : 4);
+  require(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
+  p.row_tiles = (p.rows + 16 * p.warps - 1) / (16 * p.warps);
+  const KvTiers t = tiers_of(g, length);
+  p.n_pages = int(t.hist_tokens / kPrefillKeyTile);
+  p.win_rows = t.sink_count + t.ring_count;
+  const int max_units = p.n_pages + (p.win_rows + T + kPrefillKeyTile - 1) / kPrefillKeyTile;
+  if (splits <= 0) {
+    const int ctas = std::max(1, p.row_tiles * g.n_kv_heads);
+    const int resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
+    splits = std::min((resident + ctas - 1) / ctas, std::max(1, max_units / 4));
+  }
+  splits = std::min(splits, kPrefillMaxSplits);
+  p.units_per_split = (max_units + splits - 1) / splits;
+  p.splits = (max_units + p.units_per_split - 1) / p.units_per_split;
+  return p;
+}
+
+PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan& p) {
+  constexpr size_t kD = kGpuHeadDim;
+  const size_t rows_all = size_t(p.rows) * g.n_kv_heads;  // T · n_heads
+  const size_t kv = size_t(p.win_rows + T) * g.n_kv_heads * kD;
+  PrefillWorkspace w{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  w.q = take(rows_all * kD * 2);
+  w.k = take(kv * 2);
+  w.v = take(kv * 2);
+  w.part_o = take(size_t(p.splits) * rows_all * kD * 4);
+  w.part_ml = take(size_t(p.splits) * rows_all * 2 * 4);
+  w.bytes = off;
+  return w;
+}
+
+AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
+  const size_t nseq = plan.seq_slots.size();
+  require(plan.old_lengths.size() == nseq && plan.counts.size() == nseq && plan.row_offsets.size() == nseq &&
+              plan.page_tables.size() == nseq,
+          "append (CUDA): plan arrays differ in size");
+  AppendMoves m;
+  for (size_t i = 0; i < nseq; ++i) {
+    const int64_t n0 = plan.old_lengths[i], n1 = n0 + plan.counts[i];
+    m.rows = std::max(m.rows, plan.row_offsets[i] + plan.counts[i]);
+    const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
+    require(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
+            "append (CUDA): sequence was not grown before appending");
+    const int slot = plan.seq_slots[i];
+    auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };
+    const int64_t post0 = n0 - t0.sink_count;
+    for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < post0; ++post)
+      m.moves.push_back(AppendMove{slot, 1, ring_slot(g, post), page_of(post), int32_t(post % g.page_tokens)});
+    for (int j = 0; j < plan.counts[i]; ++j) {
+      const int64_t pos = n0 + j;
+      const int32_t src = int32_t(plan.row_offsets[i] + j);
+      if (pos < g.sink) {
+        m.writes.push_back(AppendWindowWrite{slot, 0, src, int32_t(pos)});
+      } else if (pos - g.sink < t1.hist_tokens) {
+        const int64_t post = pos - g.sink;
+        m.moves.push_back(AppendMove{slot, 0, src, page_of(post), int32_t(post % g.page_tokens)});
+      } else {
+        m.writes.push_back(AppendWindowWrite{slot, 1, src, ring_slot(g, pos - g.sink)});
+      }
+    }
+  }
+  return m;
+}
+
+AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_moves) {
+  AppendWorkspace w;
+  w.staging = 0;
+  w.moves = align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2);  // BF16 K and V rows
+  w.writes = w.moves + align256(size_t(max_moves) * sizeof(AppendMove));
+  w.codecs = w.writes + align256(size_t(rows) * sizeof(AppendWindowWrite));
+  w.bytes = w.codecs + align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));
+  return w;
+}
+
+}  // namespace kvcc

@@ -1,0 +1,145 @@
+// Host-side planning of the CUDA kernels: decode's split-K plan and merge, prefill's query tiles
+// and key-range splits, append's moves, and the layout of every workspace. Plain C++ (no CUDA):
+// the launchers (runtime/*.cu) pass what they ask of the device (SMs, resident CTAs from the
+// occupancy API), and the CPU tests (tests/test_plan.cpp) pass an H200's.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "formats/kv_layout.h"
+#include "runtime/served.h"
+
+namespace kvcc {
+
+// Workspace carving: every buffer starts on a 256-byte boundary (cudaMalloc's alignment).
+inline size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+// ---------------------------------------------------------------------------------------------
+// Decode (runtime/decode.cu).
+
+// The INT2 attention kernel: 4 warps per CTA; pages in each warp's shared-memory ring (ring - 1
+// in flight while one is computed). Two builds: a 3-stage ring at 3 CTAs per SM (what shared
+// memory fits), and a 2-stage ring at 4 CTAs per SM (registers capped at 128): more warps to hide
+// latency, less prefetch per warp.
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeRingDeep = 3, kDecodeRingWide = 2;
+constexpr int decode_ctas_per_sm(int ring) { return ring == kDecodeRingWide ? 4 : 3; }
+// (sequence, KV head) pairs below which decode is latency-bound whatever the context; from there
+// on the merge also takes one CTA per pair.
+constexpr int kDecodeFewPairs = 48;
+// Bytes of the key MMAs' query per (sequence, KV head, query head): [4 t][4] 16-byte B-fragment
+// words (DecodeArgs::qk8).
+constexpr size_t kDecodeQk8Bytes = 4 * 4 * 16;
+
+// What the decode plan needs of the GPU (decode.cu asks the device).
+struct DecodeGpu {
+  int sms = 0;            // streaming multiprocessors
+  int resident_deep = 0;  // CTAs of the 3-stage INT2 build resident at once on the whole GPU
+  int resident_wide = 0;  // the same for the 2-stage build
+  int resident(int ring) const { return ring == kDecodeRingWide ? resident_wide : resident_deep; }
+};
+
+// History pages ("units") in paged_splits splits of units_per_split each, the BF16 window tiles
+// in window_splits splits of win_tiles_per_split each; one CTA per (split, KV head, sequence).
+struct DecodePlan {
+  int paged_splits, units_per_split, window_splits, win_tiles_per_split, total;
+  int ring = kDecodeRingDeep;  // which INT2 kernel build runs it
+};
+
+// decode_int2's plan for a batch whose longest history has max_pages pages. target_ctas and ring
+// are DecodeShape's overrides (0: the plan's own choice). The choices, measured on the H200
+// (docs/runtime.md), are documented at plan.cpp's plan_splits.
+DecodePlan plan_decode_int2(const DecodeGpu& gpu, const KvGeometry& g, int batch, int max_pages, int target_ctas,
+                            int ring);
+// decode_bf16_paged's plan: pages only, two CTAs per SM unless target_ctas says otherwise.
+DecodePlan plan_decode_bf16(const DecodeGpu& gpu, int batch, int n_kv, int max_pages, int target_ctas);
+
+// Splits each of 4 slices of threads loads per round of a log-sum-exp merge (merge.cuh's
+// merge_run): the smallest of 1, 4, 12 that needs one round (12 beyond 48 splits).
+int merge_slice_chunk(int total_splits);
+// Which merge kernel combines decode's splits, and how many splits each slice of threads loads per
+// round (decode.cu builds merge_splits for chunks 1, 4, 12 and merge_splits_group for 8, 12).
+struct MergePlan {
+  bool grouped;  // one CTA per (KV head, sequence) instead of per query head
+  int chunk;
+};
+MergePlan plan_decode_merge(int pairs, int total_splits);
+
+// Decode's workspace: byte offsets of the rotated query, the key MMAs' query and its (sum, scale),
+// the splits' partial outputs and their (max, sum); total bytes.
+struct DecodeWorkspace {
+  size_t q_rot, qk8, qk_sc, part_o, part_ml, total;
+};
+DecodeWorkspace decode_workspace(int batch, int n_heads, int n_kv, const DecodePlan& p);
+// Bytes decode_int2 (page_tokens_bf16 = 0) or decode_bf16_paged (its page size; only
+// g.n_kv_heads is used then) needs (kv_kernels.h's decode_workspace_bytes, with the device's gpu).
+size_t decode_workspace_bytes(const DecodeGpu& gpu, const KvGeometry& g, int batch, int n_heads, int max_pages,
+                              int page_tokens_bf16, int target_ctas, int ring);
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (runtime/prefill.cu).
+
+constexpr int kPrefillKeyTile = kGpuPageTokens;  // key tokens per tile: one INT2 page
+constexpr int kPrefillMaxSplits = 128;           // key-range splits per query tile, at most
+
+// CTAs of the 4- and 8-warp prefill kernels resident at once on the whole GPU.
+struct PrefillGpu {
+  int resident4 = 0, resident8 = 0;
+};
+
+struct PrefillPlan {
+  int warps, rows, row_tiles, splits, units_per_split;
+  int n_pages, win_rows;  // INT2 pages; BF16 window rows staged ahead of the new tokens
+};
+// T new tokens after `length` cached ones, n_heads query heads; splits and warps are
+// PrefillShape's overrides (0: the plan's). Throws Error for warps other than 0, 4 and 8.
+PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, int64_t length, int T, int n_heads, int splits,
+                         int warps);
+
+// Prefill's workspace: byte offsets of the rotated fp16 queries, keys and values (window rows
+// first), the splits' partial outputs and (max, sum); total bytes.
+struct PrefillWorkspace {
+  size_t q, k, v, part_o, part_ml, bytes;
+};
+PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan& p);
+
+// ---------------------------------------------------------------------------------------------
+// Append (runtime/append.cu).
+
+// One layer's append for a batch of sequences, as the host gives it: k and v rows of sequence i
+// start at row_offsets[i].
+struct AppendPlanHost {
+  std::vector<int> seq_slots;
+  std::vector<int64_t> old_lengths;
+  std::vector<int> counts;
+  std::vector<int64_t> row_offsets;
+  std::vector<std::vector<int32_t>> page_tables;  // each sequence's full page table after growing
+};
+// A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring) or from
+// staging row `src`, into (page, row).
+struct AppendMove {
+  int32_t seq_slot, from_ring, src, page, row;
+};
+// A new token staying in the BF16 windows: staging row `src` to sink position or ring slot `dst`.
+struct AppendWindowWrite {
+  int32_t seq_slot, to_ring, src, dst;
+};
+struct AppendMoves {
+  std::vector<AppendMove> moves;
+  std::vector<AppendWindowWrite> writes;
+  int64_t rows = 0;  // staging rows: the largest row_offsets[i] + counts[i]
+};
+// The moves and window writes of an append (the same walk as append_ref): the old ring's tokens
+// that a flush takes, in order, then each new token where its position puts it. Throws Error when
+// the arrays differ in size or a sequence was not grown.
+AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan);
+
+// Append's workspace: byte offsets of the BF16 staging (K then V), the moves, the window writes
+// and the codecs; total bytes.
+struct AppendWorkspace {
+  size_t staging, moves, writes, codecs, bytes;
+};
+AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_moves);
+
+}  // namespace kvcc

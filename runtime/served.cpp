@@ -1,0 +1,69 @@
+#include "runtime/served.h"
+
+#include "formats/error.h"
+
+namespace kvcc {
+
+KvGeometry gpu_geometry(int n_layers, int n_kv_heads) {
+  KvGeometry g;
+  g.n_layers = n_layers;
+  g.n_kv_heads = n_kv_heads;
+  g.head_dim = g.group = kGpuHeadDim;
+  g.page_tokens = kGpuPageTokens;
+  return g;
+}
+
+namespace {
+std::string str(int x) { return std::to_string(x); }
+
+// Query heads over KV heads: a whole group per KV head, and (decode) at most the MMA's 8 columns.
+std::string query_heads_problem(int n_heads, int n_kv, bool decode) {
+  if (n_heads == kAnyQueryHeads) return "";
+  if (n_heads <= 0 || n_kv <= 0 || n_heads % n_kv != 0)
+    return str(n_heads) + " query heads over " + str(n_kv) + " KV heads (the kernels need a multiple)";
+  if (decode && n_heads / n_kv > kGpuMaxGroupHeads)
+    return str(n_heads / n_kv) + " query heads per KV head (decode takes <= " + str(kGpuMaxGroupHeads) + ")";
+  return "";
+}
+}  // namespace
+
+std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops, bool level_table) {
+  const bool prefill = ops & kGpuPrefill, decode = ops & kGpuDecode;
+  if (g.head_dim != kGpuHeadDim)
+    return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
+  if (g.group != g.head_dim) return "group " + str(g.group) + " (the kernels need group = head_dim)";
+  if (!prefill && !decode) return "";  // append serves any pages, windows and heads
+  if (g.page_tokens != kGpuPageTokens)
+    return "page size " + str(g.page_tokens) + " (the kernels need " + str(kGpuPageTokens) + ")";
+  if (g.n_kv_heads <= 0) return str(g.n_kv_heads) + " KV heads";
+  if (prefill && g.n_kv_heads > kPrefillMaxKvHeads)
+    return str(g.n_kv_heads) + " KV heads (the kernels take <= " + str(kPrefillMaxKvHeads) + ")";
+  if (decode && level_table && g.n_kv_heads > kDecodeMaxTableHeads)
+    return str(g.n_kv_heads) + " KV heads with level tables (decode takes <= " + str(kDecodeMaxTableHeads) + ")";
+  if (std::string q = query_heads_problem(n_heads, g.n_kv_heads, decode); !q.empty()) return q;
+  if (decode && (g.sink % kGpuWindowTile != 0 || g.recent % kGpuWindowTile != 0))
+    return "sink " + str(g.sink) + " / recent " + str(g.recent) + " tokens (decode needs multiples of " +
+           str(kGpuWindowTile) + ")";
+  return "";
+}
+
+std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_heads, int page_tokens) {
+  if (head_dim != kGpuHeadDim) return "head_dim " + str(head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
+  if (std::string q = query_heads_problem(n_heads, n_kv_heads, true); !q.empty()) return q;
+  if (page_tokens <= 0 || page_tokens % kGpuWindowTile != 0)
+    return "BF16 pages of " + str(page_tokens) + " tokens (need multiples of " + str(kGpuWindowTile) + ")";
+  return "";
+}
+
+void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who) {
+  const std::string why = gpu_unsupported_reason(g, n_heads, ops, level_table);
+  require(why.empty(), std::string(who) + ": " + why + " is not supported");
+}
+
+std::string gpu_arch_problem(int device, const std::string& name, int major, int minor) {
+  if (major == 9 && minor == 0) return "";
+  return "kvcc's CUDA kernels need a Hopper GPU (sm_90); device " + str(device) + " is " + name + " (sm_" +
+         str(major) + str(minor) + "); use the CPU pool";
+}
+
+}  // namespace kvcc

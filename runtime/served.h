@@ -1,0 +1,65 @@
+// The shapes the CUDA kernels serve, in one place: their cache geometry as constants derived from
+// formats/kv_layout.h, and the one table (gpu_unsupported_reason) that the Runtime, the launchers
+// of runtime/kv_kernels.h and the benchmarks all ask. Plain C++ (no CUDA), so the CPU build and its
+// tests (tests/test_plan.cpp) see the same answers as the GPU build.
+#pragma once
+#include <string>
+
+#include "formats/kv_layout.h"
+
+namespace kvcc {
+
+// The geometry the kernels are built for: head_dim 128 (the MMA tiling: 4 codes per byte, one
+// warp of 32 lanes × 4 channels per row), one (scale, zero) group per row, and kv_layout.h's
+// default page of 64 tokens. KvGeometry's byte functions are not constexpr, so the page block's
+// layout is spelled out below from the same formulas; tests/test_plan.cpp checks every constant
+// against KvGeometry's own functions.
+constexpr int kGpuHeadDim = 128;
+constexpr int kGpuPageTokens = KvGeometry{}.page_tokens;                // P
+constexpr int kGpuCodeRowBytes = kGpuHeadDim / 4;                       // code_row_bytes(): 4 codes a byte
+constexpr int kGpuParamBytes = 4;                                       // one (scale, zero) fp16 pair a token
+constexpr int kGpuCodesBytes = kGpuPageTokens * kGpuCodeRowBytes;       // codes_bytes()
+constexpr int kGpuParamsBytes = kGpuPageTokens * kGpuParamBytes;        // params_bytes() at group = head_dim
+constexpr int kGpuVCodesOffset = kGpuCodesBytes;                        // v_codes_offset()
+constexpr int kGpuKParamsOffset = 2 * kGpuCodesBytes;                   // k_params_offset()
+constexpr int kGpuVParamsOffset = 2 * kGpuCodesBytes + kGpuParamsBytes; // v_params_offset()
+constexpr int kGpuPageBytes = 2 * kGpuCodesBytes + 2 * kGpuParamsBytes; // page_head_bytes(): 4608
+constexpr int kGpuBf16RowBytes = 2 * kGpuHeadDim;                       // one sink / ring row
+// Decode walks the BF16 sink and ring in tiles of 16 tokens (the MMA's M), so both windows must
+// be multiples of it.
+constexpr int kGpuWindowTile = 16;
+static_assert(kGpuPageTokens % kGpuWindowTile == 0, "a page is whole MMA tiles");
+static_assert(kGpuHeadDim == 4 * 32, "append quantises a row with one warp, 4 channels per lane");
+
+// Scope limits of the kernels beyond the geometry.
+constexpr int kGpuMaxGroupHeads = 8;     // decode: query heads per KV head (the MMA's n = 8 columns)
+constexpr int kDecodeMaxTableHeads = 64; // decode with level tables: KV heads (tables are kernel parameters)
+constexpr int kPrefillMaxKvHeads = 64;   // prefill: KV heads (per-head codecs are kernel parameters)
+
+// The geometry of kv_layout.h the kernels serve (its default windows), for n_layers and KV heads.
+KvGeometry gpu_geometry(int n_layers, int n_kv_heads);
+
+// Which kernels a question is about.
+enum GpuOps : unsigned { kGpuAppend = 1u, kGpuPrefill = 2u, kGpuDecode = 4u, kGpuAllOps = 7u };
+// n_heads for a question about the cache alone (no query heads checked).
+constexpr int kAnyQueryHeads = -1;
+
+// Why the CUDA kernels of `ops` cannot serve this cache geometry with n_heads query heads, or ""
+// when they can. level_table: some head uses a 4-level table (decode's table kernel takes <= 64
+// KV heads). The rules: append needs head_dim 128 and group = head_dim; prefill also 64-token
+// pages, <= 64 KV heads and query heads a multiple of the KV heads; decode the same pages and
+// query-head multiple, <= 8 query heads per KV head and sink and recent windows in multiples of
+// 16 tokens. A Runtime with a device pool asks this for all three when it is made, so that its
+// first decode or prefill never finds the shape unsupported.
+std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops = kGpuAllOps,
+                                   bool level_table = true);
+// The same for the BF16 baseline decode (decode_bf16_paged): its own pages of page_tokens tokens.
+std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_heads, int page_tokens);
+// Throws Error("<who>: <reason>") when gpu_unsupported_reason is not "".
+void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who);
+
+// The kernels are compiled for Hopper (sm_90: TMA bulk copies, mbarriers, programmatic dependent
+// launch). Why device `device` (name, compute capability major.minor) cannot run them, or "".
+std::string gpu_arch_problem(int device, const std::string& name, int major, int minor);
+
+}  // namespace kvcc
