@@ -330,10 +330,10 @@ TEST(CacheAllocator, AccountingForkFreeAndOutOfMemory) {
   EXPECT_THROW(cache.free_sequence(a), Error);
 }
 
-TEST(CacheAppend, PacksExactlyTheCodecCodes) {
-  World w(small_geometry());
+// Chunks that cross the sink, fill the ring exactly, and flush one and several pages at once.
+void check_packs_codec_codes(const KvGeometry& g) {
+  World w(g);
   const int a = w.add(), b = w.add();
-  // Chunks that cross the sink, fill the ring exactly, and flush one and several pages at once.
   w.append({a, b}, {5, 40});
   w.append({a, b}, {35, 1});
   w.append({a}, {1});
@@ -341,6 +341,17 @@ TEST(CacheAppend, PacksExactlyTheCodecCodes) {
   const int c = w.fork(a);
   w.append({c, a}, {17, 64});
   for (int s : {a, b, c}) w.check_storage(s);
+}
+
+TEST(CacheAppend, PacksExactlyTheCodecCodes) { check_packs_codec_codes(small_geometry()); }
+
+// A host pool serves any head_dim the layout can hold (code rows of head_dim/4 bytes): head_dim 8
+// (llama2.c's stories260K, kvcc demo's model) with one group per row and with two groups of 4,
+// and head_dim 12 (rows of 3 bytes).
+TEST(CacheAppend, SmallHeadDimsPackExactlyTheCodecCodes) {
+  check_packs_codec_codes(small_geometry(8, 8));
+  check_packs_codec_codes(small_geometry(8, 4));
+  check_packs_codec_codes(small_geometry(12, 4));
 }
 
 TEST(CacheAppend, GroupsAndLevelTable) {
@@ -382,17 +393,25 @@ void check_decode(World& w, const std::vector<int>& seqs, int n_heads) {
   }
 }
 
-TEST(CacheDecode, MatchesFloat64OnMixedLengths) {
-  World w(small_geometry());
-  // Lengths: empty; inside the sink; ring partly filled (no history); ring exactly full;
-  // one page of history; many pages; a fork that diverged.
+// Lengths: empty; inside the sink; ring partly filled (no history); ring exactly full;
+// one page of history; many pages; a fork that diverged (small_geometry's windows).
+void check_decode_mixed_lengths(const KvGeometry& g) {
+  World w(g);
   const int e = w.add(), s1 = w.add(), s2 = w.add(), s3 = w.add(), s4 = w.add(), s5 = w.add();
   w.append({s1, s2, s3, s4, s5}, {5, 20, 40, 41, 300});
   const int f = w.fork(s5);
   w.append({f, s5}, {9, 70});
   ASSERT_EQ(tiers_of(w.g, 40).ring_count, w.g.recent);
   ASSERT_EQ(tiers_of(w.g, 40).hist_tokens, 0);
+  ASSERT_GT(tiers_of(w.g, 300).hist_tokens, 0);
   check_decode(w, {e, s1, s2, s3, s4, s5, f}, 8);
+}
+
+TEST(CacheDecode, MatchesFloat64OnMixedLengths) { check_decode_mixed_lengths(small_geometry()); }
+
+TEST(CacheDecode, SmallHeadDimsMatchFloat64OnMixedLengths) {
+  check_decode_mixed_lengths(small_geometry(8, 8));
+  check_decode_mixed_lengths(small_geometry(8, 4));
 }
 
 TEST(CacheDecode, GroupsAndLevelTableAndWideGroups) {
@@ -407,8 +426,8 @@ TEST(CacheDecode, GroupsAndLevelTableAndWideGroups) {
   check_decode(w, {b, a}, 6);
 }
 
-TEST(CachePrefill, MatchesFloat64Causal) {
-  World w(small_geometry());
+void check_prefill_causal(const KvGeometry& geometry) {
+  World w(geometry);
   const KvGeometry& g = w.g;
   const int a = w.add();
   w.append({a}, {90});
@@ -438,6 +457,13 @@ TEST(CachePrefill, MatchesFloat64Causal) {
         EXPECT_LT(rel_err(got, want), 1e-5) << "token " << j << " head " << qh;
       }
   }
+}
+
+TEST(CachePrefill, MatchesFloat64Causal) { check_prefill_causal(small_geometry()); }
+
+TEST(CachePrefill, SmallHeadDimsMatchFloat64Causal) {
+  check_prefill_causal(small_geometry(8, 8));
+  check_prefill_causal(small_geometry(8, 4));
 }
 
 }  // namespace

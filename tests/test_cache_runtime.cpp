@@ -24,7 +24,7 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 4, kKv = 2, kD = 32;
 
-Artifact make_artifact() {
+Artifact make_artifact(int d = kD) {
   std::mt19937 rng(42);
   Artifact a;
   a.producer = "test";
@@ -32,14 +32,14 @@ Artifact make_artifact() {
   a.n_layers = kLayers;
   a.n_heads = kHeads;
   a.n_kv_heads = kKv;
-  a.head_dim = kD;
+  a.head_dim = d;
   ModelConfig cfg;
   cfg.architecture = "llama";
   cfg.n_layers = kLayers;
   cfg.n_heads = kHeads;
   cfg.n_kv_heads = kKv;
-  cfg.head_dim = kD;
-  cfg.hidden = kHeads * kD;
+  cfg.head_dim = d;
+  cfg.hidden = kHeads * d;
   a.fingerprint = make_fingerprint(cfg, std::string(64, '0'));
   a.recipe.method = "oscar";
   a.recipe.sink = 8;
@@ -47,8 +47,8 @@ Artifact make_artifact() {
   a.recipe.page_size = 16;
   for (int i = 0; i < kLayers * kKv; ++i) {
     HeadArtifact h;
-    h.key.rotation = testing::random_orthogonal(1, kD, rng);
-    h.value.rotation = testing::random_orthogonal(1, kD, rng);
+    h.key.rotation = testing::random_orthogonal(1, d, rng);
+    h.value.rotation = testing::random_orthogonal(1, d, rng);
     h.key.clip_ratio = 0.9 + 0.02 * i;
     h.value.clip_ratio = 0.95;
     a.heads.push_back(h);
@@ -190,6 +190,115 @@ TEST_F(RuntimeAndReference, UsesTheArtifactsRotationsAndClipRatios) {
                1.0f / std::sqrt(float(kD)), want.data());
     for (size_t i = 0; i < q.size(); ++i) EXPECT_EQ(got[i], want[i]) << "layer " << l << " element " << i;
   }
+}
+
+// A host pool serves head_dim 8 (llama2.c's stories260K: `kvcc demo`'s model; the layout needs a
+// multiple of 4): the Runtime's pages are byte for byte the reference kernels' and its decode and
+// prefill are theirs (tests/test_cache.cpp checks those against float64 at head_dim 8). A device
+// pool refuses it by name before any device memory.
+TEST(CacheRuntime, HostPoolServesHeadDim8) {
+  constexpr int d = 8;
+  const Artifact art = make_artifact(d);
+  Runtime rt(art, EngineShape{kLayers, kHeads, kKv, d}, host_options());
+  ASSERT_EQ(rt.geometry().head_dim, d);
+  ASSERT_EQ(rt.geometry().code_row_bytes(), 2u);
+  KvCache ref{KvCacheConfig{rt.geometry(), 32, 4, PoolMemory::Host}};
+  std::vector<float> rk(size_t(kLayers) * kKv * d * d), rv(rk.size());
+  std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
+  for (size_t i = 0; i < art.heads.size(); ++i) {
+    for (size_t e = 0; e < size_t(d) * d; ++e) {
+      rk[i * d * d + e] = float(art.heads[i].key.rotation[e]);
+      rv[i * d * d + e] = float(art.heads[i].value.rotation[e]);
+    }
+    codecs[i].key.clip_ratio = float(art.heads[i].key.clip_ratio);
+    codecs[i].value.clip_ratio = float(art.heads[i].value.clip_ratio);
+  }
+  const int a = rt.cache().add_sequence(), b = rt.cache().add_sequence();
+  ref.add_sequence();
+  ref.add_sequence();
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd;
+  const float scale = 1.0f / std::sqrt(float(d));
+  for (const auto& counts : std::vector<std::vector<int>>{{30, 90}, {57, 1}, {1, 40}}) {
+    // Prefill of the step's tokens over the cache before them, then their append.
+    const int rows = counts[0] + counts[1];
+    std::vector<float> q(size_t(rows) * kHeads * d), got(q.size()), want(q.size());
+    for (auto& x : q) x = nd(rng);
+    std::vector<std::vector<float>> ks, vs;
+    for (int l = 0; l < kLayers; ++l) {
+      ks.emplace_back(size_t(rows) * kKv * d);
+      vs.emplace_back(ks.back().size());
+      for (auto& x : ks.back()) x = 2.0f * nd(rng);
+      for (auto& x : vs.back()) x = nd(rng);
+    }
+    const std::vector<int64_t> old = {ref.length(a), ref.length(b)};
+    for (int l = 0; l < kLayers; ++l) {
+      const size_t off = size_t(l) * kKv * d * d;
+      size_t qo = 0, ko = 0;
+      for (int i = 0; i < 2; ++i) {
+        rt.prefill(l, i ? b : a, counts[size_t(i)], q.data() + qo, ks[size_t(l)].data() + ko,
+                   vs[size_t(l)].data() + ko, got.data() + qo);
+        prefill_ref(ref, l, i ? b : a, counts[size_t(i)], q.data() + qo, ks[size_t(l)].data() + ko,
+                    vs[size_t(l)].data() + ko, kHeads, rk.data() + off, rv.data() + off,
+                    codecs.data() + size_t(l) * kKv, scale, want.data() + qo);
+        qo += size_t(counts[size_t(i)]) * kHeads * d;
+        ko += size_t(counts[size_t(i)]) * kKv * d;
+      }
+      for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(got[i], want[i]) << "prefill layer " << l << " element " << i;
+    }
+    rt.begin_append({a, b}, counts);
+    ref.grow_batch({a, b}, {counts[0], counts[1]});
+    const AppendBatch batch = make_append_batch({a, b}, old, counts);
+    for (int l = 0; l < kLayers; ++l) {
+      rt.append(l, ks[size_t(l)].data(), vs[size_t(l)].data());
+      const size_t off = size_t(l) * kKv * d * d;
+      append_ref(ref, l, batch, ks[size_t(l)].data(), vs[size_t(l)].data(), rk.data() + off, rv.data() + off,
+                 codecs.data() + size_t(l) * kKv);
+    }
+  }
+  ASSERT_GT(history_pages(rt.geometry(), rt.cache().length(b)), 2);
+  ASSERT_EQ(std::memcmp(rt.cache().pages_base(), ref.pages_base(), ref.pool_bytes()), 0);
+  std::vector<float> q(size_t(2) * kHeads * d), got(q.size()), want(q.size());
+  for (auto& x : q) x = nd(rng);
+  for (int l = 0; l < kLayers; ++l) {
+    rt.decode(l, {a, b}, q.data(), got.data());
+    const size_t off = size_t(l) * kKv * d * d;
+    decode_ref(ref, l, {a, b}, q.data(), kHeads, rk.data() + off, rv.data() + off, codecs.data() + size_t(l) * kKv,
+               scale, want.data());
+    for (size_t i = 0; i < q.size(); ++i) EXPECT_EQ(got[i], want[i]) << "layer " << l << " element " << i;
+  }
+  RuntimeOptions device = host_options();
+  device.memory = PoolMemory::Device;
+  try {
+    Runtime(art, EngineShape{kLayers, kHeads, kKv, d}, device);
+    ADD_FAILURE() << "a device pool accepted head_dim 8";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim 8"), std::string::npos) << e.what();
+  }
+}
+
+// The cache's own head_dim rule, by pool: a host pool takes any multiple of 4 (4 codes a byte), a
+// device pool a multiple of 16 (checked before any device memory, so also without CUDA).
+TEST(CacheRuntime, HeadDimRuleByPool) {
+  KvGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = 2;
+  g.page_tokens = 16;
+  g.sink = 4;
+  g.recent = 32;
+  auto problem = [&](int d, PoolMemory memory) -> std::string {
+    KvGeometry x = g;
+    x.head_dim = x.group = d;
+    try {
+      KvCache cache(KvCacheConfig{x, 2, 1, memory});
+      return "";
+    } catch (const Error& e) {
+      return e.what();
+    }
+  };
+  for (int d : {4, 8, 12, 16, 32}) EXPECT_EQ(problem(d, PoolMemory::Host), "") << d;
+  for (int d : {2, 6, 10}) EXPECT_NE(problem(d, PoolMemory::Host).find("multiple of 4 for a host pool"), std::string::npos);
+  for (int d : {4, 8, 24}) EXPECT_NE(problem(d, PoolMemory::Device).find("multiple of 16 for a device pool"), std::string::npos);
 }
 
 // Prefill on a host pool is prefill_ref over the cache as it was before the step's tokens, whether
