@@ -5,8 +5,10 @@
 # gpu_results.md (scripts/gpu_report.py) into the output directory, and everything in one
 # gpu_out.tgz there (for machines that copy back only a few files).
 # BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same run
-# (scripts/gpu_perf.sh) and adds its column and ratios to the report.
-# usage: OUT=dir [BEFORE=old_decode.cu] [BUILD=CMake build dir, default build-gpu] scripts/gpu_run.sh [quick]
+# (scripts/gpu_perf.sh) and adds its column and ratios to the report; BEFORE_TREE=dir does the
+# same with a whole older source tree (its own CMake build), for changes beyond decode.cu.
+# usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
+#        scripts/gpu_run.sh [quick]
 set -u -o pipefail
 source "$(dirname "$0")/gpu_common.sh"
 BUILD=${BUILD:-$GPU_BUILD}
@@ -58,7 +60,17 @@ done
 PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --configs "$CONFIGS" --out "$OUT/sdpa.jsonl" --reps 30
 echo "bench_sdpa exit: $?"
 REPORT_ARGS=()
-if [ -n "${BEFORE:-}" ]; then
+if [ -n "${BEFORE_TREE:-}" ]; then
+  # A whole older source tree (e.g. `git archive OLD | tar x -C DIR`): its own CMake build of
+  # bench_decode, timed on the same shapes right after this tree's, for the before column.
+  mkdir -p "$OUT/before"
+  (cd "$BEFORE_TREE" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    cmake --build build-before --target bench_decode -j"$JOBS" >/dev/null) || echo "BEFORE_TREE BUILD FAILED"
+  "$BEFORE_TREE/build-before/bench/bench_decode" --configs "$CONFIGS" --out "$OUT/before/perf_before_r1.jsonl" --reps 30 |
+    grep decode | sed "s/^/before /"
+  echo "before tree ($BEFORE_TREE) exit: $?"
+  REPORT_ARGS=(--before before/perf_before_r1.jsonl)
+elif [ -n "${BEFORE:-}" ]; then
   OUT=$OUT/before GPU_BUILD=$BUILD BUILD=build-gpu-perf BEFORE=$BEFORE ROUNDS=1 NO_SDPA=1 CONFIGS=$CONFIGS scripts/gpu_perf.sh before: >/dev/null 2>&1
   echo "before ($BEFORE) exit: $?"
   REPORT_ARGS=(--before before/perf_before_r1.jsonl)
