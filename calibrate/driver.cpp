@@ -14,6 +14,7 @@
 #include "calibrate/accumulators.h"
 #include "calibrate/mpi_reduce.h"
 #include "formats/error.h"
+#include "formats/h5_common.h"
 #include "formats/model_file.h"
 #include "formats/sha256.h"
 #include "model/tokenizer.h"
@@ -34,15 +35,6 @@ double process_cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
-std::string utc_now_iso8601() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
 }
 
 long peak_rss_kib() {
@@ -249,7 +241,7 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   Stats stats = make_empty_stats(config, model.fingerprint(), options.reservoir);
   std::move(accumulator).move_into(stats);
   stats.producer = std::string("kvcc ") + KVCC_VERSION;
-  stats.created = utc_now_iso8601();
+  stats.created = h5::utc_now_iso8601();
   stats.command = options.command;
   stats.provenance.data_sha256 = set.data_sha256;
   stats.provenance.tokens = local_tokens;

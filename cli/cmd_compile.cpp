@@ -2,7 +2,9 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "cli/command.h"
 #include "compile/compile.h"
@@ -10,6 +12,7 @@
 #include "formats/error.h"
 #include "formats/h5_common.h"
 #include "formats/kv_codec.h"
+#include "formats/method.h"
 #include "formats/sha256.h"
 #include "formats/stats.h"
 
@@ -25,6 +28,85 @@ void parse_params(const std::vector<std::string>& items, std::map<std::string, s
   }
 }
 
+// "64; kivi, turboquant 0; kvarn 128": a default of the method table, the most common value first.
+std::string defaults_text(int MethodTraits::*field) {
+  std::map<int, std::vector<std::string>> by_value;
+  for (Method m : all_methods()) by_value[method_traits(m).*field].push_back(method_name(m));
+  int common = by_value.begin()->first;
+  for (const auto& [value, names] : by_value)
+    if (names.size() > by_value[common].size()) common = value;
+  std::string out = std::to_string(common);
+  for (const auto& [value, names] : by_value) {
+    if (value == common) continue;
+    out += ";";
+    for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : " ") + names[i];
+    out += " " + std::to_string(value);
+  }
+  return out;
+}
+
+// "turboquant variant=mse|prod, codebook=sphere|gaussian; kvarn iterations=8; ...": the --param
+// keys of the table (a parameter with its own flag, kivi --values, is listed there).
+std::string params_text() {
+  std::string out;
+  for (Method m : all_methods()) {
+    std::string keys;
+    for (const MethodParam& p : method_traits(m).params) {
+      if (p.flag) continue;
+      keys += std::string(keys.empty() ? " " : ", ") + p.key;
+      if (!p.choices.empty()) {
+        keys += "=";
+        for (size_t i = 0; i < p.choices.size(); ++i) keys += std::string(i ? "|" : "") + p.choices[i];
+      } else if (p.default_value) {
+        keys += std::string("=") + p.default_value;
+      }
+    }
+    if (!keys.empty()) out += std::string(out.empty() ? "" : "; ") + method_name(m) + keys;
+  }
+  return out;
+}
+
+// The Methods section of --help: one line per row of the table.
+std::string methods_text() {
+  std::string out = "Methods:\n";
+  for (Method m : all_methods()) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-11s %s\n", method_name(m), method_traits(m).summary);
+    out += line;
+  }
+  return out;
+}
+
+template <class Pred>
+std::string names_where(Pred keep) {
+  return method_names(keep, ", ", ", ");
+}
+
+// "commvq: 1 or 2": the methods that take only preset bit budgets.
+std::string presets_text() {
+  std::string out;
+  for (Method m : all_methods()) {
+    const std::vector<double>& p = method_traits(m).bit_presets;
+    if (p.empty()) continue;
+    out += std::string(out.empty() ? "" : "; ") + method_name(m) + ":";
+    for (size_t i = 0; i < p.size(); ++i)
+      out += (i == 0 ? " " : i + 1 == p.size() ? " or " : ", ") + std::to_string(int(p[i]));
+  }
+  return out;
+}
+
+// The help of a parameter with its own flag (kivi --values): "kivi only: hadamard | oscar".
+std::string flag_param_text(const char* flag) {
+  for (Method m : all_methods())
+    for (const MethodParam& p : method_traits(m).params)
+      if (p.flag && std::string(p.flag) == flag) {
+        std::string out = std::string(method_name(m)) + " only:";
+        for (size_t i = 0; i < p.choices.size(); ++i) out += std::string(i ? " |" : "") + " " + p.choices[i];
+        return out;
+      }
+  return "";
+}
+
 struct Args {
   std::string stats_path, out_path, model_id;
   std::vector<std::string> params;
@@ -35,51 +117,62 @@ struct Args {
 
 void add_compile_options(CLI::App& sub, Args& a) {
   CompileOptions& o = a.options;
-  sub.add_option("--method,-m", o.method,
-                 "oscar | oscar-lm | hadamard | identity | random | turboquant | kivi | kvarn | commvq")
-      ->capture_default_str();
-  sub.add_option("--key-bits", o.key_bits, "bits per key element (1-8; 2.5/3.5 for turboquant)")
+  const auto accepting = [](MethodOption option) {
+    std::string names;
+    for (Method m : all_methods())
+      if (method_traits(m).accepts(option)) names += std::string(names.empty() ? "" : ", ") + method_name(m);
+    return names;
+  };
+  const MethodTraits& oscar = method_traits(Method::Oscar);
+  sub.add_option("--method,-m", o.method, method_names(nullptr, " | ", " | "))->capture_default_str();
+  sub.add_option("--key-bits", o.key_bits,
+                 "bits per key element (1-8; 2.5/3.5 for " +
+                     names_where([](const MethodTraits& t) { return t.fractional_bits; }) + ")")
       ->capture_default_str();
   sub.add_option("--value-bits", o.value_bits, "bits per value element")->capture_default_str();
   sub.add_option_function<double>(
       "--bits", [&o](double bits) { o.key_bits = o.value_bits = bits; },
-      "bits per key and value element (commvq: 1 or 2, its presets)");
+      "bits per key and value element (" + presets_text() + ", its presets)");
   sub.add_option("--group", o.group,
-                 "channels per (scale, zero) group (default: head_dim; kivi 32); above head_dim a "
-                 "multiple of it dividing n_kv_heads*head_dim: one group spans that many KV heads of "
-                 "a token (oscar, oscar-lm, hadamard, identity, random); kivi: also tokens per key group");
-  sub.add_option("--sink", o.sink, "BF16 tokens kept at the start (default 64; kivi/turboquant 0; kvarn 128)");
+                 "channels per (scale, zero) group, 0 = head_dim (default " + defaults_text(&MethodTraits::group) +
+                     "); above head_dim a multiple of it dividing n_kv_heads*head_dim: one "
+                     "group spans that many KV heads of a token (" +
+                     names_where([](const MethodTraits& t) { return t.spans_heads; }) +
+                     "); kivi: also tokens per key group");
+  sub.add_option("--sink", o.sink, "BF16 tokens kept at the start (default " + defaults_text(&MethodTraits::sink) + ")");
   sub.add_option("--recent", o.recent,
-                 "BF16 ring of the last tokens (default 256; kivi 128 = its residual window; "
-                 "turboquant 0; kvarn 128)");
-  sub.add_option("--page-size", o.page_size, "tokens per quantised page (default 64; kvarn 128 = its tile)");
+                 "BF16 ring of the last tokens (default " + defaults_text(&MethodTraits::recent) +
+                     "); kivi's is its residual window");
+  sub.add_option("--page-size", o.page_size,
+                 "tokens per quantised page (default " + defaults_text(&MethodTraits::page_size) +
+                     "); kvarn's page is its tile");
   sub.add_option("--value-target", o.value_target,
-                 "oscar value importance: output (Σ o oᵀ) | p2 (Σ_j Σ_i p_ij² v vᵀ) | logit2 "
-                 "(OSCAR code: weights kᵀMk from reservoir fitting rows)")
+                 "value importance of " + accepting(MethodOption::ValueTarget) +
+                     ": output (Σ o oᵀ) | p2 (Σ_j Σ_i p_ij² v vᵀ) | logit2 (OSCAR code: weights kᵀMk "
+                     "from reservoir fitting rows); default " + oscar.value_target);
+  sub.add_option("--granularity", o.granularity,
+                 "head (per KV head) | layer (shared, OSCAR v1): " + accepting(MethodOption::Granularity))
       ->capture_default_str();
-  sub.add_option("--granularity", o.granularity, "head (per KV head) | layer (shared, OSCAR v1)")
+  sub.add_option("--composition", o.composition,
+                 "rotation of " + accepting(MethodOption::Composition) + ": UHP | UH | U (ablations); default " +
+                     oscar.composition);
+  sub.add_option("--seed", o.seed, "seed of the random draws of " + accepting(MethodOption::Seed))
       ->capture_default_str();
-  sub.add_option("--composition", o.composition, "oscar rotation: UHP | UH | U (ablations)")
-      ->capture_default_str();
-  sub.add_option("--seed", o.seed, "seed of random rotations (random, turboquant)")->capture_default_str();
-  sub.add_option("--param", a.params,
-                 "method parameter KEY=VALUE: turboquant variant=mse|prod, codebook=sphere|gaussian; "
-                 "kvarn iterations=8");
+  sub.add_option("--param", a.params, "method parameter KEY=VALUE: " + params_text());
   sub.add_option("--values", a.values,
-                 "kivi only: hadamard | oscar = the mixed recipe: KIVI keys, values rotated by H or "
+                 flag_param_text("--values") + " = the mixed recipe: KIVI keys, values rotated by H or "
                  "oscar's value rotation on a per-token grid of head_dim with a fitted clip "
                  "(recipe param values; default: KIVI's plain per-token values)");
-  sub.add_flag("--no-fit-clip", a.no_fit_clip, "do not fit clip ratios (use 1.0 = no clipping)");
+  sub.add_flag("--no-fit-clip", a.no_fit_clip,
+               "do not fit clip ratios (use 1.0 = no clipping): " + accepting(MethodOption::NoFitClip));
   sub.add_option("--fit-rows", o.max_fit_rows,
                  "reservoir fitting tokens per KV head (per group of heads when --group spans heads) "
-                 "for clip ratios")
+                 "for clip ratios and level tables: " + accepting(MethodOption::FitRows))
       ->capture_default_str();
   sub.add_option("--threads", o.threads, "worker threads (default: all cores)");
 }
 
 int run_compile(Args& a) {
-  parse_params(a.params, a.options.params);
-  if (!a.values.empty()) a.options.params["values"] = a.values;  // checked by make_recipe
   a.options.fit_clip = !a.no_fit_clip;
   const bool tty = stderr_is_tty();
   std::cerr << "reading " << a.stats_path << "\n";
@@ -109,7 +202,9 @@ int run_compile(Args& a) {
               nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim),
               history_bits(r, KvSide::Value, art.head_dim), effective_bits(r, art.head_dim, 2048),
               effective_bits(r, art.head_dim, 32768), effective_bits(r, art.head_dim, 131072));
-  if (is_uniform_method(r.method) || r.params.count("values")) {  // mixed kivi: keys unclipped, values fitted
+  // Either side on a clipped grid (a mixed kivi recipe: keys unclipped, values fitted).
+  if (method_traits(method_of(side_recipe(r, KvSide::Key))).fit == Fit::ClipRatio ||
+      method_traits(method_of(side_recipe(r, KvSide::Value))).fit == Fit::ClipRatio) {
     double kmin = 1, kmax = 0, vmin = 1, vmax = 0;
     for (const HeadArtifact& h : art.heads) {
       kmin = std::min(kmin, h.key.clip_ratio);
@@ -129,19 +224,11 @@ Command reg{"compile", 30,
               sub.footer(
                   "Reads STATS (from `kvcc calibrate-model` / `merge-stats`) and writes ART, a v1\n"
                   "artifact with the rotation, eigenvalues and quantizer parameters of every\n"
-                  "(layer, KV head), plus the recipe, seed and the stats file's sha256.\n\n"
-                  "Methods:\n"
-                  "  oscar       R = U·H·P from the query second moment (keys) and the value target;\n"
-                  "              per-token INT-b grid with fitted clip ratios (query-weighted logit\n"
-                  "              error for keys, attention-output error for values)\n"
-                  "  oscar-lm    oscar's rotation + a Lloyd-Max level table fitted per KV head\n"
-                  "  hadamard    H (QuaRot);  identity: no rotation;  random: seeded Haar rotation\n"
-                  "  turboquant  random rotation + Lloyd-Max levels of the sphere density; 2.5/3.5\n"
-                  "              bits split channels (outliers at b+1); --param variant=prod adds QJL\n"
-                  "  kivi        per-channel keys over token groups, per-token values, residual window;\n"
-                  "              --values hadamard|oscar: values on that method's rotated clipped grid\n"
-                  "  kvarn       Hadamard + Sinkhorn log-std balancing of 128-token tiles + row RTN\n\n"
-                  "Example:\n"
+                  "(layer, KV head), plus the recipe, seed and the stats file's sha256.\n"
+                  "Clip ratios are fitted on the query-weighted logit error (keys) and the\n"
+                  "attention-output error (values). An option the method ignores is refused.\n\n" +
+                  methods_text() +
+                  "\nExample:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
                   "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5\n"
                   "  kvcc compile stats.h5 --method commvq --bits 1 -o commvq1.kvcc.h5");
@@ -150,13 +237,14 @@ Command reg{"compile", 30,
               sub.add_option("--model-id", a->model_id, "a human name for the model, stored in the artifact");
               add_compile_options(sub, *a);
               return [a, &sub] {
-                // These shape only oscar's rotation; accepting them elsewhere would hide a typo'd recipe.
-                const std::string& m = a->options.method;
-                const bool oscar_values = m == "kivi" && a->values == "oscar";
-                for (const char* flag : {"--value-target", "--composition"})
-                  require(sub.count(flag) == 0 || m == "oscar" || m == "oscar-lm" || oscar_values,
-                          std::string(flag) + " applies to oscar and oscar-lm only, not " + m +
-                              " (and to kivi --values oscar: its value rotation)");
+                // An option the method ignores would hide a typo'd recipe: refused by the table's
+                // rule, before the stats are read.
+                parse_params(a->params, a->options.params);
+                if (!a->values.empty()) a->options.params["values"] = a->values;
+                unsigned given = 0;
+                for (MethodOption o : kMethodOptions)
+                  if (sub.count(option_flag(o)) > 0) given |= o;
+                check_method_options(method_from_name(a->options.method), given, a->options.params);
                 return run_compile(*a);
               };
             }};

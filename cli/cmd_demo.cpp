@@ -22,6 +22,7 @@
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/method.h"
 #include "formats/model_file.h"
 #include "formats/sha256.h"
 #include "formats/stats.h"
@@ -104,13 +105,14 @@ void run_pipeline(const Pipeline& p, Clock::time_point t0) {
     o.sink = p.sink;
     o.recent = p.recent;
     o.page_size = p.page_size;
-    if (method == "kivi") o.group = p.page_size;
+    const bool per_channel_keys = method_traits(method_from_name(method)).codec == CodecFamily::KiviChannel;
+    if (per_channel_keys) o.group = p.page_size;  // KIVI's key groups: the page
     Artifact art = compile_artifact(stats, o);
     art.model_id = p.label;
     art.provenance.stats_sha256 = stats_sha256;
     art.command = "kvcc demo (" + p.label + "): compile --method " + method + " --key-bits 2 --value-bits 2 --sink " +
                   std::to_string(p.sink) + " --recent " + std::to_string(p.recent) + " --page-size " +
-                  std::to_string(p.page_size) + (method == "kivi" ? " --group " + std::to_string(p.page_size) : "");
+                  std::to_string(p.page_size) + (per_channel_keys ? " --group " + std::to_string(p.page_size) : "");
     const std::string path = (out / (p.label + "-" + method + ".kvcc.h5")).string();
     write_artifact(art, path);
     artifacts.push_back(std::move(art));

@@ -12,10 +12,10 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
-#include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
+#include "formats/method.h"
 #include "formats/stats.h"
 
 namespace kvcc::cli {
@@ -134,7 +134,8 @@ int inspect_artifact(const std::string& path, bool as_json) {
               r.value_target.empty() ? "-" : r.value_target.c_str(), r.granularity.c_str(),
               r.composition.empty() ? "-" : r.composition.c_str(), r.seed);
   for (const auto& [k, v] : r.params) std::printf("            %s = %s\n", k.c_str(), v.c_str());
-  if (r.method == "commvq") std::printf("            %s\n", describe_commvq(a).c_str());
+  if (const auto describe = method_traits(method_of(r)).describe)  // e.g. commvq's codebooks
+    std::printf("            %s\n", describe(a).c_str());
   std::printf("provenance  %s, %" PRIu64 " tokens in %" PRIu64 " sequences, seed %" PRIu64 "\n",
               a.provenance.source.c_str(), a.provenance.tokens, a.provenance.sequences, a.provenance.seed);
   std::printf("            data sha256 %s\n", a.provenance.data_sha256.empty() ? "-" : a.provenance.data_sha256.c_str());

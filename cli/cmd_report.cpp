@@ -8,16 +8,29 @@
 #include "compile/report.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/method.h"
 #include "formats/stats.h"
 
 namespace kvcc::cli {
 namespace {
 
+// Every method of the table, at each of its bit presets where it has them (commvq:1,commvq:2).
+std::string all_report_methods() {
+  std::string out;
+  for (Method m : all_methods()) {
+    const MethodTraits& t = method_traits(m);
+    if (t.bit_presets.empty()) out += std::string(out.empty() ? "" : ",") + t.name;
+    for (double b : t.bit_presets)
+      out += std::string(out.empty() ? "" : ",") + t.name + ":" + std::to_string(int(b));
+  }
+  return out;
+}
+
 struct ReportArgs {
   std::string stats_path, json_path, svg_path, markdown_path;
-  std::string methods = "oscar,oscar-lm,hadamard,identity,random,kivi,turboquant,kvarn,commvq:1,commvq:2";
+  std::string methods = all_report_methods();
   double key_bits = 2, value_bits = 2;
-  std::string value_target = CompileOptions{}.value_target;  // compile's default
+  std::string value_target;  // empty: each method's default (compile's)
   std::string granularity = "head";
   int group = -1;
   int rows = 512;
@@ -25,8 +38,10 @@ struct ReportArgs {
   uint64_t seed = 0;
 };
 
-// "oscar,kivi,oscar:UH,oscar:logit2,oscar:layer,turboquant:prod,hadamard:noclip,oscar:g64" -> option
-// sets (gN: group N, e.g. a group spanning KV heads).
+// "oscar,kivi,oscar:UH,oscar:logit2,oscar:layer,turboquant:prod,hadamard:noclip,oscar:g64,commvq:1"
+// -> option sets (gN: group N, e.g. a group spanning KV heads; a number: bits per element). The
+// shared flags apply to the methods that take them; a modifier a method would ignore is refused
+// (formats/method.h check_method_options).
 std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
   std::vector<CompileOptions> out;
   std::stringstream list(a.methods);
@@ -34,26 +49,35 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
   while (std::getline(list, item, ',')) {
     if (item.empty()) continue;
     CompileOptions o;
-    o.key_bits = a.key_bits;
-    o.value_bits = a.value_bits;
-    o.value_target = a.value_target;
-    o.granularity = a.granularity;
-    o.seed = a.seed;
-    o.group = a.group;
-    o.max_fit_rows = a.fit_rows;
     std::stringstream parts(item);
     std::getline(parts, o.method, ':');
+    const Method method = method_from_name(o.method);
+    const MethodTraits& t = method_traits(method);
+    o.key_bits = a.key_bits;
+    o.value_bits = a.value_bits;
+    o.group = a.group;
+    if (t.accepts(MethodOption::ValueTarget)) o.value_target = a.value_target;
+    if (t.accepts(MethodOption::Granularity)) o.granularity = a.granularity;
+    if (t.accepts(MethodOption::Seed)) o.seed = a.seed;
+    if (t.accepts(MethodOption::FitRows)) o.max_fit_rows = a.fit_rows;
+    unsigned given = 0;
     std::string mod;
     while (std::getline(parts, mod, ':')) {
-      if (mod == "UH" || mod == "U" || mod == "UHP") o.composition = mod;
-      else if (mod == "output" || mod == "p2" || mod == "logit2") o.value_target = mod;
-      else if (mod == "layer" || mod == "head") o.granularity = mod;
+      if (mod == "UH" || mod == "U" || mod == "UHP") o.composition = mod, given |= MethodOption::Composition;
+      else if (mod == "output" || mod == "p2" || mod == "logit2") o.value_target = mod, given |= MethodOption::ValueTarget;
+      else if (mod == "layer" || mod == "head") o.granularity = mod, given |= MethodOption::Granularity;
       else if (mod == "prod" || mod == "mse") o.params["variant"] = mod;
-      else if (mod == "noclip") o.fit_clip = false;
-      else if (o.method == "commvq" && (mod == "1" || mod == "2")) o.key_bits = o.value_bits = std::stod(mod);
+      else if (mod == "noclip") o.fit_clip = false, given |= MethodOption::NoFitClip;
+      else if (!mod.empty() && mod.find_first_not_of("0123456789.") == std::string::npos)
+        o.key_bits = o.value_bits = std::stod(mod);
       else if (mod.size() > 1 && mod[0] == 'g' && mod.find_first_not_of("0123456789", 1) == std::string::npos)
         o.group = std::stoi(mod.substr(1));
       else throw Error("--methods: unknown modifier '" + mod + "' in '" + item + "'");
+    }
+    try {
+      check_method_options(method, given, o.params);
+    } catch (const Error& e) {
+      throw Error("--methods '" + item + "': " + e.what());
     }
     out.push_back(o);
   }
@@ -84,8 +108,10 @@ Command reg{"report", 35,
                   "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
                   "  key, value: ||X - X^|| / ||X||\n"
                   "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
-                  "turboquant:prod, hadamard:noclip, commvq:1 and commvq:2 (the 1-/2-bit presets),\n"
-                  "gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on head_dim 16).\n\n"
+                  "turboquant:prod, hadamard:noclip, a number of bits (commvq:1 and commvq:2, its\n"
+                  "presets), gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on\n"
+                  "head_dim 16); a modifier the method ignores is refused.\n"
+                  "Methods: " + method_names(nullptr, ", ", ", ") + ".\n\n"
                   "Example:\n"
                   "  kvcc report stats.h5 --json report.json --svg report.svg\n"
                   "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2\n"
@@ -98,13 +124,15 @@ Command reg{"report", 35,
               sub.add_option("--group", a->group,
                              "channels per scale/zero group for every method (default: each method's; "
                              "per method: the gN modifier)");
-              sub.add_option("--value-target", a->value_target, "oscar value target: output | p2 | logit2")
+              sub.add_option("--value-target", a->value_target,
+                             std::string("value target of the methods that take one: output | p2 | logit2 "
+                                         "(default: ") + method_traits(Method::Oscar).value_target + ")");
+              sub.add_option("--granularity", a->granularity, "head | layer (of the methods that take it)")
                   ->capture_default_str();
-              sub.add_option("--granularity", a->granularity, "head | layer")->capture_default_str();
               sub.add_option("--rows", a->rows, "held-out tokens evaluated per KV head")->capture_default_str();
               sub.add_option("--fit-rows", a->fit_rows, "fitting tokens per KV head (clip ratios)")
                   ->capture_default_str();
-              sub.add_option("--seed", a->seed, "seed of random rotations")->capture_default_str();
+              sub.add_option("--seed", a->seed, "seed of the methods that draw at random")->capture_default_str();
               sub.add_option("--json", a->json_path, "write the full report (per head) as JSON");
               sub.add_option("--svg", a->svg_path, "write a per-layer bar chart (SVG)");
               sub.add_option("--markdown", a->markdown_path, "write the table (markdown)");

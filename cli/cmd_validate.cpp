@@ -13,6 +13,7 @@
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/method.h"
 #include "formats/model_file.h"
 #include "eval/experiment.h"
 #include "eval/output.h"
@@ -104,9 +105,11 @@ Command reg{"validate", 50,
                   "codec, float32 windows). runtime runs the quantised attention through the serving\n"
                   "runtime (kvcc::Runtime prefill + append: BF16 windows of rotated K/V, INT2 pages),\n"
                   "on --device auto (the GPU when present and the shape is in the kernels' scope, else\n"
-                  "the CPU reference kernels), cpu, or gpu. runtime serves oscar, oscar-lm, hadamard,\n"
-                  "identity and random 2-bit artifacts with group <= head_dim, in float precision;\n"
-                  "others are refused by name. The table's 'cache' column says which path ran.\n\n"
+                  "the CPU reference kernels), cpu, or gpu. runtime serves 2-bit artifacts (group <=\n"
+                  "head_dim, float precision) of " +
+                  method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", " and ") +
+                  "; others\n"
+                  "are refused by name. The table's 'cache' column says which path ran.\n\n"
                   "Error bars: '±se' is the standard error across documents (each document one\n"
                   "sample; Δppl's from per-document paired NLL differences vs the full-precision\n"
                   "run). A difference between methods within about 2 se is not established by this\n"

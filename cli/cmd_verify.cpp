@@ -8,6 +8,7 @@
 #include "formats/artifact.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
+#include "formats/method.h"
 #include "formats/stats.h"
 
 namespace kvcc::cli {
@@ -39,8 +40,9 @@ int verify_artifact_cmd(const std::string& path, double tol) {
               a.format_version.c_str(), a.recipe.method.c_str(), a.n_layers, a.n_kv_heads, a.head_dim);
   std::printf("   checked: format version, fingerprint id, shapes and dtypes, sha256 of %zu datasets, finiteness,\n"
               "   orthogonality of %zu rotations (max |RtR - I| = %.2e <= %.0e), ascending eigenvalues,\n"
-              "   sorted level tables, clip ratios, recipe\n",
-              datasets, rotations, worst, tol);
+              "   sorted level tables, clip ratios, recipe%s\n",
+              datasets, rotations, worst, tol,
+              method_traits(method_of(a.recipe)).verify ? (", " + a.recipe.method + "'s own checks").c_str() : "");
   return 0;
 }
 

@@ -14,17 +14,21 @@
 #include "compile/fit.h"
 #include "compile/rotation.h"
 #include "formats/error.h"
+#include "formats/h5_common.h"
 #include "formats/kv_codec.h"
+#include "formats/method.h"
 
 namespace kvcc {
 
 namespace {
 
-bool attention_aware(const std::string& m) { return m == "oscar" || m == "oscar-lm"; }
-// Whether a side coded by method `m` gets a fitted quantiser: clip ratios (uniform grid) or a level
-// table (oscar-lm).
-bool fits_quantiser(const std::string& m, const CompileOptions& options) {
-  return (is_uniform_method(m) && options.fit_clip) || m == "oscar-lm";
+const MethodTraits& traits(const Recipe& r) { return method_traits(method_of(r)); }
+bool attention_aware(const Recipe& r) { return traits(r).rotation == RotationRule::AttentionAware; }
+// Whether a side coded by recipe `r` (a side_recipe) gets a fitted quantiser: clip ratios (uniform
+// grid) or a level table (oscar-lm).
+bool fits_quantiser(const Recipe& r, const CompileOptions& options) {
+  const Fit fit = traits(r).fit;
+  return (fit == Fit::ClipRatio && options.fit_clip) || fit == Fit::LevelTable;
 }
 
 std::string param_or(const Recipe& r, const std::string& key, const std::string& fallback) {
@@ -112,21 +116,29 @@ void compile_turboquant_side(const Recipe& recipe, const HeadStats& hs, KvSide w
 // Rotation of one side for the rotation-only methods and oscar; eigenvalues where there are any.
 void rotation_for(const Recipe& recipe, const Matrix* target, int layer, int h, KvSide which, int d,
                   SideArtifact& side) {
-  const std::string& m = recipe.method;
-  if (attention_aware(m)) {
-    const SymmetricEigen eig = symmetric_eigen(*target, d);
-    side.rotation = compose_oscar(eig, recipe.composition);
-    side.eigenvalues = eig.values;
-  } else if (m == "hadamard" || m == "kvarn") {
-    side.rotation = hadamard_matrix(d);
-  } else if (m == "identity" || m == "kivi") {
-    side.rotation = identity_matrix(d);
-  } else if (m == "random") {
-    const int head_for_seed = recipe.granularity == "layer" ? 0 : h;
-    side.rotation = random_orthogonal(d, derive_seed(recipe.seed, layer, head_for_seed, int(which)));
-  } else {
-    throw Error("no rotation rule for method '" + m + "'");
+  switch (traits(recipe).rotation) {
+    case RotationRule::AttentionAware: {
+      const SymmetricEigen eig = symmetric_eigen(*target, d);
+      side.rotation = compose_oscar(eig, recipe.composition);
+      side.eigenvalues = eig.values;
+      return;
+    }
+    case RotationRule::Hadamard:
+      side.rotation = hadamard_matrix(d);
+      return;
+    case RotationRule::Identity:
+      side.rotation = identity_matrix(d);
+      return;
+    case RotationRule::Random: {
+      const int head_for_seed = recipe.granularity == "layer" ? 0 : h;
+      side.rotation = random_orthogonal(d, derive_seed(recipe.seed, layer, head_for_seed, int(which)));
+      return;
+    }
+    case RotationRule::OutlierBlocks:  // compile_turboquant_side
+    case RotationRule::Codebooks:      // compile_commvq_head
+      break;
   }
+  throw Error("no rotation rule for method '" + recipe.method + "'");
 }
 
 // Fits the quantiser shared by KV heads [h0, h0 + span) of a layer jointly on their aligned
@@ -134,7 +146,7 @@ void rotation_for(const Recipe& recipe, const Matrix* target, int layer, int h, 
 void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOptions& options, int layer,
                    int h0, int span, Artifact& art) {
   const int d = stats.config.head_dim;
-  const bool lm = recipe.method == "oscar-lm";
+  const bool lm = traits(recipe).fit == Fit::LevelTable;
   std::vector<const Reservoir*> reservoirs;
   for (int k = 0; k < span; ++k) reservoirs.push_back(&stats.reservoir(layer, h0 + k));
   const std::vector<FitRows> rows =
@@ -144,13 +156,13 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
                                        : " KV heads " + std::to_string(h0) + ".." + std::to_string(h0 + span - 1));
   // A spanning group fits on the tokens every head of the group holds.
   const std::string none = span == 1 ? " has none" : " share none";
-  require(rows[0].n > 0, lm ? "oscar-lm needs reservoir fitting rows; " + where + none
+  require(rows[0].n > 0, lm ? recipe.method + " needs reservoir fitting rows; " + where + none
                             : "stats have no reservoir fitting rows for " + where +
                                   (span == 1 ? "" : " in common") +
                                   " (calibrate with a reservoir, or compile with --no-fit-clip)");
   for (KvSide which : {KvSide::Key, KvSide::Value}) {
     const Recipe sr = side_recipe(recipe, which);  // a mixed kivi recipe fits its value grid only
-    if (!fits_quantiser(sr.method, options)) continue;
+    if (!fits_quantiser(sr, options)) continue;
     std::vector<SideArtifact*> sides;
     for (int k = 0; k < span; ++k) {
       HeadArtifact& ha = art.head(layer, h0 + k);
@@ -173,11 +185,11 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
 void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOptions& options,
                    int layer, LevelCache& cache, Artifact& art) {
   const int d = stats.config.head_dim, n_kv = stats.config.n_kv_heads;
-  const std::string& m = recipe.method;
+  const Method m = method_of(recipe);
   const Recipe value_recipe = side_recipe(recipe, KvSide::Value);  // differs for mixed kivi
   // Importance targets (oscar; a mixed kivi recipe's oscar values): per head, or summed over the
   // layer's heads.
-  const bool key_aware = attention_aware(m), value_aware = attention_aware(value_recipe.method);
+  const bool key_aware = attention_aware(recipe), value_aware = attention_aware(value_recipe);
   std::vector<Matrix> key_targets(static_cast<size_t>(n_kv)), value_targets(static_cast<size_t>(n_kv));
   for (int h = 0; h < n_kv; ++h) {
     if (key_aware) key_targets[size_t(h)] = key_target(stats.head(layer, h), d);
@@ -193,7 +205,7 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
   }
   for (int h = 0; h < n_kv; ++h) {
     HeadArtifact& ha = art.head(layer, h);
-    if (m == "commvq") {  // codebooks trained by EM on the reservoir (compile/commvq.h)
+    if (m == Method::Commvq) {  // codebooks trained by EM on the reservoir (compile/commvq.h)
       compile_commvq_head(stats.reservoir(layer, h), recipe, stats.config.rope_style, layer, h, ha);
       continue;
     }
@@ -201,13 +213,13 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
     const size_t t = recipe.granularity == "layer" ? 0 : size_t(h);
     for (KvSide which : {KvSide::Key, KvSide::Value}) {
       SideArtifact& side = which == KvSide::Key ? ha.key : ha.value;
-      if (m == "turboquant") {
+      if (m == Method::TurboQuant) {
         compile_turboquant_side(recipe, hs, which, layer, h, d, cache, side);
         continue;
       }
       const Recipe sr = which == KvSide::Key ? recipe : value_recipe;
       const Matrix* target =
-          attention_aware(sr.method) ? (which == KvSide::Key ? &key_targets[t] : &value_targets[t]) : nullptr;
+          attention_aware(sr) ? (which == KvSide::Key ? &key_targets[t] : &value_targets[t]) : nullptr;
       if (recipe.granularity == "layer" && h > 0) {  // one rotation per layer: head 0's
         const SideArtifact& first = which == KvSide::Key ? art.head(layer, 0).key : art.head(layer, 0).value;
         side.rotation = first.rotation;
@@ -219,7 +231,7 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
   }
   // Clip ratios (uniform grid) and level tables (oscar-lm): one fit per quantiser group of heads,
   // i.e. per KV head unless recipe.group spans several.
-  if (fits_quantiser(m, options) || fits_quantiser(value_recipe.method, options)) {
+  if (fits_quantiser(recipe, options) || fits_quantiser(value_recipe, options)) {
     const int span = group_span(recipe, d, n_kv);
     for (int h0 = 0; h0 < n_kv; h0 += span) fit_quantiser(stats, recipe, options, layer, h0, span, art);
   }
@@ -227,77 +239,56 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
 
 }  // namespace
 
-const std::vector<std::string>& compile_methods() {
-  static const std::vector<std::string> methods = {"oscar",  "oscar-lm",   "hadamard", "identity",
-                                                   "random", "turboquant", "kivi",     "kvarn",
-                                                   "commvq"};
-  return methods;
-}
-
-std::string utc_timestamp() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
 Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
-  const auto& methods = compile_methods();
-  require(std::find(methods.begin(), methods.end(), o.method) != methods.end(),
-          "unknown method '" + o.method + "' (expected oscar, oscar-lm, hadamard, identity, random, "
-          "turboquant, kivi, kvarn or commvq)");
+  const Method method = method_from_name(o.method);  // lists the table's names when unknown
+  const MethodTraits& t = method_traits(method);
+  check_method_options(method, 0, o.params);  // parameters it does not take, values out of range
   Recipe r;
-  r.method = o.method;
+  r.method = t.name;
   r.key_bits = o.key_bits;
   r.value_bits = o.value_bits;
   r.seed = o.seed;
   r.params = o.params;
-  const bool kivi = o.method == "kivi", tq = o.method == "turboquant", kvarn = o.method == "kvarn";
-  r.group = o.group >= 0 ? o.group : (kivi ? 32 : 0);
-  r.sink = o.sink >= 0 ? o.sink : (kivi || tq ? 0 : (kvarn ? 128 : 64));
-  r.recent = o.recent >= 0 ? o.recent : (kivi ? 128 : (tq ? 0 : (kvarn ? 128 : 256)));
-  r.page_size = o.page_size > 0 ? o.page_size : (kvarn ? 128 : 64);
+  for (const MethodParam& p : t.params)
+    if (p.default_value) r.params.emplace(p.key, p.default_value);
+  r.group = o.group >= 0 ? o.group : t.group;
+  r.sink = o.sink >= 0 ? o.sink : t.sink;
+  r.recent = o.recent >= 0 ? o.recent : t.recent;
+  r.page_size = o.page_size > 0 ? o.page_size : t.page_size;
   require(o.granularity == "head" || o.granularity == "layer",
           "granularity must be head or layer, got '" + o.granularity + "'");
   r.granularity = o.granularity;
-  // kivi --values hadamard|oscar: the mixed recipe (kv_codec.h side_recipe checks the value).
-  require(kivi || r.params.count("values") == 0,
-          "--values (a rotated value grid) applies to kivi only, not " + o.method);
-  if (attention_aware(o.method) || attention_aware(side_recipe(r, KvSide::Value).method)) {
-    require(o.value_target == "output" || o.value_target == "p2" || o.value_target == "logit2",
-            "value target must be output, p2 or logit2, got '" + o.value_target + "'");
-    require(o.composition == "UHP" || o.composition == "UH" || o.composition == "U",
-            "composition must be UHP, UH or U, got '" + o.composition + "'");
-    r.value_target = o.value_target;
-    r.composition = o.composition;
+  // The attention-aware rotation's settings: oscar's, or a mixed kivi recipe's oscar values.
+  const MethodTraits* aware = nullptr;
+  for (KvSide s : {KvSide::Key, KvSide::Value})
+    if (const MethodTraits& st = traits(side_recipe(r, s)); st.rotation == RotationRule::AttentionAware) aware = &st;
+  if (aware) {
+    r.value_target = o.value_target.empty() ? aware->value_target : o.value_target;
+    r.composition = o.composition.empty() ? aware->composition : o.composition;
+    require(r.value_target == "output" || r.value_target == "p2" || r.value_target == "logit2",
+            "value target must be output, p2 or logit2, got '" + r.value_target + "'");
+    require(r.composition == "UHP" || r.composition == "UH" || r.composition == "U",
+            "composition must be UHP, UH or U, got '" + r.composition + "'");
   } else {
     r.value_target = "";
     r.composition = "";
   }
-  if (tq) {
-    r.params.emplace("variant", "mse");
-    r.params.emplace("codebook", "sphere");
-    require(r.params["variant"] == "mse" || r.params["variant"] == "prod",
-            "turboquant variant must be mse or prod");
-    require(r.params["codebook"] == "sphere" || r.params["codebook"] == "gaussian",
-            "turboquant codebook must be sphere or gaussian");
-  }
-  if (kvarn) r.params.emplace("iterations", "8");
-  if (o.method == "commvq") {
-    require(r.group == 0 || r.group == head_dim, "commvq codes whole rows; --group does not apply");
-    commvq_fill_recipe(r, head_dim);  // stages and code bits from the 1-/2-bit presets
-  }
+  if (!t.bit_presets.empty())
+    for (KvSide s : {KvSide::Key, KvSide::Value}) {
+      const double b = side_nominal_bits(r, s);
+      std::vector<std::string> presets;
+      for (double p : t.bit_presets) presets.push_back(std::to_string(int(p)));
+      require(std::find(t.bit_presets.begin(), t.bit_presets.end(), b) != t.bit_presets.end(),
+              std::string(t.name) + ": " + kv_side_name(s) + " bits must be " + presets.front() +
+                  (presets.size() > 1 ? " or " + presets.back() : "") + " (the presets), got " + std::to_string(b));
+    }
+  if (t.whole_rows)
+    require(r.group == 0 || r.group == head_dim,
+            std::string(t.name) + " quantises whole rows; --group does not apply");
+  if (method == Method::Commvq) commvq_fill_recipe(r, head_dim);  // stages and code bits from the presets
   require(r.sink >= 0 && r.recent >= 0 && r.page_size > 0, "sink, recent and page size must be >= 0");
   require(r.group >= 0, "group must be >= 0");
-  for (KvSide s : {KvSide::Key, KvSide::Value}) {
-    const int bits = side_code_bits(r, s);  // validates the range and fractional budgets
-    if (tq && r.params["variant"] == "prod")
-      require(bits >= 1, "turboquant prod needs at least 1 bit");
-  }
-  if (tq || kvarn)
-    require(r.group == 0 || r.group == head_dim, o.method + " quantises whole rows; --group does not apply");
+  for (KvSide s : {KvSide::Key, KvSide::Value}) side_code_bits(r, s);  // range and fractional budgets
   if (r.group > head_dim)
     group_span(r, head_dim, n_kv_heads);  // a group spanning KV heads: checks the method and G
   else if (r.group > 0)
@@ -316,7 +307,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
               std::to_string(n_heads));
   Artifact art;
   art.producer = std::string("kvcc ") + KVCC_VERSION;
-  art.created = utc_timestamp();
+  art.created = h5::utc_now_iso8601();
   art.fingerprint = stats.fingerprint;
   art.n_layers = c.n_layers;
   art.n_heads = c.n_heads;

@@ -13,6 +13,7 @@
 #include "compile/fit.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
+#include "formats/method.h"
 
 namespace kvcc {
 
@@ -149,14 +150,18 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
                                          std::to_string(l) + " (the report evaluates on held-out documents)");
   }
   for (const CompileOptions& opt : methods) {
+    const MethodTraits& t = method_traits(method_from_name(opt.method));
     MethodReport mr;
     mr.label = opt.method;
+    // Settings that differ from the method's defaults name the row.
     if (opt.granularity == "layer") mr.label += "/layer";
-    if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.composition != "UHP") mr.label += "/" + opt.composition;
-    if ((opt.method == "oscar" || opt.method == "oscar-lm") && opt.value_target != CompileOptions{}.value_target) mr.label += "/" + opt.value_target;
+    if (t.accepts(MethodOption::Composition) && !opt.composition.empty() && opt.composition != t.composition)
+      mr.label += "/" + opt.composition;
+    if (t.accepts(MethodOption::ValueTarget) && !opt.value_target.empty() && opt.value_target != t.value_target)
+      mr.label += "/" + opt.value_target;
     if (!opt.fit_clip) mr.label += "/noclip";
     if (opt.group >= 0) mr.label += "/g" + std::to_string(opt.group);
-    if (opt.method == "commvq") mr.label = "commvq-" + fmt("%g", opt.key_bits);
+    if (!t.bit_presets.empty()) mr.label = opt.method + "-" + fmt("%g", opt.key_bits);  // commvq-1, commvq-2
     auto it = opt.params.find("variant");
     if (it != opt.params.end() && it->second != "mse") mr.label += "/" + it->second;
     const auto t0 = std::chrono::steady_clock::now();
@@ -167,7 +172,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     mr.effective_bits_32k = effective_bits(art.recipe, c.head_dim, 32768);
     mr.effective_bits_2k = effective_bits(art.recipe, c.head_dim, 2048);
     for (int l = 0; l < c.n_layers; ++l) {
-      if (art.recipe.method != "commvq") {
+      if (t.codec != CodecFamily::CommvqCodebooks) {
         for (HeadMetrics& h : evaluate_layer(art, l, heldout[size_t(l)])) mr.heads.push_back(h);
         continue;
       }

@@ -5,6 +5,7 @@
 
 #include "formats/codec_commvq.h"
 #include "formats/error.h"
+#include "formats/method.h"
 #include "runtime/kvcc_runtime.h"
 
 #if defined(KVCC_HAVE_CUDA)
@@ -55,7 +56,7 @@ CacheScheme runtime_scheme_from_artifact(Artifact artifact, const std::string& n
     // A host runtime with no pages checks everything the real one will: method, bits, group,
     // shapes, and the windows the cache accepts (pages of a multiple of 16 tokens, ring >= page).
     Runtime probe(*s.artifact, engine, RuntimeOptions{0, 1, PoolMemory::Host, 0.0f});
-    scope = device_scope_problem(probe.geometry());
+    scope = device_scope_problem(probe.geometry(), config.n_heads);
   } catch (const Error& e) {
     throw Error("artifact " + name + " cannot be served by the runtime: " + e.what() +
                 " (the codec cache path evaluates it)");
@@ -85,7 +86,7 @@ CacheScheme runtime_scheme_from_artifact(Artifact artifact, const std::string& n
 CacheScheme scheme_from_artifact(Artifact artifact, const std::string& name, const ModelConfig& config) {
   CacheScheme s = artifact_scheme(std::move(artifact), name);
   const std::shared_ptr<const Artifact> a = s.artifact;
-  if (a->recipe.method == "commvq") {
+  if (method_traits(method_of(a->recipe)).codec == CodecFamily::CommvqCodebooks) {
     // Codebooks decoded once per (layer, KV head); keys are coded pre-RoPE at their positions.
     struct Books {
       std::vector<CommvqKeyCodebook> keys;

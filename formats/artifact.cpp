@@ -3,13 +3,14 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include "formats/atomic_file.h"
-#include "formats/codec_commvq.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
+#include "formats/method.h"
 #include "formats/sha256.h"
 
 namespace kvcc {
@@ -291,7 +292,13 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
   if (a.fingerprint.id.empty()) out.push_back("model fingerprint is empty");
 
   const Recipe& r = a.recipe;
-  if (r.method.empty()) out.push_back("recipe: method is empty");
+  const std::optional<Method> method = find_method(r.method);
+  if (r.method.empty())
+    out.push_back("recipe: method is empty");
+  else if (!method)
+    out.push_back("recipe: unknown method '" + r.method + "' (expected " + method_names() + ")");
+  else
+    for (const std::string& p : method_param_problems(*method, r.params)) out.push_back("recipe: " + p);
   if (!(std::isfinite(r.key_bits) && r.key_bits > 0 && std::isfinite(r.value_bits) && r.value_bits > 0))
     out.push_back("recipe: key_bits/value_bits must be positive");
   // group's meaning is per method (channels for the uniform grid, tokens for KIVI's keys), so
@@ -312,9 +319,12 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
         out.push_back("/layers/" + std::to_string(l) + "/kv" + std::to_string(h) +
                       ": granularity is layer but its rotation differs from kv0's");
     }
-  // Method-specific checks (codebook shapes against the recipe), owned by the method's codec.
-  const std::vector<std::string> commvq_problems = verify_commvq(a);
-  out.insert(out.end(), commvq_problems.begin(), commvq_problems.end());
+  // Method-specific checks (e.g. codebook shapes against the recipe), owned by the method's codec
+  // and reached through the method table.
+  if (method && method_traits(*method).verify) {
+    const std::vector<std::string> problems = method_traits(*method).verify(a);
+    out.insert(out.end(), problems.begin(), problems.end());
+  }
   return out;
 }
 

@@ -41,7 +41,7 @@ struct HeadArtifact {
 };
 
 struct Recipe {
-  std::string method;           // oscar | oscar-lm | hadamard | identity | random | kivi | turboquant | kvarn | commvq
+  std::string method;           // a name of formats/method.h's table (method_of converts)
   double key_bits = 2;          // nominal bits per element of the quantised history (2.5 for split budgets)
   double value_bits = 2;
   int group = 0;                // channels per (scale, zero) group; 0 = head_dim
@@ -87,11 +87,13 @@ void write_artifact(const Artifact&, const std::string& path);
 // Reads and validates shapes, dtypes, checksums and finiteness; refuses an unknown major version.
 Artifact read_artifact(const std::string& path);
 
-// One problem per entry; empty when the artifact is sound. Checks shapes, finiteness,
-// orthogonality (max |RᵀR − I| <= tol), ascending eigenvalues, level tables sorted.
 // max |RᵀR − I| of a row-major [d, d] matrix (the orthogonality measure verify reports).
 double max_orthogonality_error(const std::vector<double>& rotation, int d);
 
+// One problem per entry; empty when the artifact is sound. Checks shapes, finiteness,
+// orthogonality (max |RᵀR − I| <= tol), ascending eigenvalues, level tables sorted, a method of
+// formats/method.h's table with valid values of the parameters it takes, and that method's own
+// checks (its table entry's verify: commvq codebooks, turboquant's split).
 // write_artifact and read_artifact refuse an artifact with any of these problems.
 std::vector<std::string> verify_artifact(const Artifact&, double orthogonality_tol = 1e-5);
 // Reads PATH (structure, version and dtypes are checked and thrown as by read_artifact), collecting

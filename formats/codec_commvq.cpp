@@ -474,7 +474,6 @@ CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head) {
 
 std::vector<std::string> verify_commvq(const Artifact& artifact) {
   std::vector<std::string> problems;
-  if (artifact.recipe.method != "commvq") return problems;
   const int d = artifact.head_dim;
   if (d <= 0 || d % 2 != 0) {
     problems.push_back("commvq: head_dim " + std::to_string(d) + " is not a positive even number");
@@ -521,7 +520,7 @@ std::vector<std::string> verify_commvq(const Artifact& artifact) {
 }
 
 std::string describe_commvq(const Artifact& artifact) {
-  if (artifact.recipe.method != "commvq" || artifact.heads.empty()) return "";
+  if (artifact.heads.empty()) return "";
   const int d = artifact.head_dim;
   const HeadArtifact& head = artifact.heads.front();
   const NamedArray* k = find_extra(head.key, kCodebooks);

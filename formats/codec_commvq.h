@@ -132,11 +132,12 @@ CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head);
 // (for rows already in the rotated basis).
 CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle style);
 CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool with_rotation);
-// Problems with an artifact whose recipe.method is "commvq" (missing or misshapen codebooks,
-// non-finite values, recipe params that disagree with the shapes); empty when sound or when the
-// method is not commvq. verify_artifact appends these.
+// Problems with a commvq artifact (missing or misshapen codebooks, non-finite values, recipe params
+// that disagree with the shapes); empty when sound. The method table's verify entry for commvq
+// (formats/method.h), so verify_artifact appends these.
 std::vector<std::string> verify_commvq(const Artifact& artifact);
-// One line per artifact for `inspect`: stages, code bits, nominal and effective bits per side.
+// One line per commvq artifact for `inspect` (the table's describe entry): stages, code bits,
+// nominal and effective bits per side.
 std::string describe_commvq(const Artifact& artifact);
 
 }  // namespace kvcc

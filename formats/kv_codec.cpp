@@ -8,6 +8,7 @@
 #include "formats/codec_commvq.h"
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
+#include "formats/method.h"
 
 namespace kvcc {
 
@@ -194,17 +195,14 @@ double ratio(const std::vector<double>& s) {
 
 }  // namespace
 
-bool is_uniform_method(const std::string& m) {
-  return m == "oscar" || m == "hadamard" || m == "identity" || m == "random";
-}
-
 const char* kv_side_name(KvSide side) { return side == KvSide::Key ? "key" : "value"; }
 
 Recipe side_recipe(const Recipe& recipe, KvSide side) {
   const auto it = recipe.params.find("values");
-  if (recipe.method != "kivi" || side != KvSide::Value || it == recipe.params.end()) return recipe;
-  require(it->second == "hadamard" || it->second == "oscar",
-          "kivi values must be hadamard or oscar (a rotated per-token grid), got '" + it->second + "'");
+  if (side != KvSide::Value || it == recipe.params.end() || method_of(recipe) != Method::Kivi) return recipe;
+  // The table's choices: a rotated per-token grid.
+  const std::vector<std::string> problems = method_param_problems(Method::Kivi, {{"values", it->second}});
+  require(problems.empty(), problems.empty() ? "" : problems.front());
   Recipe r = recipe;
   r.method = it->second;
   r.group = 0;  // kivi's group counts key tokens; the value grid is per token over head_dim
@@ -220,8 +218,9 @@ int side_code_bits(const Recipe& recipe, KvSide side) {
   const double b = side_nominal_bits(recipe, side);
   const int bits = int(std::floor(b));
   require(bits >= 1 && bits <= 8, "bits per element must be between 1 and 8, got " + std::to_string(b));
-  require(double(bits) == b || recipe.method == "turboquant",
-          "fractional bits (" + std::to_string(b) + ") need --method turboquant (outlier split)");
+  require(double(bits) == b || method_traits(method_of(recipe)).fractional_bits,
+          "fractional bits (" + std::to_string(b) + ") need --method " +
+              method_names([](const MethodTraits& t) { return t.fractional_bits; }) + " (outlier split)");
   return bits;
 }
 
@@ -255,48 +254,53 @@ void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows
 
 void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
                        const float* y, int n, float* out) {
-  const std::string& m = recipe.method;
-  if (is_uniform_method(m)) {
-    const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
-    for (int t = 0; t < n; ++t)
-      for (int g0 = 0; g0 < d; g0 += g)
-        uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits,
-                                  out + size_t(t) * d + g0);
-  } else if (m == "oscar-lm") {
-    const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
-    const std::vector<float> levels = checked_levels(side.levels, bits, "oscar-lm levels");
-    for (int t = 0; t < n; ++t)
-      for (int g0 = 0; g0 < d; g0 += g)
-        table_roundtrip(y + size_t(t) * d + g0, g, levels, bits, out + size_t(t) * d + g0);
-  } else if (m == "turboquant") {
-    turboquant_roundtrip(recipe, side, which, d, y, n, out);
-  } else if (m == "kivi") {
-    const int bits = side_code_bits(recipe, which);
-    if (which == KvSide::Key) {
-      const int gt = recipe.group > 0 ? recipe.group : n;
-      for (int t0 = 0; t0 < n; t0 += gt) {
-        const int len = std::min(gt, n - t0);
-        for (int c = 0; c < d; ++c)
-          uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
-      }
-    } else if (recipe.params.count("values")) {  // mixed recipe: the grid method's value codec
-      roundtrip_rotated(side_recipe(recipe, which), side, which, d, y, n, out);
-    } else {
-      const int g = kivi_value_group(recipe, d);
+  const Method m = method_of(recipe);
+  switch (method_traits(m).codec) {
+    case CodecFamily::UniformGrid: {
+      const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
       for (int t = 0; t < n; ++t)
         for (int g0 = 0; g0 < d; g0 += g)
-          uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, 1.0, bits, out + size_t(t) * d + g0);
+          uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits,
+                                    out + size_t(t) * d + g0);
+      return;
     }
-  } else if (m == "kvarn") {
-    kvarn_roundtrip(recipe, which, d, y, n, out);
-  } else if (m == "commvq") {
-    // Values: residual VQ of the rows (already in the side's rotated basis). Keys are coded
-    // pre-RoPE and need each row's position: commvq_roundtrip_keys in formats/codec_commvq.h.
-    require(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
-                                    "commvq_roundtrip_keys (formats/codec_commvq.h)");
-    commvq_roundtrip_values(commvq_value_codebook(side, d, false), y, size_t(n), out);
-  } else {
-    throw Error("the codec has no method '" + m + "'");
+    case CodecFamily::LevelTable: {
+      if (m == Method::TurboQuant) return turboquant_roundtrip(recipe, side, which, d, y, n, out);
+      const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
+      const std::vector<float> levels =
+          checked_levels(side.levels, bits, (recipe.method + " levels").c_str());
+      for (int t = 0; t < n; ++t)
+        for (int g0 = 0; g0 < d; g0 += g)
+          table_roundtrip(y + size_t(t) * d + g0, g, levels, bits, out + size_t(t) * d + g0);
+      return;
+    }
+    case CodecFamily::KiviChannel: {
+      const int bits = side_code_bits(recipe, which);
+      if (which == KvSide::Key) {
+        const int gt = recipe.group > 0 ? recipe.group : n;
+        for (int t0 = 0; t0 < n; t0 += gt) {
+          const int len = std::min(gt, n - t0);
+          for (int c = 0; c < d; ++c)
+            uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
+        }
+      } else if (recipe.params.count("values")) {  // mixed recipe: the grid method's value codec
+        roundtrip_rotated(side_recipe(recipe, which), side, which, d, y, n, out);
+      } else {
+        const int g = kivi_value_group(recipe, d);
+        for (int t = 0; t < n; ++t)
+          for (int g0 = 0; g0 < d; g0 += g)
+            uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, 1.0, bits, out + size_t(t) * d + g0);
+      }
+      return;
+    }
+    case CodecFamily::KvarnTile:
+      return kvarn_roundtrip(recipe, which, d, y, n, out);
+    case CodecFamily::CommvqCodebooks:
+      // Values: residual VQ of the rows (already in the side's rotated basis). Keys are coded
+      // pre-RoPE and need each row's position: commvq_roundtrip_keys in formats/codec_commvq.h.
+      require(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
+                                      "commvq_roundtrip_keys (formats/codec_commvq.h)");
+      return commvq_roundtrip_values(commvq_value_codebook(side, d, false), y, size_t(n), out);
   }
 }
 
@@ -320,17 +324,16 @@ std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_he
   return out;
 }
 
-bool method_spans_heads(const std::string& method) {
-  return is_uniform_method(method) || method == "oscar-lm";
-}
-
 int group_span(const Recipe& recipe, int d, int n_kv) {
-  if (recipe.group <= d || recipe.method == "kivi") return 1;  // kivi: group = key tokens
+  if (recipe.group <= d) return 1;
+  const MethodTraits& t = method_traits(method_of(recipe));
+  if (t.codec == CodecFamily::KiviChannel) return 1;  // kivi: group = key tokens
   const int g = recipe.group;
-  require(method_spans_heads(recipe.method),
+  require(t.spans_heads,
           "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) + ": method " +
-              recipe.method + " cannot span KV heads (only oscar, oscar-lm, hadamard, identity and "
-              "random quantise per-token channel groups that can)");
+              recipe.method + " cannot span KV heads (only " +
+              method_names([](const MethodTraits& m) { return m.spans_heads; }, ", ", " and ") +
+              " quantise per-token channel groups that can)");
   require(g % d == 0 && (n_kv * d) % g == 0,
           "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) +
               ", so it must be a multiple of head_dim dividing n_kv_heads*head_dim = " +
@@ -412,37 +415,96 @@ double nominal_bits(const Recipe& recipe) { return 0.5 * (recipe.key_bits + reci
 
 double history_bits(const Recipe& recipe, KvSide which, int d) {
   const double b = side_nominal_bits(recipe, which);
-  const std::string& m = recipe.method;
+  const Method m = method_of(recipe);
   const double G = recipe.group > 0 ? recipe.group : d;
-  if (is_uniform_method(m)) return b + 32.0 / G;   // fp16 scale + zero per group
-  if (m == "oscar-lm") return b + 16.0 / G;        // fp16 RMS scale per group
-  if (m == "turboquant") {
-    const bool split = b != std::floor(b);
-    double meta = 16.0 * (split ? 2 : 1);            // one fp16 norm per sub-vector
-    if (param(recipe, "variant", "mse") == "prod") meta += 16.0;  // fp16 residual norm γ
-    return b + meta / d;
+  switch (method_traits(m).codec) {
+    case CodecFamily::UniformGrid:
+      return b + 32.0 / G;  // fp16 scale + zero per group
+    case CodecFamily::LevelTable: {
+      if (m != Method::TurboQuant) return b + 16.0 / G;  // fp16 RMS scale per group
+      const bool split = b != std::floor(b);
+      double meta = 16.0 * (split ? 2 : 1);  // one fp16 norm per sub-vector
+      if (param(recipe, "variant", "mse") == "prod") meta += 16.0;  // fp16 residual norm γ
+      return b + meta / d;
+    }
+    case CodecFamily::KiviChannel: {
+      if (which == KvSide::Value && recipe.params.count("values"))
+        return history_bits(side_recipe(recipe, which), which, d);  // grid: b + 32/d
+      // Keys: one scale/zero per channel per G_t tokens, a group never longer than the page (the
+      // codec caps it there); values: per token per G channels.
+      const double gk = recipe.group > 0 ? std::min(recipe.group, recipe.page_size) : recipe.page_size;
+      return b + 32.0 / (which == KvSide::Key ? gk : double(kivi_value_group(recipe, d)));
+    }
+    case CodecFamily::KvarnTile: {
+      const double p = recipe.page_size;
+      // Per tile: RTN scale (folded into the row balance scale) + zero per row, one balance scale
+      // per column: keys 2d + P, values 2P + d fp16 values per d·P elements.
+      const double n16 = which == KvSide::Key ? 2.0 * d + p : 2.0 * p + d;
+      return b + 16.0 * n16 / (double(d) * p);
+    }
+    case CodecFamily::CommvqCodebooks: {
+      auto it = recipe.params.find(which == KvSide::Key ? "key_bits_effective" : "value_bits_effective");
+      if (it != recipe.params.end()) return std::stod(it->second);
+      return b;
+    }
   }
-  if (m == "kivi") {
-    if (which == KvSide::Value && recipe.params.count("values"))
-      return history_bits(side_recipe(recipe, which), which, d);  // grid: b + 32/d
-    // Keys: one scale/zero per channel per G_t tokens, a group never longer than the page (the
-    // codec caps it there); values: per token per G channels.
-    const double gk = recipe.group > 0 ? std::min(recipe.group, recipe.page_size) : recipe.page_size;
-    return b + 32.0 / (which == KvSide::Key ? gk : double(kivi_value_group(recipe, d)));
+  throw Error("no bit accounting for method '" + recipe.method + "'");
+}
+
+std::vector<std::string> verify_turboquant(const Artifact& a) {
+  std::vector<std::string> out;
+  const int d = a.head_dim;
+  const bool prod = param(a.recipe, "variant", "mse") == "prod";
+  for (KvSide which : {KvSide::Key, KvSide::Value}) {
+    const double b = side_nominal_bits(a.recipe, which);
+    if (!(b >= 1 && b <= 8)) {
+      out.push_back("turboquant: " + std::string(kv_side_name(which)) + " bits " + std::to_string(b) +
+                    " outside 1..8");
+      continue;
+    }
+    // What compile stores for this budget: n_hi outlier channels at b_lo + 1 bits, the rest at b_lo.
+    const int b_lo = int(std::floor(b)) - (prod ? 1 : 0);
+    const int want_hi = int(std::lround((b - std::floor(b)) * d));
+    for (int l = 0; l < a.n_layers; ++l)
+      for (int h = 0; h < a.n_kv_heads; ++h) {
+        const HeadArtifact& ha = a.head(l, h);
+        const SideArtifact& s = which == KvSide::Key ? ha.key : ha.value;
+        const std::string where = "turboquant: layer " + std::to_string(l) + " kv head " + std::to_string(h) +
+                                  " " + kv_side_name(which);
+        const NamedArray* split = s.extra("split");
+        int n_hi = 0;
+        if (split && (!split->integer || split->data.size() != 1)) {
+          out.push_back(where + ": split is not one integer");
+          continue;
+        }
+        if (split) n_hi = int(split->data[0]);
+        if (n_hi != want_hi) {
+          out.push_back(where + ": split " + std::to_string(n_hi) + " disagrees with the recipe's " +
+                        std::to_string(b) + " bits (" + std::to_string(want_hi) + " outlier channels)");
+          continue;
+        }
+        if (n_hi > 0) {
+          const NamedArray* ch = s.extra("outlier_channels");
+          std::vector<double> sorted = ch ? ch->data : std::vector<double>{};
+          std::sort(sorted.begin(), sorted.end());
+          if (!ch || !ch->integer || ch->data.size() != size_t(n_hi) ||
+              std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end() || sorted.front() < 0 ||
+              sorted.back() >= d)
+            out.push_back(where + ": outlier_channels must be " + std::to_string(n_hi) +
+                          " distinct channel indices in [0, " + std::to_string(d) + ")");
+          const NamedArray* hi = s.extra("outlier_levels");
+          if (!hi || hi->data.size() != size_t(1) << (b_lo + 1))
+            out.push_back(where + ": outlier_levels must hold " + std::to_string(1 << (b_lo + 1)) + " levels");
+        }
+        if (b_lo > 0 && s.levels.size() != size_t(1) << b_lo)
+          out.push_back(where + ": " + std::to_string(s.levels.size()) + " levels, expected " +
+                        std::to_string(1 << b_lo));
+        const NamedArray* qjl = s.extra("qjl_matrix");
+        if (prod && (!qjl || qjl->data.size() != size_t(d) * d))
+          out.push_back(where + ": variant prod needs a [d, d] qjl_matrix");
+      }
   }
-  if (m == "kvarn") {
-    const double p = recipe.page_size;
-    // Per tile: RTN scale (folded into the row balance scale) + zero per row, one balance scale
-    // per column: keys 2d + P, values 2P + d fp16 values per d·P elements.
-    const double n16 = which == KvSide::Key ? 2.0 * d + p : 2.0 * p + d;
-    return b + 16.0 * n16 / (double(d) * p);
-  }
-  if (m == "commvq") {
-    auto it = recipe.params.find(which == KvSide::Key ? "key_bits_effective" : "value_bits_effective");
-    if (it != recipe.params.end()) return std::stod(it->second);
-    return b;
-  }
-  throw Error("no bit accounting for method '" + m + "'");
+  return out;
 }
 
 double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {

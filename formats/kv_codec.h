@@ -81,18 +81,15 @@ std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_he
 void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
                           float* out);
 
-// The per-token uniform-grid methods (codec_scalar.h grid, fitted clip ratio): oscar, hadamard,
-// identity, random.
-bool is_uniform_method(const std::string& method);
-
-// Whether a method's quantiser groups may span KV heads (recipe.group > head_dim): the per-token
-// channel-group codecs oscar, oscar-lm, hadamard, identity, random. kivi's group is its key token
-// group (values stay within a head), and turboquant, kvarn, commvq code whole head rows or tiles.
-bool method_spans_heads(const std::string& method);
-// KV heads per quantiser group: 1 when recipe.group <= d (and for kivi); group/d when it spans
-// heads. Throws a clear error for a group that cannot span (method, or not a multiple of d
-// dividing n_kv*d).
+// KV heads per quantiser group: 1 when recipe.group <= d (and for kivi, whose group counts key
+// tokens); group/d when it spans heads. Throws a clear error for a group that cannot span (a
+// method whose traits say so, formats/method.h spans_heads, or not a multiple of d dividing n_kv*d).
 int group_span(const Recipe& recipe, int d, int n_kv);
+
+// turboquant's artifact checks (the method table's verify entry): per side, the stored outlier
+// split agrees with the recipe's budget, outlier channels and levels fit it, the level tables have
+// the sizes the bits give, and variant prod carries a [d, d] qjl_matrix.
+std::vector<std::string> verify_turboquant(const Artifact& artifact);
 
 // KVarN's balancing of one tile [rows, cols] (row-major): returns the fp16-rounded column and row
 // scales of the most balanced iterate (semantics above).

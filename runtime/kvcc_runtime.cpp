@@ -5,6 +5,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/method.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/served.h"
@@ -24,9 +25,6 @@ std::string mismatch(const char* what, int artifact, int engine) {
   return std::string("artifact does not match the model: ") + what + " " + std::to_string(artifact) +
          " in the artifact, " + std::to_string(engine) + " in the engine";
 }
-bool is_scalar_grid_method(const std::string& m) {
-  return m == "oscar" || m == "oscar-lm" || m == "hadamard" || m == "identity" || m == "random";
-}
 }  // namespace
 
 void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
@@ -37,9 +35,9 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
   require(a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
           "artifact: expected " + std::to_string(a.n_layers * a.n_kv_heads) + " (layer, KV head) entries, found " +
               std::to_string(a.heads.size()));
-  require(is_scalar_grid_method(a.recipe.method),
-          "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves oscar, "
-          "oscar-lm, hadamard, identity, random)");
+  require(served_by_runtime(a.recipe.method),
+          "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
+              method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
   require(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
   // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there.
   require(a.recipe.group <= a.head_dim,

@@ -18,6 +18,7 @@
 #include "compile_test_util.h"
 #include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats/method.h"
 #include "formats/sha256.h"
 #include "formats/stats.h"
 
@@ -38,7 +39,8 @@ CompileOptions options_for(const std::string& method) {
 
 TEST(CompileArtifact, EveryMethodGivesOrthogonalRotationsAndSoundArtifacts) {
   const Stats& stats = small_stats();
-  for (const std::string& m : compile_methods()) {
+  for (Method method : all_methods()) {
+    const std::string m = method_name(method);
     const Artifact art = compile_artifact(stats, options_for(m));
     EXPECT_EQ(art.recipe.method, m);
     ASSERT_EQ(art.heads.size(), 4u);
@@ -278,8 +280,17 @@ TEST(CompileCli, CompileAndReportEndToEnd) {
   // oscar-only flags on another method are refused rather than silently ignored.
   EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path +
                             " --method hadamard --value-target p2 -o " + (dir / "h.kvcc.h5").string(), out), 0);
-  EXPECT_NE(out.find("--value-target applies to oscar and oscar-lm only, not hadamard"), std::string::npos) << out;
+  EXPECT_NE(out.find("--value-target applies to oscar, oscar-lm and kivi --values oscar only, not hadamard"),
+            std::string::npos)
+      << out;
   EXPECT_FALSE(std::filesystem::exists(dir / "h.kvcc.h5"));
+  // ... but taken where the table says they shape a side: kivi's oscar values.
+  ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " compile " + stats_path +
+                            " -m kivi --values oscar --value-target output -o " + (dir / "k.kvcc.h5").string(),
+                        out),
+            0)
+      << out;
+  EXPECT_EQ(read_artifact((dir / "k.kvcc.h5").string()).recipe.value_target, "output");
 
   const std::string json_path = (dir / "report.json").string(), svg_path = (dir / "report.svg").string();
   ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " report " + stats_path +

@@ -12,6 +12,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_codec.h"
+#include "formats/method.h"
 
 using namespace kvcc;
 
@@ -241,7 +242,7 @@ TEST(LayerCodec, SpanningGroupNeedsOneQuantiserAndWholeHeads) {
   }
   for (const char* m : {"turboquant", "kvarn", "commvq"}) {
     EXPECT_THROW(group_span(recipe_for(m, 2, 32), d, n_kv), Error) << m;
-    EXPECT_FALSE(method_spans_heads(m));
+    EXPECT_FALSE(method_traits(method_from_name(m)).spans_heads);
   }
   EXPECT_EQ(group_span(recipe_for("kivi", 2, 32), d, n_kv), 1);  // kivi's group is key tokens
   EXPECT_EQ(group_span(recipe_for("oscar", 2, 64), d, n_kv), 4);

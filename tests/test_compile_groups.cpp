@@ -46,7 +46,7 @@ TEST(SpanningGroups, CompileRefusesGroupsThatCannotSpanWithAClearMessage) {
   EXPECT_CONTAINS(err("identity", 12), "must divide head_dim 16");
   EXPECT_CONTAINS(err("turboquant", 32), "turboquant quantises whole rows; --group does not apply");
   EXPECT_CONTAINS(err("kvarn", 64), "kvarn quantises whole rows");
-  EXPECT_CONTAINS(err("commvq", 32), "commvq codes whole rows");
+  EXPECT_CONTAINS(err("commvq", 32), "commvq quantises whole rows");
   for (int g : {32, 64}) EXPECT_EQ(err("hadamard", g), "(no error)") << g;
   EXPECT_EQ(err("kivi", 64), "(no error)");  // kivi: 64 tokens per key group, values per head
 }

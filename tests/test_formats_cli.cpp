@@ -11,6 +11,7 @@
 
 #include "formats/artifact.h"
 #include "formats/h5.h"
+#include "formats/method.h"
 #include "formats/stats.h"
 #include "formats_test_util.h"
 
@@ -52,6 +53,34 @@ class FormatsCli : public ::testing::Test {
   ModelConfig config = testing::small_config(2, 4, 2, 8);
   ModelFingerprint fp = testing::small_fingerprint(config);
 };
+
+// compile checks its options against the method table before reading the stats: an option the
+// method ignores is one line naming it and the methods that take it, and nothing is written.
+TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
+  write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, dir.file("s.h5"));
+  const std::string base = "compile " + dir.file("s.h5") + " -o " + dir.file("a.kvcc.h5") + " ";
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --seed 3"),
+                        "--seed applies to random, turboquant and commvq only, not hadamard");
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --values oscar"), "--values applies to kivi only, not hadamard");
+  expect_one_line_error(run_kvcc(dir, base + "-m kivi --values random"),
+                        "kivi values must be hadamard or oscar, got 'random'");
+  expect_one_line_error(run_kvcc(dir, base + "-m kivi --values hadamard --composition UH"),
+                        "--composition applies to oscar, oscar-lm and kivi --values oscar only, not kivi");
+  expect_one_line_error(run_kvcc(dir, base + "-m oscar --param variant=prod"),
+                        "--param variant applies to turboquant only, not oscar");
+  expect_one_line_error(run_kvcc(dir, base + "-m oscar-lm --no-fit-clip"), "--no-fit-clip applies to oscar, ");
+  expect_one_line_error(run_kvcc(dir, base + "-m kvarn --granularity layer"),
+                        "--granularity applies to oscar, oscar-lm, random and kivi --values oscar only, not kvarn");
+  expect_one_line_error(run_kvcc(dir, base + "-m bogus"),
+                        "unknown method 'bogus' (expected oscar, oscar-lm, hadamard, identity, random, turboquant, "
+                        "kivi, kvarn or commvq)");
+  EXPECT_FALSE(testing::file_exists(dir.file("a.kvcc.h5")));
+  // --help lists every method of the table with its summary.
+  const RunResult help = run_kvcc(dir, "compile --help");
+  EXPECT_EQ(help.exit_code, 0);
+  for (Method m : all_methods())
+    EXPECT_NE(help.out.find("\n  " + std::string(method_name(m)) + " "), std::string::npos) << method_name(m);
+}
 
 TEST_F(FormatsCli, MergeStats) {
   write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, dir.file("a.h5"));

@@ -6,6 +6,7 @@
 #include <initializer_list>
 
 #include "formats/error.h"
+#include "formats/method.h"
 
 namespace kvcc::zoo {
 namespace {
@@ -123,13 +124,16 @@ Artifact import_oscar(const OscarRotationSet& key, const OscarRotationSet& value
 
   const Objective kobj = parse_objective(key.objective), vobj = parse_objective(value.objective);
   Recipe& r = a.recipe;
-  r.method = kobj.target == "hadamard" && vobj.target == "hadamard" ? "hadamard" : "oscar";
+  // OSCAR's data-free objective "hadamard" is kvcc's hadamard; every other one is an oscar rotation.
+  const Method method = kobj.target == "hadamard" && vobj.target == "hadamard" ? Method::Hadamard : Method::Oscar;
+  const bool aware = method_traits(method).rotation == RotationRule::AttentionAware;
+  r.method = method_name(method);
   r.key_bits = r.value_bits = 2;
   r.group = 0;
   r.granularity = per_head == 1 ? "layer" : "head";
-  r.composition = r.method == "oscar" ? kobj.composition : "";
+  r.composition = aware ? kobj.composition : "";
   // OSCAR's "sst" value target is the logit²-weighted value moment (DESIGN.md "logit2").
-  r.value_target = r.method != "oscar" ? "" : vobj.target == "sst" ? "logit2" : vobj.target;
+  r.value_target = !aware ? "" : vobj.target == "sst" ? "logit2" : vobj.target;
   r.params["oscar_key_objective"] = key.objective;
   r.params["oscar_value_objective"] = value.objective;
   r.params["oscar_format_version"] = std::to_string(std::max(key.format_version, value.format_version));
@@ -180,7 +184,7 @@ OscarExport export_oscar(const Artifact& a, int format_version) {
   if (auto it = r.params.find("oscar_key_objective"); it != r.params.end()) kobj = it->second;
   if (auto it = r.params.find("oscar_value_objective"); it != r.params.end()) vobj = it->second;
   if (kobj.empty() || vobj.empty()) {
-    if (r.method == "oscar" || r.method == "oscar-lm") {
+    if (const auto m = find_method(r.method); m && method_traits(*m).rotation == RotationRule::AttentionAware) {
       const std::string comp = oscar_composition(r.composition.empty() ? "UHP" : r.composition);
       kobj = "qqt_" + comp;
       vobj = (r.value_target == "logit2" || r.value_target.empty() ? std::string("sst") : r.value_target) + "_" + comp;

@@ -14,6 +14,7 @@
 #include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/kv_codec.h"
+#include "formats/method.h"
 #include "formats/sha256.h"
 
 namespace fs = std::filesystem;
@@ -234,7 +235,9 @@ ZooEntry entry_from_json(const json& j) {
     std::string tag = r.method + "-" + bits + "-g" + std::to_string(r.group == 0 ? a.head_dim : r.group);
     if (!r.value_target.empty()) tag += "-" + r.value_target;
     if (r.granularity == "layer") tag += "-perlayer";
-    if (!r.composition.empty() && r.composition != "UHP" && r.method.rfind("oscar", 0) == 0) tag += "-" + r.composition;
+    const MethodTraits& t = method_traits(method_of(r));
+    if (t.rotation == RotationRule::AttentionAware && !r.composition.empty() && r.composition != t.composition)
+      tag += "-" + r.composition;
     if (auto it = r.params.find("variant"); it != r.params.end() && !it->second.empty()) tag += "-" + it->second;
     for (char& c : tag)
       if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-')) c = '_';
