@@ -56,14 +56,14 @@ void model_rows(const std::string& model_dir, const std::string& text_path, int 
   config = model.config();
   const auto tokenizer = kvcc::Tokenizer::for_model(model_dir, config.vocab);
   std::FILE* f = std::fopen(text_path.c_str(), "rb");
-  kvcc::require(f != nullptr, "cannot open " + text_path);
+  KVCC_REQUIRE(f != nullptr, "cannot open " + text_path);
   std::string text;
   char buf[65536];
   for (size_t got; (got = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, got);
   std::fclose(f);
   const kvcc::LayerWeights w = kvcc::load_layer(model, 0);
   const int d = config.head_dim, kv = config.n_kv_heads * d;
-  kvcc::require(head < config.n_kv_heads, "--head outside the model");
+  KVCC_REQUIRE(head < config.n_kv_heads, "--head outside the model");
   const int max_t = 2048;
   for (const std::string& doc : kvcc::split_documents(text)) {
     std::vector<int32_t> ids = tokenizer->encode(doc, config.add_bos);
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
     std::string source = "synthetic (skewed spectrum)";
     size_t real_rows = 0;
     if (!model_dir.empty()) {
-      kvcc::require(!text_path.empty(), "--model needs --text");
+      KVCC_REQUIRE(!text_path.empty(), "--model needs --text");
       model_rows(model_dir, text_path, head, rows, config, keys, values);
       real_rows = keys.size() / size_t(config.head_dim);
       layer = 0;
@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
     } else if (!stats_path.empty()) {
       const kvcc::Stats stats = kvcc::read_stats(stats_path);
       config = stats.config;
-      kvcc::require(layer < config.n_layers && head < config.n_kv_heads, "layer/head outside the model");
+      KVCC_REQUIRE(layer < config.n_layers && head < config.n_kv_heads, "layer/head outside the model");
       const kvcc::Reservoir& res = stats.reservoir(layer, head);
       real_rows = std::min(rows, res.size());
       keys.assign(res.key_pre.begin(), res.key_pre.begin() + real_rows * res.d);

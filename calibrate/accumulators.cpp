@@ -38,10 +38,10 @@ uint64_t reservoir_priority(uint64_t seed, uint32_t doc, int32_t position) {
 StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity,
                                    uint64_t seed)
     : config_(config), d_(config.head_dim), group_(config.group()), seed_(seed) {
-  require(config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 &&
+  KVCC_REQUIRE(config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 &&
               config.n_heads % config.n_kv_heads == 0,
           "stats accumulator: model config has invalid head counts");
-  require(reservoir_capacity >= 0, "stats accumulator: negative reservoir capacity");
+  KVCC_REQUIRE(reservoir_capacity >= 0, "stats accumulator: negative reservoir capacity");
   const size_t n = size_t(config.n_layers) * size_t(config.n_kv_heads);
   heads_.resize(n);
   for (auto& h : heads_) h.resize(d_);
@@ -72,7 +72,7 @@ void StatsAccumulator::syrk_rows(std::vector<double>& c, const float* src, int n
 }
 
 void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
-  require(taps.layer >= 0 && taps.layer < config_.n_layers,
+  KVCC_REQUIRE(taps.layer >= 0 && taps.layer < config_.n_layers,
           "stats accumulator: layer index out of range");
   const int T = taps.T;
   const int n_kv = config_.n_kv_heads;
@@ -114,9 +114,9 @@ void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
 
 void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const float* probs,
                                 const float* output) {
-  require(taps.layer == current_layer_ && taps.doc == current_doc_ && taps.T == current_T_,
+  KVCC_REQUIRE(taps.layer == current_layer_ && taps.doc == current_doc_ && taps.T == current_T_,
           "stats accumulator: on_probs without a matching on_qkv");
-  require(q_head >= 0 && q_head < config_.n_heads, "stats accumulator: query head out of range");
+  KVCC_REQUIRE(q_head >= 0 && q_head < config_.n_heads, "stats accumulator: query head out of range");
   const int T = taps.T;
   const int h = q_head / group_;
   HeadStats& hs = head(taps.layer, h);
@@ -149,7 +149,7 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
   if (capacity == 0) return;
   const int T = taps.T;
   const int n_kv = config_.n_kv_heads;
-  require(taps.key_pre != nullptr, "stats accumulator: reservoir sampling needs pre-RoPE keys");
+  KVCC_REQUIRE(taps.key_pre != nullptr, "stats accumulator: reservoir sampling needs pre-RoPE keys");
 
   // Priorities do not depend on layer or head, so one candidate list serves every KV head:
   // this sequence's `capacity` smallest priorities that could enter the reservoir.
@@ -217,7 +217,7 @@ void StatsAccumulator::export_into(Stats& stats) const {
 }
 
 void StatsAccumulator::move_into(Stats& stats) && {
-  require(stats.config.n_layers == config_.n_layers &&
+  KVCC_REQUIRE(stats.config.n_layers == config_.n_layers &&
               stats.config.n_kv_heads == config_.n_kv_heads &&
               stats.config.head_dim == config_.head_dim,
           "stats accumulator: exporting into stats of a different model shape");

@@ -83,14 +83,14 @@ uint64_t layer_bytes(const LayerWeights& w) {
 
 CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
                                        const ModelConfig& config) {
-  require(options.data_path.empty() != options.ids_path.empty(),
+  KVCC_REQUIRE(options.data_path.empty() != options.ids_path.empty(),
           "give exactly one calibration input: a text file (--data) or a token id file (--ids)");
   CalibrationSet set;
   int max_len = options.max_seq_len;
   const int model_max = config.max_position > 0 ? config.max_position : 2048;
   if (max_len == 0) max_len = std::min(model_max, 2048);
-  require(max_len > 0, "--max-seq-len must be positive");
-  require(max_len <= model_max, "--max-seq-len " + std::to_string(max_len) +
+  KVCC_REQUIRE(max_len > 0, "--max-seq-len must be positive");
+  KVCC_REQUIRE(max_len <= model_max, "--max-seq-len " + std::to_string(max_len) +
                                     " exceeds the model's maximum position " +
                                     std::to_string(model_max));
   set.max_seq_len = max_len;
@@ -103,7 +103,7 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
       ids.resize(size_t(std::min<uint64_t>(ids.size(), options.max_tokens - set.tokens)));
     if (ids.empty()) return true;
     for (int32_t id : ids)
-      require(id >= 0 && id < config.vocab,
+      KVCC_REQUIRE(id >= 0 && id < config.vocab,
               "token id " + std::to_string(id) + " in document " + std::to_string(doc) +
                   " is outside the model's vocabulary of " + std::to_string(config.vocab) +
                   " (ids made by another tokenizer?)");
@@ -122,21 +122,21 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
   };
 
   if (!options.ids_path.empty()) {
-    require(std::filesystem::is_regular_file(options.ids_path),
+    KVCC_REQUIRE(std::filesystem::is_regular_file(options.ids_path),
             "token id file '" + options.ids_path + "' does not exist or is not a file");
     set.data_sha256 = sha256_file_hex(options.ids_path);
     set.tokenizer_kind = "ids";
     const auto docs = read_token_id_file(options.ids_path);
     for (size_t i = 0; i < docs.size(); ++i)
       if (!add(docs[i], uint32_t(i))) break;
-    require(set.tokens > 0, "token id file '" + options.ids_path + "' holds no tokens");
+    KVCC_REQUIRE(set.tokens > 0, "token id file '" + options.ids_path + "' holds no tokens");
     return set;
   }
 
   const std::string text = read_text_file(options.data_path, "calibration text");
   set.data_sha256 = sha256_hex(text);
   const std::vector<std::string> docs = split_documents(text, options.separator);
-  require(!docs.empty(), "calibration text '" + options.data_path +
+  KVCC_REQUIRE(!docs.empty(), "calibration text '" + options.data_path +
                              "' holds no documents (empty or whitespace only)");
   const auto tokenizer = Tokenizer::for_model(options.model_path, config.vocab, options.tokenizer_path);
   set.tokenizer_kind = tokenizer->kind();
@@ -144,17 +144,17 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
     if (!add(tokenizer->encode(docs[i], config.add_bos), uint32_t(i))) break;
     report(i + 1, docs.size());
   }
-  require(set.tokens > 0, "calibration text '" + options.data_path + "' gave no tokens");
+  KVCC_REQUIRE(set.tokens > 0, "calibration text '" + options.data_path + "' gave no tokens");
   return set;
 }
 
 Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* summary) {
   const auto t0 = Clock::now();
-  require(options.shard_count >= 1 && options.shard_index >= 0 &&
+  KVCC_REQUIRE(options.shard_count >= 1 && options.shard_index >= 0 &&
               options.shard_index < options.shard_count,
           "shard " + std::to_string(options.shard_index) + "/" +
               std::to_string(options.shard_count) + " is invalid (want I/N with 0 <= I < N)");
-  require(options.reservoir >= 0, "--reservoir must not be negative");
+  KVCC_REQUIRE(options.reservoir >= 0, "--reservoir must not be negative");
   const ModelFile model = ModelFile::open(options.model_path);
   const ModelConfig& config = model.config();
   const CalibrationSet set = prepare_calibration_set(options, config);
@@ -268,17 +268,17 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
 CalibrationSummary run_calibration(const CalibrationOptions& options,
                                    const std::string& output_path) {
   const auto t0 = Clock::now();
-  require(!output_path.empty(), "no output path given (-o stats.h5)");
+  KVCC_REQUIRE(!output_path.empty(), "no output path given (-o stats.h5)");
   const std::filesystem::path out(output_path);
   const std::filesystem::path dir = out.has_parent_path() ? out.parent_path() : ".";
-  require(std::filesystem::is_directory(dir),
+  KVCC_REQUIRE(std::filesystem::is_directory(dir),
           "output directory '" + dir.string() + "' does not exist");
 
   MpiSession mpi;
   const MpiWorld& world = mpi.world();
   CalibrationOptions local = options;
   if (world.active && world.size > 1) {
-    require(options.shard_count == 1,
+    KVCC_REQUIRE(options.shard_count == 1,
             "--shard cannot be combined with mpirun: the ranks already split the documents");
     local.shard_index = world.rank;
     local.shard_count = world.size;

@@ -30,7 +30,7 @@ void append_bytes(std::vector<char>& out, const std::vector<T>& v) {
 
 template <typename T>
 void read_bytes(const char*& p, const char* end, std::vector<T>& v, size_t n) {
-  require(size_t(end - p) >= n * sizeof(T), "MPI reduce: truncated reservoir message");
+  KVCC_REQUIRE(size_t(end - p) >= n * sizeof(T), "MPI reduce: truncated reservoir message");
   v.resize(n);
   std::memcpy(v.data(), p, n * sizeof(T));
   p += n * sizeof(T);
@@ -58,7 +58,7 @@ std::vector<char> serialize_reservoirs(const std::vector<Reservoir>& reservoirs)
 void merge_serialized_reservoirs(std::vector<Reservoir>& into, const char* p, const char* end) {
   for (Reservoir& target : into) {
     uint64_t n = 0;
-    require(size_t(end - p) >= sizeof n, "MPI reduce: truncated reservoir message");
+    KVCC_REQUIRE(size_t(end - p) >= sizeof n, "MPI reduce: truncated reservoir message");
     std::memcpy(&n, p, sizeof n);
     p += sizeof n;
     Reservoir r;
@@ -76,7 +76,7 @@ void merge_serialized_reservoirs(std::vector<Reservoir>& into, const char* p, co
     read_bytes(p, end, r.heldout, n);
     if (n > 0) reservoir_merge(target, r);
   }
-  require(p == end, "MPI reduce: reservoir message has trailing bytes");
+  KVCC_REQUIRE(p == end, "MPI reduce: reservoir message has trailing bytes");
 }
 
 void reduce_in_place(void* buf, int count, MPI_Datatype type, MPI_Op op, const MpiWorld& w) {
@@ -87,7 +87,7 @@ void reduce_in_place(void* buf, int count, MPI_Datatype type, MPI_Op op, const M
 }
 
 int checked_count(size_t n) {
-  require(n <= size_t(INT_MAX), "MPI reduce: statistics too large for one message");
+  KVCC_REQUIRE(n <= size_t(INT_MAX), "MPI reduce: statistics too large for one message");
   return int(n);
 }
 #endif
@@ -106,7 +106,7 @@ MpiSession::MpiSession() {
     world_.active = true;
   }
 #else
-  require(launched <= 1, "launched by mpirun with " + std::to_string(launched) +
+  KVCC_REQUIRE(launched <= 1, "launched by mpirun with " + std::to_string(launched) +
                              " ranks, but this kvcc was built without MPI");
 #endif
 }

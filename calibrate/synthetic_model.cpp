@@ -40,8 +40,8 @@ F32Tensor ones(const std::string& name, int n) { return F32Tensor{name, {n}, std
 }  // namespace
 
 void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& s) {
-  require(s.head_dim % 2 == 0 && s.head_dim >= 8, "synthetic model: head_dim must be even and >= 8");
-  require(s.hidden >= 8 && s.n_heads % s.n_kv_heads == 0, "synthetic model: bad head counts");
+  KVCC_REQUIRE(s.head_dim % 2 == 0 && s.head_dim >= 8, "synthetic model: head_dim must be even and >= 8");
+  KVCC_REQUIRE(s.hidden >= 8 && s.n_heads % s.n_kv_heads == 0, "synthetic model: bad head counts");
   std::filesystem::create_directories(dir);
   Gaussian g(s.seed);
   const int d = s.head_dim, half = d / 2, H = s.hidden;
@@ -128,7 +128,7 @@ void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& s) 
 
 std::vector<std::vector<int32_t>> synthetic_documents(const SyntheticModelSpec& s, int n_docs, int length,
                                                       uint64_t seed) {
-  require(n_docs > 0 && length >= 2, "synthetic documents: need at least one document of 2 tokens");
+  KVCC_REQUIRE(n_docs > 0 && length >= 2, "synthetic documents: need at least one document of 2 tokens");
   // Successor sets are fixed by the model's seed (the "language"); `seed` picks the walks.
   constexpr int kSuccessors = 6;
   Gaussian table_rng(s.seed ^ 0x5eed5eedULL);

@@ -27,7 +27,7 @@ void parse_shard(const std::string& text, int& index, int& count) {
   } catch (const std::exception&) {
     ok = false;
   }
-  require(ok && count >= 1 && index >= 0 && index < count,
+  KVCC_REQUIRE(ok && count >= 1 && index >= 0 && index < count,
           "--shard '" + text + "' is not I/N with 0 <= I < N (e.g. --shard 0/4)");
 }
 
@@ -160,7 +160,7 @@ Command reg{
           "`kvcc merge-stats a.h5 b.h5 -o stats.h5` (equal to one run up to float64 rounding).");
       return [flags]() -> int {
         CalibrationOptions options = flags->options;
-        require(!options.data_path.empty() || !options.ids_path.empty(),
+        KVCC_REQUIRE(!options.data_path.empty() || !options.ids_path.empty(),
                 "give the calibration input: --data TEXT or --ids FILE");
         if (!flags->shard.empty()) parse_shard(flags->shard, options.shard_index, options.shard_count);
         // The command as a user would retype it: given flags only (defaults left out).

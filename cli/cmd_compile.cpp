@@ -23,7 +23,7 @@ namespace {
 void parse_params(const std::vector<std::string>& items, std::map<std::string, std::string>& out) {
   for (const std::string& item : items) {
     const size_t eq = item.find('=');
-    require(eq != std::string::npos && eq > 0, "--param '" + item + "' is not KEY=VALUE");
+    KVCC_REQUIRE(eq != std::string::npos && eq > 0, "--param '" + item + "' is not KEY=VALUE");
     out[item.substr(0, eq)] = item.substr(eq + 1);
   }
 }

@@ -81,7 +81,7 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
     }
     out.push_back(o);
   }
-  require(!out.empty(), "--methods lists no method");
+  KVCC_REQUIRE(!out.empty(), "--methods lists no method");
   return out;
 }
 

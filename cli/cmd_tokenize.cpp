@@ -23,7 +23,7 @@ int run_tokenize(const Args& a) {
   const std::string text = read_text_file(a.data_path, "text");
   const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, a.tokenizer_path);
   const auto docs = encode_documents(*tok, text, a.separator, c.add_bos);
-  require(!docs.empty(), "the text holds no document: " + a.data_path);
+  KVCC_REQUIRE(!docs.empty(), "the text holds no document: " + a.data_path);
   write_token_id_file(a.output, docs);
   size_t tokens = 0;
   for (const auto& d : docs) tokens += d.size();

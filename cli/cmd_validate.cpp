@@ -37,12 +37,12 @@ struct Args {
 };
 
 int run_validate(Args& a) {
-  require(a.cache == CachePath::Runtime || a.device == ValidateDevice::Auto,
+  KVCC_REQUIRE(a.cache == CachePath::Runtime || a.device == ValidateDevice::Auto,
           "--device applies to --cache runtime (the codec path runs on the CPU)");
-  require(a.cache == CachePath::Codec || a.precision == ValidatePrecision::Float,
+  KVCC_REQUIRE(a.cache == CachePath::Codec || a.precision == ValidatePrecision::Float,
           "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
           "the codec path's exact check");
-  require(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
+  KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<CacheScheme> schemes;
   for (const std::string& path : a.artifact_paths) {

@@ -46,7 +46,7 @@ void print_entry_line(const zoo::ZooEntry& e) {
 
 std::string read_file_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot read " + path);
+  KVCC_REQUIRE(bool(in), "cannot read " + path);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 

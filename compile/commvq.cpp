@@ -318,8 +318,8 @@ ValuePass value_pass(const float* y, size_t n, int d, int C, const std::vector<f
 }  // namespace
 
 CommvqBudget commvq_budget(int bits, int d) {
-  require(bits == 1 || bits == 2, "commvq: --bits must be 1 or 2, got " + std::to_string(bits));
-  require(d >= 2 && d % 2 == 0, "commvq: head_dim " + std::to_string(d) + " is not a positive even number");
+  KVCC_REQUIRE(bits == 1 || bits == 2, "commvq: --bits must be 1 or 2, got " + std::to_string(bits));
+  KVCC_REQUIRE(d >= 2 && d % 2 == 0, "commvq: head_dim " + std::to_string(d) + " is not a positive even number");
   const int total = bits * d;  // code bits per token and head
   CommvqBudget b;
   const int key_code = total >= 96 ? 12 : (total >= 8 ? 8 : std::max(2, total - total % 2));
@@ -332,7 +332,7 @@ CommvqBudget commvq_budget(int bits, int d) {
 
 CommvqKeyCodebook train_commvq_keys(const float* key_pre, size_t n_all, int d, RopeStyle style,
                                     const CommvqTrainOptions& o, std::vector<CommvqStageReport>* report) {
-  require(n_all > 0, "commvq: no key rows to train on");
+  KVCC_REQUIRE(n_all > 0, "commvq: no key rows to train on");
   CommvqKeyCodebook cb;
   cb.d = d;
   cb.stages = o.budget.key_stages;
@@ -407,7 +407,7 @@ CommvqKeyCodebook train_commvq_keys(const float* key_pre, size_t n_all, int d, R
 CommvqValueCodebook train_commvq_values(const float* value, size_t n_all, int d,
                                         const std::vector<double>& rotation, const CommvqTrainOptions& o,
                                         std::vector<CommvqStageReport>* report) {
-  require(n_all > 0, "commvq: no value rows to train on");
+  KVCC_REQUIRE(n_all > 0, "commvq: no value rows to train on");
   CommvqValueCodebook cb;
   cb.d = d;
   cb.stages = o.budget.value_stages;
@@ -514,9 +514,9 @@ uint64_t head_seed(uint64_t seed, int layer, int h) {
 }  // namespace
 
 void commvq_fill_recipe(Recipe& recipe, int d) {
-  require(recipe.key_bits == 1 || recipe.key_bits == 2,
+  KVCC_REQUIRE(recipe.key_bits == 1 || recipe.key_bits == 2,
           "commvq: key bits must be 1 or 2 (the presets), got " + fixed(recipe.key_bits));
-  require(recipe.value_bits == 1 || recipe.value_bits == 2,
+  KVCC_REQUIRE(recipe.value_bits == 1 || recipe.value_bits == 2,
           "commvq: value bits must be 1 or 2 (the presets), got " + fixed(recipe.value_bits));
   const CommvqBudget kb = commvq_budget(int(recipe.key_bits), d);
   const CommvqBudget vb = commvq_budget(int(recipe.value_bits), d);
@@ -526,12 +526,12 @@ void commvq_fill_recipe(Recipe& recipe, int d) {
   const int value_code_bits = param_int(recipe, "value_code_bits", vb.value_code_bits);
   const int iterations = param_int(recipe, "iterations", 20);
   const int max_rows = param_int(recipe, "max_rows", 0);
-  require(key_stages >= 1 && value_stages >= 1, "commvq: stages must be >= 1");
-  require(key_code_bits >= 2 && key_code_bits <= 16 && key_code_bits % 2 == 0,
+  KVCC_REQUIRE(key_stages >= 1 && value_stages >= 1, "commvq: stages must be >= 1");
+  KVCC_REQUIRE(key_code_bits >= 2 && key_code_bits <= 16 && key_code_bits % 2 == 0,
           "commvq: key_code_bits must be even and in 2..16, got " + std::to_string(key_code_bits));
-  require(value_code_bits >= 1 && value_code_bits <= 16,
+  KVCC_REQUIRE(value_code_bits >= 1 && value_code_bits <= 16,
           "commvq: value_code_bits must be in 1..16, got " + std::to_string(value_code_bits));
-  require(iterations >= 1 && max_rows >= 0, "commvq: iterations must be >= 1 and max_rows >= 0");
+  KVCC_REQUIRE(iterations >= 1 && max_rows >= 0, "commvq: iterations must be >= 1 and max_rows >= 0");
   recipe.params["key_stages"] = std::to_string(key_stages);
   recipe.params["key_code_bits"] = std::to_string(key_code_bits);
   recipe.params["value_stages"] = std::to_string(value_stages);
@@ -556,7 +556,7 @@ void compile_commvq_head(const Reservoir& res, const Recipe& recipe, RopeStyle s
     values.insert(values.end(), res.value.begin() + long(i * d), res.value.begin() + long((i + 1) * d));
   }
   const size_t n = keys.size() / size_t(d);
-  require(n > 0, "commvq needs reservoir fitting rows; layer " + std::to_string(layer) + " KV head " +
+  KVCC_REQUIRE(n > 0, "commvq needs reservoir fitting rows; layer " + std::to_string(layer) + " KV head " +
                      std::to_string(h) + " has none (calibrate with --reservoir)");
   CommvqTrainOptions o;
   o.budget.key_stages = param_int(recipe, "key_stages", 0);

@@ -70,7 +70,7 @@ void compile_turboquant_side(const Recipe& recipe, const HeadStats& hs, KvSide w
   const std::string codebook = param_or(recipe, "codebook", "sphere");
   const int b_lo = int(std::floor(bits)) - (prod ? 1 : 0);
   const int n_hi = int(std::lround((bits - std::floor(bits)) * d));
-  require(n_hi < d, "turboquant: the outlier split leaves no regular channels");
+  KVCC_REQUIRE(n_hi < d, "turboquant: the outlier split leaves no regular channels");
   const int s = int(which);
   const std::vector<double>& m2 = which == KvSide::Key ? hs.key_m2 : hs.value_m2;
   std::vector<int> order(static_cast<size_t>(d));
@@ -156,7 +156,7 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
                                        : " KV heads " + std::to_string(h0) + ".." + std::to_string(h0 + span - 1));
   // A spanning group fits on the tokens every head of the group holds.
   const std::string none = span == 1 ? " has none" : " share none";
-  require(rows[0].n > 0, lm ? recipe.method + " needs reservoir fitting rows; " + where + none
+  KVCC_REQUIRE(rows[0].n > 0, lm ? recipe.method + " needs reservoir fitting rows; " + where + none
                             : "stats have no reservoir fitting rows for " + where +
                                   (span == 1 ? "" : " in common") +
                                   " (calibrate with a reservoir, or compile with --no-fit-clip)");
@@ -255,7 +255,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   r.sink = o.sink >= 0 ? o.sink : t.sink;
   r.recent = o.recent >= 0 ? o.recent : t.recent;
   r.page_size = o.page_size > 0 ? o.page_size : t.page_size;
-  require(o.granularity == "head" || o.granularity == "layer",
+  KVCC_REQUIRE(o.granularity == "head" || o.granularity == "layer",
           "granularity must be head or layer, got '" + o.granularity + "'");
   r.granularity = o.granularity;
   // The attention-aware rotation's settings: oscar's, or a mixed kivi recipe's oscar values.
@@ -265,9 +265,9 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   if (aware) {
     r.value_target = o.value_target.empty() ? aware->value_target : o.value_target;
     r.composition = o.composition.empty() ? aware->composition : o.composition;
-    require(r.value_target == "output" || r.value_target == "p2" || r.value_target == "logit2",
+    KVCC_REQUIRE(r.value_target == "output" || r.value_target == "p2" || r.value_target == "logit2",
             "value target must be output, p2 or logit2, got '" + r.value_target + "'");
-    require(r.composition == "UHP" || r.composition == "UH" || r.composition == "U",
+    KVCC_REQUIRE(r.composition == "UHP" || r.composition == "UH" || r.composition == "U",
             "composition must be UHP, UH or U, got '" + r.composition + "'");
   } else {
     r.value_target = "";
@@ -278,21 +278,21 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
       const double b = side_nominal_bits(r, s);
       std::vector<std::string> presets;
       for (double p : t.bit_presets) presets.push_back(std::to_string(int(p)));
-      require(std::find(t.bit_presets.begin(), t.bit_presets.end(), b) != t.bit_presets.end(),
+      KVCC_REQUIRE(std::find(t.bit_presets.begin(), t.bit_presets.end(), b) != t.bit_presets.end(),
               std::string(t.name) + ": " + kv_side_name(s) + " bits must be " + presets.front() +
                   (presets.size() > 1 ? " or " + presets.back() : "") + " (the presets), got " + std::to_string(b));
     }
   if (t.whole_rows)
-    require(r.group == 0 || r.group == head_dim,
+    KVCC_REQUIRE(r.group == 0 || r.group == head_dim,
             std::string(t.name) + " quantises whole rows; --group does not apply");
   if (method == Method::Commvq) commvq_fill_recipe(r, head_dim);  // stages and code bits from the presets
-  require(r.sink >= 0 && r.recent >= 0 && r.page_size > 0, "sink, recent and page size must be >= 0");
-  require(r.group >= 0, "group must be >= 0");
+  KVCC_REQUIRE(r.sink >= 0 && r.recent >= 0 && r.page_size > 0, "sink, recent and page size must be >= 0");
+  KVCC_REQUIRE(r.group >= 0, "group must be >= 0");
   for (KvSide s : {KvSide::Key, KvSide::Value}) side_code_bits(r, s);  // range and fractional budgets
   if (r.group > head_dim)
     group_span(r, head_dim, n_kv_heads);  // a group spanning KV heads: checks the method and G
   else if (r.group > 0)
-    require(head_dim % r.group == 0,
+    KVCC_REQUIRE(head_dim % r.group == 0,
             "--group " + std::to_string(r.group) + " must divide head_dim " + std::to_string(head_dim) +
                 " (or, for a group spanning KV heads, be a multiple of it)");
   return r;
@@ -300,9 +300,9 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
 
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   const ModelConfig& c = stats.config;
-  require(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
+  KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
   const size_t n_heads = size_t(c.n_layers) * size_t(c.n_kv_heads);
-  require(stats.heads.size() == n_heads && stats.reservoirs.size() == n_heads,
+  KVCC_REQUIRE(stats.heads.size() == n_heads && stats.reservoirs.size() == n_heads,
           "stats hold " + std::to_string(stats.heads.size()) + " heads, the model needs " +
               std::to_string(n_heads));
   Artifact art;

@@ -17,7 +17,7 @@ namespace kvcc {
 
 std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo,
                                       double hi, int bits) {
-  require(bits >= 1 && bits <= 8, "Lloyd–Max needs 1..8 bits");
+  KVCC_REQUIRE(bits >= 1 && bits <= 8, "Lloyd–Max needs 1..8 bits");
   const int n_levels = 1 << bits;
   const int grid = 200000;
   const double h = (hi - lo) / grid;
@@ -71,7 +71,7 @@ std::vector<double> lloyd_max_gaussian(int bits) {
 }
 
 std::vector<double> lloyd_max_sphere(int d, int bits) {
-  require(d >= 3, "the sphere-coordinate density needs d >= 3, got " + std::to_string(d));
+  KVCC_REQUIRE(d >= 3, "the sphere-coordinate density needs d >= 3, got " + std::to_string(d));
   const double power = 0.5 * (d - 3);
   std::vector<double> levels = lloyd_max_density(
       [power](double x) { return std::pow(std::max(0.0, 1.0 - x * x), power); }, -1.0, 1.0, bits);
@@ -90,7 +90,7 @@ double level_mse(const std::vector<float>& samples, const std::vector<double>& l
 }
 
 std::vector<double> lloyd_max_empirical(std::vector<float> samples, int bits, int iterations) {
-  require(!samples.empty(), "Lloyd–Max: no samples to fit");
+  KVCC_REQUIRE(!samples.empty(), "Lloyd–Max: no samples to fit");
   std::sort(samples.begin(), samples.end());
   const size_t n = samples.size();
   std::vector<double> prefix(n + 1, 0.0);
@@ -134,7 +134,7 @@ FitRows select_rows(const Reservoir& res, bool heldout, int max_rows) {
 
 std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout,
                                          int max_rows) {
-  require(!reservoirs.empty(), "select_aligned_rows: no reservoirs");
+  KVCC_REQUIRE(!reservoirs.empty(), "select_aligned_rows: no reservoirs");
   auto token = [](const Reservoir& r, size_t i) { return (uint64_t(r.doc[i]) << 32) | uint32_t(r.position[i]); };
   // Row index of every token, per reservoir after the first.
   std::vector<std::unordered_map<uint64_t, size_t>> index(reservoirs.size());
@@ -239,11 +239,11 @@ double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide whi
 
 std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& sides, KvSide which,
                                         const std::vector<FitRows>& rows, bool float64) {
-  require(!sides.empty() && sides.size() == rows.size(), "rotated_side_by_side: one row set per side");
+  KVCC_REQUIRE(!sides.empty() && sides.size() == rows.size(), "rotated_side_by_side: one row set per side");
   const int d = rows[0].d, n = rows[0].n, span = int(sides.size()), w = span * d;
   std::vector<float> out(size_t(n) * w), block(size_t(n) * d);
   for (int k = 0; k < span; ++k) {
-    require(rows[size_t(k)].n == n && rows[size_t(k)].d == d, "rotated_side_by_side: rows are not aligned");
+    KVCC_REQUIRE(rows[size_t(k)].n == n && rows[size_t(k)].d == d, "rotated_side_by_side: rows are not aligned");
     const std::vector<float>& x = which == KvSide::Key ? rows[size_t(k)].key : rows[size_t(k)].value;
     if (float64) {
       rotate_rows(sides[size_t(k)]->rotation, d, x.data(), n, block.data());
@@ -259,9 +259,9 @@ std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& 
 
 double fit_clip_ratio(const Recipe& recipe, const std::vector<const SideArtifact*>& sides, KvSide which,
                       const std::vector<FitRows>& rows, double* best_error, double* no_clip_error) {
-  require(!sides.empty() && sides.size() == rows.size(), "clip-ratio fitting: one row set per side");
+  KVCC_REQUIRE(!sides.empty() && sides.size() == rows.size(), "clip-ratio fitting: one row set per side");
   const int d = rows[0].d, n = rows[0].n, span = int(sides.size()), w = span * d;
-  require(n > 0, "clip-ratio fitting: the reservoir has no fitting rows (heldout == 0)");
+  KVCC_REQUIRE(n > 0, "clip-ratio fitting: the reservoir has no fitting rows (heldout == 0)");
   // Errors are basis-independent, so both metrics are evaluated in each head's rotated basis.
   const std::vector<float> y = rotated_side_by_side(sides, which, rows, false);
   // Per head: the key metric Rᵀ (Σ q qᵀ) R [d, d], or the value Gram matrix PᵀP [n, n]

@@ -70,12 +70,12 @@ HeadMetrics MethodReport::layer_mean(int layer) const {
 
 std::vector<HeadMetrics> evaluate_layer(const Artifact& art, int layer, const std::vector<FitRows>& rows) {
   const int d = art.head_dim, n_kv = art.n_kv_heads, w = n_kv * d;
-  require(int(rows.size()) == n_kv, "evaluate_layer: expected one row set per KV head");
+  KVCC_REQUIRE(int(rows.size()) == n_kv, "evaluate_layer: expected one row set per KV head");
   const int n = rows[0].n;
   // The layer's rows side by side, [n, n_kv·d], as the layer codec takes them.
   std::vector<float> k(size_t(n) * w), v(size_t(n) * w), kq(k.size()), vq(v.size());
   for (int h = 0; h < n_kv; ++h) {
-    require(rows[size_t(h)].n == n, "evaluate_layer: the KV heads' rows are not aligned");
+    KVCC_REQUIRE(rows[size_t(h)].n == n, "evaluate_layer: the KV heads' rows are not aligned");
     for (int t = 0; t < n; ++t) {
       std::copy_n(&rows[size_t(h)].key[size_t(t) * d], d, &k[size_t(t) * w + size_t(h) * d]);
       std::copy_n(&rows[size_t(h)].value[size_t(t) * d], d, &v[size_t(t) * w + size_t(h) * d]);
@@ -146,7 +146,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     std::vector<const Reservoir*> reservoirs;
     for (int h = 0; h < c.n_kv_heads; ++h) reservoirs.push_back(&stats.reservoir(l, h));
     heldout.push_back(select_aligned_rows(reservoirs, true, max_rows));
-    require(heldout.back()[0].n > 1, "stats have no held-out reservoir rows (shared by its KV heads) for layer " +
+    KVCC_REQUIRE(heldout.back()[0].n > 1, "stats have no held-out reservoir rows (shared by its KV heads) for layer " +
                                          std::to_string(l) + " (the report evaluates on held-out documents)");
   }
   for (const CompileOptions& opt : methods) {

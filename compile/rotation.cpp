@@ -20,7 +20,7 @@ uint64_t splitmix64(uint64_t& state) {
 }
 
 void require_finite(const Matrix& a, const std::string& what) {
-  for (double x : a) require(std::isfinite(x), what + " contains NaN or inf");
+  for (double x : a) KVCC_REQUIRE(std::isfinite(x), what + " contains NaN or inf");
 }
 
 }  // namespace
@@ -67,7 +67,7 @@ Matrix identity_matrix(int d) {
 }
 
 Matrix hadamard_matrix(int d) {
-  require(is_power_of_two(d),
+  KVCC_REQUIRE(is_power_of_two(d),
           "a Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(d) +
               " (use --method identity or random for this model)");
   // Sylvester: H[i][j] = (-1)^popcount(i & j) / sqrt(d).
@@ -84,11 +84,11 @@ Matrix random_orthogonal(int d, uint64_t seed) {
   for (double& x : a) x = gauss.next();
   std::vector<double> tau(static_cast<size_t>(d));
   lapack_int info = LAPACKE_dgeqrf(LAPACK_ROW_MAJOR, d, d, a.data(), d, tau.data());
-  require(info == 0, "LAPACKE_dgeqrf failed (info " + std::to_string(info) + ")");
+  KVCC_REQUIRE(info == 0, "LAPACKE_dgeqrf failed (info " + std::to_string(info) + ")");
   std::vector<double> r_diag(static_cast<size_t>(d));
   for (int j = 0; j < d; ++j) r_diag[size_t(j)] = a[size_t(j) * d + j];
   info = LAPACKE_dorgqr(LAPACK_ROW_MAJOR, d, d, d, a.data(), d, tau.data());
-  require(info == 0, "LAPACKE_dorgqr failed (info " + std::to_string(info) + ")");
+  KVCC_REQUIRE(info == 0, "LAPACKE_dorgqr failed (info " + std::to_string(info) + ")");
   // Q·diag(sign(diag R)) makes the factorisation unique, hence Haar-distributed.
   for (int j = 0; j < d; ++j)
     if (r_diag[size_t(j)] < 0)
@@ -97,7 +97,7 @@ Matrix random_orthogonal(int d, uint64_t seed) {
 }
 
 SymmetricEigen symmetric_eigen(const Matrix& a, int d) {
-  require(a.size() == size_t(d) * d, "eigendecomposition: matrix is not " + std::to_string(d) +
+  KVCC_REQUIRE(a.size() == size_t(d) * d, "eigendecomposition: matrix is not " + std::to_string(d) +
                                          "x" + std::to_string(d));
   require_finite(a, "importance target");
   Matrix work(size_t(d) * d);
@@ -108,7 +108,7 @@ SymmetricEigen symmetric_eigen(const Matrix& a, int d) {
   eig.values.resize(static_cast<size_t>(d));
   const lapack_int info =
       LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', d, work.data(), d, eig.values.data());
-  require(info == 0, "LAPACKE_dsyevd failed (info " + std::to_string(info) + ")");
+  KVCC_REQUIRE(info == 0, "LAPACKE_dsyevd failed (info " + std::to_string(info) + ")");
   for (int j = 0; j < d; ++j) {
     int arg = 0;
     for (int i = 1; i < d; ++i)
@@ -122,7 +122,7 @@ SymmetricEigen symmetric_eigen(const Matrix& a, int d) {
 
 std::vector<int> bit_reversal_permutation(const std::vector<double>& eigenvalues) {
   const int d = int(eigenvalues.size());
-  require(is_power_of_two(d), "bit-reversal permutation needs a power-of-two head_dim, got " +
+  KVCC_REQUIRE(is_power_of_two(d), "bit-reversal permutation needs a power-of-two head_dim, got " +
                                   std::to_string(d));
   std::vector<int> order(static_cast<size_t>(d));
   std::iota(order.begin(), order.end(), 0);
@@ -167,7 +167,7 @@ double orthogonality_error(const Matrix& r, int d) {
 Matrix compose_oscar(const SymmetricEigen& eig, const std::string& composition) {
   const int d = int(eig.values.size());
   if (composition == "U") return eig.vectors;
-  require(composition == "UH" || composition == "UHP",
+  KVCC_REQUIRE(composition == "UH" || composition == "UHP",
           "unknown rotation composition '" + composition + "' (expected UHP, UH or U)");
   Matrix uh = matmul(eig.vectors, hadamard_matrix(d), d);
   if (composition == "UH") return uh;
@@ -180,8 +180,8 @@ Matrix compose_oscar(const SymmetricEigen& eig, const std::string& composition) 
 }
 
 Matrix key_target(const HeadStats& head, int d) {
-  require(head.query_m2.size() == size_t(d) * d, "stats: query second moment has the wrong shape");
-  require(head.query_count > 0, "stats: no queries were observed for a KV head (empty calibration?)");
+  KVCC_REQUIRE(head.query_m2.size() == size_t(d) * d, "stats: query second moment has the wrong shape");
+  KVCC_REQUIRE(head.query_count > 0, "stats: no queries were observed for a KV head (empty calibration?)");
   Matrix m(head.query_m2);
   for (double& x : m) x /= double(head.query_count);
   return m;
@@ -190,25 +190,25 @@ Matrix key_target(const HeadStats& head, int d) {
 Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std::string& target,
                     int d) {
   if (target == "output") {
-    require(head.output_m2.size() == size_t(d) * d && head.output_count > 0,
+    KVCC_REQUIRE(head.output_m2.size() == size_t(d) * d && head.output_count > 0,
             "stats: no attention outputs were observed for value target 'output'");
     Matrix m(head.output_m2);
     for (double& x : m) x /= double(head.output_count);
     return m;
   }
   if (target == "p2") {
-    require(head.p2_m2.size() == size_t(d) * d && head.p2_weight > 0,
+    KVCC_REQUIRE(head.p2_m2.size() == size_t(d) * d && head.p2_weight > 0,
             "stats: no attention probabilities were observed for value target 'p2'");
     Matrix m(head.p2_m2);
     for (double& x : m) x /= head.p2_weight;
     return m;
   }
-  require(target == "logit2", "unknown value target '" + target + "' (expected output, p2 or logit2)");
+  KVCC_REQUIRE(target == "logit2", "unknown value target '" + target + "' (expected output, p2 or logit2)");
   const Matrix mq = key_target(head, d);
   std::vector<size_t> rows;
   for (size_t i = 0; i < reservoir.size(); ++i)
     if (!reservoir.heldout[i]) rows.push_back(i);
-  require(!rows.empty(), "stats: value target 'logit2' needs reservoir rows, and the reservoir "
+  KVCC_REQUIRE(!rows.empty(), "stats: value target 'logit2' needs reservoir rows, and the reservoir "
                          "has no fitting rows");
   std::vector<double> weight(rows.size());
   double weight_sum = 0.0;

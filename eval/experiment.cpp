@@ -30,17 +30,17 @@ double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::
     bits += double(n) * effective_bits(recipe, head_dim, n);
     elements += double(n);
   }
-  require(elements > 0, "effective bits need at least one evaluated token");
+  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
   return bits / elements;
 }
 
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
-  require(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
+  KVCC_REQUIRE(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
   const size_t D = values.size();
   if (D < 2) return std::numeric_limits<double>::quiet_NaN();
   double w_sum = 0, wx_sum = 0;
   for (size_t i = 0; i < D; ++i) {
-    require(weights[i] > 0, "clustered_standard_error: weights must be positive");
+    KVCC_REQUIRE(weights[i] > 0, "clustered_standard_error: weights must be positive");
     w_sum += weights[i];
     wx_sum += weights[i] * values[i];
   }
@@ -267,13 +267,13 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
                                   ValidatePrecision precision) {
   const auto t0 = std::chrono::steady_clock::now();
   const ModelConfig& c = model.config();
-  require(block > 0, "validation block size must be positive");
+  KVCC_REQUIRE(block > 0, "validation block size must be positive");
   for (const CacheScheme& s : schemes) {
-    require(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
+    KVCC_REQUIRE(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
             "scheme " + s.name + ": page size must be positive and windows non-negative");
     if (!s.on_runtime()) continue;
-    require(s.artifact != nullptr, "scheme " + s.name + ": the runtime cache path needs an artifact");
-    require(precision == ValidatePrecision::Float,
+    KVCC_REQUIRE(s.artifact != nullptr, "scheme " + s.name + ": the runtime cache path needs an artifact");
+    KVCC_REQUIRE(precision == ValidatePrecision::Float,
             "scheme " + s.name + ": the runtime cache path runs in float only (the kernels take float32 "
             "activations); double precision is the codec path's exact check");
   }
@@ -285,7 +285,7 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   uint64_t tokens_total = 0;
   for (const auto& doc : documents)
     if (doc.size() >= 2) tokens_total += doc.size();
-  require(tokens_total > 0, "no document with at least 2 tokens to validate on (empty text?)");
+  KVCC_REQUIRE(tokens_total > 0, "no document with at least 2 tokens to validate on (empty text?)");
 
   const size_t S = schemes.size();
   // Index 0 is the full-precision reference, 1..S the schemes.
@@ -360,7 +360,7 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
   if (!data.ids_path.empty()) {
     docs = read_token_id_file(data.ids_path);
   } else {
-    require(!data.data_path.empty(), "validation needs a text or a token-id file");
+    KVCC_REQUIRE(!data.data_path.empty(), "validation needs a text or a token-id file");
     const std::string text = read_text_file(data.data_path, "validation text");
     const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, data.tokenizer_path);
     docs = encode_documents(*tok, text, data.separator, c.add_bos);
@@ -375,12 +375,12 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
     if (data.max_tokens > 0 && total + d.size() > data.max_tokens) d.resize(size_t(data.max_tokens - total));
     if (d.size() < 2) continue;
     for (int32_t id : d)
-      require(id >= 0 && id < c.vocab, "token id " + std::to_string(id) + " outside the model's vocabulary of " +
+      KVCC_REQUIRE(id >= 0 && id < c.vocab, "token id " + std::to_string(id) + " outside the model's vocabulary of " +
                                            std::to_string(c.vocab));
     total += d.size();
     out.push_back(std::move(d));
   }
-  require(!out.empty(), "the validation input holds no document of at least 2 tokens (empty text?): " +
+  KVCC_REQUIRE(!out.empty(), "the validation input holds no document of at least 2 tokens (empty text?): " +
                             (data.ids_path.empty() ? data.data_path : data.ids_path));
   return out;
 }

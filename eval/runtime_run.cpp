@@ -23,10 +23,10 @@ void copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
 
 RuntimeRun::RuntimeRun(const CacheScheme& s, const ModelConfig& c, int64_t max_length) {
   const RuntimePath* path = std::get_if<RuntimePath>(&s.path);
-  require(path && s.artifact, "scheme " + s.name + ": the runtime path needs a runtime scheme with an artifact");
+  KVCC_REQUIRE(path && s.artifact, "scheme " + s.name + ": the runtime path needs a runtime scheme with an artifact");
   device_ = path->pool == PoolMemory::Device;
   const Artifact& a = *s.artifact;
-  require(s.sink == a.recipe.sink && s.recent == a.recipe.recent && s.page_size == a.recipe.page_size,
+  KVCC_REQUIRE(s.sink == a.recipe.sink && s.recent == a.recipe.recent && s.page_size == a.recipe.page_size,
           "scheme " + s.name + ": the runtime path serves the artifact recipe's windows and page size "
           "(set them in the recipe, not in the scheme)");
   const int64_t pages = max_length / std::max(1, a.recipe.page_size) + 1;
@@ -77,7 +77,7 @@ void RuntimeRun::reserve(size_t tokens) {
   if (tokens <= cap_) return;
   release();
   auto alloc = [](float*& p, size_t n) {
-    require(cudaMalloc(&p, n * sizeof(float)) == cudaSuccess,
+    KVCC_REQUIRE(cudaMalloc(&p, n * sizeof(float)) == cudaSuccess,
             "validation (runtime, GPU): cannot allocate " + std::to_string(n * sizeof(float)) + " bytes");
   };
   alloc(q_, tokens * qdim_);

@@ -70,8 +70,8 @@ CacheScheme runtime_scheme_from_artifact(Artifact artifact, const std::string& n
 #if !defined(KVCC_HAVE_CUDA)
       throw Error("device gpu: this kvcc was built without CUDA (device cpu or auto runs on the host)");
 #endif
-      require(cuda_device_present(), "device gpu: no CUDA device is present (device cpu or auto runs on the host)");
-      require(scope.empty(), "artifact " + name + " is outside the GPU kernels' scope: " + scope +
+      KVCC_REQUIRE(cuda_device_present(), "device gpu: no CUDA device is present (device cpu or auto runs on the host)");
+      KVCC_REQUIRE(scope.empty(), "artifact " + name + " is outside the GPU kernels' scope: " + scope +
                                  " (device cpu or auto serves it from the host pool)");
       path.pool = PoolMemory::Device;
       break;
@@ -131,20 +131,20 @@ void check_artifact_matches(const Artifact& artifact, const ModelFile& model,
                             const std::string& artifact_name) {
   const ModelConfig& c = model.config();
   auto shape = [&](const char* what, int have, int want) {
-    require(have == want, "artifact " + artifact_name + " was compiled for another model: " + what +
+    KVCC_REQUIRE(have == want, "artifact " + artifact_name + " was compiled for another model: " + what +
                               " " + std::to_string(have) + " vs the model's " + std::to_string(want));
   };
   shape("n_layers", artifact.n_layers, c.n_layers);
   shape("n_kv_heads", artifact.n_kv_heads, c.n_kv_heads);
   shape("n_heads", artifact.n_heads, c.n_heads);
   shape("head_dim", artifact.head_dim, c.head_dim);
-  require(artifact.rope_style == c.rope_style,
+  KVCC_REQUIRE(artifact.rope_style == c.rope_style,
           "artifact " + artifact_name + " was compiled for another model: RoPE " +
               rope_style_name(artifact.rope_style) + " vs the model's " + rope_style_name(c.rope_style));
   if (!artifact.fingerprint.id.empty() && !artifact.fingerprint.matches(model.fingerprint()))
     throw Error("artifact " + artifact_name + " was compiled for another model: " +
                 artifact.fingerprint.describe_difference(model.fingerprint()));
-  require(artifact.heads.size() == size_t(c.n_layers) * size_t(c.n_kv_heads),
+  KVCC_REQUIRE(artifact.heads.size() == size_t(c.n_layers) * size_t(c.n_kv_heads),
           "artifact " + artifact_name + " holds " + std::to_string(artifact.heads.size()) +
               " heads, the model needs " + std::to_string(c.n_layers * c.n_kv_heads));
 }

@@ -252,7 +252,7 @@ std::string field_value(const ModelFingerprint& fp, const std::string& name) {
 }  // namespace
 
 double max_orthogonality_error(const std::vector<double>& rotation, int d) {
-  require(rotation.size() == size_t(d) * size_t(d), "max_orthogonality_error: not a d x d matrix");
+  KVCC_REQUIRE(rotation.size() == size_t(d) * size_t(d), "max_orthogonality_error: not a d x d matrix");
   Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> r(rotation.data(), d, d);
   return (r.transpose() * r - Eigen::MatrixXd::Identity(d, d)).cwiseAbs().maxCoeff();
 }

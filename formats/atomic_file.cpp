@@ -33,7 +33,7 @@ std::string directory_of(const std::string& path) {
 
 void write_file_atomically(const std::string& path,
                            const std::function<void(const std::string& tmp_path)>& write) {
-  require(!path.empty(), "empty output path");
+  KVCC_REQUIRE(!path.empty(), "empty output path");
   std::vector<char> tmp_name(path.begin(), path.end());
   const std::string suffix = std::string(kTempMarker) + "XXXXXX";
   tmp_name.insert(tmp_name.end(), suffix.begin(), suffix.end());
@@ -66,10 +66,10 @@ void write_file_atomically(const std::string& path,
 void write_bytes_atomically(const std::string& path, const std::string& bytes) {
   write_file_atomically(path, [&](const std::string& tmp) {
     FILE* f = std::fopen(tmp.c_str(), "wb");
-    require(f != nullptr, tmp + ": cannot open for writing (" + std::strerror(errno) + ")");
+    KVCC_REQUIRE(f != nullptr, tmp + ": cannot open for writing (" + std::strerror(errno) + ")");
     const size_t written = std::fwrite(bytes.data(), 1, bytes.size(), f);
     const bool closed = std::fclose(f) == 0;
-    require(written == bytes.size() && closed, path + ": write failed (disk full?)");
+    KVCC_REQUIRE(written == bytes.size() && closed, path + ": write failed (disk full?)");
   });
 }
 

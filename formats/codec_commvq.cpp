@@ -43,24 +43,24 @@ void commvq_from_pairs(RopeStyle style, int d, const float* z, float* x) {
 }
 
 void CommvqKeyCodebook::check() const {
-  require(d > 0 && d % 2 == 0, "commvq key codebook: head_dim " + std::to_string(d) + " is not a positive even number");
-  require(stages > 0, "commvq key codebook: no stages");
-  require(half_bits >= 1 && half_bits <= 8, "commvq key codebook: " + std::to_string(half_bits) +
+  KVCC_REQUIRE(d > 0 && d % 2 == 0, "commvq key codebook: head_dim " + std::to_string(d) + " is not a positive even number");
+  KVCC_REQUIRE(stages > 0, "commvq key codebook: no stages");
+  KVCC_REQUIRE(half_bits >= 1 && half_bits <= 8, "commvq key codebook: " + std::to_string(half_bits) +
                                                 " bits per parameter index is outside 1..8 (codes are 16-bit)");
-  require(params.size() == size_t(stages) * size_t(n_params()) * size_t(d),
+  KVCC_REQUIRE(params.size() == size_t(stages) * size_t(n_params()) * size_t(d),
           "commvq key codebook: " + std::to_string(params.size()) + " parameters, expected stages*K*d = " +
               std::to_string(size_t(stages) * size_t(n_params()) * size_t(d)));
 }
 
 void CommvqValueCodebook::check() const {
-  require(d > 0, "commvq value codebook: head_dim must be positive");
-  require(stages > 0, "commvq value codebook: no stages");
-  require(code_bits >= 1 && code_bits <= 16, "commvq value codebook: code bits " + std::to_string(code_bits) +
+  KVCC_REQUIRE(d > 0, "commvq value codebook: head_dim must be positive");
+  KVCC_REQUIRE(stages > 0, "commvq value codebook: no stages");
+  KVCC_REQUIRE(code_bits >= 1 && code_bits <= 16, "commvq value codebook: code bits " + std::to_string(code_bits) +
                                                  " outside 1..16");
-  require(codewords.size() == size_t(stages) * size_t(n_codes()) * size_t(d),
+  KVCC_REQUIRE(codewords.size() == size_t(stages) * size_t(n_codes()) * size_t(d),
           "commvq value codebook: " + std::to_string(codewords.size()) + " codeword values, expected " +
               std::to_string(size_t(stages) * size_t(n_codes()) * size_t(d)));
-  require(rotation.empty() || rotation.size() == size_t(d) * size_t(d),
+  KVCC_REQUIRE(rotation.empty() || rotation.size() == size_t(d) * size_t(d),
           "commvq value codebook: rotation is not [d, d]");
 }
 
@@ -166,9 +166,9 @@ void commvq_value_assign(const CommvqValueCodebook& cb, int r, const float* x, s
 uint16_t commvq_row_norm(const float* x, int d, const char* what) {
   double ss = 0.0;
   for (int c = 0; c < d; ++c) ss += double(x[c]) * x[c];
-  require(std::isfinite(ss), std::string("commvq: a ") + what + " row is not finite (NaN or inf)");
+  KVCC_REQUIRE(std::isfinite(ss), std::string("commvq: a ") + what + " row is not finite (NaN or inf)");
   const uint16_t h = f16_from_float(float(std::sqrt(ss)));
-  require(std::isfinite(float_from_f16(h)), std::string("commvq: a ") + what + " row's norm " +
+  KVCC_REQUIRE(std::isfinite(float_from_f16(h)), std::string("commvq: a ") + what + " row's norm " +
                                                 std::to_string(std::sqrt(ss)) + " overflows fp16");
   return h;
 }
@@ -202,7 +202,7 @@ CommvqEncoded commvq_encode_keys(const CommvqKeyCodebook& cb, const float* x, si
 
 void commvq_decode_keys(const CommvqKeyCodebook& cb, const CommvqEncoded& enc, float* x) {
   cb.check();
-  require(enc.stages == cb.stages, "commvq: encoded keys have " + std::to_string(enc.stages) +
+  KVCC_REQUIRE(enc.stages == cb.stages, "commvq: encoded keys have " + std::to_string(enc.stages) +
                                        " stages, the codebook " + std::to_string(cb.stages));
   const int d = cb.d;
   std::vector<float> z(static_cast<size_t>(d));
@@ -255,7 +255,7 @@ CommvqEncoded commvq_encode_values(const CommvqValueCodebook& cb, const float* x
 
 void commvq_decode_values(const CommvqValueCodebook& cb, const CommvqEncoded& enc, float* x) {
   cb.check();
-  require(enc.stages == cb.stages, "commvq: encoded values have " + std::to_string(enc.stages) +
+  KVCC_REQUIRE(enc.stages == cb.stages, "commvq: encoded values have " + std::to_string(enc.stages) +
                                        " stages, the codebook " + std::to_string(cb.stages));
   const int d = cb.d;
   std::vector<float> y(static_cast<size_t>(d));
@@ -284,7 +284,7 @@ namespace {
 // Rotates each row [d] of x in place by ±position·ω_j per RoPE pair (sign −1 undoes RoPE).
 void rotate_pairs(RopeStyle style, int d, float* x, const int32_t* positions, size_t n,
                   const std::vector<double>& inv_freq, double sign) {
-  require(int(inv_freq.size()) == d / 2, "commvq: " + std::to_string(inv_freq.size()) +
+  KVCC_REQUIRE(int(inv_freq.size()) == d / 2, "commvq: " + std::to_string(inv_freq.size()) +
                                              " RoPE frequencies for head_dim " + std::to_string(d));
   for (size_t i = 0; i < n; ++i) {
     float* row = x + i * size_t(d);
@@ -425,8 +425,8 @@ void commvq_store(const CommvqCodec& codec, SideArtifact& key, SideArtifact& val
 
 CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle style) {
   const NamedArray* k = find_extra(key, kCodebooks);
-  require(k != nullptr, std::string("commvq: the key side has no ") + kCodebooks);
-  require(k->shape.size() == 4 && k->shape[2] * 2 == d && k->shape[3] == 2 && k->shape[0] >= 1 &&
+  KVCC_REQUIRE(k != nullptr, std::string("commvq: the key side has no ") + kCodebooks);
+  KVCC_REQUIRE(k->shape.size() == 4 && k->shape[2] * 2 == d && k->shape[3] == 2 && k->shape[0] >= 1 &&
               is_pow2(k->shape[1]) && k->shape[1] <= 256 &&
               k->data.size() == size_t(k->shape[0] * k->shape[1] * k->shape[2] * 2),
           std::string("commvq: key ") + kCodebooks + " is not [stages, K, " + std::to_string(d / 2) + ", 2]");
@@ -442,8 +442,8 @@ CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle 
 
 CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool with_rotation) {
   const NamedArray* v = find_extra(value, kCodebooks);
-  require(v != nullptr, std::string("commvq: the value side has no ") + kCodebooks);
-  require(v->shape.size() == 3 && v->shape[2] == d && v->shape[0] >= 1 && is_pow2(v->shape[1]) &&
+  KVCC_REQUIRE(v != nullptr, std::string("commvq: the value side has no ") + kCodebooks);
+  KVCC_REQUIRE(v->shape.size() == 3 && v->shape[2] == d && v->shape[0] >= 1 && is_pow2(v->shape[1]) &&
               v->shape[1] <= 65536 && v->data.size() == size_t(v->shape[0] * v->shape[1] * d),
           std::string("commvq: value ") + kCodebooks + " is not [stages, 2^bits, " + std::to_string(d) + "]");
   CommvqValueCodebook cb;
@@ -452,7 +452,7 @@ CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool
   cb.code_bits = log2_exact(v->shape[1]);
   cb.codewords.assign(v->data.begin(), v->data.end());
   if (with_rotation && !value.rotation.empty() && !is_identity(value.rotation, d)) {
-    require(value.rotation.size() == size_t(d) * d, "commvq: value rotation is not [d, d]");
+    KVCC_REQUIRE(value.rotation.size() == size_t(d) * d, "commvq: value rotation is not [d, d]");
     cb.rotation = value.rotation;
   }
   cb.check();
@@ -460,12 +460,12 @@ CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool
 }
 
 CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head) {
-  require(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
+  KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
           "commvq: " + head_name(layer, kv_head) + " is outside the artifact");
   const int d = artifact.head_dim;
   const HeadArtifact& head = artifact.head(layer, kv_head);
   auto problems = check_head(head, d, head_name(layer, kv_head));
-  require(problems.empty(), problems.empty() ? "" : "commvq: " + problems.front());
+  KVCC_REQUIRE(problems.empty(), problems.empty() ? "" : "commvq: " + problems.front());
   CommvqCodec codec;
   codec.key = commvq_key_codebook(head.key, d, artifact.rope_style);
   codec.value = commvq_value_codebook(head.value, d, true);

@@ -11,9 +11,12 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Throws Error(message) unless cond holds.
-inline void require(bool cond, const std::string& message) {
-  if (!cond) throw Error(message);
-}
-
 }  // namespace kvcc
+
+// Throws kvcc::Error(message) unless cond holds. A macro so that the message (often a string
+// built from numbers and names) is evaluated only when the check fails: checks sit in loops over
+// tokens and logits, where building a string per call cost more than the work checked.
+#define KVCC_REQUIRE(cond, ...)                                   \
+  do {                                                            \
+    if (!(cond)) [[unlikely]] throw ::kvcc::Error(__VA_ARGS__);   \
+  } while (0)

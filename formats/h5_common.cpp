@@ -84,7 +84,7 @@ void write_fingerprint(const Group& parent, const ModelFingerprint& fp) {
   g.set_attr("weights_sha256", fp.weights_sha256);
   std::string names;
   for (const auto& [name, value] : fp.fields) {
-    require(name.find(',') == std::string::npos && name != "id" && name != "weights_sha256" && name != "fields",
+    KVCC_REQUIRE(name.find(',') == std::string::npos && name != "id" && name != "weights_sha256" && name != "fields",
             "invalid fingerprint field name \"" + name + "\"");
     names += (names.empty() ? "" : ",") + name;
     g.set_attr(name, value);

@@ -18,7 +18,7 @@ namespace {
 std::optional<json> read_json_if_present(const fs::path& path) {
   if (!fs::exists(path)) return std::nullopt;
   std::ifstream in(path);
-  require(bool(in), path.string() + ": cannot open");
+  KVCC_REQUIRE(bool(in), path.string() + ": cannot open");
   std::stringstream buffer;
   buffer << in.rdbuf();
   try {
@@ -31,27 +31,27 @@ std::optional<json> read_json_if_present(const fs::path& path) {
 bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
 
 int required_int(const json& j, const char* key, const std::string& where) {
-  require(present(j, key), where + ": missing field '" + key + "'");
-  require(j[key].is_number_integer() && j[key].get<int64_t>() > 0,
+  KVCC_REQUIRE(present(j, key), where + ": missing field '" + key + "'");
+  KVCC_REQUIRE(j[key].is_number_integer() && j[key].get<int64_t>() > 0,
           where + ": field '" + key + "' must be a positive integer");
   return j[key].get<int>();
 }
 
 int optional_int(const json& j, const char* key, int fallback, const std::string& where) {
   if (!present(j, key)) return fallback;
-  require(j[key].is_number_integer(), where + ": field '" + key + "' must be an integer");
+  KVCC_REQUIRE(j[key].is_number_integer(), where + ": field '" + key + "' must be an integer");
   return j[key].get<int>();
 }
 
 double optional_number(const json& j, const char* key, double fallback, const std::string& where) {
   if (!present(j, key)) return fallback;
-  require(j[key].is_number(), where + ": field '" + key + "' must be a number");
+  KVCC_REQUIRE(j[key].is_number(), where + ": field '" + key + "' must be a number");
   return j[key].get<double>();
 }
 
 bool optional_bool(const json& j, const char* key, bool fallback, const std::string& where) {
   if (!present(j, key)) return fallback;
-  require(j[key].is_boolean(), where + ": field '" + key + "' must be true or false");
+  KVCC_REQUIRE(j[key].is_boolean(), where + ": field '" + key + "' must be true or false");
   return j[key].get<bool>();
 }
 
@@ -101,18 +101,18 @@ void parse_rope(const json& config, const std::string& where, ModelConfig& cfg) 
   const json* scaling = nullptr;
   if (present(config, "rope_parameters")) {
     const json& params = config["rope_parameters"];
-    require(params.is_object(), where + ": rope_parameters must be an object");
+    KVCC_REQUIRE(params.is_object(), where + ": rope_parameters must be an object");
     cfg.rope_theta = optional_number(params, "rope_theta",
                                      optional_number(config, "rope_theta", 10000.0, where), where);
     scaling = &params;
   } else {
     cfg.rope_theta = optional_number(config, "rope_theta", 10000.0, where);
     if (present(config, "rope_scaling")) {
-      require(config["rope_scaling"].is_object(), where + ": rope_scaling must be an object or null");
+      KVCC_REQUIRE(config["rope_scaling"].is_object(), where + ": rope_scaling must be an object or null");
       scaling = &config["rope_scaling"];
     }
   }
-  require(cfg.rope_theta > 0, where + ": rope_theta must be positive");
+  KVCC_REQUIRE(cfg.rope_theta > 0, where + ": rope_theta must be positive");
   if (!scaling) return;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"})
@@ -121,19 +121,19 @@ void parse_rope(const json& config, const std::string& where, ModelConfig& cfg) 
       break;
     }
   if (type == "default") return;
-  require(type == "llama3", where + ": unsupported rope scaling type '" + type +
+  KVCC_REQUIRE(type == "llama3", where + ": unsupported rope scaling type '" + type +
                                 "' (supported: default, llama3)");
   RopeScaling& s = cfg.rope_scaling;
   s.type = "llama3";
   const char* fields[] = {"factor", "low_freq_factor", "high_freq_factor",
                           "original_max_position_embeddings"};
   for (const char* key : fields)
-    require(present(*scaling, key), where + ": llama3 rope scaling lacks '" + key + "'");
+    KVCC_REQUIRE(present(*scaling, key), where + ": llama3 rope scaling lacks '" + key + "'");
   s.factor = optional_number(*scaling, "factor", 1.0, where);
   s.low_freq_factor = optional_number(*scaling, "low_freq_factor", 1.0, where);
   s.high_freq_factor = optional_number(*scaling, "high_freq_factor", 4.0, where);
   s.original_max_position = optional_int(*scaling, "original_max_position_embeddings", 8192, where);
-  require(s.factor > 0 && s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor &&
+  KVCC_REQUIRE(s.factor > 0 && s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor &&
               s.original_max_position > 0,
           where + ": llama3 rope scaling fields out of range");
 }
@@ -174,7 +174,7 @@ std::optional<std::string> token_text(const json& tokenizer_config, const char* 
 }  // namespace
 
 ModelConfig parse_hf_config(const json& config, const std::string& where) {
-  require(config.is_object(), where + ": not a JSON object");
+  KVCC_REQUIRE(config.is_object(), where + ": not a JSON object");
   ModelConfig cfg;
   cfg.architecture = architecture_of(config, where);
   cfg.hidden = required_int(config, "hidden_size", where);
@@ -183,13 +183,13 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   cfg.intermediate = required_int(config, "intermediate_size", where);
   cfg.vocab = required_int(config, "vocab_size", where);
   cfg.n_kv_heads = optional_int(config, "num_key_value_heads", cfg.n_heads, where);
-  require(cfg.n_kv_heads > 0 && cfg.n_heads % cfg.n_kv_heads == 0,
+  KVCC_REQUIRE(cfg.n_kv_heads > 0 && cfg.n_heads % cfg.n_kv_heads == 0,
           where + ": num_attention_heads " + std::to_string(cfg.n_heads) +
               " is not a multiple of num_key_value_heads " + std::to_string(cfg.n_kv_heads));
-  require(cfg.hidden % cfg.n_heads == 0 || present(config, "head_dim"),
+  KVCC_REQUIRE(cfg.hidden % cfg.n_heads == 0 || present(config, "head_dim"),
           where + ": hidden_size is not a multiple of num_attention_heads and head_dim is absent");
   cfg.head_dim = optional_int(config, "head_dim", cfg.hidden / cfg.n_heads, where);
-  require(cfg.head_dim > 0 && cfg.head_dim % 2 == 0, where + ": head_dim must be positive and even");
+  KVCC_REQUIRE(cfg.head_dim > 0 && cfg.head_dim % 2 == 0, where + ": head_dim must be positive and even");
   cfg.max_position = optional_int(config, "max_position_embeddings", 2048, where);
   cfg.rms_eps = optional_number(config, "rms_norm_eps", 1e-6, where);
   cfg.tied_embeddings = optional_bool(config, "tie_word_embeddings", false, where);
@@ -199,17 +199,17 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   const std::string act = present(config, "hidden_act") && config["hidden_act"].is_string()
                               ? config["hidden_act"].get<std::string>()
                               : "silu";
-  require(act == "silu", where + ": unsupported hidden_act '" + act + "' (only silu)");
-  require(!optional_bool(config, "mlp_bias", false, where), where + ": mlp_bias is not supported");
+  KVCC_REQUIRE(act == "silu", where + ": unsupported hidden_act '" + act + "' (only silu)");
+  KVCC_REQUIRE(!optional_bool(config, "mlp_bias", false, where), where + ": mlp_bias is not supported");
   if (cfg.architecture == "qwen2") {
     cfg.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias
   } else {
-    require(!optional_bool(config, "attention_bias", false, where),
+    KVCC_REQUIRE(!optional_bool(config, "attention_bias", false, where),
             where + ": attention_bias (with an o_proj bias) is not supported for " + cfg.architecture);
   }
   cfg.qk_norm = cfg.architecture == "qwen3";
   if (cfg.architecture == "qwen2" || cfg.architecture == "qwen3")
-    require(!optional_bool(config, "use_sliding_window", false, where),
+    KVCC_REQUIRE(!optional_bool(config, "use_sliding_window", false, where),
             where + ": use_sliding_window is not supported");
   cfg.bos_id = token_id(config, "bos_token_id").value_or(-1);
   cfg.eos_id = token_id(config, "eos_token_id").value_or(-1);
@@ -220,7 +220,7 @@ ModelConfig read_hf_config(const std::string& dir) {
   const fs::path root(dir);
   const fs::path config_path = root / "config.json";
   auto config = read_json_if_present(config_path);
-  require(config.has_value(), dir + ": no config.json (not a Hugging Face model directory)");
+  KVCC_REQUIRE(config.has_value(), dir + ": no config.json (not a Hugging Face model directory)");
   ModelConfig cfg = parse_hf_config(*config, config_path.string());
 
   const auto generation = read_json_if_present(root / "generation_config.json");

@@ -29,7 +29,7 @@ std::string param(const Recipe& recipe, const std::string& key, const std::strin
 // several KV heads (roundtrip_layer_page concatenates the heads' rotated rows).
 int channel_group(const Recipe& recipe, int d) {
   const int g = recipe.group > 0 ? recipe.group : d;
-  require(g <= d && d % g == 0, "recipe group " + std::to_string(g) +
+  KVCC_REQUIRE(g <= d && d % g == 0, "recipe group " + std::to_string(g) +
                                     " must divide the coded row width " + std::to_string(d) +
                                     " (head_dim, or the heads a spanning group covers)");
   return g;
@@ -84,7 +84,7 @@ void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ra
 }
 
 std::vector<float> checked_levels(const std::vector<double>& levels, int bits, const char* what) {
-  require(int(levels.size()) == (1 << bits),
+  KVCC_REQUIRE(int(levels.size()) == (1 << bits),
           std::string("artifact: ") + what + " has " + std::to_string(levels.size()) +
               " levels, expected " + std::to_string(1 << bits));
   return to_float(levels);
@@ -96,20 +96,20 @@ void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide
   const double nominal = side_nominal_bits(recipe, which);
   const NamedArray* split = find_extra(side, "split");
   const int n_hi = split && !split->data.empty() ? int(split->data[0]) : 0;
-  require(n_hi >= 0 && n_hi < d, "artifact: turboquant split out of range");
+  KVCC_REQUIRE(n_hi >= 0 && n_hi < d, "artifact: turboquant split out of range");
   const int b_lo = int(std::floor(nominal)) - (prod ? 1 : 0);
-  require(b_lo >= 1 || (prod && b_lo >= 0), "turboquant needs at least 1 bit per coordinate");
+  KVCC_REQUIRE(b_lo >= 1 || (prod && b_lo >= 0), "turboquant needs at least 1 bit per coordinate");
   std::vector<float> lo_levels, hi_levels;
   if (b_lo > 0) lo_levels = checked_levels(side.levels, b_lo, "turboquant levels");
   if (n_hi > 0) {
     const NamedArray* hi = find_extra(side, "outlier_levels");
-    require(hi != nullptr, "artifact: turboquant split without outlier_levels");
+    KVCC_REQUIRE(hi != nullptr, "artifact: turboquant split without outlier_levels");
     hi_levels = checked_levels(hi->data, b_lo + 1, "turboquant outlier_levels");
   }
   std::vector<float> s_mat;
   if (prod) {
     const NamedArray* s = find_extra(side, "qjl_matrix");
-    require(s != nullptr && s->data.size() == size_t(d) * d, "artifact: turboquant prod needs a [d, d] qjl_matrix");
+    KVCC_REQUIRE(s != nullptr && s->data.size() == size_t(d) * d, "artifact: turboquant prod needs a [d, d] qjl_matrix");
     s_mat = to_float(s->data);
   }
   const double qjl_scale = std::sqrt(M_PI / 2.0) / double(d);
@@ -202,7 +202,7 @@ Recipe side_recipe(const Recipe& recipe, KvSide side) {
   if (side != KvSide::Value || it == recipe.params.end() || method_of(recipe) != Method::Kivi) return recipe;
   // The table's choices: a rotated per-token grid.
   const std::vector<std::string> problems = method_param_problems(Method::Kivi, {{"values", it->second}});
-  require(problems.empty(), problems.empty() ? "" : problems.front());
+  KVCC_REQUIRE(problems.empty(), problems.empty() ? "" : problems.front());
   Recipe r = recipe;
   r.method = it->second;
   r.group = 0;  // kivi's group counts key tokens; the value grid is per token over head_dim
@@ -217,15 +217,15 @@ double side_nominal_bits(const Recipe& recipe, KvSide side) {
 int side_code_bits(const Recipe& recipe, KvSide side) {
   const double b = side_nominal_bits(recipe, side);
   const int bits = int(std::floor(b));
-  require(bits >= 1 && bits <= 8, "bits per element must be between 1 and 8, got " + std::to_string(b));
-  require(double(bits) == b || method_traits(method_of(recipe)).fractional_bits,
+  KVCC_REQUIRE(bits >= 1 && bits <= 8, "bits per element must be between 1 and 8, got " + std::to_string(b));
+  KVCC_REQUIRE(double(bits) == b || method_traits(method_of(recipe)).fractional_bits,
           "fractional bits (" + std::to_string(b) + ") need --method " +
               method_names([](const MethodTraits& t) { return t.fractional_bits; }) + " (outlier split)");
   return bits;
 }
 
 void rotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out) {
-  require(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
+  KVCC_REQUIRE(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
   std::vector<double> acc(static_cast<size_t>(d));
   for (int t = 0; t < n; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0);
@@ -240,7 +240,7 @@ void rotate_rows(const std::vector<double>& rotation, int d, const float* rows, 
 }
 
 void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out) {
-  require(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
+  KVCC_REQUIRE(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
   for (int t = 0; t < n; ++t) {
     const float* y = rows + size_t(t) * d;
     for (int i = 0; i < d; ++i) {
@@ -298,7 +298,7 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
     case CodecFamily::CommvqCodebooks:
       // Values: residual VQ of the rows (already in the side's rotated basis). Keys are coded
       // pre-RoPE and need each row's position: commvq_roundtrip_keys in formats/codec_commvq.h.
-      require(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
+      KVCC_REQUIRE(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
                                       "commvq_roundtrip_keys (formats/codec_commvq.h)");
       return commvq_roundtrip_values(commvq_value_codebook(side, d, false), y, size_t(n), out);
   }
@@ -315,7 +315,7 @@ void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which
 
 std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
                                   const float* rows, int n) {
-  require(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
+  KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
           "artifact has no (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv_head) + ")");
   const HeadArtifact& h = artifact.head(layer, kv_head);
   std::vector<float> out(size_t(n) * artifact.head_dim);
@@ -329,12 +329,12 @@ int group_span(const Recipe& recipe, int d, int n_kv) {
   const MethodTraits& t = method_traits(method_of(recipe));
   if (t.codec == CodecFamily::KiviChannel) return 1;  // kivi: group = key tokens
   const int g = recipe.group;
-  require(t.spans_heads,
+  KVCC_REQUIRE(t.spans_heads,
           "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) + ": method " +
               recipe.method + " cannot span KV heads (only " +
               method_names([](const MethodTraits& m) { return m.spans_heads; }, ", ", " and ") +
               " quantise per-token channel groups that can)");
-  require(g % d == 0 && (n_kv * d) % g == 0,
+  KVCC_REQUIRE(g % d == 0 && (n_kv * d) % g == 0,
           "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) +
               ", so it must be a multiple of head_dim dividing n_kv_heads*head_dim = " +
               std::to_string(n_kv * d) + " (a group spans whole KV heads of one token)");
@@ -343,7 +343,7 @@ int group_span(const Recipe& recipe, int d, int n_kv) {
 
 void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
                           float* out) {
-  require(layer >= 0 && layer < artifact.n_layers,
+  KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers,
           "artifact has no layer " + std::to_string(layer));
   if (n <= 0) return;
   const Recipe& recipe = artifact.recipe;
@@ -360,7 +360,7 @@ void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, con
     for (int k = 0; k < span; ++k) {
       const SideArtifact& s = side_of(h0 + k);
       // One group has one clip ratio / level table: compile stores the joint fit in every head.
-      require(s.clip_ratio == first.clip_ratio && s.levels == first.levels,
+      KVCC_REQUIRE(s.clip_ratio == first.clip_ratio && s.levels == first.levels,
               "artifact: layer " + std::to_string(layer) + " KV heads " + std::to_string(h0) + " and " +
                   std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio or levels");
       for (int t = 0; t < n; ++t)
@@ -508,7 +508,7 @@ std::vector<std::string> verify_turboquant(const Artifact& a) {
 }
 
 double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {
-  require(context_len > 0, "effective bits need a positive context length");
+  KVCC_REQUIRE(context_len > 0, "effective bits need a positive context length");
   const double window = double(std::min<int64_t>(context_len, int64_t(recipe.sink) + recipe.recent));
   const double quantised = double(context_len) - window;
   double total = 0.0;

@@ -171,7 +171,7 @@ const std::vector<Method>& all_methods() {
 
 const MethodTraits& method_traits(Method m) {
   const MethodTraits& t = table().at(size_t(m));
-  require(t.method == m, "method table is out of enum order");
+  KVCC_REQUIRE(t.method == m, "method table is out of enum order");
   return t;
 }
 
@@ -185,7 +185,7 @@ std::optional<Method> find_method(std::string_view name) {
 
 Method method_from_name(std::string_view name) {
   const std::optional<Method> m = find_method(name);
-  require(m.has_value(), "unknown method '" + std::string(name) + "' (expected " + method_names() + ")");
+  KVCC_REQUIRE(m.has_value(), "unknown method '" + std::string(name) + "' (expected " + method_names() + ")");
   return *m;
 }
 
@@ -242,7 +242,7 @@ void check_method_options(Method m, unsigned given, const std::map<std::string, 
     throw Error(flag + " applies to " + join(takers, ", ", " and ") + " only, not " + t.name);
   }
   const std::vector<std::string> problems = method_param_problems(m, params);
-  require(problems.empty(), problems.empty() ? "" : problems.front());
+  KVCC_REQUIRE(problems.empty(), problems.empty() ? "" : problems.front());
   // A parameter naming another method (kivi --values) codes a side as that method.
   unsigned accepted = t.options;
   for (const MethodParam& p : t.params)

@@ -125,7 +125,7 @@ std::vector<double> rope_inv_freq(const ModelConfig& c) {
       }
     }
   } else {
-    require(c.rope_scaling.type == "default", "unsupported rope scaling type " + c.rope_scaling.type);
+    KVCC_REQUIRE(c.rope_scaling.type == "default", "unsupported rope scaling type " + c.rope_scaling.type);
   }
   return inv_freq;
 }

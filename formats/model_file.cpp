@@ -25,7 +25,7 @@ struct ModelFile::Impl {
 
   const TensorView& find(const std::string& name) const {
     auto it = tensors.find(name);
-    require(it != tensors.end(), path + ": missing tensor " + name);
+    KVCC_REQUIRE(it != tensors.end(), path + ": missing tensor " + name);
     return it->second;
   }
 };
@@ -79,7 +79,7 @@ std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
   const fs::path single_path = dir / "model.safetensors";
   if (fs::exists(index_path)) {
     std::ifstream in(index_path);
-    require(bool(in), index_path.string() + ": cannot open");
+    KVCC_REQUIRE(bool(in), index_path.string() + ": cannot open");
     std::stringstream text;
     text << in.rdbuf();
     nlohmann::json index;
@@ -88,31 +88,31 @@ std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
     } catch (const nlohmann::json::exception& e) {
       throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
     }
-    require(index.contains("weight_map") && index["weight_map"].is_object(),
+    KVCC_REQUIRE(index.contains("weight_map") && index["weight_map"].is_object(),
             index_path.string() + ": missing field 'weight_map'");
     std::map<std::string, std::map<std::string, TensorView>> shards;
     std::map<std::string, TensorView> tensors;
     for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
-      require(it.value().is_string(), index_path.string() + ": weight_map entry " + it.key() +
+      KVCC_REQUIRE(it.value().is_string(), index_path.string() + ": weight_map entry " + it.key() +
                                           " is not a file name");
       const std::string shard = it.value().get<std::string>();
-      require(shard.find('/') == std::string::npos,
+      KVCC_REQUIRE(shard.find('/') == std::string::npos,
               index_path.string() + ": shard name '" + shard + "' is not a plain file name");
       auto found = shards.find(shard);
       if (found == shards.end()) {
         const fs::path shard_path = dir / shard;
-        require(fs::exists(shard_path), index_path.string() + " names shard " + shard +
+        KVCC_REQUIRE(fs::exists(shard_path), index_path.string() + " names shard " + shard +
                                             ", which does not exist");
         found = shards.emplace(shard, read_safetensors(shard_path.string())).first;
       }
       auto tensor = found->second.find(it.key());
-      require(tensor != found->second.end(), index_path.string() + " places tensor " + it.key() +
+      KVCC_REQUIRE(tensor != found->second.end(), index_path.string() + " places tensor " + it.key() +
                                                  " in " + shard + ", which lacks it");
       tensors.emplace(it.key(), tensor->second);
     }
     return tensors;
   }
-  require(fs::exists(single_path),
+  KVCC_REQUIRE(fs::exists(single_path),
           dir.string() + ": no model.safetensors or model.safetensors.index.json");
   return read_safetensors(single_path.string());
 }
@@ -137,12 +137,12 @@ ModelFile ModelFile::open(const std::string& path) {
   impl->path = path;
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
-  require(!ec && fs::exists(status), "model path " + path + " does not exist");
+  KVCC_REQUIRE(!ec && fs::exists(status), "model path " + path + " does not exist");
   if (fs::is_directory(status)) {
     impl->config = read_hf_config(path);
     impl->tensors = read_hf_weights(path);
   } else {
-    require(fs::path(path).extension() == ".bin",
+    KVCC_REQUIRE(fs::path(path).extension() == ".bin",
             path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
     impl->tensors = read_llama2c(path, impl->config);
   }
@@ -163,9 +163,9 @@ ModelFile ModelFile::open(const std::string& path) {
   }
   for (const auto& [name, shape] : expected_tensors(impl->config)) {
     const TensorView& view = impl->find(name);
-    require(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
+    KVCC_REQUIRE(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
                                      " but the config implies " + shape_text(shape));
-    require(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 ||
+    KVCC_REQUIRE(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 ||
                 view.dtype == TensorDType::BF16 || view.dtype == TensorDType::F64,
             path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
   }
@@ -208,8 +208,8 @@ std::vector<float> ModelFile::tensor_f32(const std::string& name) const {
 void ModelFile::tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows,
                                 float* out) const {
   const TensorView& view = impl_->find(name);
-  require(view.shape.size() == 2, impl_->path + ": tensor " + name + " is not a matrix");
-  require(row0 >= 0 && n_rows >= 0 && row0 + n_rows <= view.shape[0],
+  KVCC_REQUIRE(view.shape.size() == 2, impl_->path + ": tensor " + name + " is not a matrix");
+  KVCC_REQUIRE(row0 >= 0 && n_rows >= 0 && row0 + n_rows <= view.shape[0],
           impl_->path + ": rows [" + std::to_string(row0) + ", " + std::to_string(row0 + n_rows) +
               ") out of range for tensor " + name + " with " + std::to_string(view.shape[0]) + " rows");
   const size_t cols = size_t(view.shape[1]);

@@ -9,7 +9,7 @@ namespace kvcc {
 void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes,
                   uint16_t* params) {
   uint8_t unpacked[1024];
-  require(g.head_dim <= 1024, "append: head_dim above 1024");
+  KVCC_REQUIRE(g.head_dim <= 1024, "append: head_dim above 1024");
   for (int grp = 0; grp < g.groups(); ++grp) {
     const float* x = row + grp * g.group;
     GroupParams p;

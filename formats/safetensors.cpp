@@ -17,7 +17,7 @@ namespace kvcc {
 
 std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  require(fd >= 0, path + ": cannot open (" + std::strerror(errno) + ")");
+  KVCC_REQUIRE(fd >= 0, path + ": cannot open (" + std::strerror(errno) + ")");
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -84,7 +84,7 @@ int64_t TensorView::numel() const {
 }
 
 void tensor_to_f32(const TensorView& t, size_t first, size_t count, float* out) {
-  require(first + count <= size_t(t.numel()),
+  KVCC_REQUIRE(first + count <= size_t(t.numel()),
           "tensor " + t.name + ": elements [" + std::to_string(first) + ", " +
               std::to_string(first + count) + ") out of range");
   const size_t elem = tensor_dtype_size(t.dtype);
@@ -111,10 +111,10 @@ void tensor_to_f32(const TensorView& t, size_t first, size_t count, float* out) 
 std::map<std::string, TensorView> read_safetensors(const std::string& path) {
   auto file = MappedFile::open(path);
   const size_t file_size = file->size();
-  require(file_size >= 8, path + ": truncated safetensors file (" + std::to_string(file_size) +
+  KVCC_REQUIRE(file_size >= 8, path + ": truncated safetensors file (" + std::to_string(file_size) +
                               " bytes, shorter than the 8-byte header length)");
   const uint64_t header_len = load_unaligned<uint64_t>(file->data());  // little-endian hosts only
-  require(header_len <= file_size - 8,
+  KVCC_REQUIRE(header_len <= file_size - 8,
           path + ": safetensors header length " + std::to_string(header_len) +
               " exceeds the file size " + std::to_string(file_size) + " (truncated or not safetensors)");
   nlohmann::json header;
@@ -123,7 +123,7 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     throw Error(path + ": safetensors header is not valid JSON (" + e.what() + ")");
   }
-  require(header.is_object(), path + ": safetensors header is not a JSON object");
+  KVCC_REQUIRE(header.is_object(), path + ": safetensors header is not a JSON object");
   const uint8_t* data_start = file->data() + 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
@@ -133,7 +133,7 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
     const std::string& name = it.key();
     const auto& entry = it.value();
     const std::string where = path + ": tensor '" + name + "'";
-    require(entry.is_object() && entry.contains("dtype") && entry.contains("shape") &&
+    KVCC_REQUIRE(entry.is_object() && entry.contains("dtype") && entry.contains("shape") &&
                 entry.contains("data_offsets"),
             where + " lacks dtype, shape or data_offsets");
     TensorView view;
@@ -143,30 +143,30 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
     const std::string dtype_name = entry["dtype"].is_string() ? entry["dtype"].get<std::string>() : "?";
     for (const auto& info : kDTypes)
       if (dtype_name == info.name) view.dtype = info.dtype, known = true;
-    require(known, where + " has unknown dtype '" + dtype_name + "'");
+    KVCC_REQUIRE(known, where + " has unknown dtype '" + dtype_name + "'");
 
-    require(entry["shape"].is_array(), where + ": shape is not an array");
+    KVCC_REQUIRE(entry["shape"].is_array(), where + ": shape is not an array");
     uint64_t numel = 1;
     for (const auto& dim : entry["shape"]) {
-      require(dim.is_number_integer() && dim.get<int64_t>() >= 0, where + ": bad shape entry");
+      KVCC_REQUIRE(dim.is_number_integer() && dim.get<int64_t>() >= 0, where + ": bad shape entry");
       const uint64_t d = dim.get<uint64_t>();
-      require(d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d,
+      KVCC_REQUIRE(d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d,
               where + ": shape overflows");
       numel *= d;
       view.shape.push_back(int64_t(d));
     }
     const auto& offsets = entry["data_offsets"];
-    require(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
+    KVCC_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
                 offsets[1].is_number_unsigned(),
             where + ": data_offsets is not a pair of unsigned integers");
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    require(begin <= end, where + ": data_offsets [" + std::to_string(begin) + ", " +
+    KVCC_REQUIRE(begin <= end, where + ": data_offsets [" + std::to_string(begin) + ", " +
                               std::to_string(end) + ") are reversed");
     const uint64_t expected = numel * tensor_dtype_size(view.dtype);
-    require(end - begin == expected,
+    KVCC_REQUIRE(end - begin == expected,
             where + ": data_offsets span " + std::to_string(end - begin) + " bytes but " +
                 dtype_name + " x shape needs " + std::to_string(expected));
-    require(end <= data_size, where + ": data [" + std::to_string(begin) + ", " + std::to_string(end) +
+    KVCC_REQUIRE(end <= data_size, where + ": data [" + std::to_string(begin) + ", " + std::to_string(end) +
                                   ") lies beyond the end of the file's " + std::to_string(data_size) +
                                   " data bytes (truncated or corrupt)");
     view.data = data_start + begin;

@@ -15,10 +15,10 @@ void write_safetensors_f32(const std::string& path, const std::vector<F32Tensor>
   std::set<std::string> names;
   uint64_t offset = 0;
   for (const F32Tensor& t : tensors) {
-    require(names.insert(t.name).second, "safetensors: duplicate tensor name '" + t.name + "'");
+    KVCC_REQUIRE(names.insert(t.name).second, "safetensors: duplicate tensor name '" + t.name + "'");
     int64_t count = 1;
     for (int64_t s : t.shape) count *= s;
-    require(count == int64_t(t.data.size()),
+    KVCC_REQUIRE(count == int64_t(t.data.size()),
             "safetensors: tensor '" + t.name + "' shape does not match its " +
                 std::to_string(t.data.size()) + " elements");
     const uint64_t bytes = uint64_t(count) * sizeof(float);
@@ -29,7 +29,7 @@ void write_safetensors_f32(const std::string& path, const std::vector<F32Tensor>
   text.append((8 - text.size() % 8) % 8, ' ');
   write_file_atomically(path, [&](const std::string& tmp) {
     std::ofstream out(tmp, std::ios::binary);
-    require(bool(out), "cannot write '" + tmp + "'");
+    KVCC_REQUIRE(bool(out), "cannot write '" + tmp + "'");
     const uint64_t n = text.size();
     unsigned char len[8];
     for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));  // little-endian
@@ -37,7 +37,7 @@ void write_safetensors_f32(const std::string& path, const std::vector<F32Tensor>
     out.write(text.data(), std::streamsize(text.size()));
     for (const F32Tensor& t : tensors)
       out.write(reinterpret_cast<const char*>(t.data.data()), std::streamsize(t.data.size() * sizeof(float)));
-    require(bool(out), "write failed: '" + tmp + "'");
+    KVCC_REQUIRE(bool(out), "write failed: '" + tmp + "'");
   });
 }
 

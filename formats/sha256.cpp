@@ -113,12 +113,12 @@ std::string sha256_hex(std::string_view s) { return sha256_hex(s.data(), s.size(
 
 std::string sha256_file_hex(const std::string& path) {
   std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  require(file != nullptr, path + ": cannot open for reading (" + std::strerror(errno) + ")");
+  KVCC_REQUIRE(file != nullptr, path + ": cannot open for reading (" + std::strerror(errno) + ")");
   Sha256 hash;
   std::vector<char> chunk(1 << 20);
   size_t got;
   while ((got = std::fread(chunk.data(), 1, chunk.size(), file.get())) > 0) hash.update(chunk.data(), got);
-  require(!std::ferror(file.get()), path + ": read error");
+  KVCC_REQUIRE(!std::ferror(file.get()), path + ": read error");
   return hash.hex_digest();
 }
 

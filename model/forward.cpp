@@ -55,7 +55,7 @@ void add_bias(S* y, int T, int n, const std::vector<S>& bias) {
 template <typename S>
 std::vector<S> load_checked(const ModelFile& model, const std::string& name, size_t numel) {
   std::vector<float> v = model.tensor_f32(name);
-  require(v.size() == numel, model.path() + ": tensor " + name + " has " + std::to_string(v.size()) +
+  KVCC_REQUIRE(v.size() == numel, model.path() + ": tensor " + name + " has " + std::to_string(v.size()) +
                                  " elements, expected " + std::to_string(numel));
   if constexpr (std::is_same_v<S, float>)
     return v;
@@ -68,7 +68,7 @@ std::vector<S> load_checked(const ModelFile& model, const std::string& name, siz
 template <typename S>
 BasicLayerWeights<S> load_layer(const ModelFile& model, int layer) {
   const ModelConfig& c = model.config();
-  require(layer >= 0 && layer < c.n_layers,
+  KVCC_REQUIRE(layer >= 0 && layer < c.n_layers,
           "layer " + std::to_string(layer) + " out of range (model has " + std::to_string(c.n_layers) + ")");
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const size_t hidden = size_t(c.hidden), qdim = size_t(c.n_heads) * c.head_dim,
@@ -133,7 +133,7 @@ void embed(const ModelFile& model, const int32_t* ids, int T, S* x) {
   const ModelConfig& c = model.config();
   std::vector<float> row(std::is_same_v<S, float> ? 0 : size_t(c.hidden));
   for (int t = 0; t < T; ++t) {
-    require(ids[t] >= 0 && ids[t] < c.vocab, "token id " + std::to_string(ids[t]) + " at position " +
+    KVCC_REQUIRE(ids[t] >= 0 && ids[t] < c.vocab, "token id " + std::to_string(ids[t]) + " at position " +
                                                  std::to_string(t) + " is outside the vocabulary (" +
                                                  std::to_string(c.vocab) + ")");
     if constexpr (std::is_same_v<S, float>) {
@@ -212,7 +212,7 @@ void attend(const ModelConfig& c, int64_t n0, int T, const S* q, const S* key, c
 template <typename S>
 void prefix_causal_attention(const ModelConfig& c, int64_t n0, int T, const S* q, const S* key, const S* value,
                              S* out) {
-  require(n0 >= 0, "prefix_causal_attention: negative prefix length");
+  KVCC_REQUIRE(n0 >= 0, "prefix_causal_attention: negative prefix length");
   attend(c, n0, T, q, key, value, out, nullptr, nullptr);
 }
 
@@ -220,8 +220,8 @@ template <typename S>
 void causal_attention(const ModelConfig& c, int T, const S* q, const S* key, const S* value, S* out,
                       AttentionObserver* observer, const SequenceTaps* taps) {
   if (T <= 0) return;
-  require(!observer || taps, "causal_attention: an observer needs the caller's SequenceTaps");
-  require(!observer || std::is_same_v<S, float>, "causal_attention: observers see float32 activations only");
+  KVCC_REQUIRE(!observer || taps, "causal_attention: an observer needs the caller's SequenceTaps");
+  KVCC_REQUIRE((!observer || std::is_same_v<S, float>), "causal_attention: observers see float32 activations only");
   if (observer) observer->on_qkv(*taps);
   attend(c, 0, T, q, key, value, out, observer, taps);
 }

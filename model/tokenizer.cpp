@@ -53,11 +53,11 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     const fs::path json_path = fs::path(path) / "tokenizer.json";
-    require(fs::exists(json_path, ec), "no tokenizer.json in directory " + path);
+    KVCC_REQUIRE(fs::exists(json_path, ec), "no tokenizer.json in directory " + path);
     return detail::load_hf_tokenizer(json_path.string());
   }
   std::ifstream in(path, std::ios::binary);
-  require(in.good(), "cannot open tokenizer " + path + " (no such file or not readable)");
+  KVCC_REQUIRE(in.good(), "cannot open tokenizer " + path + " (no such file or not readable)");
   const std::string extension = fs::path(path).extension().string();
   if (extension == ".json") return detail::load_hf_tokenizer(path);
   if (extension == ".bin") return detail::load_llama2c_tokenizer(path);
@@ -65,7 +65,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
   char first = 0;
   while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {
   }
-  require(in.gcount() > 0, "tokenizer " + path + " is empty");
+  KVCC_REQUIRE(in.gcount() > 0, "tokenizer " + path + " is empty");
   if (first == '{') return detail::load_hf_tokenizer(path);
   return detail::load_llama2c_tokenizer(path);
 }
@@ -85,11 +85,11 @@ fs::path find_llama2c_tokenizer(const fs::path& model_path, int vocab_size) {
     const std::string name = entry.path().filename().string();
     if (name.starts_with("tok") && name.ends_with(".bin")) candidates.push_back(entry.path());
   }
-  require(!candidates.empty(), "no tokenizer.bin or tok*.bin beside " + model_path.string() + " (pass the tokenizer explicitly)");
+  KVCC_REQUIRE(!candidates.empty(), "no tokenizer.bin or tok*.bin beside " + model_path.string() + " (pass the tokenizer explicitly)");
   std::sort(candidates.begin(), candidates.end());
   std::string names;
   for (const auto& c : candidates) names += (names.empty() ? "" : ", ") + c.filename().string();
-  require(candidates.size() == 1, "several tokenizers beside " + model_path.string() + " (" + names + "); pass one explicitly");
+  KVCC_REQUIRE(candidates.size() == 1, "several tokenizers beside " + model_path.string() + " (" + names + "); pass one explicitly");
   return candidates.front();
 }
 
@@ -103,17 +103,17 @@ std::unique_ptr<Tokenizer> Tokenizer::for_model(const std::string& model_path, i
     tokenizer = from_file(explicit_path);
   } else if (fs::is_directory(model_path, ec)) {
     const fs::path json_path = fs::path(model_path) / "tokenizer.json";
-    require(fs::exists(json_path, ec), "no tokenizer.json in model directory " + model_path);
+    KVCC_REQUIRE(fs::exists(json_path, ec), "no tokenizer.json in model directory " + model_path);
     tokenizer = from_file(json_path.string());
   } else {
-    require(fs::exists(model_path, ec), "model path " + model_path + " does not exist");
+    KVCC_REQUIRE(fs::exists(model_path, ec), "model path " + model_path + " does not exist");
     tokenizer = from_file(find_llama2c_tokenizer(model_path, vocab_size).string());
   }
   // Models may pad their embedding table past the tokenizer's last id (Qwen: 151936 rows for
   // 151665 tokens) for alignment; a gap of more than 1% means a different tokenizer.
   const int tokens = tokenizer->vocab_size();
   const bool padded = tokens < vocab_size && static_cast<int64_t>(vocab_size - tokens) * 100 < vocab_size;
-  require(vocab_size <= 0 || tokens == vocab_size || padded,
+  KVCC_REQUIRE(vocab_size <= 0 || tokens == vocab_size || padded,
           "tokenizer has " + std::to_string(tokens) + " tokens but the model's vocabulary is " + std::to_string(vocab_size));
   return tokenizer;
 }
@@ -141,9 +141,9 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
 }
 
 std::string read_text_file(const std::string& path, const std::string& what) {
-  require(std::filesystem::is_regular_file(path), what + " '" + path + "' does not exist or is not a file");
+  KVCC_REQUIRE(std::filesystem::is_regular_file(path), what + " '" + path + "' does not exist or is not a file");
   std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot open " + what + " '" + path + "'");
+  KVCC_REQUIRE(bool(in), "cannot open " + what + " '" + path + "'");
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
@@ -170,7 +170,7 @@ void write_token_id_file(const std::string& path, const std::vector<std::vector<
 
 std::vector<std::vector<int32_t>> read_token_id_file(const std::string& path) {
   std::ifstream in(path);
-  require(in.good(), "cannot open token id file " + path);
+  KVCC_REQUIRE(in.good(), "cannot open token id file " + path);
   std::vector<std::vector<int32_t>> documents;
   std::string line;
   for (size_t line_number = 1; std::getline(in, line); ++line_number) {
@@ -193,7 +193,7 @@ std::vector<std::vector<int32_t>> read_token_id_file(const std::string& path) {
     }
     if (!ids.empty()) documents.push_back(std::move(ids));
   }
-  require(!documents.empty(), "token id file " + path + " holds no token ids");
+  KVCC_REQUIRE(!documents.empty(), "token id file " + path + " holds no token ids");
   return documents;
 }
 

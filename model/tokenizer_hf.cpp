@@ -258,7 +258,7 @@ void split_piece(const Piece& piece, const Regex& regex, SplitBehavior behavior,
 }
 
 std::string json_string(const json& j, const char* key, const std::string& where) {
-  require(j.contains(key) && j[key].is_string(), where + ": missing string field \"" + key + "\"");
+  KVCC_REQUIRE(j.contains(key) && j[key].is_string(), where + ": missing string field \"" + key + "\"");
   return j[key].get<std::string>();
 }
 
@@ -325,7 +325,7 @@ std::string unicode_normalize(const std::string& text, NormalizerStep::Kind kind
   int32_t out_length = 0;
   if (U_SUCCESS(status))
     u_strToUTF8(out.data(), static_cast<int32_t>(out.size()), &out_length, normalized.data(), normalized_length, &status);
-  require(U_SUCCESS(status), std::string("Unicode normalization failed: ") + u_errorName(status));
+  KVCC_REQUIRE(U_SUCCESS(status), std::string("Unicode normalization failed: ") + u_errorName(status));
   out.resize(out_length);
   return out;
 #else
@@ -393,7 +393,7 @@ void parse_pre_tokenizer(const json& j, PreTokenizer& pre) {
   const std::string type = json_string(j, "type", "tokenizer.json pre_tokenizer");
   // The byte mapping changes every character, so later splits would see different text; the
   // tokenizers that use ByteLevel put it last.
-  require(!pre.byte_level, "tokenizer.json has a pre-tokenizer after ByteLevel, which kvcc does not support");
+  KVCC_REQUIRE(!pre.byte_level, "tokenizer.json has a pre-tokenizer after ByteLevel, which kvcc does not support");
   if (type == "Sequence") {
     for (const json& sub : j.at("pretokenizers")) parse_pre_tokenizer(sub, pre);
   } else if (type == "Split") {
@@ -492,7 +492,7 @@ void parse_decoder(const json& j, std::vector<DecoderStep>& steps) {
     for (const json& sub : j.at("decoders")) parse_decoder(sub, steps);
   } else if (type == "Replace") {
     const json& pattern = j.at("pattern");
-    require(pattern.contains("String"), "tokenizer.json: a Replace decoder with a regex is not supported");
+    KVCC_REQUIRE(pattern.contains("String"), "tokenizer.json: a Replace decoder with a regex is not supported");
     steps.push_back(DecoderStep{DecoderStep::Replace, pattern["String"].get<std::string>(), json_string(j, "content", "Replace")});
   } else if (type == "ByteFallback") {
     steps.push_back(DecoderStep{DecoderStep::ByteFallback});
@@ -660,7 +660,7 @@ class HfBpeTokenizer final : public Tokenizer {
  public:
   explicit HfBpeTokenizer(const std::string& path) {
     std::ifstream in(path);
-    require(in.good(), "cannot open tokenizer " + path);
+    KVCC_REQUIRE(in.good(), "cannot open tokenizer " + path);
     json root;
     try {
       root = json::parse(in);
@@ -708,7 +708,7 @@ class HfBpeTokenizer final : public Tokenizer {
     std::vector<std::string> tokens;
     tokens.reserve(ids.size());
     for (int32_t id : ids) {
-      require(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
+      KVCC_REQUIRE(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
                                                 std::to_string(vocab_size()));
       if (is_special_[id]) continue;  // as the library's decode(skip_special_tokens=True)
       tokens.push_back(id_to_token_[id]);
@@ -732,18 +732,18 @@ class HfBpeTokenizer final : public Tokenizer {
   void load(const json& root) {
     const json& model = root.at("model");
     const std::string type = model.value("type", "BPE");
-    require(type == "BPE", "the model type is \"" + type + "\"; kvcc supports BPE tokenizers only");
+    KVCC_REQUIRE(type == "BPE", "the model type is \"" + type + "\"; kvcc supports BPE tokenizers only");
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-      require(!model.contains(key) || model[key].is_null() || model[key] == "",
+      KVCC_REQUIRE(!model.contains(key) || model[key].is_null() || model[key] == "",
               std::string("BPE ") + key + " is not supported");
 
     for (const auto& [token, id] : model.at("vocab").items()) {
       const int32_t value = id.get<int32_t>();
-      require(value >= 0, "vocabulary id " + std::to_string(value) + " of \"" + token + "\" is negative");
+      KVCC_REQUIRE(value >= 0, "vocabulary id " + std::to_string(value) + " of \"" + token + "\" is negative");
       vocab_.emplace(token, value);
       set_token(value, token);
     }
-    require(!vocab_.empty(), "the BPE vocabulary is empty");
+    KVCC_REQUIRE(!vocab_.empty(), "the BPE vocabulary is empty");
     const json& merges = model.at("merges");
     for (size_t rank = 0; rank < merges.size(); ++rank) {
       std::string left, right;
@@ -753,7 +753,7 @@ class HfBpeTokenizer final : public Tokenizer {
       } else {
         const std::string merge = merges[rank].get<std::string>();
         const size_t space = merge.find(' ');
-        require(space != std::string::npos && merge.find(' ', space + 1) == std::string::npos,
+        KVCC_REQUIRE(space != std::string::npos && merge.find(' ', space + 1) == std::string::npos,
                 "merge " + std::to_string(rank) + " \"" + merge + "\" is not two tokens separated by a space");
         left = merge.substr(0, space);
         right = merge.substr(space + 1);
@@ -767,7 +767,7 @@ class HfBpeTokenizer final : public Tokenizer {
     ignore_merges_ = model.value("ignore_merges", false);
     if (model.contains("unk_token") && model["unk_token"].is_string()) {
       auto it = vocab_.find(model["unk_token"].get<std::string>());
-      require(it != vocab_.end(), "the unk_token is not in the vocabulary");
+      KVCC_REQUIRE(it != vocab_.end(), "the unk_token is not in the vocabulary");
       unk_id_ = it->second;
     }
     for (int b = 0; b < 256; ++b) {
@@ -785,7 +785,7 @@ class HfBpeTokenizer final : public Tokenizer {
 
     if (root.contains("added_tokens")) {
       for (const json& t : root["added_tokens"]) {
-        require(!t.value("single_word", false), "added token \"" + t.value("content", "") +
+        KVCC_REQUIRE(!t.value("single_word", false), "added token \"" + t.value("content", "") +
                                                     "\" is single_word, which kvcc does not support");
         added_.push_back({t.at("id").get<int32_t>(), t.at("content").get<std::string>(), t.value("special", false),
                           t.value("normalized", true), t.value("lstrip", false), t.value("rstrip", false)});
@@ -793,7 +793,7 @@ class HfBpeTokenizer final : public Tokenizer {
     }
     is_special_.assign(id_to_token_.size(), false);
     for (const AddedToken& t : added_) {
-      require(t.id >= 0, "added token \"" + t.content + "\" has a negative id");
+      KVCC_REQUIRE(t.id >= 0, "added token \"" + t.content + "\" has a negative id");
       set_token(t.id, t.content);
       is_special_.resize(id_to_token_.size(), false);
       if (t.special) is_special_[t.id] = true;
@@ -811,7 +811,7 @@ class HfBpeTokenizer final : public Tokenizer {
     raw_matcher_.finish();
     normalized_matcher_.finish();
     for (size_t id = 0; id < id_to_token_.size(); ++id)
-      require(has_token_[id], "token id " + std::to_string(id) + " has no token (the ids have a gap)");
+      KVCC_REQUIRE(has_token_[id], "token id " + std::to_string(id) + " has no token (the ids have a gap)");
 
     parse_post_processor(root.value("post_processor", json()));
   }
@@ -827,10 +827,10 @@ class HfBpeTokenizer final : public Tokenizer {
       for (const json& item : j.at("single")) {
         if (item.contains("Sequence")) break;
         const std::string name = item.at("SpecialToken").at("id").get<std::string>();
-        require(j.at("special_tokens").contains(name), "the template's special token \"" + name + "\" is not defined");
+        KVCC_REQUIRE(j.at("special_tokens").contains(name), "the template's special token \"" + name + "\" is not defined");
         for (const json& id : j["special_tokens"][name].at("ids")) {
           const int32_t value = id.get<int32_t>();
-          require(value >= 0 && value < vocab_size(), "the template's special token \"" + name + "\" has id " +
+          KVCC_REQUIRE(value >= 0 && value < vocab_size(), "the template's special token \"" + name + "\" has id " +
                                                           std::to_string(value) + ", outside the vocabulary");
           bos_prefix_.push_back(value);
         }
@@ -866,7 +866,7 @@ class HfBpeTokenizer final : public Tokenizer {
 
   int32_t vocab_id(const std::string& token, size_t rank) const {
     auto it = vocab_.find(token);
-    require(it != vocab_.end(), "merge " + std::to_string(rank) + " uses \"" + token + "\", which is not in the vocabulary");
+    KVCC_REQUIRE(it != vocab_.end(), "merge " + std::to_string(rank) + " uses \"" + token + "\", which is not in the vocabulary");
     return it->second;
   }
 

@@ -29,11 +29,11 @@ class Llama2cTokenizer final : public Tokenizer {
  public:
   explicit Llama2cTokenizer(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
-    require(in.good(), "cannot open tokenizer " + path);
+    KVCC_REQUIRE(in.good(), "cannot open tokenizer " + path);
     const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     size_t offset = 0;
     auto read_i32 = [&](const char* field) {
-      require(offset + 4 <= bytes.size(), "tokenizer " + path + " is truncated (in " + field +
+      KVCC_REQUIRE(offset + 4 <= bytes.size(), "tokenizer " + path + " is truncated (in " + field +
                                               " of token " + std::to_string(pieces_.size()) + ")");
       int32_t v;
       std::memcpy(&v, bytes.data() + offset, 4);
@@ -42,7 +42,7 @@ class Llama2cTokenizer final : public Tokenizer {
     };
     const int32_t max_token_length = read_i32("the header");
     // Real vocabularies have pieces of a few dozen bytes; anything else is not a tokenizer.bin.
-    require(max_token_length > 0 && max_token_length <= 4096,
+    KVCC_REQUIRE(max_token_length > 0 && max_token_length <= 4096,
             "tokenizer " + path + " is corrupt: max_token_length " + std::to_string(max_token_length));
     while (offset < bytes.size()) {
       const int32_t score_bits = read_i32("the score");
@@ -50,22 +50,22 @@ class Llama2cTokenizer final : public Tokenizer {
       std::memcpy(&score, &score_bits, 4);
       const int32_t length = read_i32("the length");
       const std::string where = " of token " + std::to_string(pieces_.size());
-      require(std::isfinite(score), "tokenizer " + path + " is corrupt: non-finite score" + where);
-      require(length >= 0 && length <= max_token_length,
+      KVCC_REQUIRE(std::isfinite(score), "tokenizer " + path + " is corrupt: non-finite score" + where);
+      KVCC_REQUIRE(length >= 0 && length <= max_token_length,
               "tokenizer " + path + " is corrupt: length " + std::to_string(length) + where +
                   " exceeds max_token_length " + std::to_string(max_token_length));
-      require(offset + length <= bytes.size(), "tokenizer " + path + " is truncated (in the bytes" + where + ")");
+      KVCC_REQUIRE(offset + length <= bytes.size(), "tokenizer " + path + " is truncated (in the bytes" + where + ")");
       pieces_.emplace_back(bytes.data() + offset, length);
       scores_.push_back(score);
       offset += length;
     }
-    require(pieces_.size() > kByteFallbackOffset + 255,
+    KVCC_REQUIRE(pieces_.size() > kByteFallbackOffset + 255,
             "tokenizer " + path + " has " + std::to_string(pieces_.size()) +
                 " tokens, fewer than the 259 of a llama2.c vocabulary (<unk>, <s>, </s>, 256 bytes)");
     for (int32_t id = 0; id < static_cast<int32_t>(pieces_.size()); ++id)
       piece_ids_.try_emplace(pieces_[id], id);  // the lowest id wins for a duplicated piece
     auto space = piece_ids_.find(std::string_view(" "));
-    require(space != piece_ids_.end(), "tokenizer " + path + " has no \" \" token for the dummy prefix");
+    KVCC_REQUIRE(space != piece_ids_.end(), "tokenizer " + path + " has no \" \" token for the dummy prefix");
     dummy_prefix_id_ = space->second;
   }
 
@@ -103,7 +103,7 @@ class Llama2cTokenizer final : public Tokenizer {
     std::string text;
     bool first = true;
     for (int32_t id : ids) {
-      require(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
+      KVCC_REQUIRE(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
                                                 std::to_string(vocab_size()));
       if (id == kLlama2cBos || id == kLlama2cEos) continue;
       std::string_view piece = pieces_[id];

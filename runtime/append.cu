@@ -170,7 +170,7 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
                cudaStream_t stream) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
-  require(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
   // Plan the moves and window writes (the same walk as append_ref).
   const AppendMoves m = plan_append_moves(g, plan);
   const std::vector<Move>& moves = m.moves;
@@ -178,7 +178,7 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   const int64_t rows = m.rows;
   if (rows == 0) return;
   const AppendWorkspace lay = append_workspace(g, rows, int64_t(moves.size()));
-  require(workspace_bytes >= lay.bytes, "append (CUDA): workspace too small");
+  KVCC_REQUIRE(workspace_bytes >= lay.bytes, "append (CUDA): workspace too small");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   auto* staging = reinterpret_cast<__nv_bfloat16*>(ws + lay.staging);
   auto* d_moves = reinterpret_cast<Move*>(ws + lay.moves);

@@ -12,7 +12,7 @@ namespace kvcc {
 
 AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
                               const std::vector<int>& counts) {
-  require(seqs.size() == old_lengths.size() && seqs.size() == counts.size(),
+  KVCC_REQUIRE(seqs.size() == old_lengths.size() && seqs.size() == counts.size(),
           "append: sequences, old lengths and counts differ in size");
   AppendBatch b{seqs, old_lengths, counts, {}};
   int64_t off = 0;
@@ -42,15 +42,15 @@ void rotate_round(const float* x, const float* rot, int d, float* out) {
 
 void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
                 const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs) {
-  require(cache.memory() == PoolMemory::Host, "append_ref: needs a host pool");
+  KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "append_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
-  require(layer >= 0 && layer < g.n_layers, "append: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append: layer " + std::to_string(layer) + " out of range");
   const int d = g.head_dim, H = g.n_kv_heads;
   std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
   for (size_t bi = 0; bi < batch.seqs.size(); ++bi) {
     const int seq = batch.seqs[bi];
     const int64_t n0 = batch.old_lengths[bi], n1 = n0 + batch.counts[bi];
-    require(cache.length(seq) >= n1, "append: sequence " + std::to_string(seq) +
+    KVCC_REQUIRE(cache.length(seq) >= n1, "append: sequence " + std::to_string(seq) +
                                          " was not grown before appending");
     const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
     const std::vector<int32_t>& pages = cache.page_table(seq);

@@ -12,10 +12,10 @@ namespace kvcc {
 
 void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs,
                      std::vector<float>& keys, std::vector<float>& values, int64_t length) {
-  require(cache.memory() == PoolMemory::Host, "attention_ref: needs a host pool");
+  KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "attention_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
-  require(length <= cache.length(seq), "attention_ref: length beyond the sequence's");
+  KVCC_REQUIRE(length <= cache.length(seq), "attention_ref: length beyond the sequence's");
   const int64_t n = length < 0 ? cache.length(seq) : length;
   const KvTiers t = tiers_of(g, n);
   const std::vector<int32_t>& pages = cache.page_table(seq);
@@ -112,7 +112,7 @@ void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, c
                 float sm_scale, float* out) {
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
-  require(n_heads % H == 0, "decode: query heads " + std::to_string(n_heads) +
+  KVCC_REQUIRE(n_heads % H == 0, "decode: query heads " + std::to_string(n_heads) +
                                 " not a multiple of KV heads " + std::to_string(H));
   const int r = n_heads / H;
   std::vector<float> keys, values;
@@ -136,7 +136,7 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
                  const HeadCodec* codecs, float sm_scale, float* out, int64_t length) {
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
-  require(n_heads % H == 0, "prefill: query heads not a multiple of KV heads");
+  KVCC_REQUIRE(n_heads % H == 0, "prefill: query heads not a multiple of KV heads");
   const int r = n_heads / H;
   std::vector<float> keys, values;
   gather_sequence(cache, layer, seq, codecs, keys, values, length);

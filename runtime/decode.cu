@@ -889,7 +889,7 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
             const float* rot_k, const float* rot_v_t, float* out, void* workspace,
             size_t workspace_bytes, cudaStream_t stream, int stages) {
   const DecodeWorkspace lay = decode_workspace(batch, a.n_heads, a.n_kv, plan);
-  require(workspace_bytes >= lay.total, "decode (CUDA): workspace too small");
+  KVCC_REQUIRE(workspace_bytes >= lay.total, "decode (CUDA): workspace too small");
   if (batch == 0) return;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   float* q_rot = reinterpret_cast<float*>(ws + lay.q_rot);
@@ -968,9 +968,9 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   bool table = false;
   for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
   require_gpu_served(g, shape.n_heads, kGpuDecode, table, "decode (CUDA)");
-  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
-  require(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
-  require(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
+  KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
+  KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
           "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
   DecodeArgs a{};
   if (table) {
@@ -1008,8 +1008,8 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
                        size_t workspace_bytes, cudaStream_t stream) {
   require_hopper();
   const std::string why = gpu_bf16_unsupported_reason(n_kv_heads, head_dim, shape.n_heads, page_tokens);
-  require(why.empty(), "decode (CUDA): " + why + " is not supported");
-  require(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
+  KVCC_REQUIRE(why.empty(), "decode (CUDA): " + why + " is not supported");
+  KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   DecodeArgs a{};
   a.bf16_pages = reinterpret_cast<const __nv_bfloat16*>(bf16_pages);
   a.bf16_page_tokens = page_tokens;

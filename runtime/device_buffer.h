@@ -51,7 +51,7 @@ class DeviceBuffer {
   // host[0 .. n) into elements 0 .. n: cudaMemcpy, or cudaMemcpyAsync in `stream` order (from
   // pageable host memory, staged before the call returns). n <= size().
   void upload(const T* host, size_t n, cudaStream_t stream = nullptr) {
-    require(n <= n_, "device buffer: upload of " + std::to_string(n) + " elements into " + std::to_string(n_));
+    KVCC_REQUIRE(n <= n_, "device buffer: upload of " + std::to_string(n) + " elements into " + std::to_string(n_));
     if (n == 0) return;
     check_cuda(stream ? cudaMemcpyAsync(p_, host, n * sizeof(T), cudaMemcpyHostToDevice, stream)
                       : cudaMemcpy(p_, host, n * sizeof(T), cudaMemcpyHostToDevice),
@@ -60,7 +60,7 @@ class DeviceBuffer {
   void upload(const std::vector<T>& host, cudaStream_t stream = nullptr) { upload(host.data(), host.size(), stream); }
   // Elements 0 .. n into host[0 .. n), synchronously.
   void download(T* host, size_t n) const {
-    require(n <= n_, "device buffer: download of " + std::to_string(n) + " elements from " + std::to_string(n_));
+    KVCC_REQUIRE(n <= n_, "device buffer: download of " + std::to_string(n) + " elements from " + std::to_string(n_));
     if (n > 0) check_cuda(cudaMemcpy(host, p_, n * sizeof(T), cudaMemcpyDeviceToHost), "device buffer: download");
   }
   std::vector<T> download() const {
@@ -73,7 +73,7 @@ class DeviceBuffer {
   void allocate(size_t n) {
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T));  // never null, even for n = 0
-    require(e == cudaSuccess, "device buffer: cannot allocate " + std::to_string(n * sizeof(T)) +
+    KVCC_REQUIRE(e == cudaSuccess, "device buffer: cannot allocate " + std::to_string(n * sizeof(T)) +
                                   " bytes: " + cudaGetErrorString(e));
     p_ = static_cast<T*>(p);
     n_ = n;

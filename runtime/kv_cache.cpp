@@ -16,24 +16,24 @@ namespace kvcc {
 
 namespace {
 void check_geometry(const KvGeometry& g, PoolMemory memory) {
-  require(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0,
+  KVCC_REQUIRE(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0,
           "kv cache: layers, KV heads and head_dim must be positive");
   // The layout (formats/kv_layout.h) packs a row's 2-bit codes 4 to a byte: code rows of head_dim/4
   // bytes, so a host pool (the CPU reference kernels) takes any multiple of 4. A device pool keeps
   // the multiple of 16 (its kernels' scope is runtime/served.h's, checked by the Runtime).
   const int multiple = memory == PoolMemory::Host ? 4 : 16;
-  require(g.head_dim % multiple == 0, std::string("kv cache: head_dim must be a multiple of ") +
+  KVCC_REQUIRE(g.head_dim % multiple == 0, std::string("kv cache: head_dim must be a multiple of ") +
                                           std::to_string(multiple) + " for a " +
                                           (memory == PoolMemory::Host ? "host" : "device") + " pool, got " +
                                           std::to_string(g.head_dim));
-  require(g.group > 0 && g.head_dim % g.group == 0,
+  KVCC_REQUIRE(g.group > 0 && g.head_dim % g.group == 0,
           "kv cache: group " + std::to_string(g.group) + " does not divide head_dim " +
               std::to_string(g.head_dim));
-  require(g.page_tokens > 0 && g.page_tokens % 16 == 0,
+  KVCC_REQUIRE(g.page_tokens > 0 && g.page_tokens % 16 == 0,
           "kv cache: page size must be a positive multiple of 16, got " +
               std::to_string(g.page_tokens));
-  require(g.sink >= 0, "kv cache: negative sink size");
-  require(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
+  KVCC_REQUIRE(g.sink >= 0, "kv cache: negative sink size");
+  KVCC_REQUIRE(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
                                          ") must hold at least one page (" +
                                          std::to_string(g.page_tokens) + ")");
 }
@@ -41,15 +41,15 @@ void check_geometry(const KvGeometry& g, PoolMemory memory) {
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   check_geometry(config.geometry, config.memory);
-  require(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31),
+  KVCC_REQUIRE(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31),
           "kv cache: page count out of range");
-  require(config.max_sequences > 0, "kv cache: max_sequences must be positive");
+  KVCC_REQUIRE(config.max_sequences > 0, "kv cache: max_sequences must be positive");
   const KvGeometry& g = config.geometry;
   pages_region_bytes_ = size_t(config.max_pages) * g.page_bytes();
   pool_bytes_ = pages_region_bytes_ + size_t(config.max_sequences) * g.window_slot_bytes();
   if (config.memory == PoolMemory::Host) {
     pool_ = static_cast<uint8_t*>(std::aligned_alloc(256, (pool_bytes_ + 255) / 256 * 256));
-    require(pool_ != nullptr, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
+    KVCC_REQUIRE(pool_ != nullptr, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
                                   " bytes of host memory");
     std::memset(pool_, 0, pool_bytes_);
   } else {
@@ -57,7 +57,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     require_hopper();  // the kernels that read and write a device pool are built for sm_90 only
     void* p = nullptr;
     cudaError_t e = cudaMalloc(&p, pool_bytes_);
-    require(e == cudaSuccess, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
+    KVCC_REQUIRE(e == cudaSuccess, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
                                   " bytes of device memory: " + cudaGetErrorString(e));
     pool_ = static_cast<uint8_t*>(p);
     cudaMemset(pool_, 0, pool_bytes_);
@@ -82,12 +82,12 @@ KvCache::~KvCache() {
 }
 
 KvCache::Sequence& KvCache::seq_at(int seq) {
-  require(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
+  KVCC_REQUIRE(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
           "kv cache: no live sequence " + std::to_string(seq));
   return sequences_[size_t(seq)];
 }
 const KvCache::Sequence& KvCache::seq_at(int seq) const {
-  require(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
+  KVCC_REQUIRE(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
           "kv cache: no live sequence " + std::to_string(seq));
   return sequences_[size_t(seq)];
 }
@@ -119,7 +119,7 @@ int KvCache::fork(int parent, void* stream) {
 #if defined(KVCC_HAVE_CUDA)
     cudaError_t e = cudaMemcpyAsync(dst, src, g.window_slot_bytes(), cudaMemcpyDeviceToDevice,
                                     static_cast<cudaStream_t>(stream));
-    require(e == cudaSuccess, std::string("kv cache: fork copy failed: ") + cudaGetErrorString(e));
+    KVCC_REQUIRE(e == cudaSuccess, std::string("kv cache: fork copy failed: ") + cudaGetErrorString(e));
 #endif
   }
   sequences_[size_t(s)] = Sequence{true, p.length, p.pages};
@@ -142,15 +142,15 @@ void KvCache::free_sequence(int seq) {
 
 std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& seqs,
                                                       const std::vector<int64_t>& new_tokens) {
-  require(seqs.size() == new_tokens.size(), "kv cache: grow_batch needs one count per sequence");
+  KVCC_REQUIRE(seqs.size() == new_tokens.size(), "kv cache: grow_batch needs one count per sequence");
   const KvGeometry& g = config_.geometry;
   std::vector<int64_t> need(seqs.size());
   int64_t total = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const Sequence& s = seq_at(seqs[i]);
-    require(new_tokens[i] >= 0, "kv cache: negative token count");
+    KVCC_REQUIRE(new_tokens[i] >= 0, "kv cache: negative token count");
     for (size_t j = 0; j < i; ++j)
-      require(seqs[j] != seqs[i], "kv cache: sequence " + std::to_string(seqs[i]) +
+      KVCC_REQUIRE(seqs[j] != seqs[i], "kv cache: sequence " + std::to_string(seqs[i]) +
                                       " appears twice in one batch");
     need[i] = history_pages(g, s.length + new_tokens[i]) - int64_t(s.pages.size());
     total += need[i];

@@ -28,27 +28,27 @@ std::string mismatch(const char* what, int artifact, int engine) {
 }  // namespace
 
 void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
-  require(a.n_layers == e.n_layers, mismatch("layer count", a.n_layers, e.n_layers));
-  require(a.n_heads == e.n_heads, mismatch("query heads", a.n_heads, e.n_heads));
-  require(a.n_kv_heads == e.n_kv_heads, mismatch("KV heads", a.n_kv_heads, e.n_kv_heads));
-  require(a.head_dim == e.head_dim, mismatch("head_dim", a.head_dim, e.head_dim));
-  require(a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
+  KVCC_REQUIRE(a.n_layers == e.n_layers, mismatch("layer count", a.n_layers, e.n_layers));
+  KVCC_REQUIRE(a.n_heads == e.n_heads, mismatch("query heads", a.n_heads, e.n_heads));
+  KVCC_REQUIRE(a.n_kv_heads == e.n_kv_heads, mismatch("KV heads", a.n_kv_heads, e.n_kv_heads));
+  KVCC_REQUIRE(a.head_dim == e.head_dim, mismatch("head_dim", a.head_dim, e.head_dim));
+  KVCC_REQUIRE(a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
           "artifact: expected " + std::to_string(a.n_layers * a.n_kv_heads) + " (layer, KV head) entries, found " +
               std::to_string(a.heads.size()));
-  require(served_by_runtime(a.recipe.method),
+  KVCC_REQUIRE(served_by_runtime(a.recipe.method),
           "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
               method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
-  require(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
+  KVCC_REQUIRE(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
   // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there.
-  require(a.recipe.group <= a.head_dim,
+  KVCC_REQUIRE(a.recipe.group <= a.head_dim,
           "artifact: group " + std::to_string(a.recipe.group) + " spans several KV heads (head_dim " +
               std::to_string(a.head_dim) + "); the paged runtime stores quantiser parameters per KV head, "
               "so it serves --group <= head_dim only (spanning groups are evaluated by kvcc report / validate)");
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   for (const HeadArtifact& h : a.heads)
     for (const SideArtifact* s : {&h.key, &h.value}) {
-      require(s->rotation.empty() || s->rotation.size() == dd, "artifact: a rotation is not head_dim x head_dim");
-      require(s->levels.empty() || s->levels.size() == 4, "artifact: a level table does not have 4 levels");
+      KVCC_REQUIRE(s->rotation.empty() || s->rotation.size() == dd, "artifact: a rotation is not head_dim x head_dim");
+      KVCC_REQUIRE(s->levels.empty() || s->levels.size() == 4, "artifact: a level table does not have 4 levels");
     }
 }
 
@@ -95,8 +95,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     bool table = false;
     for (const HeadArtifact& h : a.heads) table = table || !h.key.levels.empty() || !h.value.levels.empty();
     const std::string scope = gpu_unsupported_reason(g, e.n_heads, kGpuAllOps, table);
-    require(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
-    require(o.sm_scale >= 0.0f, "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
+    KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
+    KVCC_REQUIRE(o.sm_scale >= 0.0f, "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
 #if defined(KVCC_HAVE_CUDA)
     require_hopper();
 #endif
@@ -152,7 +152,7 @@ const float* Runtime::rot_v(int layer) const {
 }
 
 void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts) {
-  require(seqs.size() == counts.size(), "runtime: one count per sequence");
+  KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: one count per sequence");
   std::vector<int64_t> old, add;
   for (size_t i = 0; i < seqs.size(); ++i) {
     old.push_back(cache_->length(seqs[i]));
@@ -167,7 +167,7 @@ void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>&
 
 void Runtime::append(int layer, const float* k, const float* v, void* stream) {
   const KvGeometry& g = geometry();
-  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (!appended_.empty()) appended_[size_t(layer)] = 1;  // prefill must not read this layer's step any more
   if (cache_->memory() == PoolMemory::Host) {
     append_ref(*cache_, layer, make_append_batch(pending_seqs_, pending_old_, pending_counts_), k, v, rot_k(layer),
@@ -195,7 +195,7 @@ void Runtime::append(int layer, const float* k, const float* v, void* stream) {
 
 void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream) {
   const KvGeometry& g = geometry();
-  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (cache_->memory() == PoolMemory::Host) {
     decode_ref(*cache_, layer, seqs, q, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale,
                out);
@@ -239,11 +239,11 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
   const auto it = std::find(pending_seqs_.begin(), pending_seqs_.end(), seq);
   if (!step_open || it == pending_seqs_.end()) return cache_->length(seq);
   const size_t i = size_t(it - pending_seqs_.begin());
-  require(!appended_[size_t(layer)], "runtime: prefill of layer " + std::to_string(layer) + ", sequence " +
+  KVCC_REQUIRE(!appended_[size_t(layer)], "runtime: prefill of layer " + std::to_string(layer) + ", sequence " +
                                          std::to_string(seq) +
                                          " after that layer's append in this step (call prefill first: the new "
                                          "tokens attend to themselves through k and v)");
-  require(T == pending_counts_[i], "runtime: prefill of " + std::to_string(T) + " tokens, but begin_append gave " +
+  KVCC_REQUIRE(T == pending_counts_[i], "runtime: prefill of " + std::to_string(T) + " tokens, but begin_append gave " +
                                        std::to_string(pending_counts_[i]) + " for sequence " + std::to_string(seq));
   return pending_old_[i];
 }
@@ -251,8 +251,8 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
 void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
                       void* stream) {
   const KvGeometry& g = geometry();
-  require(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
-  require(T >= 0, "runtime: negative token count");
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(T >= 0, "runtime: negative token count");
   const int64_t length = prefill_length(layer, seq, T);
   if (cache_->memory() == PoolMemory::Host) {
     prefill_ref(*cache_, layer, seq, T, q, k, v, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer),

@@ -125,7 +125,7 @@ PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, int64_t len
   // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
   // half empty (docs/runtime.md).
   p.warps = warps > 0 ? warps : (p.rows >= 128 ? 8 : 4);
-  require(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
+  KVCC_REQUIRE(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
   p.row_tiles = (p.rows + 16 * p.warps - 1) / (16 * p.warps);
   const KvTiers t = tiers_of(g, length);
   p.n_pages = int(t.hist_tokens / kPrefillKeyTile);
@@ -164,7 +164,7 @@ PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan
 
 AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
   const size_t nseq = plan.seq_slots.size();
-  require(plan.old_lengths.size() == nseq && plan.counts.size() == nseq && plan.row_offsets.size() == nseq &&
+  KVCC_REQUIRE(plan.old_lengths.size() == nseq && plan.counts.size() == nseq && plan.row_offsets.size() == nseq &&
               plan.page_tables.size() == nseq,
           "append (CUDA): plan arrays differ in size");
   AppendMoves m;
@@ -172,7 +172,7 @@ AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
     const int64_t n0 = plan.old_lengths[i], n1 = n0 + plan.counts[i];
     m.rows = std::max(m.rows, plan.row_offsets[i] + plan.counts[i]);
     const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
-    require(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
+    KVCC_REQUIRE(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
             "append (CUDA): sequence was not grown before appending");
     const int slot = plan.seq_slots[i];
     auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };

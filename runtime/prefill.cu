@@ -470,8 +470,8 @@ PrefillPlan plan_of(const KvGeometry& g, int64_t length, int T, const PrefillSha
 
 void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
   require_gpu_served(g, shape.n_heads, kGpuPrefill, true, "prefill (CUDA)");
-  require(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
-  require(T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) &&
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
+  KVCC_REQUIRE(T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) &&
               int64_t(T) * shape.n_heads < (int64_t(1) << 31),
           "prefill (CUDA): length or token count out of range");
 }
@@ -491,12 +491,12 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
                   cudaStream_t stream) {
   require_hopper();
   check_scope(g, layer, length, T, shape);
-  require(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
+  KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
           "prefill (CUDA): give all three rotations or none");
   if (T == 0) return;
   const PrefillPlan plan = plan_of(g, length, T, shape);
   const PrefillWorkspace lay = prefill_workspace(g, T, plan);
-  require(workspace && workspace_bytes >= lay.bytes, "prefill (CUDA): workspace too small");
+  KVCC_REQUIRE(workspace && workspace_bytes >= lay.bytes, "prefill (CUDA): workspace too small");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   __half* wq = reinterpret_cast<__half*>(ws + lay.q);
   __half* wk = reinterpret_cast<__half*>(ws + lay.k);

@@ -57,7 +57,7 @@ std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_head
 
 void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who) {
   const std::string why = gpu_unsupported_reason(g, n_heads, ops, level_table);
-  require(why.empty(), std::string(who) + ": " + why + " is not supported");
+  KVCC_REQUIRE(why.empty(), std::string(who) + ": " + why + " is not supported");
 }
 
 std::string gpu_arch_problem(int device, const std::string& name, int major, int minor) {

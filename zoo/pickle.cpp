@@ -168,7 +168,7 @@ uint64_t le(std::string_view s) {
 // Decodes the instruction at `pos`; refuses opcodes outside the subset.
 Instr decode(std::string_view in, size_t pos, const std::string& label) {
   auto need = [&](size_t n) {
-    require(pos + 1 <= in.size() && n <= in.size() - pos - 1,
+    KVCC_REQUIRE(pos + 1 <= in.size() && n <= in.size() - pos - 1,
             label + ": truncated pickle (opcode at byte " + std::to_string(pos) + " runs past the end)");
   };
   need(0);
@@ -180,7 +180,7 @@ Instr decode(std::string_view in, size_t pos, const std::string& label) {
   auto counted = [&](size_t width) {
     need(width);
     const uint64_t n = le(in.substr(pos + 1, width));
-    require(n <= in.size(), label + ": truncated pickle (string at byte " + std::to_string(pos) + " runs past the end)");
+    KVCC_REQUIRE(n <= in.size(), label + ": truncated pickle (string at byte " + std::to_string(pos) + " runs past the end)");
     need(width + size_t(n));
     return Instr{code, pos, in.substr(pos + 1 + width, size_t(n))};
   };
@@ -201,7 +201,7 @@ Instr decode(std::string_view in, size_t pos, const std::string& label) {
     case GLOBAL: {
       const size_t a = in.find('\n', pos + 1);
       const size_t b = a == std::string_view::npos ? a : in.find('\n', a + 1);
-      require(b != std::string_view::npos, label + ": truncated pickle (GLOBAL at byte " + std::to_string(pos) + ")");
+      KVCC_REQUIRE(b != std::string_view::npos, label + ": truncated pickle (GLOBAL at byte " + std::to_string(pos) + ")");
       return Instr{code, pos, in.substr(pos + 1, b - pos - 1)};
     }
     default:
@@ -705,7 +705,7 @@ class Pickler {
         if (!v.entries.empty()) {
           out_.push_back(char(MARK));
           for (const auto& [k, x] : v.entries) {
-            require(k.kind == PyValue::Kind::String || k.kind == PyValue::Kind::Int,
+            KVCC_REQUIRE(k.kind == PyValue::Kind::String || k.kind == PyValue::Kind::Int,
                     "pickle writer: dict keys must be str or int");
             write(k);
             write(x);
@@ -720,10 +720,10 @@ class Pickler {
   void write_tensor(const PyTensor& t) {
     uint64_t numel = 1;
     for (int64_t s : t.shape) {
-      require(s >= 0, "pickle writer: negative tensor dimension");
+      KVCC_REQUIRE(s >= 0, "pickle writer: negative tensor dimension");
       numel *= uint64_t(s);
     }
-    require(numel == t.data.size(), "pickle writer: tensor data does not match its shape");
+    KVCC_REQUIRE(numel == t.data.size(), "pickle writer: tensor data does not match its shape");
     std::vector<int64_t> stride(t.shape.size(), 1);
     for (size_t d = t.shape.size(); d-- > 1;) stride[d - 1] = stride[d] * std::max<int64_t>(t.shape[d], 1);
     const std::string key = std::to_string(storages_.size());
@@ -776,16 +776,16 @@ PyValue torch_load_bytes(std::string bytes, const std::string& label) {
       ++found;
     }
   }
-  require(found == 1, label + ": not a torch.save archive (" +
+  KVCC_REQUIRE(found == 1, label + ": not a torch.save archive (" +
                           (found == 0 ? std::string("no <name>/data.pkl entry") : "several data.pkl entries") + ")");
   if (const ZipEntry* order = zip.find(prefix + "byteorder")) {
     const std::string bo = zip.read(*order);
-    require(bo == "little", label + ": byte order '" + bo + "' is not supported (only little-endian)");
+    KVCC_REQUIRE(bo == "little", label + ": byte order '" + bo + "' is not supported (only little-endian)");
   }
   const std::string pkl = zip.read(prefix + "data.pkl");
   const StorageLoader load = [&](const std::string& key) {
     const ZipEntry* e = zip.find(prefix + "data/" + key);
-    require(e != nullptr, label + ": storage '" + key + "' is missing from the archive");
+    KVCC_REQUIRE(e != nullptr, label + ": storage '" + key + "' is missing from the archive");
     return zip.read(*e);
   };
   return unpickle(pkl, load, label);
@@ -793,14 +793,14 @@ PyValue torch_load_bytes(std::string bytes, const std::string& label) {
 
 PyValue torch_load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot open " + path);
+  KVCC_REQUIRE(bool(in), "cannot open " + path);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  require(!in.bad(), "cannot read " + path);
+  KVCC_REQUIRE(!in.bad(), "cannot read " + path);
   return torch_load_bytes(std::move(bytes), path);
 }
 
 std::string torch_save_bytes(const PyValue& value, const std::string& archive_name) {
-  require(!archive_name.empty() && archive_name.find('/') == std::string::npos,
+  KVCC_REQUIRE(!archive_name.empty() && archive_name.find('/') == std::string::npos,
           "torch archive name must be a plain name");
   std::vector<std::string> storages;
   const std::string pkl = pickle_dumps(value, storages);

@@ -37,7 +37,7 @@ struct Cursor {
   const std::string& bytes;
   const std::string& label;
   void need(uint64_t offset, uint64_t size, const char* what) const {
-    require(offset <= bytes.size() && size <= bytes.size() - offset,
+    KVCC_REQUIRE(offset <= bytes.size() && size <= bytes.size() - offset,
             label + ": truncated ZIP archive (" + what + " runs past the end of the file)");
   }
   uint64_t get(uint64_t offset, int width) const {
@@ -77,9 +77,9 @@ uint32_t crc32(const void* data, size_t size, uint32_t crc) {
 
 ZipReader ZipReader::open(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot open " + path);
+  KVCC_REQUIRE(bool(in), "cannot open " + path);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  require(!in.bad(), "cannot read " + path);
+  KVCC_REQUIRE(!in.bad(), "cannot read " + path);
   return from_bytes(std::move(bytes), path);
 }
 
@@ -94,7 +94,7 @@ ZipReader ZipReader::from_bytes(std::string bytes, const std::string& label) {
 void ZipReader::parse() {
   const Cursor c{bytes_, label_};
   const uint64_t n = bytes_.size();
-  require(n >= 22, label_ + ": not a ZIP archive (file too short: " + std::to_string(n) + " bytes)");
+  KVCC_REQUIRE(n >= 22, label_ + ": not a ZIP archive (file too short: " + std::to_string(n) + " bytes)");
   // The end record is the last 22 bytes plus a comment of up to 64 KiB.
   uint64_t end = UINT64_MAX;
   const uint64_t lowest = n >= 22 + 0xffff ? n - 22 - 0xffff : 0;
@@ -104,8 +104,8 @@ void ZipReader::parse() {
       break;
     }
   }
-  require(end != UINT64_MAX, label_ + ": not a ZIP archive (no end-of-central-directory record; truncated?)");
-  require(c.u16(end + 4) == 0 && c.u16(end + 6) == 0,
+  KVCC_REQUIRE(end != UINT64_MAX, label_ + ": not a ZIP archive (no end-of-central-directory record; truncated?)");
+  KVCC_REQUIRE(c.u16(end + 4) == 0 && c.u16(end + 6) == 0,
           label_ + ": multi-disk ZIP archives are not supported");
   uint64_t count = c.u16(end + 10);
   uint64_t cd_size = c.u32(end + 12);
@@ -113,12 +113,12 @@ void ZipReader::parse() {
   if (end >= 20 && c.u32(end - 20) == kEnd64LocatorSig) {
     const uint64_t end64 = c.u64(end - 20 + 8);
     c.need(end64, 56, "zip64 end record");
-    require(c.u32(end64) == kEnd64Sig, label_ + ": corrupt ZIP archive (bad zip64 end record signature)");
+    KVCC_REQUIRE(c.u32(end64) == kEnd64Sig, label_ + ": corrupt ZIP archive (bad zip64 end record signature)");
     count = c.u64(end64 + 32);
     cd_size = c.u64(end64 + 40);
     cd_offset = c.u64(end64 + 48);
   } else {
-    require(count != 0xffff && cd_offset != k32Max,
+    KVCC_REQUIRE(count != 0xffff && cd_offset != k32Max,
             label_ + ": corrupt ZIP archive (zip64 sizes without a zip64 end record)");
   }
   c.need(cd_offset, cd_size, "central directory");
@@ -127,7 +127,7 @@ void ZipReader::parse() {
   uint64_t pos = cd_offset;
   for (uint64_t i = 0; i < count; ++i) {
     c.need(pos, 46, "central directory entry");
-    require(c.u32(pos) == kCentralSig,
+    KVCC_REQUIRE(c.u32(pos) == kCentralSig,
             label_ + ": corrupt ZIP archive (bad central directory signature at entry " + std::to_string(i) + ")");
     const uint16_t flags = c.u16(pos + 8);
     const uint16_t method = c.u16(pos + 10);
@@ -141,13 +141,13 @@ void ZipReader::parse() {
     // zip64 extra: 8-byte values for exactly those fields stored as 0xffffffff, in this order.
     for (uint64_t e = pos + 46 + name_len; e + 4 <= pos + 46 + name_len + extra_len;) {
       const uint16_t id = c.u16(e), len = c.u16(e + 2);
-      require(e + 4 + len <= pos + 46 + name_len + extra_len,
+      KVCC_REQUIRE(e + 4 + len <= pos + 46 + name_len + extra_len,
               label_ + ": corrupt ZIP archive (extra field of '" + name + "' overruns its entry)");
       if (id == kZip64ExtraId) {
         uint64_t f = e + 4;
         auto take = [&](uint64_t& field) {
           if (field != k32Max) return;
-          require(f + 8 <= e + 4 + len, label_ + ": corrupt ZIP archive (short zip64 extra in '" + name + "')");
+          KVCC_REQUIRE(f + 8 <= e + 4 + len, label_ + ": corrupt ZIP archive (short zip64 extra in '" + name + "')");
           field = c.u64(f);
           f += 8;
         };
@@ -157,18 +157,18 @@ void ZipReader::parse() {
       }
       e += 4 + uint64_t(len);
     }
-    require(!(flags & 1), label_ + ": entry '" + name + "' is encrypted, which is not supported");
-    require(method == 0, label_ + ": entry '" + name + "' is compressed (method " + std::to_string(method) + ": " +
+    KVCC_REQUIRE(!(flags & 1), label_ + ": entry '" + name + "' is encrypted, which is not supported");
+    KVCC_REQUIRE(method == 0, label_ + ": entry '" + name + "' is compressed (method " + std::to_string(method) + ": " +
                              method_name(method) + "); only stored entries (torch.save archives) are supported");
-    require(csize == usize, label_ + ": corrupt ZIP archive (stored entry '" + name + "' has differing sizes)");
-    require(seen.insert(name).second, label_ + ": corrupt ZIP archive (duplicate entry '" + name + "')");
+    KVCC_REQUIRE(csize == usize, label_ + ": corrupt ZIP archive (stored entry '" + name + "' has differing sizes)");
+    KVCC_REQUIRE(seen.insert(name).second, label_ + ": corrupt ZIP archive (duplicate entry '" + name + "')");
 
     // The local header's own name and extra lengths decide where the data starts (PyTorch pads there).
     c.need(local, 30, "local header");
-    require(c.u32(local) == kLocalSig, label_ + ": corrupt ZIP archive (bad local header for '" + name + "')");
+    KVCC_REQUIRE(c.u32(local) == kLocalSig, label_ + ": corrupt ZIP archive (bad local header for '" + name + "')");
     const uint16_t local_name_len = c.u16(local + 26), local_extra_len = c.u16(local + 28);
     c.need(local + 30, local_name_len, "local header");
-    require(bytes_.compare(size_t(local + 30), local_name_len, name) == 0,
+    KVCC_REQUIRE(bytes_.compare(size_t(local + 30), local_name_len, name) == 0,
             label_ + ": corrupt ZIP archive (local header name differs from the directory for '" + name + "')");
     const uint64_t data = local + 30 + local_name_len + local_extra_len;
     c.need(data, usize, ("data of '" + name + "'").c_str());
@@ -185,25 +185,25 @@ const ZipEntry* ZipReader::find(std::string_view name) const {
 
 std::string ZipReader::read(std::string_view name) const {
   const ZipEntry* e = find(name);
-  require(e != nullptr, label_ + ": no entry '" + std::string(name) + "' in the archive");
+  KVCC_REQUIRE(e != nullptr, label_ + ": no entry '" + std::string(name) + "' in the archive");
   return read(*e);
 }
 
 std::string ZipReader::read(const ZipEntry& e) const {
   std::string data = bytes_.substr(size_t(e.data_offset), size_t(e.size));
   const uint32_t crc = crc32(data.data(), data.size());
-  require(crc == e.crc32, label_ + ": entry '" + e.name + "' is corrupt (CRC-32 mismatch)");
+  KVCC_REQUIRE(crc == e.crc32, label_ + ": entry '" + e.name + "' is corrupt (CRC-32 mismatch)");
   return data;
 }
 
 ZipWriter::ZipWriter(uint32_t alignment, bool force_zip64) : alignment_(alignment), force_zip64_(force_zip64) {
-  require(alignment_ >= 1, "ZIP alignment must be positive");
+  KVCC_REQUIRE(alignment_ >= 1, "ZIP alignment must be positive");
 }
 
 void ZipWriter::add(const std::string& name, std::string_view data) {
-  require(!finished_, "ZipWriter: add() after finish()");
-  require(!name.empty() && name.size() < 0xffff, "ZIP entry name must be 1..65534 bytes");
-  for (const auto& w : written_) require(w.name != name, "ZIP entry '" + name + "' added twice");
+  KVCC_REQUIRE(!finished_, "ZipWriter: add() after finish()");
+  KVCC_REQUIRE(!name.empty() && name.size() < 0xffff, "ZIP entry name must be 1..65534 bytes");
+  for (const auto& w : written_) KVCC_REQUIRE(w.name != name, "ZIP entry '" + name + "' added twice");
   const uint64_t header = out_.size();
   const uint32_t crc = crc32(data.data(), data.size());
   const bool zip64 = force_zip64_ || data.size() >= k32Max || header >= k32Max;
@@ -240,7 +240,7 @@ void ZipWriter::add(const std::string& name, std::string_view data) {
 }
 
 std::string ZipWriter::finish() {
-  require(!finished_, "ZipWriter: finish() called twice");
+  KVCC_REQUIRE(!finished_, "ZipWriter: finish() called twice");
   finished_ = true;
   const uint64_t cd_offset = out_.size();
   bool any64 = force_zip64_ || written_.size() >= 0xffff;

@@ -49,7 +49,7 @@ std::string number_text(double v) {
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  require(bool(in), "cannot read " + path);
+  KVCC_REQUIRE(bool(in), "cannot read " + path);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
@@ -115,7 +115,7 @@ void write_text_file(const std::string& path, const std::string& text) { write_b
 void copy_verified(const std::string& src, const std::string& dst, const std::string& sha256) {
   write_file_atomically(dst, [&](const std::string& tmp) {
     fs::copy_file(src, tmp, fs::copy_options::overwrite_existing);
-    require(sha256_file_hex(tmp) == sha256, "copy of " + src + " into the zoo differs from the original (disk error?)");
+    KVCC_REQUIRE(sha256_file_hex(tmp) == sha256, "copy of " + src + " into the zoo differs from the original (disk error?)");
   });
 }
 
@@ -187,14 +187,14 @@ ZooEntry entry_from_json(const json& j) {
     } catch (const json::exception& ex) {
       throw Error(std::string("zoo index entry ") + (e.id.empty() ? "" : "'" + e.id + "' ") + "is malformed: " + ex.what());
     }
-    require(e.id == e.model_id + "/" + e.recipe_tag, "zoo index entry '" + e.id + "': id is not model_id/recipe_tag");
-    require(e.file("artifact") != nullptr, "zoo index entry '" + e.id + "' lists no artifact file");
+    KVCC_REQUIRE(e.id == e.model_id + "/" + e.recipe_tag, "zoo index entry '" + e.id + "': id is not model_id/recipe_tag");
+    KVCC_REQUIRE(e.file("artifact") != nullptr, "zoo index entry '" + e.id + "' lists no artifact file");
     for (const auto& f : e.files) {
       // Paths stay inside the zoo: no absolute paths, no "..".
       const fs::path p(f.path);
       bool inside = !f.path.empty() && p.is_relative();
       for (const auto& part : p) inside = inside && part != ".." && part != ".";
-      require(inside, "zoo index entry '" + e.id + "': file path '" + f.path + "' leaves the zoo directory");
+      KVCC_REQUIRE(inside, "zoo index entry '" + e.id + "': file path '" + f.path + "' leaves the zoo directory");
     }
     return e;
   }
@@ -203,7 +203,7 @@ ZooEntry entry_from_json(const json& j) {
     const fs::path path = fs::path(zoo_dir) / kIndexName;
     Index index;
     if (!fs::exists(path)) {
-      require(allow_missing, "no zoo at " + zoo_dir + " (" + path.string() + " does not exist)");
+      KVCC_REQUIRE(allow_missing, "no zoo at " + zoo_dir + " (" + path.string() + " does not exist)");
       return index;
     }
     json j;
@@ -212,16 +212,16 @@ ZooEntry entry_from_json(const json& j) {
     } catch (const json::parse_error& ex) {
       throw Error(path.string() + " is not valid JSON (" + std::string(ex.what()) + ")");
     }
-    require(j.is_object() && j.value("format", "") == kIndexFormat,
+    KVCC_REQUIRE(j.is_object() && j.value("format", "") == kIndexFormat,
             path.string() + " is not a kvcc zoo index (format is not \"" + kIndexFormat + "\")");
     const int version = j.value("format_version", 0);
-    require(version == kIndexVersion, path.string() + ": zoo index format_version " + std::to_string(version) +
+    KVCC_REQUIRE(version == kIndexVersion, path.string() + ": zoo index format_version " + std::to_string(version) +
                                           " is not supported (this kvcc reads " + std::to_string(kIndexVersion) + ")");
-    require(j.contains("entries") && j["entries"].is_array(), path.string() + ": 'entries' is missing");
+    KVCC_REQUIRE(j.contains("entries") && j["entries"].is_array(), path.string() + ": 'entries' is missing");
     std::set<std::string> ids;
     for (const auto& ej : j["entries"]) {
       ZooEntry e = entry_from_json(ej);
-      require(ids.insert(e.id).second, path.string() + ": entry '" + e.id + "' appears twice");
+      KVCC_REQUIRE(ids.insert(e.id).second, path.string() + ": entry '" + e.id + "' appears twice");
       index.entries.push_back(std::move(e));
     }
     return index;
@@ -307,7 +307,7 @@ ZooEntry entry_from_json(const json& j) {
       if (options.on_stage) options.on_stage(name);
     };
     // 1. The artifact must be sound before the zoo is touched.
-    require(fs::is_regular_file(artifact_path), "artifact " + artifact_path + " does not exist");
+    KVCC_REQUIRE(fs::is_regular_file(artifact_path), "artifact " + artifact_path + " does not exist");
     const std::vector<std::string> problems = verify_artifact_file(artifact_path);
     if (!problems.empty()) {
       std::vector<std::string> first(problems.begin(), problems.begin() + std::ptrdiff_t(std::min<size_t>(3, problems.size())));
@@ -317,7 +317,7 @@ ZooEntry entry_from_json(const json& j) {
     const Artifact art = read_artifact(artifact_path);
     const std::string art_sha = sha256_file_hex(artifact_path);
     const uint64_t art_size = fs::file_size(artifact_path);
-    require(safe_component(art.model_id), "artifact model id '" + art.model_id +
+    KVCC_REQUIRE(safe_component(art.model_id), "artifact model id '" + art.model_id +
                                               "' cannot name a zoo folder (use letters, digits, '.', '_', '-')");
 
     fs::create_directories(zoo_dir);
@@ -399,7 +399,7 @@ ZooEntry entry_from_json(const json& j) {
       std::ofstream out(tmp, std::ios::binary);
       out << j.dump(2) << "\n";
       out.close();
-      require(bool(out), "cannot write " + tmp);
+      KVCC_REQUIRE(bool(out), "cannot write " + tmp);
       stage("index_temp_written");
     });
   } catch (...) {
@@ -476,7 +476,7 @@ const ZooEntry& resolve_entry(const Index& index, const std::string& query) {
   std::vector<const ZooEntry*> hits;
   for (const auto& e : index.entries)
     if (e.id.rfind(query, 0) == 0 || e.model_id == query) hits.push_back(&e);
-  require(!hits.empty(), "no zoo entry '" + query + "' (run `kvcc zoo list` to see the ids)");
+  KVCC_REQUIRE(!hits.empty(), "no zoo entry '" + query + "' (run `kvcc zoo list` to see the ids)");
   if (hits.size() > 1) {
     std::vector<std::string> ids;
     for (const auto* h : hits) ids.push_back(h->id);
