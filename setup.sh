@@ -8,7 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libeigen3-dev libopenblas-dev liblapacke-dev libhdf5-dev
   libcli11-dev libgtest-dev libgmock-dev nlohmann-json3-dev libpcre2-dev libicu-dev
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin clang-format
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -47,11 +47,10 @@ int run_one(const Config& c) {
       "%-17s %6llu tokens %4llu seqs | wall %6.2f s, CPU %6.2f s: %6.0f tok/s (CPU) | CPU forward "
       "%6.2f s, stats %5.2f s = %4.1f%% of forward | peak RSS %6.1f MiB; layer %5.1f + hidden "
       "%5.1f = %5.1f MiB\n",
-      c.name.c_str(), (unsigned long long)s.tokens, (unsigned long long)s.sequences, s.seconds,
-      cpu, cpu > 0 ? double(s.tokens) / cpu : 0.0, s.forward_cpu_seconds, s.stats_cpu_seconds,
+      c.name.c_str(), (unsigned long long)s.tokens, (unsigned long long)s.sequences, s.seconds, cpu,
+      cpu > 0 ? double(s.tokens) / cpu : 0.0, s.forward_cpu_seconds, s.stats_cpu_seconds,
       s.forward_cpu_seconds > 0 ? 100.0 * s.stats_cpu_seconds / s.forward_cpu_seconds : 0.0,
-      double(s.peak_rss_kib) / 1024.0, double(s.layer_weight_bytes) / mib,
-      double(s.hidden_state_bytes) / mib,
+      double(s.peak_rss_kib) / 1024.0, double(s.layer_weight_bytes) / mib, double(s.hidden_state_bytes) / mib,
       double(s.layer_weight_bytes + s.hidden_state_bytes) / mib);
   std::fflush(stdout);
   return 0;
@@ -65,8 +64,8 @@ int main(int argc, char** argv) {
   openblas_set_num_threads(1);
   std::vector<Config> configs;
   if (argc >= 4) {
-    configs.push_back({"custom", argv[1], argv[2], std::strtoull(argv[3], nullptr, 10),
-                       argc >= 5 ? std::atoi(argv[4]) : 0});
+    configs.push_back(
+        {"custom", argv[1], argv[2], std::strtoull(argv[3], nullptr, 10), argc >= 5 ? std::atoi(argv[4]) : 0});
   } else {
     // ../shared beside the repository (located from this source file), or $KVCC_SHARED.
     const char* env = std::getenv("KVCC_SHARED");
@@ -75,14 +74,13 @@ int main(int argc, char** argv) {
             : (std::filesystem::path(__FILE__).parent_path().parent_path() / ".." / "shared").string();
     configs.push_back({"tinystories-656k", shared + "/models/tinystories-656k",
                        shared + "/text/tinystories_valid_100.txt", 20000, 0});
-    configs.push_back({"gutenberg-27m", shared + "/models/gutenberg-27m",
-                       shared + "/text/gutenberg_heldout.txt", 8192, 2048});
+    configs.push_back(
+        {"gutenberg-27m", shared + "/models/gutenberg-27m", shared + "/text/gutenberg_heldout.txt", 8192, 2048});
   }
   int failures = 0;
   for (const Config& c : configs) {
     if (!std::filesystem::exists(c.model) || !std::filesystem::exists(c.text)) {
-      std::printf("%-18s skipped: %s or %s not found\n", c.name.c_str(), c.model.c_str(),
-                  c.text.c_str());
+      std::printf("%-18s skipped: %s or %s not found\n", c.name.c_str(), c.model.c_str(), c.text.c_str());
       continue;
     }
     const pid_t pid = fork();

@@ -142,8 +142,8 @@ int main(int argc, char** argv) {
       real_rows = std::min(rows, res.size());
       keys.assign(res.key_pre.begin(), res.key_pre.begin() + real_rows * res.d);
       values.assign(res.value.begin(), res.value.begin() + real_rows * res.d);
-      source = std::to_string(real_rows) + " reservoir rows of " + stats_path + " layer " +
-               std::to_string(layer) + " head " + std::to_string(head);
+      source = std::to_string(real_rows) + " reservoir rows of " + stats_path + " layer " + std::to_string(layer) +
+               " head " + std::to_string(head);
       if (real_rows < rows) source += " + " + std::to_string(rows - real_rows) + " synthetic (skewed spectrum)";
     }
     const int d = config.head_dim;
@@ -185,20 +185,20 @@ int main(int argc, char** argv) {
     int key_iters = 0, value_iters = 0;
     for (auto& s : krep) key_iters += int(s.iteration_error.size());
     for (auto& s : vrep) value_iters += int(s.iteration_error.size());
-    std::printf("key EM: %.1f s wall, %.1f s CPU (%d iterations over %d stages, %.3f s/iteration), relative "
-                "error^2 %.5f -> %.5f\n",
-                key_s, key_cpu, key_iters, int(krep.size()), key_s / std::max(1, key_iters), krep.front().error_before,
-                krep.back().error_after);
+    std::printf(
+        "key EM: %.1f s wall, %.1f s CPU (%d iterations over %d stages, %.3f s/iteration), relative "
+        "error^2 %.5f -> %.5f\n",
+        key_s, key_cpu, key_iters, int(krep.size()), key_s / std::max(1, key_iters), krep.front().error_before,
+        krep.back().error_after);
     std::printf("value EM: %.1f s wall, %.1f s CPU (%d iterations over %d stages), relative error^2 %.5f -> %.5f\n",
                 value_s, value_cpu, value_iters, int(vrep.size()), vrep.front().error_before, vrep.back().error_after);
     if (o.budget.key_stages < full.key_stages || o.budget.value_stages < full.value_stages)
-      std::printf("EM per (layer, head), extrapolated to %d key + %d value stages: %.1f s wall, %.1f s CPU\n",
-                  full.key_stages, full.value_stages,
-                  key_s / o.budget.key_stages * full.key_stages + value_s / o.budget.value_stages * full.value_stages,
-                  key_cpu / o.budget.key_stages * full.key_stages +
-                      value_cpu / o.budget.value_stages * full.value_stages);
-    else
-      std::printf("EM per (layer, head): %.1f s wall, %.1f s CPU\n", key_s + value_s, key_cpu + value_cpu);
+      std::printf(
+          "EM per (layer, head), extrapolated to %d key + %d value stages: %.1f s wall, %.1f s CPU\n", full.key_stages,
+          full.value_stages,
+          key_s / o.budget.key_stages * full.key_stages + value_s / o.budget.value_stages * full.value_stages,
+          key_cpu / o.budget.key_stages * full.key_stages + value_cpu / o.budget.value_stages * full.value_stages);
+    else std::printf("EM per (layer, head): %.1f s wall, %.1f s CPU\n", key_s + value_s, key_cpu + value_cpu);
 
     // Scoring throughput of the CPU reference over `context` encoded tokens.
     const size_t n = std::min<size_t>(size_t(context), rows);
@@ -218,9 +218,10 @@ int main(int argc, char** argv) {
       kvcc::commvq_attend(codec, inv_freq, q.data(), ek, pos.data(), ev, 1.0f / std::sqrt(float(d)), out.data());
     const double attend_s = seconds_since(t0) / reps;
     const double attend_cpu = (cpu_seconds() - attend_cpu0) / reps;
-    std::printf("CPU reference attention (table scores + code-weighted values), 1 query over %zu tokens: "
-                "%.2f ms wall (%.2f M tokens/s), %.2f ms CPU (%.2f M tokens/s)\n",
-                n, attend_s * 1e3, double(n) / attend_s / 1e6, attend_cpu * 1e3, double(n) / attend_cpu / 1e6);
+    std::printf(
+        "CPU reference attention (table scores + code-weighted values), 1 query over %zu tokens: "
+        "%.2f ms wall (%.2f M tokens/s), %.2f ms CPU (%.2f M tokens/s)\n",
+        n, attend_s * 1e3, double(n) / attend_s / 1e6, attend_cpu * 1e3, double(n) / attend_cpu / 1e6);
     return 0;
   } catch (const kvcc::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -55,10 +55,10 @@ int main(int argc, char** argv) {
     auto t0 = std::chrono::steady_clock::now();
     const Stats stats = make_synthetic_stats(spec);
     const double gen = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("synthetic stats: %d layers x %d KV heads, head_dim %d, %d tokens, reservoir %zu rows "
-                "per head (%.2f s to generate)\n",
-                spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.docs * spec.doc_len,
-                stats.reservoirs[0].size(), gen);
+    std::printf(
+        "synthetic stats: %d layers x %d KV heads, head_dim %d, %d tokens, reservoir %zu rows "
+        "per head (%.2f s to generate)\n",
+        spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.docs * spec.doc_len, stats.reservoirs[0].size(), gen);
     if (!stats_out.empty()) {
       write_stats(stats, stats_out);
       std::printf("wrote %s\n", stats_out.c_str());
@@ -76,8 +76,8 @@ int main(int argc, char** argv) {
       const Artifact art = compile_artifact(stats, o);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double cpu = cpu_seconds() - cpu0;
-      std::printf("%-11s wall %7.2f s  cpu %7.2f s  (%zu heads, %.1f cpu-ms/head)\n", o.method.c_str(), s,
-                  cpu, art.heads.size(), 1000.0 * cpu / double(art.heads.size()));
+      std::printf("%-11s wall %7.2f s  cpu %7.2f s  (%zu heads, %.1f cpu-ms/head)\n", o.method.c_str(), s, cpu,
+                  art.heads.size(), 1000.0 * cpu / double(art.heads.size()));
       std::fflush(stdout);
       start = end + 1;
     }

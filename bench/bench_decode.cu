@@ -146,10 +146,8 @@ double copy_ceiling_gbps(cudaStream_t s) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    if (variant == 0)
-      CK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
-    else
-      copy_words<<<sms * 8, 512, 0, s>>>(src.data(), dst.data(), bytes / 16);
+    if (variant == 0) CK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
+    else copy_words<<<sms * 8, 512, 0, s>>>(src.data(), dst.data(), bytes / 16);
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     best_us = std::min(best_us, time_graph(exec, s, 20));
@@ -265,8 +263,8 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   CK(cudaStreamSynchronize(s));
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (int r = 0; r < R; ++r)
-    decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq.data(),
-                rk, rvt, dout.data(), ws.data(), ws_int2, s);
+    decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq.data(), rk,
+                rvt, dout.data(), ws.data(), ws_int2, s);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   const double int2_us = time_graph(exec, s, reps) / R;
@@ -311,8 +309,8 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
     CK(cudaStreamSynchronize(s));
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int r = 0; r < Rb; ++r)
-      decode_bf16_paged(c.hkv, kD, kBf16PageTokens, bpool.data(), bb[size_t(r)], shape, dq.data(), rk, rvt,
-                        dout.data(), ws.data(), ws_bf16, s);
+      decode_bf16_paged(c.hkv, kD, kBf16PageTokens, bpool.data(), bb[size_t(r)], shape, dq.data(), rk, rvt, dout.data(),
+                        ws.data(), ws_bf16, s);
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     bf16_us = time_graph(exec, s, reps) / Rb;
@@ -414,9 +412,10 @@ void bench_append(cudaStream_t s, std::FILE* out) {
                "{\"kind\":\"append\",\"prefill_tokens\":%d,\"kv_heads\":8,\"prefill_us\":%.1f,\"prefill_gbps\":%.1f,"
                "\"decode_step_batch\":64,\"decode_step_us\":%.1f}\n",
                tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
-  std::printf("append: prefill %d tokens x 8 kv heads: %.1f us (%.0f GB/s of fp32 input + cache written); "
-              "decode step (batch 64, 1 token): %.1f us\n",
-              tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
+  std::printf(
+      "append: prefill %d tokens x 8 kv heads: %.1f us (%.0f GB/s of fp32 input + cache written); "
+      "decode step (batch 64, 1 token): %.1f us\n",
+      tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
 }
 
 }  // namespace

@@ -63,10 +63,10 @@ int main(int argc, char** argv) {
         const double final_s = seconds_since(tf), total = seconds_since(t0);
         if (total < best) best = total, best_load = load, best_final = final_s;
       }
-      std::printf("%s: %d tokens, %d layers, hidden %d, head_dim %d: %.3f s, %.0f tokens/s "
-                  "(weight load+convert %.3f s, LM head %.3f s; best of %d)\n",
-                  path.c_str(), T, c.n_layers, c.hidden, c.head_dim, best, T / best, best_load,
-                  best_final, repeat);
+      std::printf(
+          "%s: %d tokens, %d layers, hidden %d, head_dim %d: %.3f s, %.0f tokens/s "
+          "(weight load+convert %.3f s, LM head %.3f s; best of %d)\n",
+          path.c_str(), T, c.n_layers, c.hidden, c.head_dim, best, T / best, best_load, best_final, repeat);
     }
   } catch (const kvcc::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

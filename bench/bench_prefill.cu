@@ -105,9 +105,10 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
     }
     std::sort(times.begin(), times.end());
     const double ms = times[times.size() / 2];
-    std::printf("{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
-                "\"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
-                n_heads, n_kv, ctx, T, w, ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
+    std::printf(
+        "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
+        "\"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
+        n_heads, n_kv, ctx, T, w, ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
   }

@@ -35,12 +35,11 @@ uint64_t reservoir_priority(uint64_t seed, uint32_t doc, int32_t position) {
   return splitmix64(splitmix64(seed) ^ splitmix64(token ^ 0xA0761D6478BD642Full));
 }
 
-StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity,
-                                   uint64_t seed)
+StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity, uint64_t seed)
     : config_(config), d_(config.head_dim), group_(config.group()), seed_(seed) {
-  KVCC_REQUIRE(config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 &&
-              config.n_heads % config.n_kv_heads == 0,
-          "stats accumulator: model config has invalid head counts");
+  KVCC_REQUIRE(
+      config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 && config.n_heads % config.n_kv_heads == 0,
+      "stats accumulator: model config has invalid head counts");
   KVCC_REQUIRE(reservoir_capacity >= 0, "stats accumulator: negative reservoir capacity");
   const size_t n = size_t(config.n_layers) * size_t(config.n_kv_heads);
   heads_.resize(n);
@@ -66,14 +65,12 @@ void StatsAccumulator::syrk_rows(std::vector<double>& c, const float* src, int n
       for (int k = 0; k < d_; ++k) dst[k] = s * double(row[k]);
     }
     // Row-major A [rows, d]: C (d×d, upper) += Aᵀ A.
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d_, rows, 1.0, block_.data(), d_, 1.0,
-                c.data(), d_);
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d_, rows, 1.0, block_.data(), d_, 1.0, c.data(), d_);
   }
 }
 
 void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
-  KVCC_REQUIRE(taps.layer >= 0 && taps.layer < config_.n_layers,
-          "stats accumulator: layer index out of range");
+  KVCC_REQUIRE(taps.layer >= 0 && taps.layer < config_.n_layers, "stats accumulator: layer index out of range");
   const int T = taps.T;
   const int n_kv = config_.n_kv_heads;
   const int64_t q_stride = int64_t(config_.n_heads) * d_;
@@ -112,10 +109,9 @@ void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
   sample_reservoir(taps);
 }
 
-void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const float* probs,
-                                const float* output) {
+void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const float* probs, const float* output) {
   KVCC_REQUIRE(taps.layer == current_layer_ && taps.doc == current_doc_ && taps.T == current_T_,
-          "stats accumulator: on_probs without a matching on_qkv");
+               "stats accumulator: on_probs without a matching on_qkv");
   KVCC_REQUIRE(q_head >= 0 && q_head < config_.n_heads, "stats accumulator: query head out of range");
   const int T = taps.T;
   const int h = q_head / group_;
@@ -138,8 +134,7 @@ void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const floa
       sqrt_w[size_t(j)] = std::sqrt(w[j]);
       total += w[j];
     }
-    syrk_rows(hs.p2_m2, taps.value + int64_t(h) * d_, T, int64_t(config_.n_kv_heads) * d_,
-              sqrt_w.data());
+    syrk_rows(hs.p2_m2, taps.value + int64_t(h) * d_, T, int64_t(config_.n_kv_heads) * d_, sqrt_w.data());
     hs.p2_weight += total;
   }
 }
@@ -172,9 +167,7 @@ void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
     Reservoir& add = pending_[index];
     // Only rows below the largest kept priority can enter a full reservoir.
     auto threshold = [&] {
-      return int(res.size()) >= capacity
-                 ? *std::max_element(res.priority.begin(), res.priority.end())
-                 : UINT64_MAX;
+      return int(res.size()) >= capacity ? *std::max_element(res.priority.begin(), res.priority.end()) : UINT64_MAX;
     };
     uint64_t limit = threshold();
     for (int t : order) {
@@ -217,10 +210,9 @@ void StatsAccumulator::export_into(Stats& stats) const {
 }
 
 void StatsAccumulator::move_into(Stats& stats) && {
-  KVCC_REQUIRE(stats.config.n_layers == config_.n_layers &&
-              stats.config.n_kv_heads == config_.n_kv_heads &&
-              stats.config.head_dim == config_.head_dim,
-          "stats accumulator: exporting into stats of a different model shape");
+  KVCC_REQUIRE(stats.config.n_layers == config_.n_layers && stats.config.n_kv_heads == config_.n_kv_heads &&
+                   stats.config.head_dim == config_.head_dim,
+               "stats accumulator: exporting into stats of a different model shape");
   stats.heads = std::move(heads_);
   for (auto& hs : stats.heads) {
     mirror_upper(hs.query_m2, d_);

@@ -26,8 +26,7 @@ class StatsAccumulator final : public AttentionObserver {
   StatsAccumulator(const ModelConfig& config, int reservoir_capacity, uint64_t seed);
 
   void on_qkv(const SequenceTaps& taps) override;
-  void on_probs(const SequenceTaps& taps, int q_head, const float* probs,
-                const float* output) override;
+  void on_probs(const SequenceTaps& taps, int q_head, const float* probs, const float* output) override;
 
   // Copies the sums (matrices made symmetric) and reservoirs into stats.heads / stats.reservoirs,
   // replacing what was there; `stats` must describe the same model shape.
@@ -41,8 +40,7 @@ class StatsAccumulator final : public AttentionObserver {
   HeadStats& head(int layer, int h) { return heads_[size_t(layer * config_.n_kv_heads + h)]; }
   // C += Σ rows rowᵀ (upper triangle) for `n` rows of width d taken at `src + i * stride`, each
   // scaled by `row_scale[i]` when given; converts blocks to double for dsyrk.
-  void syrk_rows(std::vector<double>& c, const float* src, int n, int64_t stride,
-                 const double* row_scale = nullptr);
+  void syrk_rows(std::vector<double>& c, const float* src, int n, int64_t stride, const double* row_scale = nullptr);
   void sample_reservoir(const SequenceTaps& taps);
 
   ModelConfig config_;

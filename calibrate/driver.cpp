@@ -25,9 +25,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // CPU time of the whole process (all threads): on a shared machine it measures the work done,
 // where wall time also measures the neighbours.
@@ -54,8 +52,7 @@ class TimedObserver final : public AttentionObserver {
     cpu_seconds_ += process_cpu_seconds() - c0;
     seconds_ += seconds_since(t0);
   }
-  void on_probs(const SequenceTaps& taps, int q_head, const float* probs,
-                const float* output) override {
+  void on_probs(const SequenceTaps& taps, int q_head, const float* probs, const float* output) override {
     const auto t0 = Clock::now();
     const double c0 = process_cpu_seconds();
     inner_.on_probs(taps, q_head, probs, output);
@@ -73,40 +70,37 @@ class TimedObserver final : public AttentionObserver {
 
 uint64_t layer_bytes(const LayerWeights& w) {
   uint64_t n = 0;
-  for (const auto* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm,
-                        &w.k_norm, &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down})
+  for (const auto* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq, &w.bk, &w.bv, &w.q_norm, &w.k_norm,
+                        &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down})
     n += v->size() * sizeof(float);
   return n;
 }
 
 }  // namespace
 
-CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
-                                       const ModelConfig& config) {
+CalibrationSet prepare_calibration_set(const CalibrationOptions& options, const ModelConfig& config) {
   KVCC_REQUIRE(options.data_path.empty() != options.ids_path.empty(),
-          "give exactly one calibration input: a text file (--data) or a token id file (--ids)");
+               "give exactly one calibration input: a text file (--data) or a token id file (--ids)");
   CalibrationSet set;
   int max_len = options.max_seq_len;
   const int model_max = config.max_position > 0 ? config.max_position : 2048;
   if (max_len == 0) max_len = std::min(model_max, 2048);
   KVCC_REQUIRE(max_len > 0, "--max-seq-len must be positive");
   KVCC_REQUIRE(max_len <= model_max, "--max-seq-len " + std::to_string(max_len) +
-                                    " exceeds the model's maximum position " +
-                                    std::to_string(model_max));
+                                         " exceeds the model's maximum position " + std::to_string(model_max));
   set.max_seq_len = max_len;
 
   // Appends one document after truncation and the token budget; returns false when the budget is spent.
   auto add = [&](std::vector<int32_t> ids, uint32_t doc) {
     if (options.max_tokens > 0 && set.tokens >= options.max_tokens) return false;
     if (ids.size() > size_t(max_len)) ids.resize(size_t(max_len));
-    if (options.max_tokens > 0)
-      ids.resize(size_t(std::min<uint64_t>(ids.size(), options.max_tokens - set.tokens)));
+    if (options.max_tokens > 0) ids.resize(size_t(std::min<uint64_t>(ids.size(), options.max_tokens - set.tokens)));
     if (ids.empty()) return true;
     for (int32_t id : ids)
-      KVCC_REQUIRE(id >= 0 && id < config.vocab,
-              "token id " + std::to_string(id) + " in document " + std::to_string(doc) +
-                  " is outside the model's vocabulary of " + std::to_string(config.vocab) +
-                  " (ids made by another tokenizer?)");
+      KVCC_REQUIRE(id >= 0 && id < config.vocab, "token id " + std::to_string(id) + " in document " +
+                                                     std::to_string(doc) + " is outside the model's vocabulary of " +
+                                                     std::to_string(config.vocab) +
+                                                     " (ids made by another tokenizer?)");
     set.tokens += ids.size();
     set.sequences.push_back(std::move(ids));
     set.doc_index.push_back(doc);
@@ -123,7 +117,7 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
 
   if (!options.ids_path.empty()) {
     KVCC_REQUIRE(std::filesystem::is_regular_file(options.ids_path),
-            "token id file '" + options.ids_path + "' does not exist or is not a file");
+                 "token id file '" + options.ids_path + "' does not exist or is not a file");
     set.data_sha256 = sha256_file_hex(options.ids_path);
     set.tokenizer_kind = "ids";
     const auto docs = read_token_id_file(options.ids_path);
@@ -136,8 +130,8 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
   const std::string text = read_text_file(options.data_path, "calibration text");
   set.data_sha256 = sha256_hex(text);
   const std::vector<std::string> docs = split_documents(text, options.separator);
-  KVCC_REQUIRE(!docs.empty(), "calibration text '" + options.data_path +
-                             "' holds no documents (empty or whitespace only)");
+  KVCC_REQUIRE(!docs.empty(),
+               "calibration text '" + options.data_path + "' holds no documents (empty or whitespace only)");
   const auto tokenizer = Tokenizer::for_model(options.model_path, config.vocab, options.tokenizer_path);
   set.tokenizer_kind = tokenizer->kind();
   for (size_t i = 0; i < docs.size(); ++i) {
@@ -150,10 +144,9 @@ CalibrationSet prepare_calibration_set(const CalibrationOptions& options,
 
 Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* summary) {
   const auto t0 = Clock::now();
-  KVCC_REQUIRE(options.shard_count >= 1 && options.shard_index >= 0 &&
-              options.shard_index < options.shard_count,
-          "shard " + std::to_string(options.shard_index) + "/" +
-              std::to_string(options.shard_count) + " is invalid (want I/N with 0 <= I < N)");
+  KVCC_REQUIRE(options.shard_count >= 1 && options.shard_index >= 0 && options.shard_index < options.shard_count,
+               "shard " + std::to_string(options.shard_index) + "/" + std::to_string(options.shard_count) +
+                   " is invalid (want I/N with 0 <= I < N)");
   KVCC_REQUIRE(options.reservoir >= 0, "--reservoir must not be negative");
   const ModelFile model = ModelFile::open(options.model_path);
   const ModelConfig& config = model.config();
@@ -265,21 +258,19 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   return stats;
 }
 
-CalibrationSummary run_calibration(const CalibrationOptions& options,
-                                   const std::string& output_path) {
+CalibrationSummary run_calibration(const CalibrationOptions& options, const std::string& output_path) {
   const auto t0 = Clock::now();
   KVCC_REQUIRE(!output_path.empty(), "no output path given (-o stats.h5)");
   const std::filesystem::path out(output_path);
   const std::filesystem::path dir = out.has_parent_path() ? out.parent_path() : ".";
-  KVCC_REQUIRE(std::filesystem::is_directory(dir),
-          "output directory '" + dir.string() + "' does not exist");
+  KVCC_REQUIRE(std::filesystem::is_directory(dir), "output directory '" + dir.string() + "' does not exist");
 
   MpiSession mpi;
   const MpiWorld& world = mpi.world();
   CalibrationOptions local = options;
   if (world.active && world.size > 1) {
     KVCC_REQUIRE(options.shard_count == 1,
-            "--shard cannot be combined with mpirun: the ranks already split the documents");
+                 "--shard cannot be combined with mpirun: the ranks already split the documents");
     local.shard_index = world.rank;
     local.shard_count = world.size;
   }

@@ -15,12 +15,12 @@ namespace kvcc {
 
 // What the driver reports while it works (the CLI draws a bar or prints lines from it).
 struct CalibrationProgress {
-  std::string stage;           // "tokenize", "embed", "layer"
-  int layer = 0;               // current layer (stage "layer")
+  std::string stage;  // "tokenize", "embed", "layer"
+  int layer = 0;      // current layer (stage "layer")
   int n_layers = 0;
-  uint64_t tokens_done = 0;    // tokens of this layer (or stage) done so far on this process
-  uint64_t tokens_total = 0;   // tokens this process runs through each layer
-  double elapsed_s = 0.0;      // since the driver started
+  uint64_t tokens_done = 0;   // tokens of this layer (or stage) done so far on this process
+  uint64_t tokens_total = 0;  // tokens this process runs through each layer
+  double elapsed_s = 0.0;     // since the driver started
 };
 
 struct CalibrationOptions {
@@ -29,15 +29,15 @@ struct CalibrationOptions {
   std::string ids_path;        // or: a pre-tokenized file (one document of ids per line)
   std::string tokenizer_path;  // explicit tokenizer (llama2.c models); empty: found beside the model
   std::string separator = "<|endoftext|>";
-  uint64_t max_tokens = 0;     // stop after this many tokens in total (0: the whole input)
-  int max_seq_len = 0;         // truncate documents to this (0: min(model max_position, 2048))
-  int reservoir = 2048;        // reservoir rows per (layer, KV head)
+  uint64_t max_tokens = 0;  // stop after this many tokens in total (0: the whole input)
+  int max_seq_len = 0;      // truncate documents to this (0: min(model max_position, 2048))
+  int reservoir = 2048;     // reservoir rows per (layer, KV head)
   uint64_t seed = 0;
   // Process only documents with index % shard_count == shard_index (global indices are kept, so
   // the shards merged with merge_stats equal the single run).
   int shard_index = 0;
   int shard_count = 1;
-  std::string command;         // recorded in the stats file
+  std::string command;                                       // recorded in the stats file
   std::function<void(const CalibrationProgress&)> progress;  // optional
 };
 
@@ -47,8 +47,8 @@ struct CalibrationSet {
   std::vector<uint32_t> doc_index;  // document index in the input, per sequence (stable)
   uint64_t tokens = 0;
   int max_seq_len = 0;
-  std::string tokenizer_kind;       // Tokenizer::kind(), or "ids"
-  std::string data_sha256;          // of the input file
+  std::string tokenizer_kind;  // Tokenizer::kind(), or "ids"
+  std::string data_sha256;     // of the input file
 };
 
 // Reads and tokenizes the input as the options say; throws Error on a missing or empty input,
@@ -56,18 +56,18 @@ struct CalibrationSet {
 CalibrationSet prepare_calibration_set(const CalibrationOptions&, const ModelConfig&);
 
 struct CalibrationSummary {
-  uint64_t tokens = 0;       // over all processes
+  uint64_t tokens = 0;  // over all processes
   uint64_t sequences = 0;
-  double seconds = 0.0;      // wall time of the whole run
-  double forward_seconds = 0.0;  // model layers (this process), statistics excluded
-  double stats_seconds = 0.0;    // inside the statistics observer (this process)
+  double seconds = 0.0;              // wall time of the whole run
+  double forward_seconds = 0.0;      // model layers (this process), statistics excluded
+  double stats_seconds = 0.0;        // inside the statistics observer (this process)
   double forward_cpu_seconds = 0.0;  // the same two as process CPU time (all threads), which a
   double stats_cpu_seconds = 0.0;    // busy shared machine disturbs less than wall time
-  long peak_rss_kib = 0;     // getrusage maximum resident set of this process
-  uint64_t hidden_state_bytes = 0;  // the calibration set's hidden states (this process)
-  uint64_t layer_weight_bytes = 0;  // the largest single layer's float32 weights
-  int ranks = 1;             // MPI processes (1 without mpirun)
-  bool wrote_output = false; // false on MPI ranks other than 0
+  long peak_rss_kib = 0;             // getrusage maximum resident set of this process
+  uint64_t hidden_state_bytes = 0;   // the calibration set's hidden states (this process)
+  uint64_t layer_weight_bytes = 0;   // the largest single layer's float32 weights
+  int ranks = 1;                     // MPI processes (1 without mpirun)
+  bool wrote_output = false;         // false on MPI ranks other than 0
 };
 
 // One process: runs the calibration on this process's shard and returns its statistics.

@@ -80,10 +80,8 @@ void merge_serialized_reservoirs(std::vector<Reservoir>& into, const char* p, co
 }
 
 void reduce_in_place(void* buf, int count, MPI_Datatype type, MPI_Op op, const MpiWorld& w) {
-  if (w.rank == 0)
-    MPI_Reduce(MPI_IN_PLACE, buf, count, type, op, 0, MPI_COMM_WORLD);
-  else
-    MPI_Reduce(buf, nullptr, count, type, op, 0, MPI_COMM_WORLD);
+  if (w.rank == 0) MPI_Reduce(MPI_IN_PLACE, buf, count, type, op, 0, MPI_COMM_WORLD);
+  else MPI_Reduce(buf, nullptr, count, type, op, 0, MPI_COMM_WORLD);
 }
 
 int checked_count(size_t n) {
@@ -106,8 +104,8 @@ MpiSession::MpiSession() {
     world_.active = true;
   }
 #else
-  KVCC_REQUIRE(launched <= 1, "launched by mpirun with " + std::to_string(launched) +
-                             " ranks, but this kvcc was built without MPI");
+  KVCC_REQUIRE(launched <= 1,
+               "launched by mpirun with " + std::to_string(launched) + " ranks, but this kvcc was built without MPI");
 #endif
 }
 
@@ -172,8 +170,7 @@ void mpi_reduce_stats(Stats& stats, const MpiWorld& world) {
     }
     all.resize(total);
   }
-  MPI_Gatherv(mine.data(), my_bytes, MPI_CHAR, all.data(), bytes.data(), offsets.data(), MPI_CHAR,
-              0, MPI_COMM_WORLD);
+  MPI_Gatherv(mine.data(), my_bytes, MPI_CHAR, all.data(), bytes.data(), offsets.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
   if (world.rank != 0) return;
 
   size_t si = 0, ci = 0, mi = 0, xi = 0;

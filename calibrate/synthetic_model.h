@@ -30,8 +30,8 @@ void write_synthetic_model(const std::string& dir, const SyntheticModelSpec& spe
 
 // Deterministic token documents for the synthetic model: each starts with BOS (id 0), then a
 // first-order Markov chain whose per-token successor sets come from `seed`.
-std::vector<std::vector<int32_t>> synthetic_documents(const SyntheticModelSpec& spec, int n_docs,
-                                                      int length, uint64_t seed);
+std::vector<std::vector<int32_t>> synthetic_documents(const SyntheticModelSpec& spec, int n_docs, int length,
+                                                      uint64_t seed);
 
 // Writes documents as a pre-tokenized id file (one document per line), atomically.
 void write_token_ids(const std::string& path, const std::vector<std::vector<int32_t>>& docs);

@@ -28,17 +28,15 @@ void parse_shard(const std::string& text, int& index, int& count) {
     ok = false;
   }
   KVCC_REQUIRE(ok && count >= 1 && index >= 0 && index < count,
-          "--shard '" + text + "' is not I/N with 0 <= I < N (e.g. --shard 0/4)");
+               "--shard '" + text + "' is not I/N with 0 <= I < N (e.g. --shard 0/4)");
 }
 
 std::string format_duration(double s) {
   if (!(s >= 0) || s > 1e7) return "--:--";
   const long total = long(s + 0.5);
   char buf[32];
-  if (total >= 3600)
-    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", total / 3600, total / 60 % 60, total % 60);
-  else
-    std::snprintf(buf, sizeof buf, "%ld:%02ld", total / 60, total % 60);
+  if (total >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", total / 3600, total / 60 % 60, total % 60);
+  else std::snprintf(buf, sizeof buf, "%ld:%02ld", total / 60, total % 60);
   return buf;
 }
 
@@ -50,16 +48,14 @@ class ProgressPrinter {
   void operator()(const CalibrationProgress& p) {
     if (p.stage == "tokenize") {
       if (tty_ && p.elapsed_s - last_draw_ >= 0.1) {
-        std::fprintf(stderr, "\rtokenizing: document %" PRIu64 " of %" PRIu64, p.tokens_done,
-                     p.tokens_total);
+        std::fprintf(stderr, "\rtokenizing: document %" PRIu64 " of %" PRIu64, p.tokens_done, p.tokens_total);
         last_draw_ = p.elapsed_s;
       }
       return;
     }
     if (p.stage == "embed") {
       if (tty_) std::fprintf(stderr, "\r\033[K");
-      std::fprintf(stderr, "calibrating on %" PRIu64 " tokens, %d layers\n", p.tokens_total,
-                   p.n_layers);
+      std::fprintf(stderr, "calibrating on %" PRIu64 " tokens, %d layers\n", p.tokens_total, p.n_layers);
       layers_t0_ = p.elapsed_s;
       layer_t0_ = p.elapsed_s;
       current_layer_ = 0;
@@ -84,15 +80,14 @@ class ProgressPrinter {
       const int filled = all_units > 0 ? int(kWidth * done_units / all_units) : 0;
       std::string bar(size_t(filled), '#');
       bar.resize(kWidth, '.');
-      std::fprintf(stderr, "\r\033[Klayer %d/%d [%s] %3.0f%%  %.0f tok/s  ETA %s", p.layer + 1,
-                   p.n_layers, bar.c_str(), 100.0 * done_units / all_units, rate,
-                   format_duration(eta).c_str());
+      std::fprintf(stderr, "\r\033[Klayer %d/%d [%s] %3.0f%%  %.0f tok/s  ETA %s", p.layer + 1, p.n_layers, bar.c_str(),
+                   100.0 * done_units / all_units, rate, format_duration(eta).c_str());
       if (layer_done && p.layer + 1 == p.n_layers) std::fprintf(stderr, "\n");
     } else if (layer_done || p.elapsed_s - last_draw_ >= 10.0) {
       last_draw_ = p.elapsed_s;
-      std::fprintf(stderr, "layer %d/%d: %" PRIu64 "/%" PRIu64 " tokens, %.0f tok/s, elapsed %s, ETA %s\n",
-                   p.layer + 1, p.n_layers, p.tokens_done, p.tokens_total, rate,
-                   format_duration(elapsed).c_str(), format_duration(eta).c_str());
+      std::fprintf(stderr, "layer %d/%d: %" PRIu64 "/%" PRIu64 " tokens, %.0f tok/s, elapsed %s, ETA %s\n", p.layer + 1,
+                   p.n_layers, p.tokens_done, p.tokens_total, rate, format_duration(elapsed).c_str(),
+                   format_duration(eta).c_str());
     }
   }
 
@@ -116,8 +111,7 @@ struct Flags {
 };
 
 Command reg{
-    "calibrate-model", 20,
-    "Run a model over calibration text and write its attention statistics (stats.h5)",
+    "calibrate-model", 20, "Run a model over calibration text and write its attention statistics (stats.h5)",
     [](CLI::App& app) -> std::function<int()> {
       auto flags = std::make_shared<Flags>();
       CalibrationOptions& o = flags->options;
@@ -125,23 +119,19 @@ Command reg{
                      "Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or "
                      "llama2.c checkpoint (.bin)")
           ->required();
-      auto* data = app.add_option("--data", o.data_path,
-                                  "Calibration text; documents are separated by --separator");
+      auto* data = app.add_option("--data", o.data_path, "Calibration text; documents are separated by --separator");
       auto* ids = app.add_option("--ids", o.ids_path,
                                  "Pre-tokenized input instead of --data: one document per line, "
                                  "whitespace-separated token ids");
       data->excludes(ids);
-      app.add_option("--tokenizer", o.tokenizer_path,
-                     "Tokenizer file (default: the model's own, found beside it)");
+      app.add_option("--tokenizer", o.tokenizer_path, "Tokenizer file (default: the model's own, found beside it)");
       app.add_option("--tokens", o.max_tokens, "Stop after this many tokens in total (default: all)");
       app.add_option("--max-seq-len", o.max_seq_len,
                      "Truncate each document to this many tokens (default: min(model context, 2048))");
-      app.add_option("--reservoir", o.reservoir,
-                     "Sampled token rows kept per layer and KV head")
+      app.add_option("--reservoir", o.reservoir, "Sampled token rows kept per layer and KV head")
           ->capture_default_str();
       app.add_option("--seed", o.seed, "Seed of the reservoir sampling")->capture_default_str();
-      app.add_option("--separator", o.separator, "Document separator in the text")
-          ->capture_default_str();
+      app.add_option("--separator", o.separator, "Document separator in the text")->capture_default_str();
       app.add_option("--shard", flags->shard,
                      "Process only documents with index % N == I (I/N); merge the shards with "
                      "`kvcc merge-stats`");
@@ -161,17 +151,15 @@ Command reg{
       return [flags]() -> int {
         CalibrationOptions options = flags->options;
         KVCC_REQUIRE(!options.data_path.empty() || !options.ids_path.empty(),
-                "give the calibration input: --data TEXT or --ids FILE");
+                     "give the calibration input: --data TEXT or --ids FILE");
         if (!flags->shard.empty()) parse_shard(flags->shard, options.shard_index, options.shard_count);
         // The command as a user would retype it: given flags only (defaults left out).
         options.command = "kvcc calibrate-model --model " + options.model_path +
-                          (options.ids_path.empty() ? " --data " + options.data_path
-                                                    : " --ids " + options.ids_path);
+                          (options.ids_path.empty() ? " --data " + options.data_path : " --ids " + options.ids_path);
         if (options.max_tokens > 0) options.command += " --tokens " + std::to_string(options.max_tokens);
-        if (options.max_seq_len > 0)
-          options.command += " --max-seq-len " + std::to_string(options.max_seq_len);
-        options.command += " --reservoir " + std::to_string(options.reservoir) + " --seed " +
-                           std::to_string(options.seed);
+        if (options.max_seq_len > 0) options.command += " --max-seq-len " + std::to_string(options.max_seq_len);
+        options.command +=
+            " --reservoir " + std::to_string(options.reservoir) + " --seed " + std::to_string(options.seed);
         if (!options.tokenizer_path.empty()) options.command += " --tokenizer " + options.tokenizer_path;
         if (options.separator != CalibrationOptions{}.separator)
           options.command += " --separator '" + options.separator + "'";
@@ -185,14 +173,13 @@ Command reg{
         const double mib = 1024.0 * 1024.0;
         const double cpu = s.forward_cpu_seconds + s.stats_cpu_seconds;
         std::fprintf(stderr,
-                     "calibrated %" PRIu64 " tokens in %" PRIu64 " sequences%s in %.1f s (%.0f tok/s)\n"
+                     "calibrated %" PRIu64 " tokens in %" PRIu64
+                     " sequences%s in %.1f s (%.0f tok/s)\n"
                      "  this process: CPU time forward %.2f s, statistics %.2f s (%.0f%% of the layers' "
                      "time); peak memory %.1f MiB (largest layer %.1f MiB + hidden states %.1f MiB)\n",
-                     s.tokens, s.sequences,
-                     s.ranks > 1 ? (" on " + std::to_string(s.ranks) + " ranks").c_str() : "",
-                     s.seconds, s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0,
-                     s.forward_cpu_seconds, s.stats_cpu_seconds,
-                     cpu > 0 ? 100.0 * s.stats_cpu_seconds / cpu : 0.0,
+                     s.tokens, s.sequences, s.ranks > 1 ? (" on " + std::to_string(s.ranks) + " ranks").c_str() : "",
+                     s.seconds, s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0, s.forward_cpu_seconds,
+                     s.stats_cpu_seconds, cpu > 0 ? 100.0 * s.stats_cpu_seconds / cpu : 0.0,
                      double(s.peak_rss_kib) / 1024.0, double(s.layer_weight_bytes) / mib,
                      double(s.hidden_state_bytes) / mib);
         std::printf("wrote %s\n", flags->output.c_str());

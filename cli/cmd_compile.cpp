@@ -139,17 +139,19 @@ void add_compile_options(CLI::App& sub, Args& a) {
                      "group spans that many KV heads of a token (" +
                      names_where([](const MethodTraits& t) { return t.spans_heads; }) +
                      "); kivi: also tokens per key group");
-  sub.add_option("--sink", o.sink, "BF16 tokens kept at the start (default " + defaults_text(&MethodTraits::sink) + ")");
+  sub.add_option("--sink", o.sink,
+                 "BF16 tokens kept at the start (default " + defaults_text(&MethodTraits::sink) + ")");
   sub.add_option("--recent", o.recent,
                  "BF16 ring of the last tokens (default " + defaults_text(&MethodTraits::recent) +
                      "); kivi's is its residual window");
-  sub.add_option("--page-size", o.page_size,
-                 "tokens per quantised page (default " + defaults_text(&MethodTraits::page_size) +
-                     "); kvarn's page is its tile");
+  sub.add_option(
+      "--page-size", o.page_size,
+      "tokens per quantised page (default " + defaults_text(&MethodTraits::page_size) + "); kvarn's page is its tile");
   sub.add_option("--value-target", o.value_target,
                  "value importance of " + accepting(MethodOption::ValueTarget) +
                      ": output (Σ o oᵀ) | p2 (Σ_j Σ_i p_ij² v vᵀ) | logit2 (OSCAR code: weights kᵀMk "
-                     "from reservoir fitting rows); default " + oscar.value_target);
+                     "from reservoir fitting rows); default " +
+                     oscar.value_target);
   sub.add_option("--granularity", o.granularity,
                  "head (per KV head) | layer (shared, OSCAR v1): " + accepting(MethodOption::Granularity))
       ->capture_default_str();
@@ -160,14 +162,16 @@ void add_compile_options(CLI::App& sub, Args& a) {
       ->capture_default_str();
   sub.add_option("--param", a.params, "method parameter KEY=VALUE: " + params_text());
   sub.add_option("--values", a.values,
-                 flag_param_text("--values") + " = the mixed recipe: KIVI keys, values rotated by H or "
-                 "oscar's value rotation on a per-token grid of head_dim with a fitted clip "
-                 "(recipe param values; default: KIVI's plain per-token values)");
+                 flag_param_text("--values") +
+                     " = the mixed recipe: KIVI keys, values rotated by H or "
+                     "oscar's value rotation on a per-token grid of head_dim with a fitted clip "
+                     "(recipe param values; default: KIVI's plain per-token values)");
   sub.add_flag("--no-fit-clip", a.no_fit_clip,
                "do not fit clip ratios (use 1.0 = no clipping): " + accepting(MethodOption::NoFitClip));
   sub.add_option("--fit-rows", o.max_fit_rows,
                  "reservoir fitting tokens per KV head (per group of heads when --group spans heads) "
-                 "for clip ratios and level tables: " + accepting(MethodOption::FitRows))
+                 "for clip ratios and level tables: " +
+                     accepting(MethodOption::FitRows))
       ->capture_default_str();
   sub.add_option("--threads", o.threads, "worker threads (default: all cores)");
 }
@@ -179,10 +183,8 @@ int run_compile(Args& a) {
   const Stats stats = read_stats(a.stats_path);
   const auto t0 = std::chrono::steady_clock::now();
   a.options.progress = [&](int done, int total) {
-    if (tty)
-      std::fprintf(stderr, "\rcompiling %s: layer %d/%d", a.options.method.c_str(), done, total);
-    else
-      std::fprintf(stderr, "compiling %s: layer %d/%d\n", a.options.method.c_str(), done, total);
+    if (tty) std::fprintf(stderr, "\rcompiling %s: layer %d/%d", a.options.method.c_str(), done, total);
+    else std::fprintf(stderr, "compiling %s: layer %d/%d\n", a.options.method.c_str(), done, total);
     if (tty && done == total) std::fprintf(stderr, "\n");
   };
   Artifact art = compile_artifact(stats, a.options);
@@ -193,15 +195,16 @@ int run_compile(Args& a) {
   write_artifact(art, a.out_path);
 
   const Recipe& r = art.recipe;
-  std::printf("wrote %s: %s, %d layers x %d KV heads, head_dim %d (%.2f s)\n", a.out_path.c_str(),
-              r.method.c_str(), art.n_layers, art.n_kv_heads, art.head_dim, seconds);
-  std::printf("recipe: key %g bits, value %g bits, group %d, sink %d, recent %d, page %d\n", r.key_bits,
-              r.value_bits, r.group > 0 ? r.group : art.head_dim, r.sink, r.recent, r.page_size);
-  std::printf("bits/element: nominal %.3f; quantised tier K %.3f V %.3f; effective (with BF16 "
-              "sink+recent) %.3f at 2048 tokens, %.3f at 32768, %.3f at 131072\n",
-              nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim),
-              history_bits(r, KvSide::Value, art.head_dim), effective_bits(r, art.head_dim, 2048),
-              effective_bits(r, art.head_dim, 32768), effective_bits(r, art.head_dim, 131072));
+  std::printf("wrote %s: %s, %d layers x %d KV heads, head_dim %d (%.2f s)\n", a.out_path.c_str(), r.method.c_str(),
+              art.n_layers, art.n_kv_heads, art.head_dim, seconds);
+  std::printf("recipe: key %g bits, value %g bits, group %d, sink %d, recent %d, page %d\n", r.key_bits, r.value_bits,
+              r.group > 0 ? r.group : art.head_dim, r.sink, r.recent, r.page_size);
+  std::printf(
+      "bits/element: nominal %.3f; quantised tier K %.3f V %.3f; effective (with BF16 "
+      "sink+recent) %.3f at 2048 tokens, %.3f at 32768, %.3f at 131072\n",
+      nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim), history_bits(r, KvSide::Value, art.head_dim),
+      effective_bits(r, art.head_dim, 2048), effective_bits(r, art.head_dim, 32768),
+      effective_bits(r, art.head_dim, 131072));
   // Either side on a clipped grid (a mixed kivi recipe: keys unclipped, values fitted).
   if (method_traits(method_of(side_recipe(r, KvSide::Key))).fit == Fit::ClipRatio ||
       method_traits(method_of(side_recipe(r, KvSide::Value))).fit == Fit::ClipRatio) {
@@ -217,8 +220,7 @@ int run_compile(Args& a) {
   return 0;
 }
 
-Command reg{"compile", 30,
-            "Compile stats into an artifact: rotations and INT-b quantizers per (layer, KV head)",
+Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b quantizers per (layer, KV head)",
             [](CLI::App& sub) {
               auto a = std::make_shared<Args>();
               sub.footer(

@@ -204,7 +204,8 @@ int run_real(const Args& a) {
   if (!fs::exists(a.model, ec))
     throw Error("demo model not found at " + a.model +
                 " (the repository ships it as cli/demo/stories260k/stories260K.bin with tok512.bin; this kvcc "
-                "was built from " KVCC_SOURCE_DIR "; pass --model PATH to use another copy or model, or "
+                "was built from " KVCC_SOURCE_DIR
+                "; pass --model PATH to use another copy or model, or "
                 "--synthetic for the generated model)");
   fs::create_directories(a.out_dir);
   const fs::path out(a.out_dir);
@@ -217,8 +218,8 @@ int run_real(const Args& a) {
   p.recent = or_default(a.recent, 32);
   p.page_size = or_default(a.page_size, 16);
   p.block = or_default(a.block, 16);
-  p.methods = a.methods.empty() ? std::vector<std::string>{"identity", "hadamard", "oscar", "oscar-lm", "kivi"}
-                                : a.methods;
+  p.methods =
+      a.methods.empty() ? std::vector<std::string>{"identity", "hadamard", "oscar", "oscar-lm", "kivi"} : a.methods;
   const std::string tag = "[" + p.label + "]";
 
   // 1. The model and its tokenizer.
@@ -227,10 +228,11 @@ int run_real(const Args& a) {
   const ModelConfig& c = model.config();
   const auto tokenizer = Tokenizer::for_model(a.model, c.vocab);
   p.max_seq_len = std::min(or_default(a.doc_length, 256), c.max_position);
-  std::printf("%s model %s: %s, hidden %d, %d layers, %d q / %d kv heads, head_dim %d, vocab %d, %s RoPE "
-              "(%.2f s)\n",
-              tag.c_str(), a.model.c_str(), c.architecture.c_str(), c.hidden, c.n_layers, c.n_heads, c.n_kv_heads,
-              c.head_dim, c.vocab, rope_style_name(c.rope_style), since(s));
+  std::printf(
+      "%s model %s: %s, hidden %d, %d layers, %d q / %d kv heads, head_dim %d, vocab %d, %s RoPE "
+      "(%.2f s)\n",
+      tag.c_str(), a.model.c_str(), c.architecture.c_str(), c.hidden, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
+      c.vocab, rope_style_name(c.rope_style), since(s));
 
   // 2. Documents sampled from the model (no text from outside the repository): calibration and
   // held-out stories from different seeds, each from BOS until the model starts the next story.
@@ -250,27 +252,30 @@ int run_real(const Args& a) {
   size_t calib_tokens = 0, eval_tokens = 0;
   for (const auto& d : calib) calib_tokens += d.size();
   for (const auto& d : heldout) eval_tokens += d.size();
-  std::printf("%s sampled %zu calibration stories (%zu tokens, seed %llu) and %zu held-out stories (%zu tokens, "
-              "seed %llu) at temperature %.2f, at most %d tokens each -> %s, %s (%.2f s; %.1f s total)\n",
-              tag.c_str(), calib.size(), calib_tokens, (unsigned long long)a.seed, heldout.size(), eval_tokens,
-              (unsigned long long)(a.seed + 1), a.temperature, p.max_seq_len, p.calib_ids.c_str(), p.eval_ids.c_str(),
-              since(s), since(t0));
+  std::printf(
+      "%s sampled %zu calibration stories (%zu tokens, seed %llu) and %zu held-out stories (%zu tokens, "
+      "seed %llu) at temperature %.2f, at most %d tokens each -> %s, %s (%.2f s; %.1f s total)\n",
+      tag.c_str(), calib.size(), calib_tokens, (unsigned long long)a.seed, heldout.size(), eval_tokens,
+      (unsigned long long)(a.seed + 1), a.temperature, p.max_seq_len, p.calib_ids.c_str(), p.eval_ids.c_str(), since(s),
+      since(t0));
   if (!heldout.empty()) {
     const std::vector<int32_t> body(heldout[0].begin() + 1, heldout[0].end());
     std::printf("%s the first held-out story, as the model wrote it (%s):\n%s\n", tag.c_str(),
                 tokenizer->kind().c_str(), story_excerpt(tokenizer->decode(body), 420).c_str());
     if (a.model == KVCC_DEMO_MODEL)
-      std::printf("%s (the shipped copy of stories260K does not write fluent English: some of its weights look\n"
-                  "%s  re-initialised, see cli/demo/stories260k/README.md; --model runs the same on any model)\n",
-                  tag.c_str(), std::string(tag.size(), ' ').c_str());
+      std::printf(
+          "%s (the shipped copy of stories260K does not write fluent English: some of its weights look\n"
+          "%s  re-initialised, see cli/demo/stories260k/README.md; --model runs the same on any model)\n",
+          tag.c_str(), std::string(tag.size(), ' ').c_str());
   }
   std::fflush(stdout);
 
   run_pipeline(p, t0);
-  std::printf("The same on your model (kvcc SUBCOMMAND --help):\n"
-              "  kvcc calibrate-model --model DIR --data TEXT -o stats.h5\n"
-              "  kvcc compile stats.h5 --method oscar -o oscar.kvcc.h5\n"
-              "  kvcc validate --model DIR --artifact oscar.kvcc.h5 --data HELDOUT --cache runtime\n");
+  std::printf(
+      "The same on your model (kvcc SUBCOMMAND --help):\n"
+      "  kvcc calibrate-model --model DIR --data TEXT -o stats.h5\n"
+      "  kvcc compile stats.h5 --method oscar -o oscar.kvcc.h5\n"
+      "  kvcc validate --model DIR --artifact oscar.kvcc.h5 --data HELDOUT --cache runtime\n");
   return 0;
 }
 
@@ -289,9 +294,8 @@ int run_synthetic(const Args& a) {
   p.page_size = or_default(a.page_size, 32);
   p.block = or_default(a.block, 128);
   p.serve_on_runtime = false;  // the codec path, as the synthetic demo has always run
-  p.methods = a.methods.empty()
-                  ? std::vector<std::string>{"identity", "hadamard", "kivi", "kvarn", "oscar", "oscar-lm"}
-                  : a.methods;
+  p.methods = a.methods.empty() ? std::vector<std::string>{"identity", "hadamard", "kivi", "kvarn", "oscar", "oscar-lm"}
+                                : a.methods;
   write_synthetic_model(p.model_path, spec);
   // Held-out documents use a different walk seed from the calibration documents.
   p.calib_ids = (out / "synthetic-calib.ids").string();
@@ -299,8 +303,7 @@ int run_synthetic(const Args& a) {
   write_token_ids(p.calib_ids, synthetic_documents(spec, or_default(a.calib_docs, 8), p.max_seq_len, 1));
   write_token_ids(p.eval_ids, synthetic_documents(spec, or_default(a.eval_docs, 4), p.max_seq_len, 2));
   std::printf("[synthetic] model %s: %d layers, %d q / %d kv heads, head_dim %d, vocab %d (%.1f s)\n",
-              p.model_path.c_str(), spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.vocab,
-              since(t0));
+              p.model_path.c_str(), spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.vocab, since(t0));
   std::printf("[synthetic] a SYNTHETIC model: random weights with real-model KV structure; not a language model\n");
   run_pipeline(p, t0);
   return 0;

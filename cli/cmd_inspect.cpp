@@ -102,21 +102,31 @@ int inspect_artifact(const std::string& path, bool as_json) {
                   {"n_kv_heads", a.n_kv_heads},
                   {"head_dim", a.head_dim},
                   {"rope_style", rope_style_name(a.rope_style)},
-                  {"fingerprint", {{"id", a.fingerprint.id}, {"weights_sha256", a.fingerprint.weights_sha256}, {"fields", fields}}}};
-    j["provenance"] = {{"source", a.provenance.source},         {"data_sha256", a.provenance.data_sha256},
-                       {"tokens", a.provenance.tokens},         {"sequences", a.provenance.sequences},
-                       {"seed", a.provenance.seed},             {"stats_sha256", a.provenance.stats_sha256}};
-    j["recipe"] = {{"method", r.method},       {"key_bits", r.key_bits},       {"value_bits", r.value_bits},
-                   {"group", r.group},         {"sink", r.sink},               {"recent", r.recent},
-                   {"page_size", r.page_size}, {"value_target", r.value_target}, {"granularity", r.granularity},
-                   {"composition", r.composition}, {"seed", r.seed},          {"params", r.params}};
+                  {"fingerprint",
+                   {{"id", a.fingerprint.id}, {"weights_sha256", a.fingerprint.weights_sha256}, {"fields", fields}}}};
+    j["provenance"] = {{"source", a.provenance.source}, {"data_sha256", a.provenance.data_sha256},
+                       {"tokens", a.provenance.tokens}, {"sequences", a.provenance.sequences},
+                       {"seed", a.provenance.seed},     {"stats_sha256", a.provenance.stats_sha256}};
+    j["recipe"] = {{"method", r.method},
+                   {"key_bits", r.key_bits},
+                   {"value_bits", r.value_bits},
+                   {"group", r.group},
+                   {"sink", r.sink},
+                   {"recent", r.recent},
+                   {"page_size", r.page_size},
+                   {"value_target", r.value_target},
+                   {"granularity", r.granularity},
+                   {"composition", r.composition},
+                   {"seed", r.seed},
+                   {"params", r.params}};
     j["extras"] = {{"key", extras_json(first.key)}, {"value", extras_json(first.value)}};
     json lj = json::array();
     for (int l = 0; l < a.n_layers; ++l) {
       const LayerSummary& s = layers[size_t(l)];
-      lj.push_back({{"layer", l},
-                    {"key", {{"eigenvalue_range", s.key_eig.to_json()}, {"clip_ratio_range", s.key_clip.to_json()}}},
-                    {"value", {{"eigenvalue_range", s.value_eig.to_json()}, {"clip_ratio_range", s.value_clip.to_json()}}}});
+      lj.push_back(
+          {{"layer", l},
+           {"key", {{"eigenvalue_range", s.key_eig.to_json()}, {"clip_ratio_range", s.key_clip.to_json()}}},
+           {"value", {{"eigenvalue_range", s.value_eig.to_json()}, {"clip_ratio_range", s.value_clip.to_json()}}}});
     }
     j["layers"] = lj;
     std::cout << j.dump(2) << "\n";
@@ -125,9 +135,10 @@ int inspect_artifact(const std::string& path, bool as_json) {
   std::printf("%s: kvcc artifact, format %s, written by %s at %s\n", path.c_str(), a.format_version.c_str(),
               a.producer.c_str(), a.created.c_str());
   std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n",
-              a.model_id.empty() ? "(unnamed)" : a.model_id.c_str(),
-              a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, rope_style_name(a.rope_style));
-  std::printf("fingerprint %s (weights %s)\n", a.fingerprint.id.c_str(), a.fingerprint.weights_sha256.empty() ? "not recorded" : a.fingerprint.weights_sha256.c_str());
+              a.model_id.empty() ? "(unnamed)" : a.model_id.c_str(), a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim,
+              rope_style_name(a.rope_style));
+  std::printf("fingerprint %s (weights %s)\n", a.fingerprint.id.c_str(),
+              a.fingerprint.weights_sha256.empty() ? "not recorded" : a.fingerprint.weights_sha256.c_str());
   std::printf("method      %s: key %g bits, value %g bits, group %d, sink %d, recent %d, page %d\n", r.method.c_str(),
               r.key_bits, r.value_bits, r.group, r.sink, r.recent, r.page_size);
   std::printf("            value target %s, granularity %s, composition %s, seed %" PRIu64 "\n",
@@ -138,8 +149,10 @@ int inspect_artifact(const std::string& path, bool as_json) {
     std::printf("            %s\n", describe(a).c_str());
   std::printf("provenance  %s, %" PRIu64 " tokens in %" PRIu64 " sequences, seed %" PRIu64 "\n",
               a.provenance.source.c_str(), a.provenance.tokens, a.provenance.sequences, a.provenance.seed);
-  std::printf("            data sha256 %s\n", a.provenance.data_sha256.empty() ? "-" : a.provenance.data_sha256.c_str());
-  std::printf("            stats sha256 %s\n", a.provenance.stats_sha256.empty() ? "-" : a.provenance.stats_sha256.c_str());
+  std::printf("            data sha256 %s\n",
+              a.provenance.data_sha256.empty() ? "-" : a.provenance.data_sha256.c_str());
+  std::printf("            stats sha256 %s\n",
+              a.provenance.stats_sha256.empty() ? "-" : a.provenance.stats_sha256.c_str());
   std::printf("command     %s\n", a.command.empty() ? "-" : a.command.c_str());
   for (const char* side : {"key", "value"}) {
     const SideArtifact& s = std::string(side) == "key" ? first.key : first.value;
@@ -198,7 +211,8 @@ int inspect_stats(const std::string& path, bool as_json) {
                   {"n_heads", c.n_heads},
                   {"n_kv_heads", c.n_kv_heads},
                   {"head_dim", c.head_dim},
-                  {"fingerprint", {{"id", s.fingerprint.id}, {"weights_sha256", s.fingerprint.weights_sha256}, {"fields", fields}}}};
+                  {"fingerprint",
+                   {{"id", s.fingerprint.id}, {"weights_sha256", s.fingerprint.weights_sha256}, {"fields", fields}}}};
     j["provenance"] = {{"data_sha256", s.provenance.data_sha256}, {"tokens", s.provenance.tokens},
                        {"sequences", s.provenance.sequences},     {"seed", s.provenance.seed},
                        {"max_seq_len", s.provenance.max_seq_len}, {"tokenizer", s.provenance.tokenizer}};
@@ -210,15 +224,15 @@ int inspect_stats(const std::string& path, bool as_json) {
         const Reservoir& r = s.reservoir(l, h);
         const Spectrum sp = query_spectrum(hs, c.head_dim);
         const size_t heldout = size_t(std::count(r.heldout.begin(), r.heldout.end(), uint8_t(1)));
-        heads.push_back({{"kv_head", h},
-                         {"query_count", hs.query_count},
-                         {"output_count", hs.output_count},
-                         {"kv_count", hs.kv_count},
-                         {"p2_weight", hs.p2_weight},
-                         {"reservoir", {{"rows", r.size()}, {"heldout", heldout}, {"capacity", r.capacity}}},
-                         {"query_spectrum", sp.valid ? json{{"min", sp.min}, {"max", sp.max},
-                                                            {"effective_rank", sp.effective_rank}}
-                                                     : json(nullptr)}});
+        heads.push_back(
+            {{"kv_head", h},
+             {"query_count", hs.query_count},
+             {"output_count", hs.output_count},
+             {"kv_count", hs.kv_count},
+             {"p2_weight", hs.p2_weight},
+             {"reservoir", {{"rows", r.size()}, {"heldout", heldout}, {"capacity", r.capacity}}},
+             {"query_spectrum", sp.valid ? json{{"min", sp.min}, {"max", sp.max}, {"effective_rank", sp.effective_rank}}
+                                         : json(nullptr)}});
       }
       lj.push_back({{"layer", l}, {"heads", heads}});
     }
@@ -230,8 +244,10 @@ int inspect_stats(const std::string& path, bool as_json) {
               s.created.c_str());
   std::printf("model       %s: %d layers, %d query / %d KV heads, head_dim %d, RoPE %s\n", c.architecture.c_str(),
               c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, rope_style_name(c.rope_style));
-  std::printf("fingerprint %s (weights %s)\n", s.fingerprint.id.c_str(), s.fingerprint.weights_sha256.empty() ? "not recorded" : s.fingerprint.weights_sha256.c_str());
-  std::printf("provenance  %" PRIu64 " tokens in %" PRIu64 " sequences (max length %d), tokenizer %s, seed %" PRIu64 "\n",
+  std::printf("fingerprint %s (weights %s)\n", s.fingerprint.id.c_str(),
+              s.fingerprint.weights_sha256.empty() ? "not recorded" : s.fingerprint.weights_sha256.c_str());
+  std::printf("provenance  %" PRIu64 " tokens in %" PRIu64 " sequences (max length %d), tokenizer %s, seed %" PRIu64
+              "\n",
               s.provenance.tokens, s.provenance.sequences, s.provenance.max_seq_len, s.provenance.tokenizer.c_str(),
               s.provenance.seed);
   std::printf("            data sha256 %s\n", s.provenance.data_sha256.c_str());
@@ -271,8 +287,8 @@ Command reg{
         const std::string format = h5::detect_format(*path);
         if (format == kArtifactFormat) return inspect_artifact(*path, *as_json);
         if (format == kStatsFormat) return inspect_stats(*path, *as_json);
-        throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " +
-                    kStatsFormat + ")");
+        throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " + kStatsFormat +
+                    ")");
       };
     }};
 

@@ -20,8 +20,7 @@ std::string all_report_methods() {
   for (Method m : all_methods()) {
     const MethodTraits& t = method_traits(m);
     if (t.bit_presets.empty()) out += std::string(out.empty() ? "" : ",") + t.name;
-    for (double b : t.bit_presets)
-      out += std::string(out.empty() ? "" : ",") + t.name + ":" + std::to_string(int(b));
+    for (double b : t.bit_presets) out += std::string(out.empty() ? "" : ",") + t.name + ":" + std::to_string(int(b));
   }
   return out;
 }
@@ -64,7 +63,8 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
     std::string mod;
     while (std::getline(parts, mod, ':')) {
       if (mod == "UH" || mod == "U" || mod == "UHP") o.composition = mod, given |= MethodOption::Composition;
-      else if (mod == "output" || mod == "p2" || mod == "logit2") o.value_target = mod, given |= MethodOption::ValueTarget;
+      else if (mod == "output" || mod == "p2" || mod == "logit2")
+        o.value_target = mod, given |= MethodOption::ValueTarget;
       else if (mod == "layer" || mod == "head") o.granularity = mod, given |= MethodOption::Granularity;
       else if (mod == "prod" || mod == "mse") o.params["variant"] = mod;
       else if (mod == "noclip") o.fit_clip = false, given |= MethodOption::NoFitClip;
@@ -97,47 +97,47 @@ int run_report(const ReportArgs& a) {
   return 0;
 }
 
-Command reg{"report", 35,
-            "Compare compile methods on held-out reservoir rows (logit, output, K/V errors)",
-            [](CLI::App& sub) {
-              auto a = std::make_shared<ReportArgs>();
-              sub.footer(
-                  "Compiles each method in memory from STATS and evaluates it on the reservoir's\n"
-                  "held-out rows (documents never used for fitting), per layer and KV head:\n"
-                  "  logit   ||Q(K-K^)^T|| / ||QK^T||   (real queries weight the key error)\n"
-                  "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
-                  "  key, value: ||X - X^|| / ||X||\n"
-                  "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
-                  "turboquant:prod, hadamard:noclip, a number of bits (commvq:1 and commvq:2, its\n"
-                  "presets), gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on\n"
-                  "head_dim 16); a modifier the method ignores is refused.\n"
-                  "Methods: " + method_names(nullptr, ", ", ", ") + ".\n\n"
-                  "Example:\n"
-                  "  kvcc report stats.h5 --json report.json --svg report.svg\n"
-                  "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2\n"
-                  "  kvcc report stats.h5 --methods oscar,oscar:g64,hadamard,hadamard:g64");
-              sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
-              sub.add_option("--methods", a->methods, "comma-separated methods (with :modifiers)")
-                  ->capture_default_str();
-              sub.add_option("--key-bits", a->key_bits, "bits per key element")->capture_default_str();
-              sub.add_option("--value-bits", a->value_bits, "bits per value element")->capture_default_str();
-              sub.add_option("--group", a->group,
-                             "channels per scale/zero group for every method (default: each method's; "
-                             "per method: the gN modifier)");
-              sub.add_option("--value-target", a->value_target,
-                             std::string("value target of the methods that take one: output | p2 | logit2 "
-                                         "(default: ") + method_traits(Method::Oscar).value_target + ")");
-              sub.add_option("--granularity", a->granularity, "head | layer (of the methods that take it)")
-                  ->capture_default_str();
-              sub.add_option("--rows", a->rows, "held-out tokens evaluated per KV head")->capture_default_str();
-              sub.add_option("--fit-rows", a->fit_rows, "fitting tokens per KV head (clip ratios)")
-                  ->capture_default_str();
-              sub.add_option("--seed", a->seed, "seed of the methods that draw at random")->capture_default_str();
-              sub.add_option("--json", a->json_path, "write the full report (per head) as JSON");
-              sub.add_option("--svg", a->svg_path, "write a per-layer bar chart (SVG)");
-              sub.add_option("--markdown", a->markdown_path, "write the table (markdown)");
-              return [a] { return run_report(*a); };
-            }};
+Command reg{
+    "report", 35, "Compare compile methods on held-out reservoir rows (logit, output, K/V errors)", [](CLI::App& sub) {
+      auto a = std::make_shared<ReportArgs>();
+      sub.footer(
+          "Compiles each method in memory from STATS and evaluates it on the reservoir's\n"
+          "held-out rows (documents never used for fitting), per layer and KV head:\n"
+          "  logit   ||Q(K-K^)^T|| / ||QK^T||   (real queries weight the key error)\n"
+          "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
+          "  key, value: ||X - X^|| / ||X||\n"
+          "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
+          "turboquant:prod, hadamard:noclip, a number of bits (commvq:1 and commvq:2, its\n"
+          "presets), gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on\n"
+          "head_dim 16); a modifier the method ignores is refused.\n"
+          "Methods: " +
+          method_names(nullptr, ", ", ", ") +
+          ".\n\n"
+          "Example:\n"
+          "  kvcc report stats.h5 --json report.json --svg report.svg\n"
+          "  kvcc report stats.h5 --methods oscar,oscar:UH,oscar:U,hadamard --key-bits 2\n"
+          "  kvcc report stats.h5 --methods oscar,oscar:g64,hadamard,hadamard:g64");
+      sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
+      sub.add_option("--methods", a->methods, "comma-separated methods (with :modifiers)")->capture_default_str();
+      sub.add_option("--key-bits", a->key_bits, "bits per key element")->capture_default_str();
+      sub.add_option("--value-bits", a->value_bits, "bits per value element")->capture_default_str();
+      sub.add_option("--group", a->group,
+                     "channels per scale/zero group for every method (default: each method's; "
+                     "per method: the gN modifier)");
+      sub.add_option("--value-target", a->value_target,
+                     std::string("value target of the methods that take one: output | p2 | logit2 "
+                                 "(default: ") +
+                         method_traits(Method::Oscar).value_target + ")");
+      sub.add_option("--granularity", a->granularity, "head | layer (of the methods that take it)")
+          ->capture_default_str();
+      sub.add_option("--rows", a->rows, "held-out tokens evaluated per KV head")->capture_default_str();
+      sub.add_option("--fit-rows", a->fit_rows, "fitting tokens per KV head (clip ratios)")->capture_default_str();
+      sub.add_option("--seed", a->seed, "seed of the methods that draw at random")->capture_default_str();
+      sub.add_option("--json", a->json_path, "write the full report (per head) as JSON");
+      sub.add_option("--svg", a->svg_path, "write a per-layer bar chart (SVG)");
+      sub.add_option("--markdown", a->markdown_path, "write the table (markdown)");
+      return [a] { return run_report(*a); };
+    }};
 
 }  // namespace
 }  // namespace kvcc::cli

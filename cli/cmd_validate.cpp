@@ -38,10 +38,10 @@ struct Args {
 
 int run_validate(Args& a) {
   KVCC_REQUIRE(a.cache == CachePath::Runtime || a.device == ValidateDevice::Auto,
-          "--device applies to --cache runtime (the codec path runs on the CPU)");
+               "--device applies to --cache runtime (the codec path runs on the CPU)");
   KVCC_REQUIRE(a.cache == CachePath::Codec || a.precision == ValidatePrecision::Float,
-          "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
-          "the codec path's exact check");
+               "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
+               "the codec path's exact check");
   KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<CacheScheme> schemes;
@@ -66,10 +66,12 @@ int run_validate(Args& a) {
   const auto docs = load_validation_documents(model, a.data);
   const bool tty = stderr_is_tty();
   const ValidationResult result = validate_schemes(
-      model, docs, schemes, a.mode, a.block, [&](const ValidateProgress& p) {
+      model, docs, schemes, a.mode, a.block,
+      [&](const ValidateProgress& p) {
         const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
-        std::fprintf(stderr, tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
-                                 : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
+        std::fprintf(stderr,
+                     tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
+                         : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
                      (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
                      (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
       },
@@ -82,88 +84,82 @@ int run_validate(Args& a) {
   return 0;
 }
 
-Command reg{"validate", 50,
-            "Measure quality: run the model with each artifact's quantised KV cache vs full precision",
-            [](CLI::App& sub) {
-              auto a = std::make_shared<Args>();
-              sub.footer(
-                  "Runs MODEL over the text with each artifact's quantised KV cache and, in the same\n"
-                  "pass, with a full-precision cache; reports perplexity and its change, mean\n"
-                  "KL(full || quantised) of next-token distributions, top-1 agreement, per-layer\n"
-                  "relative attention-output error, nominal and effective bits. Each artifact's\n"
-                  "cache policy: first --sink tokens and a ring of --recent tokens kept exact; older\n"
-                  "tokens quantised a page (--page-size) at a time by the artifact's method.\n\n"
-                  "Modes: pseudo-decode (default): blocks of --block tokens attend to the quantised\n"
-                  "cache of earlier blocks, then their K/V are appended, so error accumulates as in\n"
-                  "decoding; static: the cache is filled from the full-precision run's K/V.\n\n"
-                  "Precision: float (default) computes like the model's float32 forward pass;\n"
-                  "double is the slow exact-check mode (~1.5x the time, 1.7x the memory): the\n"
-                  "full-precision run then equals the plain forward pass to ~1e-15 whatever --block\n"
-                  "is (float: ~1e-8). Codecs still quantise float rows (their change is applied to\n"
-                  "the double rows).\n\n"
-                  "Cache path: codec (default) simulates the cache (pages quantised by the artifact's\n"
-                  "codec, float32 windows). runtime runs the quantised attention through the serving\n"
-                  "runtime (kvcc::Runtime prefill + append: BF16 windows of rotated K/V, INT2 pages),\n"
-                  "on --device auto (the GPU when present and the shape is in the kernels' scope, else\n"
-                  "the CPU reference kernels), cpu, or gpu. runtime serves 2-bit artifacts (group <=\n"
-                  "head_dim, float precision) of " +
-                  method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", " and ") +
-                  "; others\n"
-                  "are refused by name. The table's 'cache' column says which path ran.\n\n"
-                  "Error bars: '±se' is the standard error across documents (each document one\n"
-                  "sample; Δppl's from per-document paired NLL differences vs the full-precision\n"
-                  "run). A difference between methods within about 2 se is not established by this\n"
-                  "text: add documents. --json holds per-document metrics (for paired comparisons\n"
-                  "between methods); --svg plots KL vs effective bits with +-1 se bars.\n\n"
-                  "Examples:\n"
-                  "  kvcc validate --model ../shared/models/gutenberg-27m --artifact oscar.kvcc.h5 \\\n"
-                  "      --artifact kivi.kvcc.h5 --data heldout.txt --tokens 16384 --json v.json --svg v.svg\n"
-                  "  # the same artifacts at other windows (the fitted parameters do not depend on them)\n"
-                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --sink 4 --recent 32 --page-size 32\n"
-                  "  # slow exact-check mode: activations in double, numbers free of float32 GEMM noise\n"
-                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double\n"
-                  "  # through the serving runtime (GPU kernels when a device is present)\n"
-                  "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --cache runtime");
-              sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
-              sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable)")
-                  ->required();
-              sub.add_option("--data", a->data.data_path, "text, documents separated by --separator");
-              sub.add_option("--ids", a->data.ids_path, "pre-tokenized documents (one line of ids each)");
-              sub.add_option("--tokenizer", a->data.tokenizer_path, "explicit tokenizer file (llama2.c)");
-              sub.add_option("--separator", a->data.separator, "document separator")->capture_default_str();
-              sub.add_option("--tokens", a->data.max_tokens, "stop after this many tokens (0: all)")
-                  ->capture_default_str();
-              sub.add_option("--max-seq-len", a->data.max_seq_len,
-                             "truncate documents (0: min(max_position, 2048))")
-                  ->capture_default_str();
-              sub.add_option("--block", a->block, "tokens per pseudo-decode block")
-                  ->check(CLI::PositiveNumber)
-                  ->capture_default_str();
-              // Names become the library's enums here: the library never sees a flag's spelling.
-              sub.add_option("--mode", a->mode, "pseudo-decode (default) | static")
-                  ->transform(CLI::CheckedTransformer(
-                      std::map<std::string, ValidateMode>{{"pseudo-decode", ValidateMode::PseudoDecode},
-                                                          {"static", ValidateMode::Static}}));
-              sub.add_option("--precision", a->precision,
-                             "float (default) | double (slow exact-check mode: activations in double)")
-                  ->transform(CLI::CheckedTransformer(std::map<std::string, ValidatePrecision>{
-                      {"float", ValidatePrecision::Float}, {"double", ValidatePrecision::Double}}));
-              sub.add_option("--cache", a->cache, "codec (default) | runtime (the serving runtime's prefill + append)")
-                  ->transform(CLI::CheckedTransformer(
-                      std::map<std::string, CachePath>{{"codec", CachePath::Codec}, {"runtime", CachePath::Runtime}}));
-              sub.add_option("--device", a->device, "auto (default) | cpu | gpu (for --cache runtime)")
-                  ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateDevice>{
-                      {"auto", ValidateDevice::Auto}, {"cpu", ValidateDevice::Cpu}, {"gpu", ValidateDevice::Gpu}}));
-              sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens")
-                  ->check(CLI::NonNegativeNumber);
-              sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens")
-                  ->check(CLI::NonNegativeNumber);
-              sub.add_option("--page-size", a->page_size, "override every artifact's page size")
-                  ->check(CLI::PositiveNumber);
-              sub.add_option("--json", a->json_path, "write the metrics as JSON");
-              sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
-              return [a] { return run_validate(*a); };
-            }};
+Command reg{
+    "validate", 50, "Measure quality: run the model with each artifact's quantised KV cache vs full precision",
+    [](CLI::App& sub) {
+      auto a = std::make_shared<Args>();
+      sub.footer(
+          "Runs MODEL over the text with each artifact's quantised KV cache and, in the same\n"
+          "pass, with a full-precision cache; reports perplexity and its change, mean\n"
+          "KL(full || quantised) of next-token distributions, top-1 agreement, per-layer\n"
+          "relative attention-output error, nominal and effective bits. Each artifact's\n"
+          "cache policy: first --sink tokens and a ring of --recent tokens kept exact; older\n"
+          "tokens quantised a page (--page-size) at a time by the artifact's method.\n\n"
+          "Modes: pseudo-decode (default): blocks of --block tokens attend to the quantised\n"
+          "cache of earlier blocks, then their K/V are appended, so error accumulates as in\n"
+          "decoding; static: the cache is filled from the full-precision run's K/V.\n\n"
+          "Precision: float (default) computes like the model's float32 forward pass;\n"
+          "double is the slow exact-check mode (~1.5x the time, 1.7x the memory): the\n"
+          "full-precision run then equals the plain forward pass to ~1e-15 whatever --block\n"
+          "is (float: ~1e-8). Codecs still quantise float rows (their change is applied to\n"
+          "the double rows).\n\n"
+          "Cache path: codec (default) simulates the cache (pages quantised by the artifact's\n"
+          "codec, float32 windows). runtime runs the quantised attention through the serving\n"
+          "runtime (kvcc::Runtime prefill + append: BF16 windows of rotated K/V, INT2 pages),\n"
+          "on --device auto (the GPU when present and the shape is in the kernels' scope, else\n"
+          "the CPU reference kernels), cpu, or gpu. runtime serves 2-bit artifacts (group <=\n"
+          "head_dim, float precision) of " +
+          method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", " and ") +
+          "; others\n"
+          "are refused by name. The table's 'cache' column says which path ran.\n\n"
+          "Error bars: '±se' is the standard error across documents (each document one\n"
+          "sample; Δppl's from per-document paired NLL differences vs the full-precision\n"
+          "run). A difference between methods within about 2 se is not established by this\n"
+          "text: add documents. --json holds per-document metrics (for paired comparisons\n"
+          "between methods); --svg plots KL vs effective bits with +-1 se bars.\n\n"
+          "Examples:\n"
+          "  kvcc validate --model ../shared/models/gutenberg-27m --artifact oscar.kvcc.h5 \\\n"
+          "      --artifact kivi.kvcc.h5 --data heldout.txt --tokens 16384 --json v.json --svg v.svg\n"
+          "  # the same artifacts at other windows (the fitted parameters do not depend on them)\n"
+          "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --sink 4 --recent 32 --page-size 32\n"
+          "  # slow exact-check mode: activations in double, numbers free of float32 GEMM noise\n"
+          "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double\n"
+          "  # through the serving runtime (GPU kernels when a device is present)\n"
+          "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --cache runtime");
+      sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
+      sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable)")->required();
+      sub.add_option("--data", a->data.data_path, "text, documents separated by --separator");
+      sub.add_option("--ids", a->data.ids_path, "pre-tokenized documents (one line of ids each)");
+      sub.add_option("--tokenizer", a->data.tokenizer_path, "explicit tokenizer file (llama2.c)");
+      sub.add_option("--separator", a->data.separator, "document separator")->capture_default_str();
+      sub.add_option("--tokens", a->data.max_tokens, "stop after this many tokens (0: all)")->capture_default_str();
+      sub.add_option("--max-seq-len", a->data.max_seq_len, "truncate documents (0: min(max_position, 2048))")
+          ->capture_default_str();
+      sub.add_option("--block", a->block, "tokens per pseudo-decode block")
+          ->check(CLI::PositiveNumber)
+          ->capture_default_str();
+      // Names become the library's enums here: the library never sees a flag's spelling.
+      sub.add_option("--mode", a->mode, "pseudo-decode (default) | static")
+          ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateMode>{
+              {"pseudo-decode", ValidateMode::PseudoDecode}, {"static", ValidateMode::Static}}));
+      sub.add_option("--precision", a->precision,
+                     "float (default) | double (slow exact-check mode: activations in double)")
+          ->transform(CLI::CheckedTransformer(std::map<std::string, ValidatePrecision>{
+              {"float", ValidatePrecision::Float}, {"double", ValidatePrecision::Double}}));
+      sub.add_option("--cache", a->cache, "codec (default) | runtime (the serving runtime's prefill + append)")
+          ->transform(CLI::CheckedTransformer(
+              std::map<std::string, CachePath>{{"codec", CachePath::Codec}, {"runtime", CachePath::Runtime}}));
+      sub.add_option("--device", a->device, "auto (default) | cpu | gpu (for --cache runtime)")
+          ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateDevice>{
+              {"auto", ValidateDevice::Auto}, {"cpu", ValidateDevice::Cpu}, {"gpu", ValidateDevice::Gpu}}));
+      sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens")->check(CLI::NonNegativeNumber);
+      sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens")
+          ->check(CLI::NonNegativeNumber);
+      sub.add_option("--page-size", a->page_size, "override every artifact's page size")->check(CLI::PositiveNumber);
+      sub.add_option("--json", a->json_path, "write the metrics as JSON");
+      sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
+      return [a] { return run_validate(*a); };
+    }};
 
 }  // namespace
 }  // namespace kvcc::cli

@@ -38,11 +38,12 @@ int verify_artifact_cmd(const std::string& path, double tol) {
     }
   std::printf("OK %s: kvcc-artifact %s, method %s, %d layers x %d KV heads, head_dim %d\n", path.c_str(),
               a.format_version.c_str(), a.recipe.method.c_str(), a.n_layers, a.n_kv_heads, a.head_dim);
-  std::printf("   checked: format version, fingerprint id, shapes and dtypes, sha256 of %zu datasets, finiteness,\n"
-              "   orthogonality of %zu rotations (max |RtR - I| = %.2e <= %.0e), ascending eigenvalues,\n"
-              "   sorted level tables, clip ratios, recipe%s\n",
-              datasets, rotations, worst, tol,
-              method_traits(method_of(a.recipe)).verify ? (", " + a.recipe.method + "'s own checks").c_str() : "");
+  std::printf(
+      "   checked: format version, fingerprint id, shapes and dtypes, sha256 of %zu datasets, finiteness,\n"
+      "   orthogonality of %zu rotations (max |RtR - I| = %.2e <= %.0e), ascending eigenvalues,\n"
+      "   sorted level tables, clip ratios, recipe%s\n",
+      datasets, rotations, worst, tol,
+      method_traits(method_of(a.recipe)).verify ? (", " + a.recipe.method + "'s own checks").c_str() : "");
   return 0;
 }
 
@@ -55,10 +56,11 @@ int verify_stats_cmd(const std::string& path) {
   std::printf("OK %s: kvcc-stats, %s, %d layers x %d KV heads, head_dim %d, %llu tokens\n", path.c_str(),
               s.config.architecture.c_str(), s.config.n_layers, s.config.n_kv_heads, s.config.head_dim,
               static_cast<unsigned long long>(s.provenance.tokens));
-  std::printf("   checked: format version, fingerprint id against the config, shapes and dtypes, finiteness of\n"
-              "   sums, ranges and %zu reservoir rows, symmetric moments with non-negative diagonals,\n"
-              "   counts, unique reservoir priorities, held-out flags\n",
-              rows);
+  std::printf(
+      "   checked: format version, fingerprint id against the config, shapes and dtypes, finiteness of\n"
+      "   sums, ranges and %zu reservoir rows, symmetric moments with non-negative diagonals,\n"
+      "   counts, unique reservoir priorities, held-out flags\n",
+      rows);
   return 0;
 }
 
@@ -81,8 +83,8 @@ Command reg{
         const std::string format = h5::detect_format(*path);
         if (format == kArtifactFormat) return verify_artifact_cmd(*path, *tol);
         if (format == kStatsFormat) return verify_stats_cmd(*path);
-        throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " +
-                    kStatsFormat + ")");
+        throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " + kStatsFormat +
+                    ")");
       };
     }};
 

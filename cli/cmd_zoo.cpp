@@ -59,7 +59,8 @@ static Command reg{
           "Examples:\n"
           "  kvcc zoo publish model.kvcc.h5 --zoo zoo/published --card-notes 'calibrated on ...'\n"
           "  kvcc zoo find --model ../shared/models/gutenberg-27m --zoo zoo/published\n"
-          "  kvcc zoo import-oscar k_rotation_qqt_r_h_pbr.pt v_rotation_sst_r_h_pbr.pt --model-id qwen3-4b -o q.kvcc.h5\n"
+          "  kvcc zoo import-oscar k_rotation_qqt_r_h_pbr.pt v_rotation_sst_r_h_pbr.pt --model-id qwen3-4b -o "
+          "q.kvcc.h5\n"
           "  kvcc zoo export-oscar q.kvcc.h5 -o rotations/");
 
       struct Options {
@@ -70,7 +71,8 @@ static Command reg{
       };
       auto o = std::make_shared<Options>();
 
-      auto* publish = app.add_subcommand("publish", "Verify an artifact and add it (files, then the index, atomically)");
+      auto* publish =
+          app.add_subcommand("publish", "Verify an artifact and add it (files, then the index, atomically)");
       publish->add_option("artifact", o->artifact, "Artifact to publish (.kvcc.h5)")->required();
       publish->add_option("--zoo", o->zoo_dir, "Zoo directory (created when absent)")->required();
       publish->add_option("--card-notes", o->notes, "Text appended to the entry's card");
@@ -96,7 +98,8 @@ static Command reg{
       auto* imp = app.add_subcommand("import-oscar", "Convert OSCAR RotationZoo K/V .pt files into a kvcc artifact");
       imp->add_option("key_pt", o->key_pt, "k_rotation_*.pt")->required();
       imp->add_option("value_pt", o->value_pt, "v_rotation_*.pt")->required();
-      imp->add_option("--model-id", o->model_id, "Model id recorded in the artifact (e.g. qwen3-4b-thinking-2507)")->required();
+      imp->add_option("--model-id", o->model_id, "Model id recorded in the artifact (e.g. qwen3-4b-thinking-2507)")
+          ->required();
       imp->add_option("--model", o->model, "The model the rotations belong to (fingerprint and shape check)");
       imp->add_option("-o,--output", o->out, "Artifact to write")->required();
       imp->add_option("--n-heads", o->n_heads, "Query heads, without --model (default: n_kv_heads)");
@@ -126,8 +129,9 @@ static Command reg{
           const zoo::PublishResult r = zoo::publish(o->artifact, o->zoo_dir, po);
           for (const auto& id : r.replaced) std::printf("replaced entry %s\n", id.c_str());
           std::printf("published %s\n", r.entry.id.c_str());
-          for (const auto& f : r.entry.files) std::printf("  %s  %s  (%llu bytes)\n", f.sha256.c_str(), f.path.c_str(),
-                                                          static_cast<unsigned long long>(f.size));
+          for (const auto& f : r.entry.files)
+            std::printf("  %s  %s  (%llu bytes)\n", f.sha256.c_str(), f.path.c_str(),
+                        static_cast<unsigned long long>(f.size));
           return 0;
         }
         if (list->parsed()) {
@@ -171,8 +175,7 @@ static Command reg{
                               short_id(model.fingerprint().id) + ")";
             if (r.closest != nullptr)
               msg += "; closest: " + r.closest->id + " (entry vs model: " + r.closest_difference + ")";
-            else
-              msg += "; the zoo is empty";
+            else msg += "; the zoo is empty";
             throw Error(msg);
           }
           for (const auto* e : r.matches) print_entry_line(*e);
@@ -206,7 +209,8 @@ static Command reg{
           write_artifact(art, o->out);
           std::printf("wrote %s: %d layers, %d KV heads, %dx%d rotations (%s), fingerprint %s%s\n", o->out.c_str(),
                       art.n_layers, art.n_kv_heads, art.head_dim, art.head_dim, art.recipe.granularity.c_str(),
-                      short_id(art.fingerprint.id).c_str(), model ? "" : " (from shapes only; pass --model to tie it to a model)");
+                      short_id(art.fingerprint.id).c_str(),
+                      model ? "" : " (from shapes only; pass --model to tie it to a model)");
           return 0;
         }
         if (exp->parsed()) {

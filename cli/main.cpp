@@ -38,8 +38,7 @@ int main(int argc, char** argv) {
   app.fallthrough(false);
 
   auto& reg = registry();
-  std::stable_sort(reg.begin(), reg.end(),
-                   [](const Registered& a, const Registered& b) { return a.order < b.order; });
+  std::stable_sort(reg.begin(), reg.end(), [](const Registered& a, const Registered& b) { return a.order < b.order; });
   std::map<CLI::App*, std::function<int()>> runners;
   for (auto& r : reg) {
     CLI::App* sub = app.add_subcommand(r.name, r.description);

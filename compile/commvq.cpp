@@ -98,13 +98,11 @@ double temperature_factor(const CommvqTrainOptions& o, int it) {
   return o.temp_start * std::pow(o.temp_end / o.temp_start, f);
 }
 
-void report_stage(const CommvqTrainOptions& o, const char* side, int r, int stages,
-                  const CommvqStageReport& s) {
+void report_stage(const CommvqTrainOptions& o, const char* side, int r, int stages, const CommvqStageReport& s) {
   if (!o.progress) return;
   char line[200];
-  std::snprintf(line, sizeof line, "commvq %s stage %d/%d: error %.6f -> %.6f (%zu iterations, best %d, %.2f s)",
-                side, r + 1, stages, s.error_before, s.error_after, s.iteration_error.size(),
-                s.best_iteration, s.seconds);
+  std::snprintf(line, sizeof line, "commvq %s stage %d/%d: error %.6f -> %.6f (%zu iterations, best %d, %.2f s)", side,
+                r + 1, stages, s.error_before, s.error_after, s.iteration_error.size(), s.best_iteration, s.seconds);
   o.progress(line);
 }
 
@@ -112,15 +110,14 @@ void report_stage(const CommvqTrainOptions& o, const char* side, int r, int stag
 
 // Sums one EM pass needs, accumulated over all rows.
 struct KeyPass {
-  double hard_error = 0;          // Σ_i min_ab D_i,ab
-  std::vector<double> counts;     // n_ab [K²]
-  std::vector<double> sums;       // [2K, d]: rows 0..K-1 Σ_i A_ik z_i, rows K..2K-1 Σ_i B_ik z_i
+  double hard_error = 0;       // Σ_i min_ab D_i,ab
+  std::vector<double> counts;  // n_ab [K²]
+  std::vector<double> sums;    // [2K, d]: rows 0..K-1 Σ_i A_ik z_i, rows K..2K-1 Σ_i B_ik z_i
 };
 
 // One E-step pass over z [n, d] with centre parameters t [K, d] at temperature T (T <= 0: hard
 // error only).
-KeyPass key_pass(const float* z, size_t n, int d, int K, const std::vector<float>& t, double T,
-                 int threads) {
+KeyPass key_pass(const float* z, size_t n, int d, int K, const std::vector<float>& t, double T, int threads) {
   const size_t K2 = size_t(K) * K;
   std::vector<float> it(size_t(K) * d), gram(K2);
   commvq_key_stage_tables(t.data(), K, d, it.data(), gram.data());
@@ -145,8 +142,8 @@ KeyPass key_pass(const float* z, size_t n, int d, int K, const std::vector<float
   for (size_t c0 = 0; c0 < n; c0 += kChunkRows) {
     const size_t m = std::min(kChunkRows, n - c0);
     const float* zc = z + c0 * size_t(d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), 2 * K, d, 1.0f, zc, d, basis.data(), d,
-                0.0f, pq.data(), 2 * K);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), 2 * K, d, 1.0f, zc, d, basis.data(), d, 0.0f,
+                pq.data(), 2 * K);
     const size_t units = (m + kUnitRows - 1) / kUnitRows;
     if (soft) std::fill(unit_counts.begin(), unit_counts.end(), 0.0);
     std::fill(marg.begin(), marg.end(), 0.0f);
@@ -209,8 +206,8 @@ KeyPass key_pass(const float* z, size_t n, int d, int K, const std::vector<float
     for (size_t u = 0; u < units; ++u)
       for (size_t ab = 0; ab < K2; ++ab) pass.counts[ab] += unit_counts[u * K2 + ab];
     // [2K, d] = margᵀ [2K, m] · z [m, d]
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, 2 * K, d, int(m), 1.0f, marg.data(), 2 * K, zc, d,
-                0.0f, chunk_sums.data(), d);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, 2 * K, d, int(m), 1.0f, marg.data(), 2 * K, zc, d, 0.0f,
+                chunk_sums.data(), d);
     for (size_t x = 0; x < chunk_sums.size(); ++x) pass.sums[x] += chunk_sums[x];
   }
   return pass;
@@ -234,15 +231,15 @@ void key_m_step(const KeyPass& pass, int K, int d, std::vector<float>& t) {
   const double ridge = 1e-9 * trace / K + 1e-12;
   for (int k = 0; k < K; ++k)
     for (int l = 0; l < K; ++l)
-      set(H[size_t(k) * K + l], l == k ? cd(diag[k] + ridge, 0.0)
-                                       : cd(0.0, pass.counts[size_t(k) * K + l] - pass.counts[size_t(l) * K + k]));
+      set(H[size_t(k) * K + l],
+          l == k ? cd(diag[k] + ridge, 0.0) : cd(0.0, pass.counts[size_t(k) * K + l] - pass.counts[size_t(l) * K + k]));
   for (int k = 0; k < K; ++k)
     for (int j = 0; j < pairs; ++j) {
       const double sa_re = pass.sums[size_t(k) * d + 2 * j], sa_im = pass.sums[size_t(k) * d + 2 * j + 1];
       const double sb_re = pass.sums[size_t(K + k) * d + 2 * j], sb_im = pass.sums[size_t(K + k) * d + 2 * j + 1];
       // Σ_b S_kb − i·Σ_a S_ak, plus the ridge's pull toward the previous t.
-      set(rhs[size_t(k) * pairs + j], cd(sa_re + sb_im, sa_im - sb_re) +
-                                          ridge * cd(t[size_t(k) * d + 2 * j], t[size_t(k) * d + 2 * j + 1]));
+      set(rhs[size_t(k) * pairs + j],
+          cd(sa_re + sb_im, sa_im - sb_re) + ridge * cd(t[size_t(k) * d + 2 * j], t[size_t(k) * d + 2 * j + 1]));
     }
   std::vector<lapack_int> ipiv(static_cast<size_t>(K));
   const lapack_int info = LAPACKE_zhesv(LAPACK_ROW_MAJOR, 'U', K, pairs, H.data(), K, ipiv.data(), rhs.data(), pairs);
@@ -261,8 +258,8 @@ void key_m_step(const KeyPass& pass, int K, int d, std::vector<float>& t) {
 
 struct ValuePass {
   double hard_error = 0;
-  std::vector<double> sums;     // [C, d]
-  std::vector<double> counts;   // [C]
+  std::vector<double> sums;        // [C, d]
+  std::vector<double> counts;      // [C]
   std::vector<size_t> worst_rows;  // rows by descending error, for re-seeding empty codewords
 };
 
@@ -282,8 +279,7 @@ ValuePass value_pass(const float* y, size_t n, int d, int C, const std::vector<f
   for (size_t c0 = 0; c0 < n; c0 += kChunkRows) {
     const size_t m = std::min(kChunkRows, n - c0);
     const float* yc = y + c0 * size_t(d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), C, d, 1.0f, yc, d, w.data(), d, 0.0f,
-                prod.data(), C);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), C, d, 1.0f, yc, d, w.data(), d, 0.0f, prod.data(), C);
     for (size_t i = 0; i < m; ++i) {
       const float* p = prod.data() + i * size_t(C);
       float best = std::numeric_limits<float>::infinity();
@@ -308,8 +304,9 @@ ValuePass value_pass(const float* y, size_t n, int d, int C, const std::vector<f
   }
   if (want_worst) {
     const size_t take = std::min(want_worst, errors.size());
-    std::partial_sort(errors.begin(), errors.begin() + take, errors.end(),
-                      [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+    std::partial_sort(errors.begin(), errors.begin() + take, errors.end(), [](auto& a, auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
     for (size_t i = 0; i < take; ++i) pass.worst_rows.push_back(errors[i].second);
   }
   return pass;
@@ -404,9 +401,8 @@ CommvqKeyCodebook train_commvq_keys(const float* key_pre, size_t n_all, int d, R
   return cb;
 }
 
-CommvqValueCodebook train_commvq_values(const float* value, size_t n_all, int d,
-                                        const std::vector<double>& rotation, const CommvqTrainOptions& o,
-                                        std::vector<CommvqStageReport>* report) {
+CommvqValueCodebook train_commvq_values(const float* value, size_t n_all, int d, const std::vector<double>& rotation,
+                                        const CommvqTrainOptions& o, std::vector<CommvqStageReport>* report) {
   KVCC_REQUIRE(n_all > 0, "commvq: no value rows to train on");
   CommvqValueCodebook cb;
   cb.d = d;
@@ -446,7 +442,8 @@ CommvqValueCodebook train_commvq_values(const float* value, size_t n_all, int d,
     double best_error = s.error_before;
     std::vector<float> w(size_t(C) * d);
     const auto init = sample_rows(n, size_t(C), o.seed * 0xbf58476d1ce4e5b9ull + uint64_t(r) + 7);
-    for (int c = 0; c < C; ++c) std::copy(y.data() + init[c] * d, y.data() + (init[c] + 1) * d, w.data() + size_t(c) * d);
+    for (int c = 0; c < C; ++c)
+      std::copy(y.data() + init[c] * d, y.data() + (init[c] + 1) * d, w.data() + size_t(c) * d);
     int since_best = 0;
     for (int it = 0; it < o.value_iterations; ++it) {
       ValuePass pass = value_pass(y.data(), n, d, C, w, size_t(C));
@@ -495,8 +492,7 @@ int param_int(const Recipe& recipe, const std::string& name, int fallback) {
     size_t used = 0;
     const int v = std::stoi(it->second, &used);
     if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
+  } catch (const std::exception&) {}
   throw Error("commvq: parameter " + name + "=" + it->second + " is not an integer");
 }
 
@@ -515,9 +511,9 @@ uint64_t head_seed(uint64_t seed, int layer, int h) {
 
 void commvq_fill_recipe(Recipe& recipe, int d) {
   KVCC_REQUIRE(recipe.key_bits == 1 || recipe.key_bits == 2,
-          "commvq: key bits must be 1 or 2 (the presets), got " + fixed(recipe.key_bits));
+               "commvq: key bits must be 1 or 2 (the presets), got " + fixed(recipe.key_bits));
   KVCC_REQUIRE(recipe.value_bits == 1 || recipe.value_bits == 2,
-          "commvq: value bits must be 1 or 2 (the presets), got " + fixed(recipe.value_bits));
+               "commvq: value bits must be 1 or 2 (the presets), got " + fixed(recipe.value_bits));
   const CommvqBudget kb = commvq_budget(int(recipe.key_bits), d);
   const CommvqBudget vb = commvq_budget(int(recipe.value_bits), d);
   const int key_stages = param_int(recipe, "key_stages", kb.key_stages);
@@ -528,9 +524,9 @@ void commvq_fill_recipe(Recipe& recipe, int d) {
   const int max_rows = param_int(recipe, "max_rows", 0);
   KVCC_REQUIRE(key_stages >= 1 && value_stages >= 1, "commvq: stages must be >= 1");
   KVCC_REQUIRE(key_code_bits >= 2 && key_code_bits <= 16 && key_code_bits % 2 == 0,
-          "commvq: key_code_bits must be even and in 2..16, got " + std::to_string(key_code_bits));
+               "commvq: key_code_bits must be even and in 2..16, got " + std::to_string(key_code_bits));
   KVCC_REQUIRE(value_code_bits >= 1 && value_code_bits <= 16,
-          "commvq: value_code_bits must be in 1..16, got " + std::to_string(value_code_bits));
+               "commvq: value_code_bits must be in 1..16, got " + std::to_string(value_code_bits));
   KVCC_REQUIRE(iterations >= 1 && max_rows >= 0, "commvq: iterations must be >= 1 and max_rows >= 0");
   recipe.params["key_stages"] = std::to_string(key_stages);
   recipe.params["key_code_bits"] = std::to_string(key_code_bits);
@@ -557,7 +553,7 @@ void compile_commvq_head(const Reservoir& res, const Recipe& recipe, RopeStyle s
   }
   const size_t n = keys.size() / size_t(d);
   KVCC_REQUIRE(n > 0, "commvq needs reservoir fitting rows; layer " + std::to_string(layer) + " KV head " +
-                     std::to_string(h) + " has none (calibrate with --reservoir)");
+                          std::to_string(h) + " has none (calibrate with --reservoir)");
   CommvqTrainOptions o;
   o.budget.key_stages = param_int(recipe, "key_stages", 0);
   o.budget.key_half_bits = param_int(recipe, "key_code_bits", 0) / 2;
@@ -577,8 +573,8 @@ void compile_commvq_head(const Reservoir& res, const Recipe& recipe, RopeStyle s
   commvq_store(codec, out.key, out.value);
 }
 
-void commvq_reservoir_roundtrip(const Artifact& art, int layer, int h, const Reservoir& res, bool heldout,
-                                int max_rows, const std::vector<double>& inv_freq, std::vector<float>& key_out,
+void commvq_reservoir_roundtrip(const Artifact& art, int layer, int h, const Reservoir& res, bool heldout, int max_rows,
+                                const std::vector<double>& inv_freq, std::vector<float>& key_out,
                                 std::vector<float>& value_out) {
   const int d = res.d;
   std::vector<float> key_pre, value;
@@ -592,8 +588,7 @@ void commvq_reservoir_roundtrip(const Artifact& art, int layer, int h, const Res
   const CommvqCodec codec = commvq_load(art, layer, h);
   key_out.resize(key_pre.size());
   value_out.resize(value.size());
-  commvq_roundtrip_keys(codec.key, key_pre.data(), positions.data(), positions.size(), inv_freq, false,
-                        key_out.data());
+  commvq_roundtrip_keys(codec.key, key_pre.data(), positions.data(), positions.size(), inv_freq, false, key_out.data());
   commvq_roundtrip_values(codec.value, value.data(), positions.size(), value_out.data());
 }
 

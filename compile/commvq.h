@@ -34,7 +34,7 @@ namespace kvcc {
 
 struct CommvqBudget {
   int key_stages = 0;
-  int key_half_bits = 0;   // K = 2^h parameters per pair; key codes have 2h bits
+  int key_half_bits = 0;  // K = 2^h parameters per pair; key codes have 2h bits
   int value_stages = 0;
   int value_code_bits = 0;
 };
@@ -54,17 +54,17 @@ struct CommvqTrainOptions {
   double temp_end = 0.0003;   // ... last iteration
   int value_iterations = 20;  // k-means iterations per value stage at most
   uint64_t seed = 0;
-  size_t max_rows = 0;        // train on a seeded subsample of at most this many rows (0: all)
-  int threads = 0;            // E-step worker threads (0: hardware concurrency)
+  size_t max_rows = 0;                               // train on a seeded subsample of at most this many rows (0: all)
+  int threads = 0;                                   // E-step worker threads (0: hardware concurrency)
   std::function<void(const std::string&)> progress;  // one line per stage; may be empty
 };
 
 // Mean squared error of the normalised rows (‖x/n − x̂/n‖², i.e. squared relative error).
 struct CommvqStageReport {
-  double error_before = 0;               // residual energy entering the stage
-  std::vector<double> iteration_error;   // hard error of each EM iterate
-  int best_iteration = -1;               // -1: the all-zero codebook was kept
-  double error_after = 0;                // after greedy encoding with the kept codebook
+  double error_before = 0;              // residual energy entering the stage
+  std::vector<double> iteration_error;  // hard error of each EM iterate
+  int best_iteration = -1;              // -1: the all-zero codebook was kept
+  double error_after = 0;               // after greedy encoding with the kept codebook
   double seconds = 0;
 };
 
@@ -73,8 +73,7 @@ CommvqKeyCodebook train_commvq_keys(const float* key_pre, size_t n, int d, RopeS
                                     const CommvqTrainOptions& options,
                                     std::vector<CommvqStageReport>* report = nullptr);
 // value: [n, d]; rotation: [d, d] (x_rot = x·R) or empty.
-CommvqValueCodebook train_commvq_values(const float* value, size_t n, int d,
-                                        const std::vector<double>& rotation,
+CommvqValueCodebook train_commvq_values(const float* value, size_t n, int d, const std::vector<double>& rotation,
                                         const CommvqTrainOptions& options,
                                         std::vector<CommvqStageReport>* report = nullptr);
 
@@ -97,8 +96,8 @@ void compile_commvq_head(const Reservoir& reservoir, const Recipe& recipe, RopeS
 // Reconstructions of a reservoir's held-out (or fitting) rows, selected as compile/fit.h's
 // select_rows does (in reservoir order, at most max_rows): post-RoPE keys RoPE_m(decode(encode(k_pre)))
 // at each row's position, and values. inv_freq: runtime's rope_inv_freq of the model.
-void commvq_reservoir_roundtrip(const Artifact& artifact, int layer, int h, const Reservoir& reservoir,
-                                bool heldout, int max_rows, const std::vector<double>& inv_freq,
-                                std::vector<float>& key_out, std::vector<float>& value_out);
+void commvq_reservoir_roundtrip(const Artifact& artifact, int layer, int h, const Reservoir& reservoir, bool heldout,
+                                int max_rows, const std::vector<double>& inv_freq, std::vector<float>& key_out,
+                                std::vector<float>& value_out);
 
 }  // namespace kvcc

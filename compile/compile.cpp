@@ -63,8 +63,8 @@ NamedArray int_array(const std::string& name, const std::vector<int>& values) {
 // TurboQuant: outlier split by the calibration second moment's diagonal, a random rotation per
 // sub-vector placed so that rotated coordinates [0, n_hi) come from the outlier channels, and the
 // Lloyd–Max tables of each sub-vector's dimension.
-void compile_turboquant_side(const Recipe& recipe, const HeadStats& hs, KvSide which, int layer,
-                             int h, int d, LevelCache& cache, SideArtifact& side) {
+void compile_turboquant_side(const Recipe& recipe, const HeadStats& hs, KvSide which, int layer, int h, int d,
+                             LevelCache& cache, SideArtifact& side) {
   const double bits = which == KvSide::Key ? recipe.key_bits : recipe.value_bits;
   const bool prod = param_or(recipe, "variant", "mse") == "prod";
   const std::string codebook = param_or(recipe, "codebook", "sphere");
@@ -76,9 +76,8 @@ void compile_turboquant_side(const Recipe& recipe, const HeadStats& hs, KvSide w
   std::vector<int> order(static_cast<size_t>(d));
   std::iota(order.begin(), order.end(), 0);
   if (m2.size() == size_t(d) * d)
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-      return m2[size_t(a) * d + a] > m2[size_t(b) * d + b];
-    });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return m2[size_t(a) * d + a] > m2[size_t(b) * d + b]; });
   std::vector<int> hi(order.begin(), order.begin() + n_hi), lo(order.begin() + n_hi, order.end());
   std::sort(hi.begin(), hi.end());
   std::sort(lo.begin(), lo.end());
@@ -143,8 +142,8 @@ void rotation_for(const Recipe& recipe, const Matrix* target, int layer, int h, 
 
 // Fits the quantiser shared by KV heads [h0, h0 + span) of a layer jointly on their aligned
 // reservoir rows (the same tokens in every head) and stores it in each head.
-void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOptions& options, int layer,
-                   int h0, int span, Artifact& art) {
+void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOptions& options, int layer, int h0, int span,
+                   Artifact& art) {
   const int d = stats.config.head_dim;
   const bool lm = traits(recipe).fit == Fit::LevelTable;
   std::vector<const Reservoir*> reservoirs;
@@ -157,9 +156,9 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
   // A spanning group fits on the tokens every head of the group holds.
   const std::string none = span == 1 ? " has none" : " share none";
   KVCC_REQUIRE(rows[0].n > 0, lm ? recipe.method + " needs reservoir fitting rows; " + where + none
-                            : "stats have no reservoir fitting rows for " + where +
-                                  (span == 1 ? "" : " in common") +
-                                  " (calibrate with a reservoir, or compile with --no-fit-clip)");
+                                 : "stats have no reservoir fitting rows for " + where +
+                                       (span == 1 ? "" : " in common") +
+                                       " (calibrate with a reservoir, or compile with --no-fit-clip)");
   for (KvSide which : {KvSide::Key, KvSide::Value}) {
     const Recipe sr = side_recipe(recipe, which);  // a mixed kivi recipe fits its value grid only
     if (!fits_quantiser(sr, options)) continue;
@@ -172,8 +171,8 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
     if (lm) {
       const std::vector<float> y = rotated_side_by_side(csides, which, rows, true);
       const int group = recipe.group > 0 ? recipe.group : d;
-      const std::vector<double> levels = lloyd_max_empirical(
-          normalised_coordinates(y, rows[0].n, span * d, group), side_code_bits(recipe, which));
+      const std::vector<double> levels =
+          lloyd_max_empirical(normalised_coordinates(y, rows[0].n, span * d, group), side_code_bits(recipe, which));
       for (SideArtifact* s : sides) s->levels = levels;
     } else {
       const double ratio = fit_clip_ratio(sr, csides, which, rows);
@@ -182,8 +181,8 @@ void fit_quantiser(const Stats& stats, const Recipe& recipe, const CompileOption
   }
 }
 
-void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOptions& options,
-                   int layer, LevelCache& cache, Artifact& art) {
+void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOptions& options, int layer,
+                   LevelCache& cache, Artifact& art) {
   const int d = stats.config.head_dim, n_kv = stats.config.n_kv_heads;
   const Method m = method_of(recipe);
   const Recipe value_recipe = side_recipe(recipe, KvSide::Value);  // differs for mixed kivi
@@ -194,8 +193,7 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
   for (int h = 0; h < n_kv; ++h) {
     if (key_aware) key_targets[size_t(h)] = key_target(stats.head(layer, h), d);
     if (value_aware)
-      value_targets[size_t(h)] =
-          value_target(stats.head(layer, h), stats.reservoir(layer, h), recipe.value_target, d);
+      value_targets[size_t(h)] = value_target(stats.head(layer, h), stats.reservoir(layer, h), recipe.value_target, d);
   }
   if (recipe.granularity == "layer") {
     for (int h = 1; h < n_kv; ++h) {
@@ -256,7 +254,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   r.recent = o.recent >= 0 ? o.recent : t.recent;
   r.page_size = o.page_size > 0 ? o.page_size : t.page_size;
   KVCC_REQUIRE(o.granularity == "head" || o.granularity == "layer",
-          "granularity must be head or layer, got '" + o.granularity + "'");
+               "granularity must be head or layer, got '" + o.granularity + "'");
   r.granularity = o.granularity;
   // The attention-aware rotation's settings: oscar's, or a mixed kivi recipe's oscar values.
   const MethodTraits* aware = nullptr;
@@ -266,9 +264,9 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
     r.value_target = o.value_target.empty() ? aware->value_target : o.value_target;
     r.composition = o.composition.empty() ? aware->composition : o.composition;
     KVCC_REQUIRE(r.value_target == "output" || r.value_target == "p2" || r.value_target == "logit2",
-            "value target must be output, p2 or logit2, got '" + r.value_target + "'");
+                 "value target must be output, p2 or logit2, got '" + r.value_target + "'");
     KVCC_REQUIRE(r.composition == "UHP" || r.composition == "UH" || r.composition == "U",
-            "composition must be UHP, UH or U, got '" + r.composition + "'");
+                 "composition must be UHP, UH or U, got '" + r.composition + "'");
   } else {
     r.value_target = "";
     r.composition = "";
@@ -279,22 +277,22 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
       std::vector<std::string> presets;
       for (double p : t.bit_presets) presets.push_back(std::to_string(int(p)));
       KVCC_REQUIRE(std::find(t.bit_presets.begin(), t.bit_presets.end(), b) != t.bit_presets.end(),
-              std::string(t.name) + ": " + kv_side_name(s) + " bits must be " + presets.front() +
-                  (presets.size() > 1 ? " or " + presets.back() : "") + " (the presets), got " + std::to_string(b));
+                   std::string(t.name) + ": " + kv_side_name(s) + " bits must be " + presets.front() +
+                       (presets.size() > 1 ? " or " + presets.back() : "") + " (the presets), got " +
+                       std::to_string(b));
     }
   if (t.whole_rows)
     KVCC_REQUIRE(r.group == 0 || r.group == head_dim,
-            std::string(t.name) + " quantises whole rows; --group does not apply");
+                 std::string(t.name) + " quantises whole rows; --group does not apply");
   if (method == Method::Commvq) commvq_fill_recipe(r, head_dim);  // stages and code bits from the presets
   KVCC_REQUIRE(r.sink >= 0 && r.recent >= 0 && r.page_size > 0, "sink, recent and page size must be >= 0");
   KVCC_REQUIRE(r.group >= 0, "group must be >= 0");
   for (KvSide s : {KvSide::Key, KvSide::Value}) side_code_bits(r, s);  // range and fractional budgets
-  if (r.group > head_dim)
-    group_span(r, head_dim, n_kv_heads);  // a group spanning KV heads: checks the method and G
+  if (r.group > head_dim) group_span(r, head_dim, n_kv_heads);  // a group spanning KV heads: checks the method and G
   else if (r.group > 0)
-    KVCC_REQUIRE(head_dim % r.group == 0,
-            "--group " + std::to_string(r.group) + " must divide head_dim " + std::to_string(head_dim) +
-                " (or, for a group spanning KV heads, be a multiple of it)");
+    KVCC_REQUIRE(head_dim % r.group == 0, "--group " + std::to_string(r.group) + " must divide head_dim " +
+                                              std::to_string(head_dim) +
+                                              " (or, for a group spanning KV heads, be a multiple of it)");
   return r;
 }
 
@@ -302,9 +300,9 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   const ModelConfig& c = stats.config;
   KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
   const size_t n_heads = size_t(c.n_layers) * size_t(c.n_kv_heads);
-  KVCC_REQUIRE(stats.heads.size() == n_heads && stats.reservoirs.size() == n_heads,
-          "stats hold " + std::to_string(stats.heads.size()) + " heads, the model needs " +
-              std::to_string(n_heads));
+  KVCC_REQUIRE(
+      stats.heads.size() == n_heads && stats.reservoirs.size() == n_heads,
+      "stats hold " + std::to_string(stats.heads.size()) + " heads, the model needs " + std::to_string(n_heads));
   Artifact art;
   art.producer = std::string("kvcc ") + KVCC_VERSION;
   art.created = h5::utc_now_iso8601();

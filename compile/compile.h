@@ -24,7 +24,7 @@ struct CompileOptions {
   // Attention-aware rotations (oscar, oscar-lm, kivi --values oscar): output | p2 | logit2 and
   // UHP | UH | U; empty = the method's default (the table's: p2, UHP).
   std::string value_target;
-  std::string granularity = "head";     // head | layer
+  std::string granularity = "head";  // head | layer
   std::string composition;
   uint64_t seed = 0;
   // Method parameters, the ones the method's table row lists (others are refused; defaults filled

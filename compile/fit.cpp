@@ -15,8 +15,7 @@ namespace kvcc {
 
 // ---- Lloyd–Max -------------------------------------------------------------------------------
 
-std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo,
-                                      double hi, int bits) {
+std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo, double hi, int bits) {
   KVCC_REQUIRE(bits >= 1 && bits <= 8, "Lloyd–Max needs 1..8 bits");
   const int n_levels = 1 << bits;
   const int grid = 200000;
@@ -73,8 +72,8 @@ std::vector<double> lloyd_max_gaussian(int bits) {
 std::vector<double> lloyd_max_sphere(int d, int bits) {
   KVCC_REQUIRE(d >= 3, "the sphere-coordinate density needs d >= 3, got " + std::to_string(d));
   const double power = 0.5 * (d - 3);
-  std::vector<double> levels = lloyd_max_density(
-      [power](double x) { return std::pow(std::max(0.0, 1.0 - x * x), power); }, -1.0, 1.0, bits);
+  std::vector<double> levels =
+      lloyd_max_density([power](double x) { return std::pow(std::max(0.0, 1.0 - x * x), power); }, -1.0, 1.0, bits);
   for (double& l : levels) l *= std::sqrt(double(d));
   return levels;
 }
@@ -132,8 +131,7 @@ FitRows select_rows(const Reservoir& res, bool heldout, int max_rows) {
   return select_aligned_rows({&res}, heldout, max_rows)[0];
 }
 
-std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout,
-                                         int max_rows) {
+std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout, int max_rows) {
   KVCC_REQUIRE(!reservoirs.empty(), "select_aligned_rows: no reservoirs");
   auto token = [](const Reservoir& r, size_t i) { return (uint64_t(r.doc[i]) << 32) | uint32_t(r.position[i]); };
   // Row index of every token, per reservoir after the first.
@@ -177,28 +175,27 @@ const std::vector<double>& clip_ratio_grid() {
 std::vector<float> query_metric(const std::vector<float>& query, int nq, int d) {
   std::vector<float> m(size_t(d) * d, 0.0f);
   if (nq == 0) return m;
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, nq, 1.0f, query.data(), d,
-              query.data(), d, 0.0f, m.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, nq, 1.0f, query.data(), d, query.data(), d, 0.0f, m.data(),
+              d);
   return m;
 }
 
-double weighted_logit_error(const std::vector<float>& error, int n, const std::vector<float>& metric,
-                            int d) {
+double weighted_logit_error(const std::vector<float>& error, int n, const std::vector<float>& metric, int d) {
   if (n == 0) return 0.0;
   std::vector<float> f(size_t(n) * d);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, error.data(), d,
-              metric.data(), d, 0.0f, f.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, error.data(), d, metric.data(), d, 0.0f,
+              f.data(), d);
   double total = 0.0;
   for (size_t i = 0; i < f.size(); ++i) total += double(f[i]) * error[i];
   return total;
 }
 
-std::vector<float> attention_probs(const std::vector<float>& query, int nq,
-                                   const std::vector<float>& key, int n, int d) {
+std::vector<float> attention_probs(const std::vector<float>& query, int nq, const std::vector<float>& key, int n,
+                                   int d) {
   std::vector<float> p(size_t(nq) * n);
   if (nq == 0 || n == 0) return p;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, n, d, float(1.0 / std::sqrt(double(d))),
-              query.data(), d, key.data(), d, 0.0f, p.data(), n);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, n, d, float(1.0 / std::sqrt(double(d))), query.data(), d,
+              key.data(), d, 0.0f, p.data(), n);
   for (int i = 0; i < nq; ++i) {
     float* row = &p[size_t(i) * n];
     const float mx = *std::max_element(row, row + n);
@@ -213,28 +210,27 @@ std::vector<float> attention_probs(const std::vector<float>& query, int nq,
 double gram_error(const std::vector<float>& gram, int n, const std::vector<float>& error, int d) {
   if (n == 0) return 0.0;
   std::vector<float> ge(size_t(n) * d);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, n, 1.0f, gram.data(), n,
-              error.data(), d, 0.0f, ge.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, n, 1.0f, gram.data(), n, error.data(), d, 0.0f,
+              ge.data(), d);
   double total = 0.0;
   for (size_t i = 0; i < ge.size(); ++i) total += double(ge[i]) * error[i];
   return total;
 }
 
-double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n,
-                    int d) {
+double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n, int d) {
   if (nq == 0 || n == 0) return 0.0;
   std::vector<float> pe(size_t(nq) * d);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, probs.data(), n,
-              error.data(), d, 0.0f, pe.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, probs.data(), n, error.data(), d, 0.0f,
+              pe.data(), d);
   double total = 0.0;
   for (float x : pe) total += double(x) * x;
   return total;
 }
 
-double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which,
-                      const FitRows& rows, double* best_error, double* no_clip_error) {
-  return fit_clip_ratio(recipe, std::vector<const SideArtifact*>{&side}, which, std::vector<FitRows>{rows},
-                        best_error, no_clip_error);
+double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which, const FitRows& rows,
+                      double* best_error, double* no_clip_error) {
+  return fit_clip_ratio(recipe, std::vector<const SideArtifact*>{&side}, which, std::vector<FitRows>{rows}, best_error,
+                        no_clip_error);
 }
 
 std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& sides, KvSide which,
@@ -249,8 +245,8 @@ std::vector<float> rotated_side_by_side(const std::vector<const SideArtifact*>& 
       rotate_rows(sides[size_t(k)]->rotation, d, x.data(), n, block.data());
     } else {
       const std::vector<float> rot(sides[size_t(k)]->rotation.begin(), sides[size_t(k)]->rotation.end());
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x.data(), d, rot.data(), d,
-                  0.0f, block.data(), d);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x.data(), d, rot.data(), d, 0.0f,
+                  block.data(), d);
     }
     for (int t = 0; t < n; ++t) std::copy_n(&block[size_t(t) * d], d, &out[size_t(t) * w + size_t(k) * d]);
   }
@@ -275,16 +271,16 @@ double fit_clip_ratio(const Recipe& recipe, const std::vector<const SideArtifact
       const std::vector<float> m = query_metric(r.query, r.nq, d);
       std::vector<float> mr(size_t(d) * d);
       metric.resize(size_t(d) * d);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0f, m.data(), d, rot.data(), d,
-                  0.0f, mr.data(), d);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0f, rot.data(), d, mr.data(), d,
-                  0.0f, metric.data(), d);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, d, d, d, 1.0f, m.data(), d, rot.data(), d, 0.0f, mr.data(),
+                  d);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, d, d, d, 1.0f, rot.data(), d, mr.data(), d, 0.0f,
+                  metric.data(), d);
     } else {
       // Attention weights only need q·k, which any common rotation preserves: use the raw rows.
       const std::vector<float> probs = attention_probs(r.query, r.nq, r.key, n, d);
       metric.resize(size_t(n) * n);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, r.nq, 1.0f, probs.data(), n,
-                  probs.data(), n, 0.0f, metric.data(), n);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, r.nq, 1.0f, probs.data(), n, probs.data(), n, 0.0f,
+                  metric.data(), n);
     }
   }
   const int group = recipe.group > 0 ? recipe.group : d;

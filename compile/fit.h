@@ -15,8 +15,7 @@ namespace kvcc {
 
 // Lloyd–Max levels (2^bits, ascending) for a continuous density on [lo, hi], solved on a fine
 // grid (cumulative integrals, linear interpolation at the cell boundaries) to convergence.
-std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo,
-                                      double hi, int bits);
+std::vector<double> lloyd_max_density(const std::function<double(double)>& pdf, double lo, double hi, int bits);
 // N(0, 1): ±0.7979 (1 bit); ±0.4528, ±1.5104 (2 bits); ... in units of σ.
 std::vector<double> lloyd_max_gaussian(int bits);
 // The coordinate density of a uniform unit vector in R^d, f(x) ∝ (1 − x²)^((d−3)/2) (TurboQuant
@@ -45,24 +44,21 @@ FitRows select_rows(const Reservoir& reservoir, bool heldout, int max_rows);
 // priorities depend only on (seed, document, position), so a layer's heads hold the same tokens;
 // a token missing from any reservoir (never, for kvcc's own stats) is skipped. With one
 // reservoir this is select_rows.
-std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout,
-                                         int max_rows);
+std::vector<FitRows> select_aligned_rows(const std::vector<const Reservoir*>& reservoirs, bool heldout, int max_rows);
 
 // The clip-ratio grid searched (1.0 = no clipping is always a candidate).
 const std::vector<double>& clip_ratio_grid();
 
 // Query-weighted logit error Σ_i Σ_j (q_i·(k_j − k̂_j))² given the rows' error E = K − K̂ [n, d]
 // and the metric M = Σ q qᵀ [d, d] (all in one basis).
-double weighted_logit_error(const std::vector<float>& error, int n, const std::vector<float>& metric,
-                            int d);
+double weighted_logit_error(const std::vector<float>& error, int n, const std::vector<float>& metric, int d);
 // Attention-output error Σ_i ‖Σ_j p_ij (v_j − v̂_j)‖² with p [nq, n] row-stochastic.
-double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n,
-                    int d);
+double output_error(const std::vector<float>& probs, int nq, const std::vector<float>& error, int n, int d);
 // Σ_jl G_jl e_j·e_l for a [n, n] Gram matrix G (G = PᵀP gives the output error).
 double gram_error(const std::vector<float>& gram, int n, const std::vector<float>& error, int d);
 // softmax(q kᵀ / √d) over all n keys, [nq, n].
-std::vector<float> attention_probs(const std::vector<float>& query, int nq,
-                                   const std::vector<float>& key, int n, int d);
+std::vector<float> attention_probs(const std::vector<float>& query, int nq, const std::vector<float>& key, int n,
+                                   int d);
 // Σ q qᵀ [d, d] (float).
 std::vector<float> query_metric(const std::vector<float>& query, int nq, int d);
 
@@ -70,16 +66,14 @@ std::vector<float> query_metric(const std::vector<float>& query, int nq, int d);
 // (attention-output) error of `side` on `rows` (rotated by side.rotation). Ties keep the larger
 // ratio, so the result is never worse than no clipping on these rows. Returns the chosen ratio;
 // best_error / no_clip_error report the errors when given.
-double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which,
-                      const FitRows& rows, double* best_error = nullptr,
-                      double* no_clip_error = nullptr);
+double fit_clip_ratio(const Recipe& recipe, const SideArtifact& side, KvSide which, const FitRows& rows,
+                      double* best_error = nullptr, double* no_clip_error = nullptr);
 // The joint fit of a quantiser group spanning the KV heads `sides` (rows: their aligned rows,
 // select_aligned_rows): candidates code the heads' rotated rows side by side (width
 // sides.size()·d, as roundtrip_layer_page does) and the error is the sum of the heads' errors,
 // each against its own queries. One side is fit_clip_ratio above.
 double fit_clip_ratio(const Recipe& recipe, const std::vector<const SideArtifact*>& sides, KvSide which,
-                      const std::vector<FitRows>& rows, double* best_error = nullptr,
-                      double* no_clip_error = nullptr);
+                      const std::vector<FitRows>& rows, double* best_error = nullptr, double* no_clip_error = nullptr);
 
 // RMS-normalised rotated coordinates (x / fp16 RMS of its group, as codec_scalar's table codec
 // normalises them) of a side's rows [n, d], for oscar-lm's empirical Lloyd–Max.

@@ -102,8 +102,8 @@ std::vector<HeadMetrics> evaluate_layer(const Artifact& art, int layer, const st
 }
 
 HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
-                         const std::vector<float>& key, const std::vector<float>& value,
-                         const std::vector<float>& kq, const std::vector<float>& vq, int n) {
+                         const std::vector<float>& key, const std::vector<float>& value, const std::vector<float>& kq,
+                         const std::vector<float>& vq, int n) {
   HeadMetrics m;
   m.layer = layer;
   m.head = head;
@@ -119,10 +119,10 @@ HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& q
   const std::vector<float> p = attention_probs(query, nq, key, n, d);
   const std::vector<float> pq = attention_probs(query, nq, kq, n, d);
   std::vector<float> o(size_t(nq) * d), oq(size_t(nq) * d);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, p.data(), n, value.data(), d,
-              0.0f, o.data(), d);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, pq.data(), n, vq.data(), d,
-              0.0f, oq.data(), d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, p.data(), n, value.data(), d, 0.0f, o.data(),
+              d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, n, 1.0f, pq.data(), n, vq.data(), d, 0.0f, oq.data(),
+              d);
   double err2 = 0, ref2 = 0;
   for (size_t i = 0; i < o.size(); ++i) {
     err2 += double(o[i] - oq[i]) * double(o[i] - oq[i]);
@@ -132,8 +132,8 @@ HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& q
   return m;
 }
 
-AttentionReport attention_report(const Stats& stats, const std::vector<CompileOptions>& methods,
-                                 int max_rows, bool show_progress) {
+AttentionReport attention_report(const Stats& stats, const std::vector<CompileOptions>& methods, int max_rows,
+                                 bool show_progress) {
   const ModelConfig& c = stats.config;
   AttentionReport report;
   report.n_layers = c.n_layers;
@@ -147,7 +147,7 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     for (int h = 0; h < c.n_kv_heads; ++h) reservoirs.push_back(&stats.reservoir(l, h));
     heldout.push_back(select_aligned_rows(reservoirs, true, max_rows));
     KVCC_REQUIRE(heldout.back()[0].n > 1, "stats have no held-out reservoir rows (shared by its KV heads) for layer " +
-                                         std::to_string(l) + " (the report evaluates on held-out documents)");
+                                              std::to_string(l) + " (the report evaluates on held-out documents)");
   }
   for (const CompileOptions& opt : methods) {
     const MethodTraits& t = method_traits(method_from_name(opt.method));
@@ -194,18 +194,17 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
 
 std::string report_table(const AttentionReport& r) {
   std::ostringstream out;
-  out << "Held-out attention-level errors (" << r.model << ": " << r.n_layers << " layers, "
-      << r.n_kv_heads << " KV heads, head_dim " << r.head_dim << "); relative Frobenius errors, "
+  out << "Held-out attention-level errors (" << r.model << ": " << r.n_layers << " layers, " << r.n_kv_heads
+      << " KV heads, head_dim " << r.head_dim << "); relative Frobenius errors, "
       << "mean over (layer, KV head)\n\n";
   out << "| method | key/value bits | nominal | eff@2K | eff@32K | logit (q-weighted) | attn output | key | value |\n";
   out << "|---|---|---|---|---|---|---|---|---|\n";
   for (const MethodReport& m : r.methods) {
     const HeadMetrics a = m.mean();
-    out << "| " << m.label << " | " << fmt("%g", m.recipe.key_bits) << "/" << fmt("%g", m.recipe.value_bits)
-        << " | " << fmt("%.3f", m.nominal_bits) << " | " << fmt("%.3f", m.effective_bits_2k) << " | "
-        << fmt("%.3f", m.effective_bits_32k) << " | " << fmt("%.4f", a.logit_rel) << " | "
-        << fmt("%.4f", a.output_rel) << " | " << fmt("%.4f", a.key_rel) << " | "
-        << fmt("%.4f", a.value_rel) << " |\n";
+    out << "| " << m.label << " | " << fmt("%g", m.recipe.key_bits) << "/" << fmt("%g", m.recipe.value_bits) << " | "
+        << fmt("%.3f", m.nominal_bits) << " | " << fmt("%.3f", m.effective_bits_2k) << " | "
+        << fmt("%.3f", m.effective_bits_32k) << " | " << fmt("%.4f", a.logit_rel) << " | " << fmt("%.4f", a.output_rel)
+        << " | " << fmt("%.4f", a.key_rel) << " | " << fmt("%.4f", a.value_rel) << " |\n";
   }
   out << "\nPer layer, query-weighted logit error (mean over KV heads):\n\n| layer |";
   for (const MethodReport& m : r.methods) out << " " << m.label << " |";
@@ -243,11 +242,16 @@ std::string report_json(const AttentionReport& r) {
     jm["effective_bits"] = {{"2048", m.effective_bits_2k}, {"32768", m.effective_bits_32k}};
     jm["compile_seconds"] = m.compile_seconds;
     const HeadMetrics a = m.mean();
-    jm["mean"] = {{"logit_rel", a.logit_rel}, {"output_rel", a.output_rel}, {"key_rel", a.key_rel}, {"value_rel", a.value_rel}};
+    jm["mean"] = {
+        {"logit_rel", a.logit_rel}, {"output_rel", a.output_rel}, {"key_rel", a.key_rel}, {"value_rel", a.value_rel}};
     for (const HeadMetrics& h : m.heads)
-      jm["heads"].push_back({{"layer", h.layer}, {"kv_head", h.head}, {"rows", h.rows},
-                             {"logit_rel", h.logit_rel}, {"output_rel", h.output_rel},
-                             {"key_rel", h.key_rel}, {"value_rel", h.value_rel}});
+      jm["heads"].push_back({{"layer", h.layer},
+                             {"kv_head", h.head},
+                             {"rows", h.rows},
+                             {"logit_rel", h.logit_rel},
+                             {"output_rel", h.output_rel},
+                             {"key_rel", h.key_rel},
+                             {"value_rel", h.value_rel}});
     j["methods"].push_back(jm);
   }
   return j.dump(2) + "\n";
@@ -280,8 +284,8 @@ std::string report_svg(const AttentionReport& r) {
     vmax *= 1.1;
     s << "<text x=\"" << left << "\" y=\"" << y0 - 6 << "\">"
       << (panel == 0 ? "query-weighted logit error" : "attention-output error") << "</text>\n";
-    s << "<line x1=\"" << left << "\" y1=\"" << y0 + panel_h << "\" x2=\"" << left + layers * group_w
-      << "\" y2=\"" << y0 + panel_h << "\" stroke=\"black\"/>\n";
+    s << "<line x1=\"" << left << "\" y1=\"" << y0 + panel_h << "\" x2=\"" << left + layers * group_w << "\" y2=\""
+      << y0 + panel_h << "\" stroke=\"black\"/>\n";
     s << "<line x1=\"" << left << "\" y1=\"" << y0 << "\" x2=\"" << left << "\" y2=\"" << y0 + panel_h
       << "\" stroke=\"black\"/>\n";
     for (int t = 0; t <= 4; ++t) {
@@ -297,18 +301,18 @@ std::string report_svg(const AttentionReport& r) {
         const double v = panel == 0 ? h.logit_rel : h.output_rel;
         const double bh = panel_h * v / vmax;
         s << "<rect x=\"" << gx + mi * bar << "\" y=\"" << y0 + panel_h - bh << "\" width=\"" << bar - 1
-          << "\" height=\"" << bh << "\" fill=\"" << colors[mi % 10] << "\"><title>"
-          << r.methods[size_t(mi)].label << " layer " << l << ": " << fmt("%.4f", v) << "</title></rect>\n";
+          << "\" height=\"" << bh << "\" fill=\"" << colors[mi % 10] << "\"><title>" << r.methods[size_t(mi)].label
+          << " layer " << l << ": " << fmt("%.4f", v) << "</title></rect>\n";
       }
-      s << "<text x=\"" << gx + n_methods * bar / 2 << "\" y=\"" << y0 + panel_h + 14
-        << "\" text-anchor=\"middle\">L" << l << "</text>\n";
+      s << "<text x=\"" << gx + n_methods * bar / 2 << "\" y=\"" << y0 + panel_h + 14 << "\" text-anchor=\"middle\">L"
+        << l << "</text>\n";
     }
   }
   const double lx = left + layers * group_w + 30;
   for (int mi = 0; mi < n_methods; ++mi) {
     const MethodReport& m = r.methods[size_t(mi)];
-    s << "<rect x=\"" << lx << "\" y=\"" << top + mi * 18 << "\" width=\"12\" height=\"12\" fill=\""
-      << colors[mi % 10] << "\"/>\n";
+    s << "<rect x=\"" << lx << "\" y=\"" << top + mi * 18 << "\" width=\"12\" height=\"12\" fill=\"" << colors[mi % 10]
+      << "\"/>\n";
     s << "<text x=\"" << lx + 18 << "\" y=\"" << top + mi * 18 + 10 << "\">" << m.label << " ("
       << fmt("%.2f", m.effective_bits_32k) << " b@32K)</text>\n";
   }

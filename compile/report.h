@@ -50,16 +50,16 @@ std::vector<HeadMetrics> evaluate_layer(const Artifact& artifact, int layer, con
 // Metrics from given reconstructions kq, vq of one head's rows (evaluate_layer's second half;
 // commvq, whose keys need their positions, reconstructs them itself).
 HeadMetrics head_metrics(int d, int layer, int head, const std::vector<float>& query, int nq,
-                         const std::vector<float>& key, const std::vector<float>& value,
-                         const std::vector<float>& kq, const std::vector<float>& vq, int n);
+                         const std::vector<float>& key, const std::vector<float>& value, const std::vector<float>& kq,
+                         const std::vector<float>& vq, int n);
 
 // Compiles each option set and evaluates it on up to max_rows held-out tokens per head.
 // Throws Error when the stats have no held-out reservoir rows.
-AttentionReport attention_report(const Stats& stats, const std::vector<CompileOptions>& methods,
-                                 int max_rows = 512, bool show_progress = false);
+AttentionReport attention_report(const Stats& stats, const std::vector<CompileOptions>& methods, int max_rows = 512,
+                                 bool show_progress = false);
 
 std::string report_table(const AttentionReport& report);  // markdown
 std::string report_json(const AttentionReport& report);
-std::string report_svg(const AttentionReport& report);    // per-layer logit and output error bars
+std::string report_svg(const AttentionReport& report);  // per-layer logit and output error bars
 
 }  // namespace kvcc

@@ -43,8 +43,8 @@ double GaussianStream::next() {
 }
 
 uint64_t derive_seed(uint64_t seed, int layer, int head, int side) {
-  uint64_t state = seed ^ (uint64_t(uint32_t(layer)) << 32) ^ (uint64_t(uint32_t(head)) << 2) ^
-                   uint64_t(uint32_t(side));
+  uint64_t state =
+      seed ^ (uint64_t(uint32_t(layer)) << 32) ^ (uint64_t(uint32_t(head)) << 2) ^ uint64_t(uint32_t(side));
   splitmix64(state);
   return splitmix64(state);
 }
@@ -67,9 +67,8 @@ Matrix identity_matrix(int d) {
 }
 
 Matrix hadamard_matrix(int d) {
-  KVCC_REQUIRE(is_power_of_two(d),
-          "a Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(d) +
-              " (use --method identity or random for this model)");
+  KVCC_REQUIRE(is_power_of_two(d), "a Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(d) +
+                                       " (use --method identity or random for this model)");
   // Sylvester: H[i][j] = (-1)^popcount(i & j) / sqrt(d).
   const double s = 1.0 / std::sqrt(double(d));
   Matrix h(size_t(d) * d);
@@ -97,17 +96,15 @@ Matrix random_orthogonal(int d, uint64_t seed) {
 }
 
 SymmetricEigen symmetric_eigen(const Matrix& a, int d) {
-  KVCC_REQUIRE(a.size() == size_t(d) * d, "eigendecomposition: matrix is not " + std::to_string(d) +
-                                         "x" + std::to_string(d));
+  KVCC_REQUIRE(a.size() == size_t(d) * d,
+               "eigendecomposition: matrix is not " + std::to_string(d) + "x" + std::to_string(d));
   require_finite(a, "importance target");
   Matrix work(size_t(d) * d);
   for (int i = 0; i < d; ++i)
-    for (int j = 0; j < d; ++j)
-      work[size_t(i) * d + j] = 0.5 * (a[size_t(i) * d + j] + a[size_t(j) * d + i]);
+    for (int j = 0; j < d; ++j) work[size_t(i) * d + j] = 0.5 * (a[size_t(i) * d + j] + a[size_t(j) * d + i]);
   SymmetricEigen eig;
   eig.values.resize(static_cast<size_t>(d));
-  const lapack_int info =
-      LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', d, work.data(), d, eig.values.data());
+  const lapack_int info = LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', d, work.data(), d, eig.values.data());
   KVCC_REQUIRE(info == 0, "LAPACKE_dsyevd failed (info " + std::to_string(info) + ")");
   for (int j = 0; j < d; ++j) {
     int arg = 0;
@@ -122,8 +119,7 @@ SymmetricEigen symmetric_eigen(const Matrix& a, int d) {
 
 std::vector<int> bit_reversal_permutation(const std::vector<double>& eigenvalues) {
   const int d = int(eigenvalues.size());
-  KVCC_REQUIRE(is_power_of_two(d), "bit-reversal permutation needs a power-of-two head_dim, got " +
-                                  std::to_string(d));
+  KVCC_REQUIRE(is_power_of_two(d), "bit-reversal permutation needs a power-of-two head_dim, got " + std::to_string(d));
   std::vector<int> order(static_cast<size_t>(d));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -168,7 +164,7 @@ Matrix compose_oscar(const SymmetricEigen& eig, const std::string& composition) 
   const int d = int(eig.values.size());
   if (composition == "U") return eig.vectors;
   KVCC_REQUIRE(composition == "UH" || composition == "UHP",
-          "unknown rotation composition '" + composition + "' (expected UHP, UH or U)");
+               "unknown rotation composition '" + composition + "' (expected UHP, UH or U)");
   Matrix uh = matmul(eig.vectors, hadamard_matrix(d), d);
   if (composition == "UH") return uh;
   // P = I[:, perm]: column j of U·H·P is column perm[j] of U·H.
@@ -187,18 +183,17 @@ Matrix key_target(const HeadStats& head, int d) {
   return m;
 }
 
-Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std::string& target,
-                    int d) {
+Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std::string& target, int d) {
   if (target == "output") {
     KVCC_REQUIRE(head.output_m2.size() == size_t(d) * d && head.output_count > 0,
-            "stats: no attention outputs were observed for value target 'output'");
+                 "stats: no attention outputs were observed for value target 'output'");
     Matrix m(head.output_m2);
     for (double& x : m) x /= double(head.output_count);
     return m;
   }
   if (target == "p2") {
     KVCC_REQUIRE(head.p2_m2.size() == size_t(d) * d && head.p2_weight > 0,
-            "stats: no attention probabilities were observed for value target 'p2'");
+                 "stats: no attention probabilities were observed for value target 'p2'");
     Matrix m(head.p2_m2);
     for (double& x : m) x /= head.p2_weight;
     return m;
@@ -208,8 +203,9 @@ Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std
   std::vector<size_t> rows;
   for (size_t i = 0; i < reservoir.size(); ++i)
     if (!reservoir.heldout[i]) rows.push_back(i);
-  KVCC_REQUIRE(!rows.empty(), "stats: value target 'logit2' needs reservoir rows, and the reservoir "
-                         "has no fitting rows");
+  KVCC_REQUIRE(!rows.empty(),
+               "stats: value target 'logit2' needs reservoir rows, and the reservoir "
+               "has no fitting rows");
   std::vector<double> weight(rows.size());
   double weight_sum = 0.0;
   for (size_t n = 0; n < rows.size(); ++n) {

@@ -48,9 +48,9 @@ std::vector<int> bit_reversal_permutation(const std::vector<double>& eigenvalues
 // R = U·H·P, U·H or U from an eigendecomposition; composition is "UHP", "UH" or "U".
 Matrix compose_oscar(const SymmetricEigen& eig, const std::string& composition);
 
-Matrix matmul(const Matrix& a, const Matrix& b, int d);    // a·b, both [d, d]
+Matrix matmul(const Matrix& a, const Matrix& b, int d);  // a·b, both [d, d]
 Matrix transpose(const Matrix& a, int d);
-double orthogonality_error(const Matrix& r, int d);         // max |RᵀR − I|
+double orthogonality_error(const Matrix& r, int d);  // max |RᵀR − I|
 
 // Importance targets, normalised by their counts (stats store sums).
 // Keys: the query second moment M_h = Σ q qᵀ / count.
@@ -59,8 +59,7 @@ Matrix key_target(const HeadStats& head, int d);
 // (1/n) Σ_j w_j v_j v_jᵀ with w_j = k_jᵀ M_h k_j normalised to mean 1, computed here, at compile
 // time, from the reservoir's fitting rows (heldout == 0) because it needs the final M_h; M_h is
 // the stats' (all-token) query second moment.
-Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std::string& target,
-                    int d);
+Matrix value_target(const HeadStats& head, const Reservoir& reservoir, const std::string& target, int d);
 
 // A deterministic per-(layer, head, side) seed derived from the recipe seed (splitmix64).
 uint64_t derive_seed(uint64_t seed, int layer, int head, int side);

@@ -25,9 +25,9 @@ uint64_t token_priority(uint64_t seed, uint32_t doc, int32_t pos) {
 }  // namespace
 
 Stats make_synthetic_stats(const SyntheticSpec& spec) {
-  KVCC_REQUIRE(spec.n_layers > 0 && spec.n_kv_heads > 0 && spec.group > 0 && spec.head_dim > 1 &&
-              spec.docs > 0 && spec.doc_len > 0,
-          "synthetic stats: every dimension must be positive");
+  KVCC_REQUIRE(spec.n_layers > 0 && spec.n_kv_heads > 0 && spec.group > 0 && spec.head_dim > 1 && spec.docs > 0 &&
+                   spec.doc_len > 0,
+               "synthetic stats: every dimension must be positive");
   const int d = spec.head_dim, r = spec.group;
   const int n_tokens = spec.docs * spec.doc_len;
 

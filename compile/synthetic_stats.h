@@ -13,10 +13,10 @@ namespace kvcc {
 struct SyntheticSpec {
   int n_layers = 2;
   int n_kv_heads = 2;
-  int group = 2;       // query heads per KV head
+  int group = 2;  // query heads per KV head
   int head_dim = 64;
-  int docs = 20;       // documents; doc % 5 == 4 is held out
-  int doc_len = 64;    // tokens per document
+  int docs = 20;               // documents; doc % 5 == 4 is held out
+  int doc_len = 64;            // tokens per document
   int reservoir_capacity = 0;  // 0: keep every token
   double query_decay = 8.0;    // eigenvalue i of the query moment ∝ exp(-i / query_decay)
   uint64_t seed = 1;

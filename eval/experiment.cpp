@@ -145,8 +145,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
   const size_t qdim = size_t(c.n_heads) * c.head_dim, kvdim = size_t(c.n_kv_heads) * c.head_dim;
   const size_t R = runs.size();
   std::vector<S> x, q, key, value, attn, logits, all_k, all_v;
-  std::vector<std::vector<S>> ref_attn(size_t(c.n_layers)), ref_key(size_t(c.n_layers)),
-      ref_value(size_t(c.n_layers));
+  std::vector<std::vector<S>> ref_attn(size_t(c.n_layers)), ref_key(size_t(c.n_layers)), ref_value(size_t(c.n_layers));
   std::vector<S> ref_logits;
   std::vector<double> lp_ref, lp_q;
   for (const auto& doc : documents) {
@@ -175,8 +174,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
         if (rt) rt->begin_block(T);
         for (int l = 0; l < c.n_layers; ++l) {
           LayerCache<S>& cache = caches[r][size_t(l)];
-          attention_qkv(c, weights[size_t(l)], x.data(), T, int(b0), q.data(), nullptr, key.data(),
-                        value.data());
+          attention_qkv(c, weights[size_t(l)], x.data(), T, int(b0), q.data(), nullptr, key.data(), value.data());
           const bool from_reference = mode == ValidateMode::Static && r > 0;
           if (rt) {
             // The serving code: prefill over the cache + the block, then the step's append.
@@ -184,8 +182,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
               rt->attend_and_append(l, T, q.data(), key.data(), value.data(),
                                     from_reference ? ref_key[size_t(l)].data() : key.data(),
                                     from_reference ? ref_value[size_t(l)].data() : value.data(), attn.data());
-            else
-              throw Error("validate: the runtime cache path runs in float only");
+            else throw Error("validate: the runtime cache path runs in float only");
           } else {
             // The block attends to the cache as stored plus its own rows in full precision.
             all_k = cache.keys;
@@ -270,12 +267,13 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   KVCC_REQUIRE(block > 0, "validation block size must be positive");
   for (const CacheScheme& s : schemes) {
     KVCC_REQUIRE(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
-            "scheme " + s.name + ": page size must be positive and windows non-negative");
+                 "scheme " + s.name + ": page size must be positive and windows non-negative");
     if (!s.on_runtime()) continue;
     KVCC_REQUIRE(s.artifact != nullptr, "scheme " + s.name + ": the runtime cache path needs an artifact");
     KVCC_REQUIRE(precision == ValidatePrecision::Float,
-            "scheme " + s.name + ": the runtime cache path runs in float only (the kernels take float32 "
-            "activations); double precision is the codec path's exact check");
+                 "scheme " + s.name +
+                     ": the runtime cache path runs in float only (the kernels take float32 "
+                     "activations); double precision is the codec path's exact check");
   }
   ValidationResult result;
   result.model = model.path();
@@ -314,8 +312,7 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   prog.tokens_total = tokens_total;
   if (precision == ValidatePrecision::Double)
     run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
-  else
-    run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
+  else run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
 
   const double P = double(result.predictions);
   result.reference_nll = acc[0].nll / P;
@@ -365,8 +362,8 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
     const std::unique_ptr<Tokenizer> tok = Tokenizer::for_model(model.path(), c.vocab, data.tokenizer_path);
     docs = encode_documents(*tok, text, data.separator, c.add_bos);
   }
-  const int max_len = data.max_seq_len > 0 ? data.max_seq_len
-                                           : (c.max_position > 0 ? std::min(c.max_position, 2048) : 2048);
+  const int max_len =
+      data.max_seq_len > 0 ? data.max_seq_len : (c.max_position > 0 ? std::min(c.max_position, 2048) : 2048);
   std::vector<std::vector<int32_t>> out;
   uint64_t total = 0;
   for (auto& d : docs) {
@@ -375,13 +372,13 @@ std::vector<std::vector<int32_t>> load_validation_documents(const ModelFile& mod
     if (data.max_tokens > 0 && total + d.size() > data.max_tokens) d.resize(size_t(data.max_tokens - total));
     if (d.size() < 2) continue;
     for (int32_t id : d)
-      KVCC_REQUIRE(id >= 0 && id < c.vocab, "token id " + std::to_string(id) + " outside the model's vocabulary of " +
-                                           std::to_string(c.vocab));
+      KVCC_REQUIRE(id >= 0 && id < c.vocab,
+                   "token id " + std::to_string(id) + " outside the model's vocabulary of " + std::to_string(c.vocab));
     total += d.size();
     out.push_back(std::move(d));
   }
   KVCC_REQUIRE(!out.empty(), "the validation input holds no document of at least 2 tokens (empty text?): " +
-                            (data.ids_path.empty() ? data.data_path : data.ids_path));
+                                 (data.ids_path.empty() ? data.data_path : data.ids_path));
   return out;
 }
 

@@ -54,9 +54,9 @@ struct SchemeMetrics {
   std::string cache = "codec";  // CacheScheme::path_name(): the path and pool that ran it
   double nll = 0;               // mean negative log-likelihood (nats) of the next token
   double perplexity = 0;
-  double ppl_rel_change = 0;    // perplexity / reference perplexity − 1
-  double kl = 0;                // mean KL(full ‖ quantised) of next-token distributions (nats)
-  double top1_agreement = 0;    // fraction of positions whose argmax equals the reference's
+  double ppl_rel_change = 0;  // perplexity / reference perplexity − 1
+  double kl = 0;              // mean KL(full ‖ quantised) of next-token distributions (nats)
+  double top1_agreement = 0;  // fraction of positions whose argmax equals the reference's
   // Standard errors across documents (NaN with fewer than 2): of kl, and of ppl_rel_change from
   // the per-document paired NLL differences against the reference (header comment).
   double kl_stderr = 0, ppl_rel_change_stderr = 0;

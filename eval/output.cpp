@@ -11,13 +11,12 @@ namespace kvcc {
 std::string format_table(const ValidationResult& r) {
   std::ostringstream o;
   char line[512];
-  std::snprintf(line, sizeof line,
-                "%s, %s, block %d, %s: %llu documents, %llu tokens; full-precision ppl %.4f\n", r.model.c_str(),
-                r.mode.c_str(), r.block, r.precision.c_str(), (unsigned long long)r.documents,
+  std::snprintf(line, sizeof line, "%s, %s, block %d, %s: %llu documents, %llu tokens; full-precision ppl %.4f\n",
+                r.model.c_str(), r.mode.c_str(), r.block, r.precision.c_str(), (unsigned long long)r.documents,
                 (unsigned long long)r.tokens, r.reference_perplexity);
   o << line;
-  std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme",
-                "method", "cache", "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
+  std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme", "method",
+                "cache", "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
   o << line;
   // A standard error needs 2 documents; "-" otherwise.
   auto se = [](double v, const char* fmt) {
@@ -27,9 +26,8 @@ std::string format_table(const ValidationResult& r) {
     return std::string(b);
   };
   for (const SchemeMetrics& m : r.schemes) {
-    const double max_err = m.layer_rel_error.empty()
-                               ? 0.0
-                               : *std::max_element(m.layer_rel_error.begin(), m.layer_rel_error.end());
+    const double max_err =
+        m.layer_rel_error.empty() ? 0.0 : *std::max_element(m.layer_rel_error.begin(), m.layer_rel_error.end());
     std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7.3f %7.3f %10.4f %+9.3f %7s %10.3e %9s %7.4f %10.3e\n",
                   m.name.c_str(), m.method.c_str(), m.cache.c_str(), m.nominal_bits, m.effective_bits, m.perplexity,
                   100.0 * m.ppl_rel_change, se(100.0 * m.ppl_rel_change_stderr, "%.3f").c_str(), m.kl,
@@ -53,11 +51,11 @@ std::string to_json(const ValidationResult& r) {
   j["tokens"] = r.tokens;
   j["predictions"] = r.predictions;
   j["doc_lengths"] = r.doc_lengths;
-  j["reference"] = {{"nll", r.reference_nll},
-                    {"perplexity", r.reference_perplexity},
-                    {"per_document_nll", r.reference_doc_nll}};
-  j["stderr"] = "across documents (clusters): kl_stderr of the token-weighted mean KL; ppl_rel_change_stderr "
-                "from the per-document paired NLL differences against the reference (delta method)";
+  j["reference"] = {
+      {"nll", r.reference_nll}, {"perplexity", r.reference_perplexity}, {"per_document_nll", r.reference_doc_nll}};
+  j["stderr"] =
+      "across documents (clusters): kl_stderr of the token-weighted mean KL; ppl_rel_change_stderr "
+      "from the per-document paired NLL differences against the reference (delta method)";
   j["seconds"] = r.seconds;
   j["schemes"] = nlohmann::json::array();
   for (const SchemeMetrics& m : r.schemes) {
@@ -127,7 +125,8 @@ std::string to_svg(const ValidationResult& r) {
     std::snprintf(label, sizeof label, "%.2f", b);
     o << "<text x=\"" << px(b) << "\" y=\"" << H - B + 18 << "\" text-anchor=\"middle\">" << label << "</text>\n";
   }
-  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 16 << "\" text-anchor=\"middle\">effective bits per element</text>\n";
+  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 16
+    << "\" text-anchor=\"middle\">effective bits per element</text>\n";
   o << "<text x=\"18\" y=\"" << (T + H - B) / 2 << "\" transform=\"rotate(-90 18 " << (T + H - B) / 2
     << ")\" text-anchor=\"middle\">mean KL(full ‖ quantised), nats</text>\n";
   o << "<text x=\"" << W - R + 10 << "\" y=\"" << T + 12
@@ -140,8 +139,8 @@ std::string to_svg(const ValidationResult& r) {
       << "\" stroke=\"#1f77b4\"/>\n<line x1=\"" << x - 4 << "\" y1=\"" << y_lo << "\" x2=\"" << x + 4 << "\" y2=\""
       << y_lo << "\" stroke=\"#1f77b4\"/>\n<line x1=\"" << x - 4 << "\" y1=\"" << y_hi << "\" x2=\"" << x + 4
       << "\" y2=\"" << y_hi << "\" stroke=\"#1f77b4\"/>\n";
-    o << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"4\" fill=\"#1f77b4\"/>\n<text x=\"" << x + 6
-      << "\" y=\"" << y + 4 << "\">" << m.name << "</text>\n";
+    o << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"4\" fill=\"#1f77b4\"/>\n<text x=\"" << x + 6 << "\" y=\""
+      << y + 4 << "\">" << m.name << "</text>\n";
   }
   o << "</svg>\n";
   return o.str();

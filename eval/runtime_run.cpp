@@ -27,8 +27,9 @@ RuntimeRun::RuntimeRun(const CacheScheme& s, const ModelConfig& c, int64_t max_l
   device_ = path->pool == PoolMemory::Device;
   const Artifact& a = *s.artifact;
   KVCC_REQUIRE(s.sink == a.recipe.sink && s.recent == a.recipe.recent && s.page_size == a.recipe.page_size,
-          "scheme " + s.name + ": the runtime path serves the artifact recipe's windows and page size "
-          "(set them in the recipe, not in the scheme)");
+               "scheme " + s.name +
+                   ": the runtime path serves the artifact recipe's windows and page size "
+                   "(set them in the recipe, not in the scheme)");
   const int64_t pages = max_length / std::max(1, a.recipe.page_size) + 1;
   rt_ = std::make_unique<Runtime>(a, EngineShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim},
                                   RuntimeOptions{pages, 1, path->pool, 0.0f});
@@ -78,7 +79,7 @@ void RuntimeRun::reserve(size_t tokens) {
   release();
   auto alloc = [](float*& p, size_t n) {
     KVCC_REQUIRE(cudaMalloc(&p, n * sizeof(float)) == cudaSuccess,
-            "validation (runtime, GPU): cannot allocate " + std::to_string(n * sizeof(float)) + " bytes");
+                 "validation (runtime, GPU): cannot allocate " + std::to_string(n * sizeof(float)) + " bytes");
   };
   alloc(q_, tokens * qdim_);
   alloc(k_, tokens * kvdim_);

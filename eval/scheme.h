@@ -27,8 +27,8 @@ namespace kvcc {
 // [n, n_kv * d] (token-major; KV head h holds channels [h*d, (h+1)*d)), at positions
 // first_position.. (CommVQ codes keys pre-RoPE, so it needs them). Per layer because a quantiser
 // group may span several KV heads (small head_dim).
-using PageCodec = std::function<void(int layer, KvSide side, const float* rows, int n,
-                                     int64_t first_position, float* out)>;
+using PageCodec =
+    std::function<void(int layer, KvSide side, const float* rows, int n, int64_t first_position, float* out)>;
 
 // The codec path: pages simulated by `codec` (null: pages kept in full precision, the reference).
 struct CodecPath {

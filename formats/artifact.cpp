@@ -157,8 +157,8 @@ Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* p
       model.fail(e.what());
     }
     if (a.n_layers <= 0 || a.n_kv_heads <= 0 || a.head_dim <= 0 || a.n_heads <= 0)
-      model.fail("invalid model shape (" + std::to_string(a.n_layers) + " layers, " + std::to_string(a.n_heads) +
-                 "/" + std::to_string(a.n_kv_heads) + " heads, head_dim " + std::to_string(a.head_dim) + ")");
+      model.fail("invalid model shape (" + std::to_string(a.n_layers) + " layers, " + std::to_string(a.n_heads) + "/" +
+                 std::to_string(a.n_kv_heads) + " heads, head_dim " + std::to_string(a.head_dim) + ")");
     a.fingerprint = h5::read_fingerprint(model);
   }
   {
@@ -209,8 +209,7 @@ void verify_side(const SideArtifact& s, int d, const std::string& where, double 
     if (s.eigenvalues.size() != size_t(d))
       out.push_back(where + "/eigenvalues: " + std::to_string(s.eigenvalues.size()) + " values, expected " +
                     std::to_string(d));
-    else if (!all_finite(s.eigenvalues))
-      out.push_back(where + "/eigenvalues: contains NaN or inf");
+    else if (!all_finite(s.eigenvalues)) out.push_back(where + "/eigenvalues: contains NaN or inf");
     else if (!std::is_sorted(s.eigenvalues.begin(), s.eigenvalues.end()))
       out.push_back(where + "/eigenvalues: not in ascending order");
   }
@@ -220,8 +219,7 @@ void verify_side(const SideArtifact& s, int d, const std::string& where, double 
     const size_t n = s.levels.size();
     if (n < 2 || n > 256 || (n & (n - 1)) != 0)
       out.push_back(where + "/levels: " + std::to_string(n) + " levels, expected a power of two in [2, 256]");
-    if (!all_finite(s.levels))
-      out.push_back(where + "/levels: contains NaN or inf");
+    if (!all_finite(s.levels)) out.push_back(where + "/levels: contains NaN or inf");
     else if (std::adjacent_find(s.levels.begin(), s.levels.end(), std::greater_equal<double>()) != s.levels.end())
       out.push_back(where + "/levels: not strictly ascending");
   }
@@ -233,9 +231,9 @@ void verify_side(const SideArtifact& s, int d, const std::string& where, double 
     if (!names.insert(a.name).second) out.push_back(at + ": duplicate name");
     if (h5::element_count(a.shape) != int64_t(a.data.size()) ||
         std::any_of(a.shape.begin(), a.shape.end(), [](int64_t x) { return x < 0; }))
-      out.push_back(at + ": " + std::to_string(a.data.size()) + " values do not fill shape " + h5::shape_string(a.shape));
-    if (!all_finite(a.data))
-      out.push_back(at + ": contains NaN or inf");
+      out.push_back(at + ": " + std::to_string(a.data.size()) + " values do not fill shape " +
+                    h5::shape_string(a.shape));
+    if (!all_finite(a.data)) out.push_back(at + ": contains NaN or inf");
     else if (a.integer && std::any_of(a.data.begin(), a.data.end(), [](double x) {
                return x != std::nearbyint(x) || std::abs(x) > 9.007199254740992e15;
              }))
@@ -266,8 +264,8 @@ const NamedArray* SideArtifact::extra(const std::string& name) const {
 std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
   std::vector<std::string> out;
   if (a.n_layers <= 0 || a.n_kv_heads <= 0 || a.head_dim <= 0 || a.n_heads <= 0 || a.n_heads % a.n_kv_heads != 0) {
-    out.push_back("invalid model shape (" + std::to_string(a.n_layers) + " layers, " + std::to_string(a.n_heads) +
-                  "/" + std::to_string(a.n_kv_heads) + " heads, head_dim " + std::to_string(a.head_dim) + ")");
+    out.push_back("invalid model shape (" + std::to_string(a.n_layers) + " layers, " + std::to_string(a.n_heads) + "/" +
+                  std::to_string(a.n_kv_heads) + " heads, head_dim " + std::to_string(a.head_dim) + ")");
     return out;
   }
   const size_t n = size_t(a.n_layers) * size_t(a.n_kv_heads);
@@ -293,10 +291,8 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
 
   const Recipe& r = a.recipe;
   const std::optional<Method> method = find_method(r.method);
-  if (r.method.empty())
-    out.push_back("recipe: method is empty");
-  else if (!method)
-    out.push_back("recipe: unknown method '" + r.method + "' (expected " + method_names() + ")");
+  if (r.method.empty()) out.push_back("recipe: method is empty");
+  else if (!method) out.push_back("recipe: unknown method '" + r.method + "' (expected " + method_names() + ")");
   else
     for (const std::string& p : method_param_problems(*method, r.params)) out.push_back("recipe: " + p);
   if (!(std::isfinite(r.key_bits) && r.key_bits > 0 && std::isfinite(r.value_bits) && r.value_bits > 0))

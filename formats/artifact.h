@@ -41,14 +41,14 @@ struct HeadArtifact {
 };
 
 struct Recipe {
-  std::string method;           // a name of formats/method.h's table (method_of converts)
-  double key_bits = 2;          // nominal bits per element of the quantised history (2.5 for split budgets)
+  std::string method;   // a name of formats/method.h's table (method_of converts)
+  double key_bits = 2;  // nominal bits per element of the quantised history (2.5 for split budgets)
   double value_bits = 2;
-  int group = 0;                // channels per (scale, zero) group; 0 = head_dim
-  int sink = 64;                // BF16 tokens kept at the start
-  int recent = 256;             // BF16 ring of the last tokens
-  int page_size = 64;           // tokens per INT2 page
-  std::string value_target;     // output | p2 | logit2 | "" (methods without a value rotation)
+  int group = 0;                     // channels per (scale, zero) group; 0 = head_dim
+  int sink = 64;                     // BF16 tokens kept at the start
+  int recent = 256;                  // BF16 ring of the last tokens
+  int page_size = 64;                // tokens per INT2 page
+  std::string value_target;          // output | p2 | logit2 | "" (methods without a value rotation)
   std::string granularity = "head";  // head | layer (one rotation shared by a layer's KV heads)
   std::string composition = "UHP";   // UHP | UH | U (oscar ablations); "" otherwise
   uint64_t seed = 0;
@@ -69,7 +69,7 @@ struct Artifact {
   std::string producer;
   std::string created;
   std::string command;
-  std::string model_id;   // a human name for the model ("gutenberg-27m")
+  std::string model_id;  // a human name for the model ("gutenberg-27m")
   ModelFingerprint fingerprint;
   int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   RopeStyle rope_style = RopeStyle::RotateHalf;

@@ -31,8 +31,7 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
-void write_file_atomically(const std::string& path,
-                           const std::function<void(const std::string& tmp_path)>& write) {
+void write_file_atomically(const std::string& path, const std::function<void(const std::string& tmp_path)>& write) {
   KVCC_REQUIRE(!path.empty(), "empty output path");
   std::vector<char> tmp_name(path.begin(), path.end());
   const std::string suffix = std::string(kTempMarker) + "XXXXXX";

@@ -43,25 +43,26 @@ void commvq_from_pairs(RopeStyle style, int d, const float* z, float* x) {
 }
 
 void CommvqKeyCodebook::check() const {
-  KVCC_REQUIRE(d > 0 && d % 2 == 0, "commvq key codebook: head_dim " + std::to_string(d) + " is not a positive even number");
+  KVCC_REQUIRE(d > 0 && d % 2 == 0,
+               "commvq key codebook: head_dim " + std::to_string(d) + " is not a positive even number");
   KVCC_REQUIRE(stages > 0, "commvq key codebook: no stages");
   KVCC_REQUIRE(half_bits >= 1 && half_bits <= 8, "commvq key codebook: " + std::to_string(half_bits) +
-                                                " bits per parameter index is outside 1..8 (codes are 16-bit)");
+                                                     " bits per parameter index is outside 1..8 (codes are 16-bit)");
   KVCC_REQUIRE(params.size() == size_t(stages) * size_t(n_params()) * size_t(d),
-          "commvq key codebook: " + std::to_string(params.size()) + " parameters, expected stages*K*d = " +
-              std::to_string(size_t(stages) * size_t(n_params()) * size_t(d)));
+               "commvq key codebook: " + std::to_string(params.size()) + " parameters, expected stages*K*d = " +
+                   std::to_string(size_t(stages) * size_t(n_params()) * size_t(d)));
 }
 
 void CommvqValueCodebook::check() const {
   KVCC_REQUIRE(d > 0, "commvq value codebook: head_dim must be positive");
   KVCC_REQUIRE(stages > 0, "commvq value codebook: no stages");
-  KVCC_REQUIRE(code_bits >= 1 && code_bits <= 16, "commvq value codebook: code bits " + std::to_string(code_bits) +
-                                                 " outside 1..16");
+  KVCC_REQUIRE(code_bits >= 1 && code_bits <= 16,
+               "commvq value codebook: code bits " + std::to_string(code_bits) + " outside 1..16");
   KVCC_REQUIRE(codewords.size() == size_t(stages) * size_t(n_codes()) * size_t(d),
-          "commvq value codebook: " + std::to_string(codewords.size()) + " codeword values, expected " +
-              std::to_string(size_t(stages) * size_t(n_codes()) * size_t(d)));
+               "commvq value codebook: " + std::to_string(codewords.size()) + " codeword values, expected " +
+                   std::to_string(size_t(stages) * size_t(n_codes()) * size_t(d)));
   KVCC_REQUIRE(rotation.empty() || rotation.size() == size_t(d) * size_t(d),
-          "commvq value codebook: rotation is not [d, d]");
+               "commvq value codebook: rotation is not [d, d]");
 }
 
 void commvq_key_stage_tables(const float* t, int K, int d, float* it, float* gram) {
@@ -83,8 +84,7 @@ void commvq_key_stage_tables(const float* t, int K, int d, float* it, float* gra
     }
 }
 
-void commvq_key_assign(const CommvqKeyCodebook& cb, int r, const float* z, size_t n, uint16_t* code,
-                       float* dist2) {
+void commvq_key_assign(const CommvqKeyCodebook& cb, int r, const float* z, size_t n, uint16_t* code, float* dist2) {
   const int K = cb.n_params(), d = cb.d;
   std::vector<float> it(size_t(K) * d), gram(size_t(K) * K);
   commvq_key_stage_tables(cb.stage(r), K, d, it.data(), gram.data());
@@ -126,13 +126,12 @@ void commvq_key_add_centre(const CommvqKeyCodebook& cb, int r, uint16_t code, fl
   const float* ta = cb.stage(r) + size_t(code / K) * d;
   const float* tb = cb.stage(r) + size_t(code % K) * d;
   for (int j = 0; j < d / 2; ++j) {
-    z[2 * j] += sign * (ta[2 * j] - tb[2 * j + 1]);     // re(t_a) − im(t_b)
-    z[2 * j + 1] += sign * (ta[2 * j + 1] + tb[2 * j]); // im(t_a) + re(t_b)
+    z[2 * j] += sign * (ta[2 * j] - tb[2 * j + 1]);      // re(t_a) − im(t_b)
+    z[2 * j + 1] += sign * (ta[2 * j + 1] + tb[2 * j]);  // im(t_a) + re(t_b)
   }
 }
 
-void commvq_value_assign(const CommvqValueCodebook& cb, int r, const float* x, size_t n, uint16_t* code,
-                         float* dist2) {
+void commvq_value_assign(const CommvqValueCodebook& cb, int r, const float* x, size_t n, uint16_t* code, float* dist2) {
   const int C = cb.n_codes(), d = cb.d;
   ConstRowMap W(cb.stage(r), C, d);
   Eigen::VectorXf norms2 = W.rowwise().squaredNorm();
@@ -168,8 +167,8 @@ uint16_t commvq_row_norm(const float* x, int d, const char* what) {
   for (int c = 0; c < d; ++c) ss += double(x[c]) * x[c];
   KVCC_REQUIRE(std::isfinite(ss), std::string("commvq: a ") + what + " row is not finite (NaN or inf)");
   const uint16_t h = f16_from_float(float(std::sqrt(ss)));
-  KVCC_REQUIRE(std::isfinite(float_from_f16(h)), std::string("commvq: a ") + what + " row's norm " +
-                                                std::to_string(std::sqrt(ss)) + " overflows fp16");
+  KVCC_REQUIRE(std::isfinite(float_from_f16(h)),
+               std::string("commvq: a ") + what + " row's norm " + std::to_string(std::sqrt(ss)) + " overflows fp16");
   return h;
 }
 
@@ -203,13 +202,12 @@ CommvqEncoded commvq_encode_keys(const CommvqKeyCodebook& cb, const float* x, si
 void commvq_decode_keys(const CommvqKeyCodebook& cb, const CommvqEncoded& enc, float* x) {
   cb.check();
   KVCC_REQUIRE(enc.stages == cb.stages, "commvq: encoded keys have " + std::to_string(enc.stages) +
-                                       " stages, the codebook " + std::to_string(cb.stages));
+                                            " stages, the codebook " + std::to_string(cb.stages));
   const int d = cb.d;
   std::vector<float> z(static_cast<size_t>(d));
   for (size_t i = 0; i < enc.n; ++i) {
     std::fill(z.begin(), z.end(), 0.0f);
-    for (int r = 0; r < cb.stages; ++r)
-      commvq_key_add_centre(cb, r, enc.codes[i * cb.stages + r], 1.0f, z.data());
+    for (int r = 0; r < cb.stages; ++r) commvq_key_add_centre(cb, r, enc.codes[i * cb.stages + r], 1.0f, z.data());
     const float nrm = float_from_f16(enc.norms[i]);
     for (float& v : z) v *= nrm;
     commvq_from_pairs(cb.rope_style, d, z.data(), x + i * d);
@@ -256,7 +254,7 @@ CommvqEncoded commvq_encode_values(const CommvqValueCodebook& cb, const float* x
 void commvq_decode_values(const CommvqValueCodebook& cb, const CommvqEncoded& enc, float* x) {
   cb.check();
   KVCC_REQUIRE(enc.stages == cb.stages, "commvq: encoded values have " + std::to_string(enc.stages) +
-                                       " stages, the codebook " + std::to_string(cb.stages));
+                                            " stages, the codebook " + std::to_string(cb.stages));
   const int d = cb.d;
   std::vector<float> y(static_cast<size_t>(d));
   for (size_t i = 0; i < enc.n; ++i) {
@@ -284,8 +282,8 @@ namespace {
 // Rotates each row [d] of x in place by ±position·ω_j per RoPE pair (sign −1 undoes RoPE).
 void rotate_pairs(RopeStyle style, int d, float* x, const int32_t* positions, size_t n,
                   const std::vector<double>& inv_freq, double sign) {
-  KVCC_REQUIRE(int(inv_freq.size()) == d / 2, "commvq: " + std::to_string(inv_freq.size()) +
-                                             " RoPE frequencies for head_dim " + std::to_string(d));
+  KVCC_REQUIRE(int(inv_freq.size()) == d / 2,
+               "commvq: " + std::to_string(inv_freq.size()) + " RoPE frequencies for head_dim " + std::to_string(d));
   for (size_t i = 0; i < n; ++i) {
     float* row = x + i * size_t(d);
     for (int j = 0; j < d / 2; ++j) {
@@ -344,9 +342,7 @@ bool is_identity(const std::vector<double>& m, int d) {
   return true;
 }
 
-std::string head_name(int layer, int h) {
-  return "layer " + std::to_string(layer) + " kv head " + std::to_string(h);
-}
+std::string head_name(int layer, int h) { return "layer " + std::to_string(layer) + " kv head " + std::to_string(h); }
 
 // Problems of one head's codebooks against head_dim d; empty when sound.
 std::vector<std::string> check_head(const HeadArtifact& head, int d, const std::string& where) {
@@ -364,25 +360,22 @@ std::vector<std::string> check_head(const HeadArtifact& head, int d, const std::
     return std::all_of(a.begin(), a.end(), [](double x) { return std::isfinite(x); });
   };
   if (k) {
-    if (k->shape.size() != 4 || k->shape[2] * 2 != d || k->shape[3] != 2 || k->shape[0] < 1 ||
-        !is_pow2(k->shape[1]) || k->shape[1] > 256)
+    if (k->shape.size() != 4 || k->shape[2] * 2 != d || k->shape[3] != 2 || k->shape[0] < 1 || !is_pow2(k->shape[1]) ||
+        k->shape[1] > 256)
       problems.push_back(where + ": key " + kCodebooks + " is not [stages, K (power of two <= 256), " +
                          std::to_string(d / 2) + ", 2]");
     else if (int64_t(k->data.size()) != product(k->shape))
       problems.push_back(where + ": key " + kCodebooks + " holds " + std::to_string(k->data.size()) +
                          " values, its shape says " + std::to_string(product(k->shape)));
-    else if (!finite(k->data))
-      problems.push_back(where + ": key " + kCodebooks + " has non-finite values");
+    else if (!finite(k->data)) problems.push_back(where + ": key " + kCodebooks + " has non-finite values");
   }
   if (v) {
-    if (v->shape.size() != 3 || v->shape[2] != d || v->shape[0] < 1 || !is_pow2(v->shape[1]) ||
-        v->shape[1] > 65536)
+    if (v->shape.size() != 3 || v->shape[2] != d || v->shape[0] < 1 || !is_pow2(v->shape[1]) || v->shape[1] > 65536)
       problems.push_back(where + ": value " + kCodebooks + " is not [stages, 2^bits, " + std::to_string(d) + "]");
     else if (int64_t(v->data.size()) != product(v->shape))
       problems.push_back(where + ": value " + kCodebooks + " holds " + std::to_string(v->data.size()) +
                          " values, its shape says " + std::to_string(product(v->shape)));
-    else if (!finite(v->data))
-      problems.push_back(where + ": value " + kCodebooks + " has non-finite values");
+    else if (!finite(v->data)) problems.push_back(where + ": value " + kCodebooks + " has non-finite values");
   }
   return problems;
 }
@@ -406,30 +399,32 @@ void commvq_store(const CommvqCodec& codec, SideArtifact& key, SideArtifact& val
   const int d = codec.key.d;
   key.rotation = identity_matrix(d);  // keys are quantised pre-RoPE in the model's own basis
   key.eigenvalues.clear();
-  NamedArray kc{kCodebooks, {codec.key.stages, codec.key.n_params(), d / 2, 2},
-                std::vector<double>(codec.key.params.begin(), codec.key.params.end()), false};
-  NamedArray vc{kCodebooks, {codec.value.stages, codec.value.n_codes(), d},
-                std::vector<double>(codec.value.codewords.begin(), codec.value.codewords.end()), false};
+  NamedArray kc{kCodebooks,
+                {codec.key.stages, codec.key.n_params(), d / 2, 2},
+                std::vector<double>(codec.key.params.begin(), codec.key.params.end()),
+                false};
+  NamedArray vc{kCodebooks,
+                {codec.value.stages, codec.value.n_codes(), d},
+                std::vector<double>(codec.value.codewords.begin(), codec.value.codewords.end()),
+                false};
   auto put = [](SideArtifact& side, NamedArray a) {
-    auto it = std::find_if(side.extras.begin(), side.extras.end(),
-                           [&](const NamedArray& e) { return e.name == a.name; });
+    auto it =
+        std::find_if(side.extras.begin(), side.extras.end(), [&](const NamedArray& e) { return e.name == a.name; });
     if (it != side.extras.end()) *it = std::move(a);
     else side.extras.push_back(std::move(a));
   };
   put(key, std::move(kc));
   put(value, std::move(vc));
-  value.rotation = codec.value.rotation.empty()
-                       ? identity_matrix(d)
-                       : codec.value.rotation;
+  value.rotation = codec.value.rotation.empty() ? identity_matrix(d) : codec.value.rotation;
 }
 
 CommvqKeyCodebook commvq_key_codebook(const SideArtifact& key, int d, RopeStyle style) {
   const NamedArray* k = find_extra(key, kCodebooks);
   KVCC_REQUIRE(k != nullptr, std::string("commvq: the key side has no ") + kCodebooks);
   KVCC_REQUIRE(k->shape.size() == 4 && k->shape[2] * 2 == d && k->shape[3] == 2 && k->shape[0] >= 1 &&
-              is_pow2(k->shape[1]) && k->shape[1] <= 256 &&
-              k->data.size() == size_t(k->shape[0] * k->shape[1] * k->shape[2] * 2),
-          std::string("commvq: key ") + kCodebooks + " is not [stages, K, " + std::to_string(d / 2) + ", 2]");
+                   is_pow2(k->shape[1]) && k->shape[1] <= 256 &&
+                   k->data.size() == size_t(k->shape[0] * k->shape[1] * k->shape[2] * 2),
+               std::string("commvq: key ") + kCodebooks + " is not [stages, K, " + std::to_string(d / 2) + ", 2]");
   CommvqKeyCodebook cb;
   cb.d = d;
   cb.stages = int(k->shape[0]);
@@ -444,8 +439,8 @@ CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool
   const NamedArray* v = find_extra(value, kCodebooks);
   KVCC_REQUIRE(v != nullptr, std::string("commvq: the value side has no ") + kCodebooks);
   KVCC_REQUIRE(v->shape.size() == 3 && v->shape[2] == d && v->shape[0] >= 1 && is_pow2(v->shape[1]) &&
-              v->shape[1] <= 65536 && v->data.size() == size_t(v->shape[0] * v->shape[1] * d),
-          std::string("commvq: value ") + kCodebooks + " is not [stages, 2^bits, " + std::to_string(d) + "]");
+                   v->shape[1] <= 65536 && v->data.size() == size_t(v->shape[0] * v->shape[1] * d),
+               std::string("commvq: value ") + kCodebooks + " is not [stages, 2^bits, " + std::to_string(d) + "]");
   CommvqValueCodebook cb;
   cb.d = d;
   cb.stages = int(v->shape[0]);
@@ -461,7 +456,7 @@ CommvqValueCodebook commvq_value_codebook(const SideArtifact& value, int d, bool
 
 CommvqCodec commvq_load(const Artifact& artifact, int layer, int kv_head) {
   KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
-          "commvq: " + head_name(layer, kv_head) + " is outside the artifact");
+               "commvq: " + head_name(layer, kv_head) + " is outside the artifact");
   const int d = artifact.head_dim;
   const HeadArtifact& head = artifact.head(layer, kv_head);
   auto problems = check_head(head, d, head_name(layer, kv_head));

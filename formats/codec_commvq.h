@@ -58,9 +58,9 @@ struct CommvqKeyCodebook {
 struct CommvqValueCodebook {
   int d = 0;
   int stages = 0;
-  int code_bits = 0;               // b: 2^b codewords per stage
-  std::vector<float> codewords;    // [R, 2^b, d] in the rotated basis
-  std::vector<double> rotation;    // [d, d] row-major, x_rot = x·R; empty = identity
+  int code_bits = 0;             // b: 2^b codewords per stage
+  std::vector<float> codewords;  // [R, 2^b, d] in the rotated basis
+  std::vector<double> rotation;  // [d, d] row-major, x_rot = x·R; empty = identity
 
   int n_codes() const { return 1 << code_bits; }
   const float* stage(int r) const { return codewords.data() + size_t(r) * size_t(n_codes()) * size_t(d); }

@@ -54,9 +54,7 @@ KVCC_HD uint8_t uniform_code(float x, float scale, float zero, int bits) {
   return uint8_t(c);
 }
 
-KVCC_HD float uniform_dequant(uint8_t code, float scale, float zero) {
-  return (float(code) - zero) * scale;
-}
+KVCC_HD float uniform_dequant(uint8_t code, float scale, float zero) { return (float(code) - zero) * scale; }
 
 // Quantises one group of G values with a given clip threshold (thr > 0; pass +inf for no clip).
 KVCC_HD GroupParams quantize_uniform(const float* x, int G, float thr, int bits, uint8_t* codes) {
@@ -82,8 +80,7 @@ KVCC_HD uint8_t table_code(float xn, const float* levels, int n_levels) {
   return uint8_t(c);
 }
 
-KVCC_HD GroupParams quantize_table(const float* x, int G, const float* levels, int bits,
-                                   uint8_t* codes) {
+KVCC_HD GroupParams quantize_table(const float* x, int G, const float* levels, int bits, uint8_t* codes) {
   float ss = 0.0f;
   for (int i = 0; i < G; ++i) ss += x[i] * x[i];
   uint16_t sh = f16_from_float(std::sqrt(ss / float(G)));
@@ -111,8 +108,6 @@ inline float clip_threshold(const float* x, int G, double ratio) {
 }
 #endif
 
-KVCC_HD float table_dequant(uint8_t code, float scale, const float* levels) {
-  return levels[code] * scale;
-}
+KVCC_HD float table_dequant(uint8_t code, float scale, const float* levels) { return levels[code] * scale; }
 
 }  // namespace kvcc

@@ -16,7 +16,8 @@ struct Error : std::runtime_error {
 // Throws kvcc::Error(message) unless cond holds. A macro so that the message (often a string
 // built from numbers and names) is evaluated only when the check fails: checks sit in loops over
 // tokens and logits, where building a string per call cost more than the work checked.
-#define KVCC_REQUIRE(cond, ...)                                   \
-  do {                                                            \
-    if (!(cond)) [[unlikely]] throw ::kvcc::Error(__VA_ARGS__);   \
+#define KVCC_REQUIRE(cond, ...)         \
+  do {                                  \
+    if (!(cond)) [[unlikely]]           \
+      throw ::kvcc::Error(__VA_ARGS__); \
   } while (0)

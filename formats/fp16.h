@@ -34,8 +34,8 @@ KVCC_HD uint16_t f16_from_float(float f) {
   uint32_t absx = x & 0x7fffffffu;
   if (absx >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
   if (absx >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (absx < 0x38800000u) {                                   // subnormal half or zero
-    if (absx < 0x33000000u) return uint16_t(sign);            // < 2^-25: rounds to zero
+  if (absx < 0x38800000u) {                                  // subnormal half or zero
+    if (absx < 0x33000000u) return uint16_t(sign);           // < 2^-25: rounds to zero
     uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
     int shift = 126 - int(absx >> 23);  // 14..24
     uint32_t half = mant >> shift;

@@ -12,28 +12,44 @@ namespace {
 
 hid_t file_type(DType t) {
   switch (t) {
-    case DType::Float64: return H5T_IEEE_F64LE;
-    case DType::Float32: return H5T_IEEE_F32LE;
-    case DType::Int32: return H5T_STD_I32LE;
-    case DType::Int64: return H5T_STD_I64LE;
-    case DType::UInt8: return H5T_STD_U8LE;
-    case DType::UInt16: return H5T_STD_U16LE;
-    case DType::UInt32: return H5T_STD_U32LE;
-    case DType::UInt64: return H5T_STD_U64LE;
+    case DType::Float64:
+      return H5T_IEEE_F64LE;
+    case DType::Float32:
+      return H5T_IEEE_F32LE;
+    case DType::Int32:
+      return H5T_STD_I32LE;
+    case DType::Int64:
+      return H5T_STD_I64LE;
+    case DType::UInt8:
+      return H5T_STD_U8LE;
+    case DType::UInt16:
+      return H5T_STD_U16LE;
+    case DType::UInt32:
+      return H5T_STD_U32LE;
+    case DType::UInt64:
+      return H5T_STD_U64LE;
   }
   return H5I_INVALID_HID;
 }
 
 hid_t memory_type(DType t) {
   switch (t) {
-    case DType::Float64: return H5T_NATIVE_DOUBLE;
-    case DType::Float32: return H5T_NATIVE_FLOAT;
-    case DType::Int32: return H5T_NATIVE_INT32;
-    case DType::Int64: return H5T_NATIVE_INT64;
-    case DType::UInt8: return H5T_NATIVE_UINT8;
-    case DType::UInt16: return H5T_NATIVE_UINT16;
-    case DType::UInt32: return H5T_NATIVE_UINT32;
-    case DType::UInt64: return H5T_NATIVE_UINT64;
+    case DType::Float64:
+      return H5T_NATIVE_DOUBLE;
+    case DType::Float32:
+      return H5T_NATIVE_FLOAT;
+    case DType::Int32:
+      return H5T_NATIVE_INT32;
+    case DType::Int64:
+      return H5T_NATIVE_INT64;
+    case DType::UInt8:
+      return H5T_NATIVE_UINT8;
+    case DType::UInt16:
+      return H5T_NATIVE_UINT16;
+    case DType::UInt32:
+      return H5T_NATIVE_UINT32;
+    case DType::UInt64:
+      return H5T_NATIVE_UINT64;
   }
   return H5I_INVALID_HID;
 }
@@ -83,14 +99,22 @@ bool Handle::reset() {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::Float64: return "float64";
-    case DType::Float32: return "float32";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::UInt8: return "uint8";
-    case DType::UInt16: return "uint16";
-    case DType::UInt32: return "uint32";
-    case DType::UInt64: return "uint64";
+    case DType::Float64:
+      return "float64";
+    case DType::Float32:
+      return "float32";
+    case DType::Int32:
+      return "int32";
+    case DType::Int64:
+      return "int64";
+    case DType::UInt8:
+      return "uint8";
+    case DType::UInt16:
+      return "uint16";
+    case DType::UInt32:
+      return "uint32";
+    case DType::UInt64:
+      return "uint64";
   }
   return "?";
 }

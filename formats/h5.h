@@ -35,15 +35,40 @@ class Handle {
 // The element types kvcc stores; `dtype_name` gives the numpy-style name used in messages.
 enum class DType { Float64, Float32, Int32, Int64, UInt8, UInt16, UInt32, UInt64 };
 const char* dtype_name(DType);
-template <class T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<double>() { return DType::Float64; }
-template <> constexpr DType dtype_of<float>() { return DType::Float32; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::Int32; }
-template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
-template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
-template <> constexpr DType dtype_of<uint16_t>() { return DType::UInt16; }
-template <> constexpr DType dtype_of<uint32_t>() { return DType::UInt32; }
-template <> constexpr DType dtype_of<uint64_t>() { return DType::UInt64; }
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::Float64;
+}
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::Float32;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::Int32;
+}
+template <>
+constexpr DType dtype_of<int64_t>() {
+  return DType::Int64;
+}
+template <>
+constexpr DType dtype_of<uint8_t>() {
+  return DType::UInt8;
+}
+template <>
+constexpr DType dtype_of<uint16_t>() {
+  return DType::UInt16;
+}
+template <>
+constexpr DType dtype_of<uint32_t>() {
+  return DType::UInt32;
+}
+template <>
+constexpr DType dtype_of<uint64_t>() {
+  return DType::UInt64;
+}
 
 using Shape = std::vector<int64_t>;
 std::string shape_string(const Shape&);  // "[128, 128]"
@@ -126,8 +151,7 @@ class Group : public Object {
     return read<T>(name, &expected_shape);
   }
 
-  Dataset write_raw(const std::string& name, const Shape& shape, DType type, const void* data,
-                    size_t count) const;
+  Dataset write_raw(const std::string& name, const Shape& shape, DType type, const void* data, size_t count) const;
   void read_raw(const Dataset& ds, DType type, void* out) const;
 
  protected:

@@ -28,8 +28,10 @@ std::string process_command_line() {
   std::fclose(f);
   std::string out, arg;
   auto flush = [&] {
-    const bool plain = !arg.empty() && arg.find_first_not_of(
-        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") == std::string::npos;
+    const bool plain =
+        !arg.empty() &&
+        arg.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") ==
+            std::string::npos;
     if (!out.empty()) out += ' ';
     if (plain) {
       out += arg;
@@ -55,8 +57,8 @@ std::string detect_format(const std::string& path) {
   return file.attr_string("format");
 }
 
-void write_root_header(const File& file, const std::string& format, int major, int minor,
-                       const std::string& producer, const std::string& created, const std::string& command) {
+void write_root_header(const File& file, const std::string& format, int major, int minor, const std::string& producer,
+                       const std::string& created, const std::string& command) {
   file.set_attr("format", format);
   file.set_attr("format_version", std::to_string(major) + "." + std::to_string(minor));
   file.set_attr("producer", producer.empty() ? default_producer() : producer);
@@ -85,7 +87,7 @@ void write_fingerprint(const Group& parent, const ModelFingerprint& fp) {
   std::string names;
   for (const auto& [name, value] : fp.fields) {
     KVCC_REQUIRE(name.find(',') == std::string::npos && name != "id" && name != "weights_sha256" && name != "fields",
-            "invalid fingerprint field name \"" + name + "\"");
+                 "invalid fingerprint field name \"" + name + "\"");
     names += (names.empty() ? "" : ",") + name;
     g.set_attr(name, value);
   }

@@ -22,8 +22,8 @@ std::string process_command_line();
 std::string detect_format(const std::string& path);
 
 // Root attributes format, format_version ("MAJOR.MINOR"), producer, created, command.
-void write_root_header(const File& file, const std::string& format, int major, int minor,
-                       const std::string& producer, const std::string& created, const std::string& command);
+void write_root_header(const File& file, const std::string& format, int major, int minor, const std::string& producer,
+                       const std::string& created, const std::string& command);
 // Checks the root `format` attribute equals `format` (naming what was found instead) and that
 // the major version is `major`; returns the version string. A newer minor is accepted: readers
 // ignore what they do not know.

@@ -33,7 +33,7 @@ bool present(const json& j, const char* key) { return j.contains(key) && !j[key]
 int required_int(const json& j, const char* key, const std::string& where) {
   KVCC_REQUIRE(present(j, key), where + ": missing field '" + key + "'");
   KVCC_REQUIRE(j[key].is_number_integer() && j[key].get<int64_t>() > 0,
-          where + ": field '" + key + "' must be a positive integer");
+               where + ": field '" + key + "' must be a positive integer");
   return j[key].get<int>();
 }
 
@@ -78,8 +78,8 @@ constexpr Arch kArchitectures[] = {
 
 std::string architecture_of(const json& config, const std::string& where) {
   std::string declared;
-  if (present(config, "architectures") && config["architectures"].is_array() &&
-      !config["architectures"].empty() && config["architectures"][0].is_string()) {
+  if (present(config, "architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&
+      config["architectures"][0].is_string()) {
     declared = config["architectures"][0].get<std::string>();
     for (const auto& a : kArchitectures)
       if (declared == a.hf_class) return a.name;
@@ -102,8 +102,8 @@ void parse_rope(const json& config, const std::string& where, ModelConfig& cfg) 
   if (present(config, "rope_parameters")) {
     const json& params = config["rope_parameters"];
     KVCC_REQUIRE(params.is_object(), where + ": rope_parameters must be an object");
-    cfg.rope_theta = optional_number(params, "rope_theta",
-                                     optional_number(config, "rope_theta", 10000.0, where), where);
+    cfg.rope_theta =
+        optional_number(params, "rope_theta", optional_number(config, "rope_theta", 10000.0, where), where);
     scaling = &params;
   } else {
     cfg.rope_theta = optional_number(config, "rope_theta", 10000.0, where);
@@ -121,21 +121,19 @@ void parse_rope(const json& config, const std::string& where, ModelConfig& cfg) 
       break;
     }
   if (type == "default") return;
-  KVCC_REQUIRE(type == "llama3", where + ": unsupported rope scaling type '" + type +
-                                "' (supported: default, llama3)");
+  KVCC_REQUIRE(type == "llama3", where + ": unsupported rope scaling type '" + type + "' (supported: default, llama3)");
   RopeScaling& s = cfg.rope_scaling;
   s.type = "llama3";
-  const char* fields[] = {"factor", "low_freq_factor", "high_freq_factor",
-                          "original_max_position_embeddings"};
+  const char* fields[] = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
   for (const char* key : fields)
     KVCC_REQUIRE(present(*scaling, key), where + ": llama3 rope scaling lacks '" + key + "'");
   s.factor = optional_number(*scaling, "factor", 1.0, where);
   s.low_freq_factor = optional_number(*scaling, "low_freq_factor", 1.0, where);
   s.high_freq_factor = optional_number(*scaling, "high_freq_factor", 4.0, where);
   s.original_max_position = optional_int(*scaling, "original_max_position_embeddings", 8192, where);
-  KVCC_REQUIRE(s.factor > 0 && s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor &&
-              s.original_max_position > 0,
-          where + ": llama3 rope scaling fields out of range");
+  KVCC_REQUIRE(
+      s.factor > 0 && s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor && s.original_max_position > 0,
+      where + ": llama3 rope scaling fields out of range");
 }
 
 // Whether the tokenizer prepends BOS: tokenizer_config's add_bos_token when given, otherwise
@@ -166,8 +164,7 @@ std::optional<std::string> token_text(const json& tokenizer_config, const char* 
   if (!present(tokenizer_config, key)) return std::nullopt;
   const json& v = tokenizer_config[key];
   if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content") && v["content"].is_string())
-    return v["content"].get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
   return std::nullopt;
 }
 
@@ -184,10 +181,10 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   cfg.vocab = required_int(config, "vocab_size", where);
   cfg.n_kv_heads = optional_int(config, "num_key_value_heads", cfg.n_heads, where);
   KVCC_REQUIRE(cfg.n_kv_heads > 0 && cfg.n_heads % cfg.n_kv_heads == 0,
-          where + ": num_attention_heads " + std::to_string(cfg.n_heads) +
-              " is not a multiple of num_key_value_heads " + std::to_string(cfg.n_kv_heads));
+               where + ": num_attention_heads " + std::to_string(cfg.n_heads) +
+                   " is not a multiple of num_key_value_heads " + std::to_string(cfg.n_kv_heads));
   KVCC_REQUIRE(cfg.hidden % cfg.n_heads == 0 || present(config, "head_dim"),
-          where + ": hidden_size is not a multiple of num_attention_heads and head_dim is absent");
+               where + ": hidden_size is not a multiple of num_attention_heads and head_dim is absent");
   cfg.head_dim = optional_int(config, "head_dim", cfg.hidden / cfg.n_heads, where);
   KVCC_REQUIRE(cfg.head_dim > 0 && cfg.head_dim % 2 == 0, where + ": head_dim must be positive and even");
   cfg.max_position = optional_int(config, "max_position_embeddings", 2048, where);
@@ -205,12 +202,12 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
     cfg.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias
   } else {
     KVCC_REQUIRE(!optional_bool(config, "attention_bias", false, where),
-            where + ": attention_bias (with an o_proj bias) is not supported for " + cfg.architecture);
+                 where + ": attention_bias (with an o_proj bias) is not supported for " + cfg.architecture);
   }
   cfg.qk_norm = cfg.architecture == "qwen3";
   if (cfg.architecture == "qwen2" || cfg.architecture == "qwen3")
     KVCC_REQUIRE(!optional_bool(config, "use_sliding_window", false, where),
-            where + ": use_sliding_window is not supported");
+                 where + ": use_sliding_window is not supported");
   cfg.bos_id = token_id(config, "bos_token_id").value_or(-1);
   cfg.eos_id = token_id(config, "eos_token_id").value_or(-1);
   return cfg;
@@ -242,8 +239,7 @@ ModelConfig read_hf_config(const std::string& dir) {
   if (tokenizer_config && present(*tokenizer_config, "add_bos_token") &&
       (*tokenizer_config)["add_bos_token"].is_boolean())
     add_bos = (*tokenizer_config)["add_bos_token"].get<bool>();
-  else if (tokenizer)
-    add_bos = tokenizer_json_adds_bos(*tokenizer).value_or(add_bos);
+  else if (tokenizer) add_bos = tokenizer_json_adds_bos(*tokenizer).value_or(add_bos);
   cfg.add_bos = add_bos && cfg.bos_id >= 0;
   return cfg;
 }

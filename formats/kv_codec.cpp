@@ -29,9 +29,8 @@ std::string param(const Recipe& recipe, const std::string& key, const std::strin
 // several KV heads (roundtrip_layer_page concatenates the heads' rotated rows).
 int channel_group(const Recipe& recipe, int d) {
   const int g = recipe.group > 0 ? recipe.group : d;
-  KVCC_REQUIRE(g <= d && d % g == 0, "recipe group " + std::to_string(g) +
-                                    " must divide the coded row width " + std::to_string(d) +
-                                    " (head_dim, or the heads a spanning group covers)");
+  KVCC_REQUIRE(g <= d && d % g == 0, "recipe group " + std::to_string(g) + " must divide the coded row width " +
+                                         std::to_string(d) + " (head_dim, or the heads a spanning group covers)");
   return g;
 }
 
@@ -59,8 +58,7 @@ void table_roundtrip(const float* y, int g, const std::vector<float>& levels, in
 }
 
 // Uniform codec on `g` values gathered with a stride (KIVI's per-channel keys use stride d).
-void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ratio, int bits,
-                               float* out) {
+void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ratio, int bits, float* out) {
   float buf[1024];
   std::vector<float> big;
   float* v = buf;
@@ -69,8 +67,7 @@ void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ra
     v = big.data();
   }
   for (int i = 0; i < g; ++i) v[i] = x[size_t(i) * stride];
-  const float thr = clip_ratio >= 1.0 ? std::numeric_limits<float>::infinity()
-                                      : clip_threshold(v, g, clip_ratio);
+  const float thr = clip_ratio >= 1.0 ? std::numeric_limits<float>::infinity() : clip_threshold(v, g, clip_ratio);
   uint8_t codes[1024];
   std::vector<uint8_t> bigc;
   uint8_t* c = codes;
@@ -84,14 +81,14 @@ void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ra
 }
 
 std::vector<float> checked_levels(const std::vector<double>& levels, int bits, const char* what) {
-  KVCC_REQUIRE(int(levels.size()) == (1 << bits),
-          std::string("artifact: ") + what + " has " + std::to_string(levels.size()) +
-              " levels, expected " + std::to_string(1 << bits));
+  KVCC_REQUIRE(int(levels.size()) == (1 << bits), std::string("artifact: ") + what + " has " +
+                                                      std::to_string(levels.size()) + " levels, expected " +
+                                                      std::to_string(1 << bits));
   return to_float(levels);
 }
 
-void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
-                          const float* y, int n, float* out) {
+void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide which, int d, const float* y, int n,
+                          float* out) {
   const bool prod = param(recipe, "variant", "mse") == "prod";
   const double nominal = side_nominal_bits(recipe, which);
   const NamedArray* split = find_extra(side, "split");
@@ -109,7 +106,8 @@ void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide
   std::vector<float> s_mat;
   if (prod) {
     const NamedArray* s = find_extra(side, "qjl_matrix");
-    KVCC_REQUIRE(s != nullptr && s->data.size() == size_t(d) * d, "artifact: turboquant prod needs a [d, d] qjl_matrix");
+    KVCC_REQUIRE(s != nullptr && s->data.size() == size_t(d) * d,
+                 "artifact: turboquant prod needs a [d, d] qjl_matrix");
     s_mat = to_float(s->data);
   }
   const double qjl_scale = std::sqrt(M_PI / 2.0) / double(d);
@@ -119,10 +117,8 @@ void turboquant_roundtrip(const Recipe& recipe, const SideArtifact& side, KvSide
     const float* yr = y + size_t(t) * d;
     float* o = out + size_t(t) * d;
     if (n_hi > 0) table_roundtrip(yr, n_hi, hi_levels, b_lo + 1, o);
-    if (b_lo > 0)
-      table_roundtrip(yr + n_hi, d - n_hi, lo_levels, b_lo, o + n_hi);
-    else
-      std::fill(o + n_hi, o + d, 0.0f);
+    if (b_lo > 0) table_roundtrip(yr + n_hi, d - n_hi, lo_levels, b_lo, o + n_hi);
+    else std::fill(o + n_hi, o + d, 0.0f);
     if (!prod) continue;
     double norm2 = 0.0;
     for (int i = 0; i < d; ++i) {
@@ -158,7 +154,8 @@ void kvarn_roundtrip(const Recipe& recipe, KvSide which, int d, const float* y, 
   const BalanceScales s = kvarn_balance(tile.data(), rows, cols, iterations);
   std::vector<float> balanced(static_cast<size_t>(cols)), deq(static_cast<size_t>(cols));
   for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols; ++c) balanced[size_t(c)] = tile[size_t(r) * cols + c] / s.row[size_t(r)] / s.col[size_t(c)];
+    for (int c = 0; c < cols; ++c)
+      balanced[size_t(c)] = tile[size_t(r) * cols + c] / s.row[size_t(r)] / s.col[size_t(c)];
     uniform_roundtrip_strided(balanced.data(), cols, 1, 1.0, bits, deq.data());
     for (int c = 0; c < cols; ++c) tile[size_t(r) * cols + c] = deq[size_t(c)] * s.row[size_t(r)] * s.col[size_t(c)];
   }
@@ -168,8 +165,8 @@ void kvarn_roundtrip(const Recipe& recipe, KvSide which, int d, const float* y, 
 }
 
 // Unbiased standard deviations of the rows (axis 1) or columns of C = T / s_r / s_c.
-void scaled_stds(const float* t, int rows, int cols, const std::vector<double>& lr,
-                 const std::vector<double>& lc, bool of_columns, std::vector<double>& out) {
+void scaled_stds(const float* t, int rows, int cols, const std::vector<double>& lr, const std::vector<double>& lc,
+                 bool of_columns, std::vector<double>& out) {
   const int n_out = of_columns ? cols : rows, n_in = of_columns ? rows : cols;
   out.assign(size_t(n_out), 1.0);
   if (n_in < 2) return;
@@ -219,8 +216,8 @@ int side_code_bits(const Recipe& recipe, KvSide side) {
   const int bits = int(std::floor(b));
   KVCC_REQUIRE(bits >= 1 && bits <= 8, "bits per element must be between 1 and 8, got " + std::to_string(b));
   KVCC_REQUIRE(double(bits) == b || method_traits(method_of(recipe)).fractional_bits,
-          "fractional bits (" + std::to_string(b) + ") need --method " +
-              method_names([](const MethodTraits& t) { return t.fractional_bits; }) + " (outlier split)");
+               "fractional bits (" + std::to_string(b) + ") need --method " +
+                   method_names([](const MethodTraits& t) { return t.fractional_bits; }) + " (outlier split)");
   return bits;
 }
 
@@ -252,23 +249,21 @@ void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows
   }
 }
 
-void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
-                       const float* y, int n, float* out) {
+void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d, const float* y, int n,
+                       float* out) {
   const Method m = method_of(recipe);
   switch (method_traits(m).codec) {
     case CodecFamily::UniformGrid: {
       const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
       for (int t = 0; t < n; ++t)
         for (int g0 = 0; g0 < d; g0 += g)
-          uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits,
-                                    out + size_t(t) * d + g0);
+          uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits, out + size_t(t) * d + g0);
       return;
     }
     case CodecFamily::LevelTable: {
       if (m == Method::TurboQuant) return turboquant_roundtrip(recipe, side, which, d, y, n, out);
       const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
-      const std::vector<float> levels =
-          checked_levels(side.levels, bits, (recipe.method + " levels").c_str());
+      const std::vector<float> levels = checked_levels(side.levels, bits, (recipe.method + " levels").c_str());
       for (int t = 0; t < n; ++t)
         for (int g0 = 0; g0 < d; g0 += g)
           table_roundtrip(y + size_t(t) * d + g0, g, levels, bits, out + size_t(t) * d + g0);
@@ -298,14 +293,15 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
     case CodecFamily::CommvqCodebooks:
       // Values: residual VQ of the rows (already in the side's rotated basis). Keys are coded
       // pre-RoPE and need each row's position: commvq_roundtrip_keys in formats/codec_commvq.h.
-      KVCC_REQUIRE(which == KvSide::Value, "commvq keys are coded pre-RoPE and need their positions; use "
-                                      "commvq_roundtrip_keys (formats/codec_commvq.h)");
+      KVCC_REQUIRE(which == KvSide::Value,
+                   "commvq keys are coded pre-RoPE and need their positions; use "
+                   "commvq_roundtrip_keys (formats/codec_commvq.h)");
       return commvq_roundtrip_values(commvq_value_codebook(side, d, false), y, size_t(n), out);
   }
 }
 
-void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
-                    const float* rows, int n, float* out) {
+void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d, const float* rows, int n,
+                    float* out) {
   if (n <= 0) return;
   std::vector<float> y(size_t(n) * d), yq(size_t(n) * d);
   rotate_rows(side.rotation, d, rows, n, y.data());
@@ -313,14 +309,14 @@ void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which
   unrotate_rows(side.rotation, d, yq.data(), n, out);
 }
 
-std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
-                                  const float* rows, int n) {
+std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which, const float* rows,
+                                  int n) {
   KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers && kv_head >= 0 && kv_head < artifact.n_kv_heads,
-          "artifact has no (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv_head) + ")");
+               "artifact has no (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv_head) + ")");
   const HeadArtifact& h = artifact.head(layer, kv_head);
   std::vector<float> out(size_t(n) * artifact.head_dim);
-  roundtrip_page(artifact.recipe, which == KvSide::Key ? h.key : h.value, which, artifact.head_dim,
-                 rows, n, out.data());
+  roundtrip_page(artifact.recipe, which == KvSide::Key ? h.key : h.value, which, artifact.head_dim, rows, n,
+                 out.data());
   return out;
 }
 
@@ -329,22 +325,19 @@ int group_span(const Recipe& recipe, int d, int n_kv) {
   const MethodTraits& t = method_traits(method_of(recipe));
   if (t.codec == CodecFamily::KiviChannel) return 1;  // kivi: group = key tokens
   const int g = recipe.group;
-  KVCC_REQUIRE(t.spans_heads,
-          "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) + ": method " +
-              recipe.method + " cannot span KV heads (only " +
-              method_names([](const MethodTraits& m) { return m.spans_heads; }, ", ", " and ") +
-              " quantise per-token channel groups that can)");
+  KVCC_REQUIRE(t.spans_heads, "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) + ": method " +
+                                  recipe.method + " cannot span KV heads (only " +
+                                  method_names([](const MethodTraits& m) { return m.spans_heads; }, ", ", " and ") +
+                                  " quantise per-token channel groups that can)");
   KVCC_REQUIRE(g % d == 0 && (n_kv * d) % g == 0,
-          "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) +
-              ", so it must be a multiple of head_dim dividing n_kv_heads*head_dim = " +
-              std::to_string(n_kv * d) + " (a group spans whole KV heads of one token)");
+               "--group " + std::to_string(g) + " exceeds head_dim " + std::to_string(d) +
+                   ", so it must be a multiple of head_dim dividing n_kv_heads*head_dim = " + std::to_string(n_kv * d) +
+                   " (a group spans whole KV heads of one token)");
   return g / d;
 }
 
-void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
-                          float* out) {
-  KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers,
-          "artifact has no layer " + std::to_string(layer));
+void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n, float* out) {
+  KVCC_REQUIRE(layer >= 0 && layer < artifact.n_layers, "artifact has no layer " + std::to_string(layer));
   if (n <= 0) return;
   const Recipe& recipe = artifact.recipe;
   const int d = artifact.head_dim, n_kv = artifact.n_kv_heads, width = n_kv * d;
@@ -361,10 +354,9 @@ void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, con
       const SideArtifact& s = side_of(h0 + k);
       // One group has one clip ratio / level table: compile stores the joint fit in every head.
       KVCC_REQUIRE(s.clip_ratio == first.clip_ratio && s.levels == first.levels,
-              "artifact: layer " + std::to_string(layer) + " KV heads " + std::to_string(h0) + " and " +
-                  std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio or levels");
-      for (int t = 0; t < n; ++t)
-        std::copy_n(rows + size_t(t) * width + size_t(h0 + k) * d, d, &x[size_t(t) * d]);
+                   "artifact: layer " + std::to_string(layer) + " KV heads " + std::to_string(h0) + " and " +
+                       std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio or levels");
+      for (int t = 0; t < n; ++t) std::copy_n(rows + size_t(t) * width + size_t(h0 + k) * d, d, &x[size_t(t) * d]);
       rotate_rows(s.rotation, d, x.data(), n, head.data());
       for (int t = 0; t < n; ++t) std::copy_n(&head[size_t(t) * d], d, &y[size_t(t) * w + size_t(k) * d]);
     }
@@ -372,8 +364,7 @@ void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, con
     for (int k = 0; k < span; ++k) {
       for (int t = 0; t < n; ++t) std::copy_n(&yq[size_t(t) * w + size_t(k) * d], d, &head[size_t(t) * d]);
       unrotate_rows(side_of(h0 + k).rotation, d, head.data(), n, x.data());
-      for (int t = 0; t < n; ++t)
-        std::copy_n(&x[size_t(t) * d], d, out + size_t(t) * width + size_t(h0 + k) * d);
+      for (int t = 0; t < n; ++t) std::copy_n(&x[size_t(t) * d], d, out + size_t(t) * width + size_t(h0 + k) * d);
     }
   }
 }
@@ -423,7 +414,7 @@ double history_bits(const Recipe& recipe, KvSide which, int d) {
     case CodecFamily::LevelTable: {
       if (m != Method::TurboQuant) return b + 16.0 / G;  // fp16 RMS scale per group
       const bool split = b != std::floor(b);
-      double meta = 16.0 * (split ? 2 : 1);  // one fp16 norm per sub-vector
+      double meta = 16.0 * (split ? 2 : 1);                         // one fp16 norm per sub-vector
       if (param(recipe, "variant", "mse") == "prod") meta += 16.0;  // fp16 residual norm γ
       return b + meta / d;
     }
@@ -458,8 +449,7 @@ std::vector<std::string> verify_turboquant(const Artifact& a) {
   for (KvSide which : {KvSide::Key, KvSide::Value}) {
     const double b = side_nominal_bits(a.recipe, which);
     if (!(b >= 1 && b <= 8)) {
-      out.push_back("turboquant: " + std::string(kv_side_name(which)) + " bits " + std::to_string(b) +
-                    " outside 1..8");
+      out.push_back("turboquant: " + std::string(kv_side_name(which)) + " bits " + std::to_string(b) + " outside 1..8");
       continue;
     }
     // What compile stores for this budget: n_hi outlier channels at b_lo + 1 bits, the rest at b_lo.
@@ -469,8 +459,8 @@ std::vector<std::string> verify_turboquant(const Artifact& a) {
       for (int h = 0; h < a.n_kv_heads; ++h) {
         const HeadArtifact& ha = a.head(l, h);
         const SideArtifact& s = which == KvSide::Key ? ha.key : ha.value;
-        const std::string where = "turboquant: layer " + std::to_string(l) + " kv head " + std::to_string(h) +
-                                  " " + kv_side_name(which);
+        const std::string where =
+            "turboquant: layer " + std::to_string(l) + " kv head " + std::to_string(h) + " " + kv_side_name(which);
         const NamedArray* split = s.extra("split");
         int n_hi = 0;
         if (split && (!split->integer || split->data.size() != 1)) {

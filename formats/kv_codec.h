@@ -63,14 +63,14 @@ void unrotate_rows(const std::vector<double>& rotation, int d, const float* rows
 
 // Quantise + dequantise n rows that are already in the rotated basis (no rotation applied).
 // The compiler's fitting calls this to avoid rotating once per candidate.
-void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
-                       const float* rotated, int n, float* out);
+void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide which, int d, const float* rotated, int n,
+                       float* out);
 
 // The full codec: rotate, quantise, dequantise, rotate back. rows and out are [n, d].
-void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d,
-                    const float* rows, int n, float* out);
-std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which,
-                                  const float* rows, int n);
+void roundtrip_page(const Recipe& recipe, const SideArtifact& side, KvSide which, int d, const float* rows, int n,
+                    float* out);
+std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_head, KvSide which, const float* rows,
+                                  int n);
 
 // All KV heads of one layer at once: rows and out are [n, n_kv * d] (token-major; KV head h holds
 // channels [h*d, (h+1)*d)). Equal to roundtrip_page per head when the recipe's group is <= d.
@@ -78,8 +78,7 @@ std::vector<float> roundtrip_page(const Artifact& artifact, int layer, int kv_he
 // group/d consecutive KV heads of the same token: each head is rotated by its own rotation, the
 // rotated rows are quantised together per group, then each head is rotated back. The heads of a
 // group must hold the same clip ratio / level table (compile stores the joint fit in each).
-void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n,
-                          float* out);
+void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, const float* rows, int n, float* out);
 
 // KV heads per quantiser group: 1 when recipe.group <= d (and for kivi, whose group counts key
 // tokens); group/d when it spans heads. Throws a clear error for a group that cannot span (a

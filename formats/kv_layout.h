@@ -44,9 +44,7 @@ struct KvGeometry {
   KVCC_HD size_t codes_bytes() const { return size_t(page_tokens) * code_row_bytes(); }
   KVCC_HD size_t params_bytes() const { return size_t(page_tokens) * size_t(groups()) * 4; }
   KVCC_HD size_t page_head_bytes() const { return 2 * codes_bytes() + 2 * params_bytes(); }
-  KVCC_HD size_t page_bytes() const {
-    return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads);
-  }
+  KVCC_HD size_t page_bytes() const { return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads); }
   // Offsets inside one page block.
   KVCC_HD size_t k_codes_offset() const { return 0; }
   KVCC_HD size_t v_codes_offset() const { return codes_bytes(); }
@@ -54,28 +52,19 @@ struct KvGeometry {
   KVCC_HD size_t v_params_offset() const { return 2 * codes_bytes() + params_bytes(); }
   // Byte offset of the page block (page, layer, head) from the start of the pages region.
   KVCC_HD size_t page_block_offset(int64_t page, int layer, int head) const {
-    return ((size_t(page) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) +
-            size_t(head)) *
-           page_head_bytes();
+    return ((size_t(page) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) + size_t(head)) * page_head_bytes();
   }
 
   // Window slot: bf16 elements per (layer, head) block and per slot.
-  KVCC_HD size_t window_head_elems() const {
-    return 2 * (size_t(sink) + size_t(recent)) * size_t(head_dim);
-  }
-  KVCC_HD size_t window_slot_bytes() const {
-    return window_head_elems() * 2 * size_t(n_layers) * size_t(n_kv_heads);
-  }
+  KVCC_HD size_t window_head_elems() const { return 2 * (size_t(sink) + size_t(recent)) * size_t(head_dim); }
+  KVCC_HD size_t window_slot_bytes() const { return window_head_elems() * 2 * size_t(n_layers) * size_t(n_kv_heads); }
   // Element offsets (bf16 units) of the four arrays inside one (slot, layer, head) block.
   KVCC_HD size_t k_sink_elem() const { return 0; }
   KVCC_HD size_t v_sink_elem() const { return size_t(sink) * size_t(head_dim); }
   KVCC_HD size_t k_ring_elem() const { return 2 * size_t(sink) * size_t(head_dim); }
-  KVCC_HD size_t v_ring_elem() const {
-    return (2 * size_t(sink) + size_t(recent)) * size_t(head_dim);
-  }
+  KVCC_HD size_t v_ring_elem() const { return (2 * size_t(sink) + size_t(recent)) * size_t(head_dim); }
   KVCC_HD size_t window_block_elem(int64_t slot, int layer, int head) const {
-    return ((size_t(slot) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) +
-            size_t(head)) *
+    return ((size_t(slot) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) + size_t(head)) *
            window_head_elems();
   }
 };
@@ -103,23 +92,18 @@ KVCC_HD KvTiers tiers_of(const KvGeometry& g, int64_t n) {
   return t;
 }
 
-KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) {
-  return tiers_of(g, n).hist_tokens / g.page_tokens;
-}
+KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) { return tiers_of(g, n).hist_tokens / g.page_tokens; }
 
 // Ring slot of post-sink token i.
 KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent); }
 
 // The 2-bit code of channel c in a packed row.
-KVCC_HD uint8_t unpack_code(const uint8_t* row, int c) {
-  return uint8_t((row[c >> 2] >> (2 * (c & 3))) & 3u);
-}
+KVCC_HD uint8_t unpack_code(const uint8_t* row, int c) { return uint8_t((row[c >> 2] >> (2 * (c & 3))) & 3u); }
 
 // Packs d codes (each 0..3) into d/4 bytes.
 KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row) {
   for (int b = 0; b < d / 4; ++b)
-    row[b] = uint8_t(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) |
-                     (codes[4 * b + 3] << 6));
+    row[b] = uint8_t(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) | (codes[4 * b + 3] << 6));
 }
 
 // Per (layer, KV head) quantizer of one side (K or V): the uniform grid with a clip ratio, or

@@ -63,8 +63,8 @@ const char* option_flag(MethodOption option);  // "--value-target", ...
 // A recipe parameter (Recipe::params) a method takes.
 struct MethodParam {
   const char* key;
-  const char* flag;             // the compile flag that sets it, or nullptr: --param KEY=VALUE
-  const char* default_value;    // filled in by compile; nullptr: none (absent, or derived)
+  const char* flag;                  // the compile flag that sets it, or nullptr: --param KEY=VALUE
+  const char* default_value;         // filled in by compile; nullptr: none (absent, or derived)
   std::vector<const char*> choices;  // allowed values; empty: an integer >= min_value
   int min_value = 0;
 };
@@ -72,14 +72,14 @@ struct MethodParam {
 struct MethodTraits {
   Method method;
   const char* name;
-  const char* summary;       // one line, for --help
+  const char* summary;  // one line, for --help
   CodecFamily codec;
   RotationRule rotation;
   Fit fit;
-  bool served_by_runtime;    // the paged INT2 runtime (per-token grid and 2-bit level table)
-  bool spans_heads;          // a group above head_dim may span KV heads (kv_codec.h group_span)
-  bool whole_rows;           // codes whole head rows, tiles or vectors: --group must be head_dim
-  bool fractional_bits;      // 2.5 / 3.5-bit budgets (turboquant's outlier split)
+  bool served_by_runtime;           // the paged INT2 runtime (per-token grid and 2-bit level table)
+  bool spans_heads;                 // a group above head_dim may span KV heads (kv_codec.h group_span)
+  bool whole_rows;                  // codes whole head rows, tiles or vectors: --group must be head_dim
+  bool fractional_bits;             // 2.5 / 3.5-bit budgets (turboquant's outlier split)
   std::vector<double> bit_presets;  // the only bit budgets it takes (commvq 1, 2); empty: 1-8
   // Defaults of CompileOptions' -1 fields: group (0 = head_dim), BF16 sink and recent windows,
   // tokens per page.
@@ -87,7 +87,7 @@ struct MethodTraits {
   // Defaults of the attention-aware rotation ("" where the method has none).
   const char* value_target;
   const char* composition;
-  unsigned options;          // MethodOption bits it accepts
+  unsigned options;  // MethodOption bits it accepts
   std::vector<MethodParam> params;
   // Method-specific artifact checks, appended by verify_artifact (nullptr: none).
   std::vector<std::string> (*verify)(const Artifact&);

@@ -26,8 +26,10 @@ std::string canonical_double(double v) {
 
 const char* rope_style_name(RopeStyle s) {
   switch (s) {
-    case RopeStyle::RotateHalf: return "rotate_half";
-    case RopeStyle::Interleaved: return "interleaved";
+    case RopeStyle::RotateHalf:
+      return "rotate_half";
+    case RopeStyle::Interleaved:
+      return "interleaved";
   }
   return "?";
 }
@@ -119,8 +121,8 @@ std::vector<double> rope_inv_freq(const ModelConfig& c) {
       if (wavelen > low_freq_wavelen) {
         f /= s.factor;
       } else if (wavelen >= high_freq_wavelen) {
-        const double smooth = (s.original_max_position / wavelen - s.low_freq_factor) /
-                              (s.high_freq_factor - s.low_freq_factor);
+        const double smooth =
+            (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
         f = (1 - smooth) * f / s.factor + smooth * f;
       }
     }

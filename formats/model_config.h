@@ -11,7 +11,7 @@ namespace kvcc {
 // Which channels RoPE rotates together: HF "rotate_half" pairs (i, i + d/2); llama2.c pairs (2i, 2i+1).
 enum class RopeStyle { RotateHalf, Interleaved };
 
-const char* rope_style_name(RopeStyle s);          // "rotate_half" | "interleaved"
+const char* rope_style_name(RopeStyle s);            // "rotate_half" | "interleaved"
 RopeStyle rope_style_from_name(const std::string&);  // throws Error on an unknown name
 
 struct RopeScaling {
@@ -41,7 +41,7 @@ struct ModelConfig {
   bool qk_norm = false;   // Qwen3 per-head RMSNorm on q and k before RoPE
   int bos_id = -1;        // -1: none
   int eos_id = -1;
-  bool add_bos = true;    // whether the tokenizer/config asks for BOS at the start of a sequence
+  bool add_bos = true;  // whether the tokenizer/config asks for BOS at the start of a sequence
 
   int group() const { return n_heads / n_kv_heads; }  // query heads per KV head
 };

@@ -43,8 +43,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 // The tensors the forward pass reads, with the shapes the config implies.
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
-  const int64_t hidden = c.hidden, qdim = int64_t(c.n_heads) * c.head_dim,
-                kvdim = int64_t(c.n_kv_heads) * c.head_dim, inter = c.intermediate;
+  const int64_t hidden = c.hidden, qdim = int64_t(c.n_heads) * c.head_dim, kvdim = int64_t(c.n_kv_heads) * c.head_dim,
+                inter = c.intermediate;
   std::vector<std::pair<std::string, std::vector<int64_t>>> out = {
       {"model.embed_tokens.weight", {c.vocab, hidden}},
       {"model.norm.weight", {hidden}},
@@ -89,31 +89,29 @@ std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
       throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
     }
     KVCC_REQUIRE(index.contains("weight_map") && index["weight_map"].is_object(),
-            index_path.string() + ": missing field 'weight_map'");
+                 index_path.string() + ": missing field 'weight_map'");
     std::map<std::string, std::map<std::string, TensorView>> shards;
     std::map<std::string, TensorView> tensors;
     for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
-      KVCC_REQUIRE(it.value().is_string(), index_path.string() + ": weight_map entry " + it.key() +
-                                          " is not a file name");
+      KVCC_REQUIRE(it.value().is_string(),
+                   index_path.string() + ": weight_map entry " + it.key() + " is not a file name");
       const std::string shard = it.value().get<std::string>();
       KVCC_REQUIRE(shard.find('/') == std::string::npos,
-              index_path.string() + ": shard name '" + shard + "' is not a plain file name");
+                   index_path.string() + ": shard name '" + shard + "' is not a plain file name");
       auto found = shards.find(shard);
       if (found == shards.end()) {
         const fs::path shard_path = dir / shard;
-        KVCC_REQUIRE(fs::exists(shard_path), index_path.string() + " names shard " + shard +
-                                            ", which does not exist");
+        KVCC_REQUIRE(fs::exists(shard_path), index_path.string() + " names shard " + shard + ", which does not exist");
         found = shards.emplace(shard, read_safetensors(shard_path.string())).first;
       }
       auto tensor = found->second.find(it.key());
-      KVCC_REQUIRE(tensor != found->second.end(), index_path.string() + " places tensor " + it.key() +
-                                                 " in " + shard + ", which lacks it");
+      KVCC_REQUIRE(tensor != found->second.end(),
+                   index_path.string() + " places tensor " + it.key() + " in " + shard + ", which lacks it");
       tensors.emplace(it.key(), tensor->second);
     }
     return tensors;
   }
-  KVCC_REQUIRE(fs::exists(single_path),
-          dir.string() + ": no model.safetensors or model.safetensors.index.json");
+  KVCC_REQUIRE(fs::exists(single_path), dir.string() + ": no model.safetensors or model.safetensors.index.json");
   return read_safetensors(single_path.string());
 }
 
@@ -143,7 +141,7 @@ ModelFile ModelFile::open(const std::string& path) {
     impl->tensors = read_hf_weights(path);
   } else {
     KVCC_REQUIRE(fs::path(path).extension() == ".bin",
-            path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
+                 path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
     impl->tensors = read_llama2c(path, impl->config);
   }
   // The fingerprint covers the file's own headers, before tied weights are resolved.
@@ -164,10 +162,10 @@ ModelFile ModelFile::open(const std::string& path) {
   for (const auto& [name, shape] : expected_tensors(impl->config)) {
     const TensorView& view = impl->find(name);
     KVCC_REQUIRE(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
-                                     " but the config implies " + shape_text(shape));
-    KVCC_REQUIRE(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 ||
-                view.dtype == TensorDType::BF16 || view.dtype == TensorDType::F64,
-            path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
+                                          " but the config implies " + shape_text(shape));
+    KVCC_REQUIRE(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 || view.dtype == TensorDType::BF16 ||
+                     view.dtype == TensorDType::F64,
+                 path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
   }
   impl->fingerprint = make_fingerprint(impl->config, weights_sha256);
   return ModelFile(std::move(impl));
@@ -184,9 +182,7 @@ const std::string& ModelFile::path() const { return impl_->path; }
 
 bool ModelFile::has_tensor(const std::string& name) const { return impl_->tensors.count(name) > 0; }
 
-std::vector<int64_t> ModelFile::tensor_shape(const std::string& name) const {
-  return impl_->find(name).shape;
-}
+std::vector<int64_t> ModelFile::tensor_shape(const std::string& name) const { return impl_->find(name).shape; }
 
 std::string ModelFile::tensor_dtype(const std::string& name) const {
   return tensor_dtype_name(impl_->find(name).dtype);
@@ -205,13 +201,12 @@ std::vector<float> ModelFile::tensor_f32(const std::string& name) const {
   return out;
 }
 
-void ModelFile::tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows,
-                                float* out) const {
+void ModelFile::tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows, float* out) const {
   const TensorView& view = impl_->find(name);
   KVCC_REQUIRE(view.shape.size() == 2, impl_->path + ": tensor " + name + " is not a matrix");
   KVCC_REQUIRE(row0 >= 0 && n_rows >= 0 && row0 + n_rows <= view.shape[0],
-          impl_->path + ": rows [" + std::to_string(row0) + ", " + std::to_string(row0 + n_rows) +
-              ") out of range for tensor " + name + " with " + std::to_string(view.shape[0]) + " rows");
+               impl_->path + ": rows [" + std::to_string(row0) + ", " + std::to_string(row0 + n_rows) +
+                   ") out of range for tensor " + name + " with " + std::to_string(view.shape[0]) + " rows");
   const size_t cols = size_t(view.shape[1]);
   tensor_to_f32(view, size_t(row0) * cols, size_t(n_rows) * cols, out);
 }

@@ -6,8 +6,7 @@
 
 namespace kvcc {
 
-void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes,
-                  uint16_t* params) {
+void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes, uint16_t* params) {
   uint8_t unpacked[1024];
   KVCC_REQUIRE(g.head_dim <= 1024, "append: head_dim above 1024");
   for (int grp = 0; grp < g.groups(); ++grp) {
@@ -25,8 +24,8 @@ void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row,
   pack_codes(unpacked, g.head_dim, codes);
 }
 
-void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes,
-                    const uint16_t* params, float* row) {
+void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes, const uint16_t* params,
+                    float* row) {
   for (int c = 0; c < g.head_dim; ++c) {
     const int grp = c / g.group;
     const float s = float_from_f16(params[2 * grp]);

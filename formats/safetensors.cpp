@@ -51,12 +51,10 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {TensorDType::F64, "F64", 8},        {TensorDType::F32, "F32", 4},
-    {TensorDType::F16, "F16", 2},        {TensorDType::BF16, "BF16", 2},
-    {TensorDType::I64, "I64", 8},        {TensorDType::I32, "I32", 4},
-    {TensorDType::I16, "I16", 2},        {TensorDType::I8, "I8", 1},
-    {TensorDType::U8, "U8", 1},          {TensorDType::Bool, "BOOL", 1},
-    {TensorDType::F8E4M3, "F8_E4M3", 1}, {TensorDType::F8E5M2, "F8_E5M2", 1},
+    {TensorDType::F64, "F64", 8},   {TensorDType::F32, "F32", 4},        {TensorDType::F16, "F16", 2},
+    {TensorDType::BF16, "BF16", 2}, {TensorDType::I64, "I64", 8},        {TensorDType::I32, "I32", 4},
+    {TensorDType::I16, "I16", 2},   {TensorDType::I8, "I8", 1},          {TensorDType::U8, "U8", 1},
+    {TensorDType::Bool, "BOOL", 1}, {TensorDType::F8E4M3, "F8_E4M3", 1}, {TensorDType::F8E5M2, "F8_E5M2", 1},
 };
 
 const DTypeInfo& dtype_info(TensorDType d) {
@@ -84,9 +82,8 @@ int64_t TensorView::numel() const {
 }
 
 void tensor_to_f32(const TensorView& t, size_t first, size_t count, float* out) {
-  KVCC_REQUIRE(first + count <= size_t(t.numel()),
-          "tensor " + t.name + ": elements [" + std::to_string(first) + ", " +
-              std::to_string(first + count) + ") out of range");
+  KVCC_REQUIRE(first + count <= size_t(t.numel()), "tensor " + t.name + ": elements [" + std::to_string(first) + ", " +
+                                                       std::to_string(first + count) + ") out of range");
   const size_t elem = tensor_dtype_size(t.dtype);
   const uint8_t* src = t.data + first * elem;
   switch (t.dtype) {
@@ -112,11 +109,11 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
   auto file = MappedFile::open(path);
   const size_t file_size = file->size();
   KVCC_REQUIRE(file_size >= 8, path + ": truncated safetensors file (" + std::to_string(file_size) +
-                              " bytes, shorter than the 8-byte header length)");
+                                   " bytes, shorter than the 8-byte header length)");
   const uint64_t header_len = load_unaligned<uint64_t>(file->data());  // little-endian hosts only
-  KVCC_REQUIRE(header_len <= file_size - 8,
-          path + ": safetensors header length " + std::to_string(header_len) +
-              " exceeds the file size " + std::to_string(file_size) + " (truncated or not safetensors)");
+  KVCC_REQUIRE(header_len <= file_size - 8, path + ": safetensors header length " + std::to_string(header_len) +
+                                                " exceeds the file size " + std::to_string(file_size) +
+                                                " (truncated or not safetensors)");
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(file->data() + 8, file->data() + 8 + header_len);
@@ -133,9 +130,9 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
     const std::string& name = it.key();
     const auto& entry = it.value();
     const std::string where = path + ": tensor '" + name + "'";
-    KVCC_REQUIRE(entry.is_object() && entry.contains("dtype") && entry.contains("shape") &&
-                entry.contains("data_offsets"),
-            where + " lacks dtype, shape or data_offsets");
+    KVCC_REQUIRE(
+        entry.is_object() && entry.contains("dtype") && entry.contains("shape") && entry.contains("data_offsets"),
+        where + " lacks dtype, shape or data_offsets");
     TensorView view;
     view.name = name;
     view.file = file;
@@ -150,25 +147,23 @@ std::map<std::string, TensorView> read_safetensors(const std::string& path) {
     for (const auto& dim : entry["shape"]) {
       KVCC_REQUIRE(dim.is_number_integer() && dim.get<int64_t>() >= 0, where + ": bad shape entry");
       const uint64_t d = dim.get<uint64_t>();
-      KVCC_REQUIRE(d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d,
-              where + ": shape overflows");
+      KVCC_REQUIRE(d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d, where + ": shape overflows");
       numel *= d;
       view.shape.push_back(int64_t(d));
     }
     const auto& offsets = entry["data_offsets"];
-    KVCC_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
-                offsets[1].is_number_unsigned(),
-            where + ": data_offsets is not a pair of unsigned integers");
+    KVCC_REQUIRE(
+        offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() && offsets[1].is_number_unsigned(),
+        where + ": data_offsets is not a pair of unsigned integers");
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    KVCC_REQUIRE(begin <= end, where + ": data_offsets [" + std::to_string(begin) + ", " +
-                              std::to_string(end) + ") are reversed");
+    KVCC_REQUIRE(begin <= end,
+                 where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + ") are reversed");
     const uint64_t expected = numel * tensor_dtype_size(view.dtype);
-    KVCC_REQUIRE(end - begin == expected,
-            where + ": data_offsets span " + std::to_string(end - begin) + " bytes but " +
-                dtype_name + " x shape needs " + std::to_string(expected));
+    KVCC_REQUIRE(end - begin == expected, where + ": data_offsets span " + std::to_string(end - begin) + " bytes but " +
+                                              dtype_name + " x shape needs " + std::to_string(expected));
     KVCC_REQUIRE(end <= data_size, where + ": data [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                  ") lies beyond the end of the file's " + std::to_string(data_size) +
-                                  " data bytes (truncated or corrupt)");
+                                       ") lies beyond the end of the file's " + std::to_string(data_size) +
+                                       " data bytes (truncated or corrupt)");
     view.data = data_start + begin;
     view.nbytes = size_t(expected);
     tensors.emplace(name, std::move(view));

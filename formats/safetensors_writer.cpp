@@ -18,9 +18,8 @@ void write_safetensors_f32(const std::string& path, const std::vector<F32Tensor>
     KVCC_REQUIRE(names.insert(t.name).second, "safetensors: duplicate tensor name '" + t.name + "'");
     int64_t count = 1;
     for (int64_t s : t.shape) count *= s;
-    KVCC_REQUIRE(count == int64_t(t.data.size()),
-            "safetensors: tensor '" + t.name + "' shape does not match its " +
-                std::to_string(t.data.size()) + " elements");
+    KVCC_REQUIRE(count == int64_t(t.data.size()), "safetensors: tensor '" + t.name + "' shape does not match its " +
+                                                      std::to_string(t.data.size()) + " elements");
     const uint64_t bytes = uint64_t(count) * sizeof(float);
     header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;

@@ -37,41 +37,42 @@ std::string head_path(int layer, int h) { return "/layers/" + std::to_string(lay
 void check_head_shapes(const HeadStats& hs, int d, const std::string& where) {
   for (const auto& m : kMoments)
     KVCC_REQUIRE((hs.*m.member).size() == size_t(d) * size_t(d),
-            where + "/" + m.name + " has " + std::to_string((hs.*m.member).size()) + " values, expected " +
-                std::to_string(d) + "x" + std::to_string(d));
+                 where + "/" + m.name + " has " + std::to_string((hs.*m.member).size()) + " values, expected " +
+                     std::to_string(d) + "x" + std::to_string(d));
   for (const auto& m : kRanges)
-    KVCC_REQUIRE((hs.*m.member).size() == size_t(d),
-            where + "/" + m.name + " has " + std::to_string((hs.*m.member).size()) + " values, expected " +
-                std::to_string(d));
+    KVCC_REQUIRE((hs.*m.member).size() == size_t(d), where + "/" + m.name + " has " +
+                                                         std::to_string((hs.*m.member).size()) + " values, expected " +
+                                                         std::to_string(d));
 }
 
 void check_reservoir_shapes(const Reservoir& r, const std::string& where) {
   const size_t n = r.position.size();
   const size_t d = size_t(r.d), g = size_t(r.group);
-  KVCC_REQUIRE(r.q.size() == n * g * d && r.key_pre.size() == n * d && r.key.size() == n * d && r.value.size() == n * d &&
-              r.doc.size() == n && r.priority.size() == n && r.heldout.size() == n,
-          where + "/reservoir: arrays disagree on the number of rows (" + std::to_string(n) + " positions)");
+  KVCC_REQUIRE(r.q.size() == n * g * d && r.key_pre.size() == n * d && r.key.size() == n * d &&
+                   r.value.size() == n * d && r.doc.size() == n && r.priority.size() == n && r.heldout.size() == n,
+               where + "/reservoir: arrays disagree on the number of rows (" + std::to_string(n) + " positions)");
   KVCC_REQUIRE(int(n) <= r.capacity,
-          where + "/reservoir: " + std::to_string(n) + " rows exceed capacity " + std::to_string(r.capacity));
+               where + "/reservoir: " + std::to_string(n) + " rows exceed capacity " + std::to_string(r.capacity));
 }
 
 void check_stats_shapes(const Stats& s) {
   const ModelConfig& c = s.config;
   KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0 && c.n_heads % c.n_kv_heads == 0,
-          "stats: invalid model shape (" + std::to_string(c.n_layers) + " layers, " + std::to_string(c.n_heads) +
-              "/" + std::to_string(c.n_kv_heads) + " heads, head_dim " + std::to_string(c.head_dim) + ")");
+               "stats: invalid model shape (" + std::to_string(c.n_layers) + " layers, " + std::to_string(c.n_heads) +
+                   "/" + std::to_string(c.n_kv_heads) + " heads, head_dim " + std::to_string(c.head_dim) + ")");
   const size_t n = size_t(c.n_layers) * size_t(c.n_kv_heads);
   KVCC_REQUIRE(s.heads.size() == n, "stats: " + std::to_string(s.heads.size()) + " head entries, expected " +
-                                   std::to_string(n) + " (layers x kv heads)");
-  KVCC_REQUIRE(s.reservoirs.size() == n, "stats: " + std::to_string(s.reservoirs.size()) +
-                                        " reservoirs, expected " + std::to_string(n) + " (layers x kv heads)");
+                                        std::to_string(n) + " (layers x kv heads)");
+  KVCC_REQUIRE(s.reservoirs.size() == n, "stats: " + std::to_string(s.reservoirs.size()) + " reservoirs, expected " +
+                                             std::to_string(n) + " (layers x kv heads)");
   for (int l = 0; l < c.n_layers; ++l)
     for (int h = 0; h < c.n_kv_heads; ++h) {
       check_head_shapes(s.head(l, h), c.head_dim, head_path(l, h));
       const Reservoir& r = s.reservoir(l, h);
       KVCC_REQUIRE(r.d == c.head_dim && r.group == c.group(),
-              head_path(l, h) + "/reservoir: group " + std::to_string(r.group) + " and d " + std::to_string(r.d) +
-                  " do not match the model (" + std::to_string(c.group()) + ", " + std::to_string(c.head_dim) + ")");
+                   head_path(l, h) + "/reservoir: group " + std::to_string(r.group) + " and d " + std::to_string(r.d) +
+                       " do not match the model (" + std::to_string(c.group()) + ", " + std::to_string(c.head_dim) +
+                       ")");
       check_reservoir_shapes(r, head_path(l, h));
     }
 }
@@ -254,9 +255,8 @@ void find_value_problems(const Stats& s, std::vector<std::string>& problems) {
       if (!std::isfinite(hs.p2_weight)) problems.push_back(where + ": p2_weight is not finite");
       for (const auto& m : kRanges) {
         const auto& v = hs.*m.member;
-        const bool bad = std::any_of(v.begin(), v.end(), [&](double x) {
-          return std::isnan(x) || (hs.kv_count > 0 && !std::isfinite(x));
-        });
+        const bool bad = std::any_of(v.begin(), v.end(),
+                                     [&](double x) { return std::isnan(x) || (hs.kv_count > 0 && !std::isfinite(x)); });
         if (bad) problems.push_back(where + "/" + m.name + ": contains NaN (or inf with rows counted)");
       }
       const Reservoir& r = s.reservoir(l, h);
@@ -279,9 +279,9 @@ void HeadStats::resize(int d) {
 }
 
 Stats make_empty_stats(const ModelConfig& config, const ModelFingerprint& fingerprint, int reservoir_capacity) {
-  KVCC_REQUIRE(config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 &&
-              config.n_heads % config.n_kv_heads == 0,
-          "make_empty_stats: invalid model shape");
+  KVCC_REQUIRE(
+      config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 && config.n_heads % config.n_kv_heads == 0,
+      "make_empty_stats: invalid model shape");
   KVCC_REQUIRE(reservoir_capacity >= 0, "reservoir capacity must be >= 0");
   Stats s;
   s.producer = h5::default_producer();
@@ -415,16 +415,17 @@ void reservoir_merge(Reservoir& r, const Reservoir& other) {
     r.d = other.d;
     r.group = other.group;
   }
-  KVCC_REQUIRE(r.d == other.d && r.group == other.group,
-          "cannot merge reservoirs of different shapes (group " + std::to_string(r.group) + ", d " +
-              std::to_string(r.d) + " vs group " + std::to_string(other.group) + ", d " + std::to_string(other.d) + ")");
+  KVCC_REQUIRE(r.d == other.d && r.group == other.group, "cannot merge reservoirs of different shapes (group " +
+                                                             std::to_string(r.group) + ", d " + std::to_string(r.d) +
+                                                             " vs group " + std::to_string(other.group) + ", d " +
+                                                             std::to_string(other.d) + ")");
   check_reservoir_shapes(other, "reservoir_merge: other");
   KVCC_REQUIRE(r.position.size() == r.priority.size() && r.doc.size() == r.priority.size() &&
-              r.heldout.size() == r.priority.size() &&
-              r.q.size() == r.priority.size() * size_t(r.group) * size_t(r.d) &&
-              r.key.size() == r.priority.size() * size_t(r.d) && r.key_pre.size() == r.key.size() &&
-              r.value.size() == r.key.size(),
-          "reservoir_merge: arrays of the target reservoir disagree on the number of rows");
+                   r.heldout.size() == r.priority.size() &&
+                   r.q.size() == r.priority.size() * size_t(r.group) * size_t(r.d) &&
+                   r.key.size() == r.priority.size() * size_t(r.d) && r.key_pre.size() == r.key.size() &&
+                   r.value.size() == r.key.size(),
+               "reservoir_merge: arrays of the target reservoir disagree on the number of rows");
 
   // Candidates (source, row), duplicates by priority dropped, sorted by priority; keep `capacity`.
   struct Row {
@@ -456,7 +457,8 @@ void reservoir_merge(Reservoir& r, const Reservoir& other) {
     const Reservoir& s = *row.source;
     const size_t i = row.index;
     out.q.insert(out.q.end(), s.q.begin() + ptrdiff_t(i * qd), s.q.begin() + ptrdiff_t((i + 1) * qd));
-    out.key_pre.insert(out.key_pre.end(), s.key_pre.begin() + ptrdiff_t(i * d), s.key_pre.begin() + ptrdiff_t((i + 1) * d));
+    out.key_pre.insert(out.key_pre.end(), s.key_pre.begin() + ptrdiff_t(i * d),
+                       s.key_pre.begin() + ptrdiff_t((i + 1) * d));
     out.key.insert(out.key.end(), s.key.begin() + ptrdiff_t(i * d), s.key.begin() + ptrdiff_t((i + 1) * d));
     out.value.insert(out.value.end(), s.value.begin() + ptrdiff_t(i * d), s.value.begin() + ptrdiff_t((i + 1) * d));
     out.position.push_back(s.position[i]);

@@ -42,14 +42,14 @@ struct Reservoir {
   int capacity = 0;
   int group = 0;  // r query heads per KV head
   int d = 0;
-  std::vector<float> q;        // [n, r, d] post-RoPE queries of the group's heads at this token
-  std::vector<float> key_pre;  // [n, d] pre-RoPE key (after k_norm where the model has one)
-  std::vector<float> key;      // [n, d] post-RoPE key
-  std::vector<float> value;    // [n, d]
-  std::vector<int32_t> position;  // [n] position within its sequence
-  std::vector<uint32_t> doc;      // [n] document index in the calibration text
-  std::vector<uint64_t> priority; // [n] sampling priority (smaller is kept)
-  std::vector<uint8_t> heldout;   // [n] 1 if held out
+  std::vector<float> q;            // [n, r, d] post-RoPE queries of the group's heads at this token
+  std::vector<float> key_pre;      // [n, d] pre-RoPE key (after k_norm where the model has one)
+  std::vector<float> key;          // [n, d] post-RoPE key
+  std::vector<float> value;        // [n, d]
+  std::vector<int32_t> position;   // [n] position within its sequence
+  std::vector<uint32_t> doc;       // [n] document index in the calibration text
+  std::vector<uint64_t> priority;  // [n] sampling priority (smaller is kept)
+  std::vector<uint8_t> heldout;    // [n] 1 if held out
 
   size_t size() const { return position.size(); }
 };
@@ -60,7 +60,7 @@ struct StatsProvenance {
   uint64_t sequences = 0;
   uint64_t seed = 0;
   int max_seq_len = 0;
-  std::string tokenizer;    // what tokenized the text ("tokenizer.json", "tokenizer.bin", "ids")
+  std::string tokenizer;  // what tokenized the text ("tokenizer.json", "tokenizer.bin", "ids")
 };
 
 struct Stats {
@@ -70,15 +70,13 @@ struct Stats {
   ModelConfig config;
   ModelFingerprint fingerprint;
   StatsProvenance provenance;
-  std::vector<HeadStats> heads;        // [n_layers * n_kv_heads], index layer * n_kv_heads + h
-  std::vector<Reservoir> reservoirs;   // same indexing
+  std::vector<HeadStats> heads;       // [n_layers * n_kv_heads], index layer * n_kv_heads + h
+  std::vector<Reservoir> reservoirs;  // same indexing
 
   HeadStats& head(int layer, int h) { return heads[size_t(layer * config.n_kv_heads + h)]; }
   const HeadStats& head(int layer, int h) const { return heads[size_t(layer * config.n_kv_heads + h)]; }
   Reservoir& reservoir(int layer, int h) { return reservoirs[size_t(layer * config.n_kv_heads + h)]; }
-  const Reservoir& reservoir(int layer, int h) const {
-    return reservoirs[size_t(layer * config.n_kv_heads + h)];
-  }
+  const Reservoir& reservoir(int layer, int h) const { return reservoirs[size_t(layer * config.n_kv_heads + h)]; }
 };
 
 // Empty stats (zero sums, empty reservoirs of the given capacity) for a model.

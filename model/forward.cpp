@@ -14,15 +14,15 @@ namespace kvcc {
 namespace {
 
 // C [M, N] = alpha · A [M, K] · op(B) + beta · C, row-major; op(B) = Bᵀ when trans_b (B [N, K]).
-void gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
-          float beta, float* C, int ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
-              ldb, beta, C, ldc);
+void gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb, float beta,
+          float* C, int ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
+              ldc);
 }
-void gemm(bool trans_b, int M, int N, int K, double alpha, const double* A, int lda, const double* B,
-          int ldb, double beta, double* C, int ldc) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
-              ldb, beta, C, ldc);
+void gemm(bool trans_b, int M, int N, int K, double alpha, const double* A, int lda, const double* B, int ldb,
+          double beta, double* C, int ldc) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
+              ldc);
 }
 
 // y [T, out] = x [T, in] · Wᵀ (W [out, in], nn.Linear layout) + beta·y.
@@ -56,11 +56,9 @@ template <typename S>
 std::vector<S> load_checked(const ModelFile& model, const std::string& name, size_t numel) {
   std::vector<float> v = model.tensor_f32(name);
   KVCC_REQUIRE(v.size() == numel, model.path() + ": tensor " + name + " has " + std::to_string(v.size()) +
-                                 " elements, expected " + std::to_string(numel));
-  if constexpr (std::is_same_v<S, float>)
-    return v;
-  else
-    return std::vector<S>(v.begin(), v.end());
+                                      " elements, expected " + std::to_string(numel));
+  if constexpr (std::is_same_v<S, float>) return v;
+  else return std::vector<S>(v.begin(), v.end());
 }
 
 }  // namespace
@@ -69,7 +67,7 @@ template <typename S>
 BasicLayerWeights<S> load_layer(const ModelFile& model, int layer) {
   const ModelConfig& c = model.config();
   KVCC_REQUIRE(layer >= 0 && layer < c.n_layers,
-          "layer " + std::to_string(layer) + " out of range (model has " + std::to_string(c.n_layers) + ")");
+               "layer " + std::to_string(layer) + " out of range (model has " + std::to_string(c.n_layers) + ")");
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const size_t hidden = size_t(c.hidden), qdim = size_t(c.n_heads) * c.head_dim,
                kvdim = size_t(c.n_kv_heads) * c.head_dim, inter = size_t(c.intermediate);
@@ -134,8 +132,8 @@ void embed(const ModelFile& model, const int32_t* ids, int T, S* x) {
   std::vector<float> row(std::is_same_v<S, float> ? 0 : size_t(c.hidden));
   for (int t = 0; t < T; ++t) {
     KVCC_REQUIRE(ids[t] >= 0 && ids[t] < c.vocab, "token id " + std::to_string(ids[t]) + " at position " +
-                                                 std::to_string(t) + " is outside the vocabulary (" +
-                                                 std::to_string(c.vocab) + ")");
+                                                      std::to_string(t) + " is outside the vocabulary (" +
+                                                      std::to_string(c.vocab) + ")");
     if constexpr (std::is_same_v<S, float>) {
       model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, x + size_t(t) * c.hidden);
     } else {
@@ -294,19 +292,16 @@ void final_logits(const ModelFile& model, const S* x, int T, S* logits) {
 }
 
 // The two precisions (forward.h).
-#define KVCC_FORWARD_INSTANTIATE(S)                                                                         \
-  template void apply_rope<S>(const ModelConfig&, S*, int, int, int);                                        \
-  template void embed<S>(const ModelFile&, const int32_t*, int, S*);                                         \
-  template void attention_qkv<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int, int, S*, S*, \
-                                 S*, S*);                                                                    \
-  template void prefix_causal_attention<S>(const ModelConfig&, int64_t, int, const S*, const S*, const S*,   \
-                                           S*);                                                              \
-  template void causal_attention<S>(const ModelConfig&, int, const S*, const S*, const S*, S*,               \
-                                    AttentionObserver*, const SequenceTaps*);                                \
-  template void attention_output_and_mlp<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int,  \
-                                            S*);                                                             \
-  template void layer_forward<S>(const ModelConfig&, const BasicLayerWeights<S>&, int, uint32_t, S*, int,    \
-                                 AttentionObserver*);                                                        \
+#define KVCC_FORWARD_INSTANTIATE(S)                                                                                    \
+  template void apply_rope<S>(const ModelConfig&, S*, int, int, int);                                                  \
+  template void embed<S>(const ModelFile&, const int32_t*, int, S*);                                                   \
+  template void attention_qkv<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int, int, S*, S*, S*, S*); \
+  template void prefix_causal_attention<S>(const ModelConfig&, int64_t, int, const S*, const S*, const S*, S*);        \
+  template void causal_attention<S>(const ModelConfig&, int, const S*, const S*, const S*, S*, AttentionObserver*,     \
+                                    const SequenceTaps*);                                                              \
+  template void attention_output_and_mlp<S>(const ModelConfig&, const BasicLayerWeights<S>&, const S*, int, S*);       \
+  template void layer_forward<S>(const ModelConfig&, const BasicLayerWeights<S>&, int, uint32_t, S*, int,              \
+                                 AttentionObserver*);                                                                  \
   template void final_logits<S>(const ModelFile&, const S*, int, S*);
 KVCC_FORWARD_INSTANTIATE(float)
 KVCC_FORWARD_INSTANTIATE(double)

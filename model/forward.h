@@ -17,12 +17,12 @@ namespace kvcc {
 // weights to double (exactly) and runs the same operations in double.
 template <typename Scalar>
 struct BasicLayerWeights {
-  std::vector<Scalar> attn_norm;                  // [hidden]
-  std::vector<Scalar> wq, wk, wv, wo;             // [n_heads*d, hidden], [n_kv*d, hidden] x2, [hidden, n_heads*d]
-  std::vector<Scalar> bq, bk, bv;                 // Qwen2 biases
-  std::vector<Scalar> q_norm, k_norm;             // Qwen3 per-head RMSNorm weights [d]
-  std::vector<Scalar> mlp_norm;                   // [hidden]
-  std::vector<Scalar> w_gate, w_up, w_down;       // [inter, hidden] x2, [hidden, inter]
+  std::vector<Scalar> attn_norm;             // [hidden]
+  std::vector<Scalar> wq, wk, wv, wo;        // [n_heads*d, hidden], [n_kv*d, hidden] x2, [hidden, n_heads*d]
+  std::vector<Scalar> bq, bk, bv;            // Qwen2 biases
+  std::vector<Scalar> q_norm, k_norm;        // Qwen3 per-head RMSNorm weights [d]
+  std::vector<Scalar> mlp_norm;              // [hidden]
+  std::vector<Scalar> w_gate, w_up, w_down;  // [inter, hidden] x2, [hidden, inter]
 };
 using LayerWeights = BasicLayerWeights<float>;
 // One layer's weights as float, or widened to double (exactly: every float is a double).
@@ -47,8 +47,8 @@ void embed(const ModelFile&, const int32_t* ids, int T, Scalar* x);
 // Outputs: q [T, n_heads*d] post-RoPE; key_pre [T, n_kv*d] pre-RoPE (may be null); key and
 // value [T, n_kv*d].
 template <typename Scalar>
-void attention_qkv(const ModelConfig&, const BasicLayerWeights<Scalar>&, const Scalar* x, int T, int pos0,
-                   Scalar* q, std::type_identity_t<Scalar>* key_pre, Scalar* key, Scalar* value);
+void attention_qkv(const ModelConfig&, const BasicLayerWeights<Scalar>&, const Scalar* x, int T, int pos0, Scalar* q,
+                   std::type_identity_t<Scalar>* key_pre, Scalar* key, Scalar* value);
 
 // Causal attention (GQA) of T queries at positions n0..n0+T-1 over keys/values [n0 + T, n_kv*d]
 // (positions 0..n0+T-1): query i sees keys 0..n0+i. out [T, n_heads*d]. Validation's blocks
@@ -61,19 +61,18 @@ void prefix_causal_attention(const ModelConfig&, int64_t n0, int T, const Scalar
 // given (float only: calibration's statistics are float) it is called with `taps` (whose
 // q/key/value/key_pre the caller filled) as observer.h says.
 template <typename Scalar>
-void causal_attention(const ModelConfig&, int T, const Scalar* q, const Scalar* key,
-                      const Scalar* value, Scalar* out, AttentionObserver* observer = nullptr,
-                      const SequenceTaps* taps = nullptr);
+void causal_attention(const ModelConfig&, int T, const Scalar* q, const Scalar* key, const Scalar* value, Scalar* out,
+                      AttentionObserver* observer = nullptr, const SequenceTaps* taps = nullptr);
 
 // o_proj + residual, then post-attention RMSNorm, SwiGLU MLP + residual, in place on x [T, hidden].
 template <typename Scalar>
-void attention_output_and_mlp(const ModelConfig&, const BasicLayerWeights<Scalar>&, const Scalar* attn,
-                              int T, Scalar* x);
+void attention_output_and_mlp(const ModelConfig&, const BasicLayerWeights<Scalar>&, const Scalar* attn, int T,
+                              Scalar* x);
 
 // One whole decoder layer on one sequence (positions 0..T-1), in place on x.
 template <typename Scalar>
-void layer_forward(const ModelConfig&, const BasicLayerWeights<Scalar>&, int layer, uint32_t doc,
-                   Scalar* x, int T, AttentionObserver* observer = nullptr);
+void layer_forward(const ModelConfig&, const BasicLayerWeights<Scalar>&, int layer, uint32_t doc, Scalar* x, int T,
+                   AttentionObserver* observer = nullptr);
 
 // Final RMSNorm and LM head (tied or not): x [T, hidden] -> logits [T, vocab].
 template <typename Scalar>

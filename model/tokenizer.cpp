@@ -41,7 +41,8 @@ void require_valid_utf8(const std::string& text, const std::string& what) {
       codepoint = (codepoint << 6) | (s[i + k] & 0x3F);
     }
     // Overlong forms, UTF-16 surrogates and code points past U+10FFFF are invalid too.
-    valid = valid && codepoint >= min_codepoint && codepoint <= 0x10FFFF && !(codepoint >= 0xD800 && codepoint <= 0xDFFF);
+    valid =
+        valid && codepoint >= min_codepoint && codepoint <= 0x10FFFF && !(codepoint >= 0xD800 && codepoint <= 0xDFFF);
     if (!valid) throw Error(what + " is not valid UTF-8 (byte offset " + std::to_string(i) + ")");
     i += len;
   }
@@ -63,8 +64,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
   if (extension == ".bin") return detail::load_llama2c_tokenizer(path);
   // Otherwise by content: tokenizer.json is a JSON object; tokenizer.bin starts with a binary int32.
   char first = 0;
-  while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {
-  }
+  while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {}
   KVCC_REQUIRE(in.gcount() > 0, "tokenizer " + path + " is empty");
   if (first == '{') return detail::load_hf_tokenizer(path);
   return detail::load_llama2c_tokenizer(path);
@@ -85,11 +85,13 @@ fs::path find_llama2c_tokenizer(const fs::path& model_path, int vocab_size) {
     const std::string name = entry.path().filename().string();
     if (name.starts_with("tok") && name.ends_with(".bin")) candidates.push_back(entry.path());
   }
-  KVCC_REQUIRE(!candidates.empty(), "no tokenizer.bin or tok*.bin beside " + model_path.string() + " (pass the tokenizer explicitly)");
+  KVCC_REQUIRE(!candidates.empty(),
+               "no tokenizer.bin or tok*.bin beside " + model_path.string() + " (pass the tokenizer explicitly)");
   std::sort(candidates.begin(), candidates.end());
   std::string names;
   for (const auto& c : candidates) names += (names.empty() ? "" : ", ") + c.filename().string();
-  KVCC_REQUIRE(candidates.size() == 1, "several tokenizers beside " + model_path.string() + " (" + names + "); pass one explicitly");
+  KVCC_REQUIRE(candidates.size() == 1,
+               "several tokenizers beside " + model_path.string() + " (" + names + "); pass one explicitly");
   return candidates.front();
 }
 
@@ -113,8 +115,9 @@ std::unique_ptr<Tokenizer> Tokenizer::for_model(const std::string& model_path, i
   // 151665 tokens) for alignment; a gap of more than 1% means a different tokenizer.
   const int tokens = tokenizer->vocab_size();
   const bool padded = tokens < vocab_size && static_cast<int64_t>(vocab_size - tokens) * 100 < vocab_size;
-  KVCC_REQUIRE(vocab_size <= 0 || tokens == vocab_size || padded,
-          "tokenizer has " + std::to_string(tokens) + " tokens but the model's vocabulary is " + std::to_string(vocab_size));
+  KVCC_REQUIRE(vocab_size <= 0 || tokens == vocab_size || padded, "tokenizer has " + std::to_string(tokens) +
+                                                                      " tokens but the model's vocabulary is " +
+                                                                      std::to_string(vocab_size));
   return tokenizer;
 }
 

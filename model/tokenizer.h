@@ -31,8 +31,7 @@ class Tokenizer {
 
 // Splits a calibration text into documents on `separator` (default "<|endoftext|>"), dropping
 // empty ones (whitespace only).
-std::vector<std::string> split_documents(const std::string& text,
-                                         const std::string& separator = "<|endoftext|>");
+std::vector<std::string> split_documents(const std::string& text, const std::string& separator = "<|endoftext|>");
 
 // A whole text file; Error naming it as `what` ("calibration text", ...) when it is missing or
 // cannot be read.

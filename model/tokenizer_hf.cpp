@@ -72,7 +72,6 @@ void replace_all(std::string& s, std::string_view from, std::string_view to) {
   s = std::move(out);
 }
 
-
 // GPT-2's byte <-> printable character table used by ByteLevel: printable Latin-1 bytes map to
 // themselves, the other 68 bytes to U+0100 onwards in byte order.
 struct ByteLevelTable {
@@ -204,8 +203,7 @@ SplitBehavior split_behavior_from_name(const std::string& name) {
 }
 
 // Splits `piece` on the matches of `regex` as the tokenizers library's NormalizedString::split does.
-void split_piece(const Piece& piece, const Regex& regex, SplitBehavior behavior, bool invert,
-                 std::vector<Piece>& out) {
+void split_piece(const Piece& piece, const Regex& regex, SplitBehavior behavior, bool invert, std::vector<Piece>& out) {
   struct Span {
     size_t start, end;
     bool is_match;
@@ -288,8 +286,10 @@ void parse_normalizer(const json& j, std::vector<NormalizerStep>& steps) {
       steps.push_back({NormalizerStep::ReplaceRegex, "", content, regex});
     }
   } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
-    const auto kind = type == "NFC" ? NormalizerStep::NFC : type == "NFKC" ? NormalizerStep::NFKC
-                      : type == "NFD" ? NormalizerStep::NFD : NormalizerStep::NFKD;
+    const auto kind = type == "NFC"    ? NormalizerStep::NFC
+                      : type == "NFKC" ? NormalizerStep::NFKC
+                      : type == "NFD"  ? NormalizerStep::NFD
+                                       : NormalizerStep::NFKD;
     steps.push_back({kind, "", "", nullptr});
   } else {
     throw Error("tokenizer.json uses the normalizer \"" + type + "\", which kvcc does not support");
@@ -324,7 +324,8 @@ std::string unicode_normalize(const std::string& text, NormalizerStep::Kind kind
   std::string out(static_cast<size_t>(normalized_length) * 3 + 1, '\0');
   int32_t out_length = 0;
   if (U_SUCCESS(status))
-    u_strToUTF8(out.data(), static_cast<int32_t>(out.size()), &out_length, normalized.data(), normalized_length, &status);
+    u_strToUTF8(out.data(), static_cast<int32_t>(out.size()), &out_length, normalized.data(), normalized_length,
+                &status);
   KVCC_REQUIRE(U_SUCCESS(status), std::string("Unicode normalization failed: ") + u_errorName(status));
   out.resize(out_length);
   return out;
@@ -368,15 +369,14 @@ void normalize(const std::vector<NormalizerStep>& steps, std::string& text) {
 // ---- pre-tokenizer -------------------------------------------------------------------------
 
 // GPT-2's pre-split, used by ByteLevel when use_regex is true.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 struct PreTokenizerStep {
   enum Kind { Split, Metaspace } kind = Split;
   std::shared_ptr<Regex> regex;  // Split; Metaspace when it splits (on the replacement)
   SplitBehavior behavior = SplitBehavior::Isolated;
   bool invert = false;
-  std::string replacement;                         // Metaspace
+  std::string replacement;                                 // Metaspace
   enum Prepend { Always, First, Never } prepend = Always;  // Metaspace
 };
 
@@ -402,8 +402,7 @@ void parse_pre_tokenizer(const json& j, PreTokenizer& pre) {
     step.kind = PreTokenizerStep::Split;
     if (pattern.contains("String"))
       step.regex = std::make_shared<Regex>(pattern["String"].get<std::string>(), true, "Split pre-tokenizer");
-    else
-      step.regex = std::make_shared<Regex>(pattern.at("Regex").get<std::string>(), false, "Split pre-tokenizer");
+    else step.regex = std::make_shared<Regex>(pattern.at("Regex").get<std::string>(), false, "Split pre-tokenizer");
     step.behavior = split_behavior_from_name(json_string(j, "behavior", "Split pre-tokenizer"));
     step.invert = j.value("invert", false);
     pre.steps.push_back(std::move(step));
@@ -413,7 +412,7 @@ void parse_pre_tokenizer(const json& j, PreTokenizer& pre) {
     step.replacement = json_string(j, "replacement", "Metaspace pre-tokenizer");
     if (j.contains("prepend_scheme")) {
       const std::string scheme = j["prepend_scheme"].get<std::string>();
-      step.prepend = scheme == "always" ? PreTokenizerStep::Always
+      step.prepend = scheme == "always"  ? PreTokenizerStep::Always
                      : scheme == "first" ? PreTokenizerStep::First
                      : scheme == "never" ? PreTokenizerStep::Never
                                          : throw Error("Metaspace prepend_scheme \"" + scheme + "\" is unknown");
@@ -493,7 +492,8 @@ void parse_decoder(const json& j, std::vector<DecoderStep>& steps) {
   } else if (type == "Replace") {
     const json& pattern = j.at("pattern");
     KVCC_REQUIRE(pattern.contains("String"), "tokenizer.json: a Replace decoder with a regex is not supported");
-    steps.push_back(DecoderStep{DecoderStep::Replace, pattern["String"].get<std::string>(), json_string(j, "content", "Replace")});
+    steps.push_back(
+        DecoderStep{DecoderStep::Replace, pattern["String"].get<std::string>(), json_string(j, "content", "Replace")});
   } else if (type == "ByteFallback") {
     steps.push_back(DecoderStep{DecoderStep::ByteFallback});
   } else if (type == "Fuse") {
@@ -562,7 +562,8 @@ void run_decoder(const std::vector<DecoderStep>& steps, std::vector<std::string>
       case DecoderStep::Strip:
         for (std::string& t : tokens) {
           int start = 0;
-          while (start < step.strip_start && t.compare(start * step.content.size(), step.content.size(), step.content) == 0)
+          while (start < step.strip_start &&
+                 t.compare(start * step.content.size(), step.content.size(), step.content) == 0)
             ++start;
           t.erase(0, start * step.content.size());
           for (int stop = 0; stop < step.strip_stop && t.ends_with(step.content); ++stop)
@@ -642,8 +643,7 @@ class AddedTokenMatcher {
       piece_start = match_end;
       i = match_end - 1;
     }
-    if (piece_start < s.size())
-      out.push_back({{s.substr(piece_start), text.at_text_start && piece_start == 0}, -1});
+    if (piece_start < s.size()) out.push_back({{s.substr(piece_start), text.at_text_start && piece_start == 0}, -1});
   }
 
  private:
@@ -708,8 +708,8 @@ class HfBpeTokenizer final : public Tokenizer {
     std::vector<std::string> tokens;
     tokens.reserve(ids.size());
     for (int32_t id : ids) {
-      KVCC_REQUIRE(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
-                                                std::to_string(vocab_size()));
+      KVCC_REQUIRE(id >= 0 && id < vocab_size(),
+                   "token id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(vocab_size()));
       if (is_special_[id]) continue;  // as the library's decode(skip_special_tokens=True)
       tokens.push_back(id_to_token_[id]);
     }
@@ -735,7 +735,7 @@ class HfBpeTokenizer final : public Tokenizer {
     KVCC_REQUIRE(type == "BPE", "the model type is \"" + type + "\"; kvcc supports BPE tokenizers only");
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
       KVCC_REQUIRE(!model.contains(key) || model[key].is_null() || model[key] == "",
-              std::string("BPE ") + key + " is not supported");
+                   std::string("BPE ") + key + " is not supported");
 
     for (const auto& [token, id] : model.at("vocab").items()) {
       const int32_t value = id.get<int32_t>();
@@ -754,7 +754,7 @@ class HfBpeTokenizer final : public Tokenizer {
         const std::string merge = merges[rank].get<std::string>();
         const size_t space = merge.find(' ');
         KVCC_REQUIRE(space != std::string::npos && merge.find(' ', space + 1) == std::string::npos,
-                "merge " + std::to_string(rank) + " \"" + merge + "\" is not two tokens separated by a space");
+                     "merge " + std::to_string(rank) + " \"" + merge + "\" is not two tokens separated by a space");
         left = merge.substr(0, space);
         right = merge.substr(space + 1);
       }
@@ -785,8 +785,8 @@ class HfBpeTokenizer final : public Tokenizer {
 
     if (root.contains("added_tokens")) {
       for (const json& t : root["added_tokens"]) {
-        KVCC_REQUIRE(!t.value("single_word", false), "added token \"" + t.value("content", "") +
-                                                    "\" is single_word, which kvcc does not support");
+        KVCC_REQUIRE(!t.value("single_word", false),
+                     "added token \"" + t.value("content", "") + "\" is single_word, which kvcc does not support");
         added_.push_back({t.at("id").get<int32_t>(), t.at("content").get<std::string>(), t.value("special", false),
                           t.value("normalized", true), t.value("lstrip", false), t.value("rstrip", false)});
       }
@@ -827,11 +827,12 @@ class HfBpeTokenizer final : public Tokenizer {
       for (const json& item : j.at("single")) {
         if (item.contains("Sequence")) break;
         const std::string name = item.at("SpecialToken").at("id").get<std::string>();
-        KVCC_REQUIRE(j.at("special_tokens").contains(name), "the template's special token \"" + name + "\" is not defined");
+        KVCC_REQUIRE(j.at("special_tokens").contains(name),
+                     "the template's special token \"" + name + "\" is not defined");
         for (const json& id : j["special_tokens"][name].at("ids")) {
           const int32_t value = id.get<int32_t>();
           KVCC_REQUIRE(value >= 0 && value < vocab_size(), "the template's special token \"" + name + "\" has id " +
-                                                          std::to_string(value) + ", outside the vocabulary");
+                                                               std::to_string(value) + ", outside the vocabulary");
           bos_prefix_.push_back(value);
         }
       }
@@ -846,7 +847,7 @@ class HfBpeTokenizer final : public Tokenizer {
     const json config = json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (!config.is_object() || !config.contains("eos_token")) return;
     const json& eos = config["eos_token"];
-    const std::string name = eos.is_string() ? eos.get<std::string>()
+    const std::string name = eos.is_string()                              ? eos.get<std::string>()
                              : eos.is_object() && eos.contains("content") ? eos["content"].get<std::string>()
                                                                           : std::string();
     for (const AddedToken& t : added_)
@@ -866,7 +867,8 @@ class HfBpeTokenizer final : public Tokenizer {
 
   int32_t vocab_id(const std::string& token, size_t rank) const {
     auto it = vocab_.find(token);
-    KVCC_REQUIRE(it != vocab_.end(), "merge " + std::to_string(rank) + " uses \"" + token + "\", which is not in the vocabulary");
+    KVCC_REQUIRE(it != vocab_.end(),
+                 "merge " + std::to_string(rank) + " uses \"" + token + "\", which is not in the vocabulary");
     return it->second;
   }
 

@@ -33,8 +33,8 @@ class Llama2cTokenizer final : public Tokenizer {
     const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     size_t offset = 0;
     auto read_i32 = [&](const char* field) {
-      KVCC_REQUIRE(offset + 4 <= bytes.size(), "tokenizer " + path + " is truncated (in " + field +
-                                              " of token " + std::to_string(pieces_.size()) + ")");
+      KVCC_REQUIRE(offset + 4 <= bytes.size(), "tokenizer " + path + " is truncated (in " + field + " of token " +
+                                                   std::to_string(pieces_.size()) + ")");
       int32_t v;
       std::memcpy(&v, bytes.data() + offset, 4);
       offset += 4;
@@ -43,7 +43,7 @@ class Llama2cTokenizer final : public Tokenizer {
     const int32_t max_token_length = read_i32("the header");
     // Real vocabularies have pieces of a few dozen bytes; anything else is not a tokenizer.bin.
     KVCC_REQUIRE(max_token_length > 0 && max_token_length <= 4096,
-            "tokenizer " + path + " is corrupt: max_token_length " + std::to_string(max_token_length));
+                 "tokenizer " + path + " is corrupt: max_token_length " + std::to_string(max_token_length));
     while (offset < bytes.size()) {
       const int32_t score_bits = read_i32("the score");
       float score;
@@ -52,16 +52,16 @@ class Llama2cTokenizer final : public Tokenizer {
       const std::string where = " of token " + std::to_string(pieces_.size());
       KVCC_REQUIRE(std::isfinite(score), "tokenizer " + path + " is corrupt: non-finite score" + where);
       KVCC_REQUIRE(length >= 0 && length <= max_token_length,
-              "tokenizer " + path + " is corrupt: length " + std::to_string(length) + where +
-                  " exceeds max_token_length " + std::to_string(max_token_length));
+                   "tokenizer " + path + " is corrupt: length " + std::to_string(length) + where +
+                       " exceeds max_token_length " + std::to_string(max_token_length));
       KVCC_REQUIRE(offset + length <= bytes.size(), "tokenizer " + path + " is truncated (in the bytes" + where + ")");
       pieces_.emplace_back(bytes.data() + offset, length);
       scores_.push_back(score);
       offset += length;
     }
     KVCC_REQUIRE(pieces_.size() > kByteFallbackOffset + 255,
-            "tokenizer " + path + " has " + std::to_string(pieces_.size()) +
-                " tokens, fewer than the 259 of a llama2.c vocabulary (<unk>, <s>, </s>, 256 bytes)");
+                 "tokenizer " + path + " has " + std::to_string(pieces_.size()) +
+                     " tokens, fewer than the 259 of a llama2.c vocabulary (<unk>, <s>, </s>, 256 bytes)");
     for (int32_t id = 0; id < static_cast<int32_t>(pieces_.size()); ++id)
       piece_ids_.try_emplace(pieces_[id], id);  // the lowest id wins for a duplicated piece
     auto space = piece_ids_.find(std::string_view(" "));
@@ -103,8 +103,8 @@ class Llama2cTokenizer final : public Tokenizer {
     std::string text;
     bool first = true;
     for (int32_t id : ids) {
-      KVCC_REQUIRE(id >= 0 && id < vocab_size(), "token id " + std::to_string(id) + " is outside the vocabulary of " +
-                                                std::to_string(vocab_size()));
+      KVCC_REQUIRE(id >= 0 && id < vocab_size(),
+                   "token id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(vocab_size()));
       if (id == kLlama2cBos || id == kLlama2cEos) continue;
       std::string_view piece = pieces_[id];
       if (first && !piece.empty() && piece[0] == ' ') piece.remove_prefix(1);  // the dummy prefix

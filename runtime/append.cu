@@ -24,8 +24,8 @@ using Move = AppendMove;
 using WindowWrite = AppendWindowWrite;
 
 // staging[side][row, head, :] = bf16(x[row, head, :] · R[head])  (x = k for side 0, v for side 1)
-__global__ void rotate_rows(const float* k, const float* v, const float* rot_k, const float* rot_v,
-                            int rows, int n_kv, __nv_bfloat16* staging) {
+__global__ void rotate_rows(const float* k, const float* v, const float* rot_k, const float* rot_v, int rows, int n_kv,
+                            __nv_bfloat16* staging) {
   __shared__ float xs[16][kD];
   const int side = blockIdx.z, h = blockIdx.y, r0 = blockIdx.x * 16, j = threadIdx.x;
   const float* x = side ? v : k;
@@ -54,9 +54,8 @@ __global__ void rotate_rows(const float* k, const float* v, const float* rot_k, 
 // One warp per (move, head, side): clip + quantise + pack one row (codec_scalar.h semantics); lane
 // l holds channels 4l .. 4l + 3, i.e. code byte l.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
-__global__ void quantize_moves(const Move* moves, int n_moves, KvGeometry geo, int layer,
-                               const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows,
-                               uint8_t* pages, const HeadCodec* codecs) {
+__global__ void quantize_moves(const Move* moves, int n_moves, KvGeometry geo, int layer, const __nv_bfloat16* staging,
+                               int rows, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const int n_kv = geo.n_kv_heads;
   if (warp >= n_moves * n_kv * 2) return;
@@ -152,8 +151,8 @@ __global__ void write_windows(const WindowWrite* writes, int n_writes, KvGeometr
   const WindowWrite w = writes[wi];
   const __nv_bfloat16* src = staging + size_t(side) * rows * n_kv * kD + (size_t(w.src) * n_kv + h) * kD;
   __nv_bfloat16* win = windows + geo.window_block_elem(w.seq_slot, layer, h);
-  const size_t dst = w.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem())
-                               : (side ? geo.v_sink_elem() : geo.k_sink_elem());
+  const size_t dst =
+      w.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem()) : (side ? geo.v_sink_elem() : geo.k_sink_elem());
   const uint2 val = reinterpret_cast<const uint2*>(src)[lane];
   reinterpret_cast<uint2*>(win + dst + size_t(w.dst) * kD)[lane] = val;
 }
@@ -164,10 +163,9 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
   return append_workspace(g, rows, max_moves).bytes;
 }
 
-void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer,
-               const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
-               const float* rot_k, const float* rot_v, void* workspace, size_t workspace_bytes,
-               cudaStream_t stream) {
+void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
+               const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
@@ -189,22 +187,23 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
     check_cuda(cudaMemcpyAsync(d_moves, moves.data(), moves.size() * sizeof(Move), cudaMemcpyHostToDevice, stream),
                "append (CUDA): copy plan");
   if (!writes.empty())
-    check_cuda(cudaMemcpyAsync(d_writes, writes.data(), writes.size() * sizeof(WindowWrite),
-                               cudaMemcpyHostToDevice, stream),
-               "append (CUDA): copy plan");
-  check_cuda(cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
-             "append (CUDA): copy codecs");
+    check_cuda(
+        cudaMemcpyAsync(d_writes, writes.data(), writes.size() * sizeof(WindowWrite), cudaMemcpyHostToDevice, stream),
+        "append (CUDA): copy plan");
+  check_cuda(
+      cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
+      "append (CUDA): copy codecs");
   auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
-  rotate_rows<<<dim3(unsigned((rows + 15) / 16), g.n_kv_heads, 2), kD, 0, stream>>>(
-      k, v, rot_k, rot_v, int(rows), g.n_kv_heads, staging);
+  rotate_rows<<<dim3(unsigned((rows + 15) / 16), g.n_kv_heads, 2), kD, 0, stream>>>(k, v, rot_k, rot_v, int(rows),
+                                                                                    g.n_kv_heads, staging);
   const int64_t move_warps = int64_t(moves.size()) * g.n_kv_heads * 2;
   if (move_warps > 0)
-    quantize_moves<<<unsigned((move_warps + 3) / 4), 128, 0, stream>>>(
-        d_moves, int(moves.size()), g, layer, staging, int(rows), win, pages, d_codecs);
+    quantize_moves<<<unsigned((move_warps + 3) / 4), 128, 0, stream>>>(d_moves, int(moves.size()), g, layer, staging,
+                                                                       int(rows), win, pages, d_codecs);
   const int64_t write_warps = int64_t(writes.size()) * g.n_kv_heads * 2;
   if (write_warps > 0)
-    write_windows<<<unsigned((write_warps + 3) / 4), 128, 0, stream>>>(
-        d_writes, int(writes.size()), g, layer, staging, int(rows), win);
+    write_windows<<<unsigned((write_warps + 3) / 4), 128, 0, stream>>>(d_writes, int(writes.size()), g, layer, staging,
+                                                                       int(rows), win);
   check_cuda(cudaGetLastError(), "append (CUDA) launch");
 }
 

@@ -13,7 +13,7 @@ namespace kvcc {
 AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
                               const std::vector<int>& counts) {
   KVCC_REQUIRE(seqs.size() == old_lengths.size() && seqs.size() == counts.size(),
-          "append: sequences, old lengths and counts differ in size");
+               "append: sequences, old lengths and counts differ in size");
   AppendBatch b{seqs, old_lengths, counts, {}};
   int64_t off = 0;
   for (int c : counts) {
@@ -40,8 +40,8 @@ void rotate_round(const float* x, const float* rot, int d, float* out) {
 
 }  // namespace
 
-void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
-                const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs) {
+void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k, const float* v, const float* rot_k,
+                const float* rot_v, const HeadCodec* codecs) {
   KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "append_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append: layer " + std::to_string(layer) + " out of range");
@@ -50,8 +50,8 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
   for (size_t bi = 0; bi < batch.seqs.size(); ++bi) {
     const int seq = batch.seqs[bi];
     const int64_t n0 = batch.old_lengths[bi], n1 = n0 + batch.counts[bi];
-    KVCC_REQUIRE(cache.length(seq) >= n1, "append: sequence " + std::to_string(seq) +
-                                         " was not grown before appending");
+    KVCC_REQUIRE(cache.length(seq) >= n1,
+                 "append: sequence " + std::to_string(seq) + " was not grown before appending");
     const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
     const std::vector<int32_t>& pages = cache.page_table(seq);
     for (int h = 0; h < H; ++h) {

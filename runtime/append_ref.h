@@ -26,7 +26,7 @@ AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<in
 
 // k, v: [rows, n_kv, d] post-RoPE, unrotated. rot_k, rot_v: [n_kv, d, d] (x_rot = x·R), or null
 // when the rows are already rotated. codecs: [n_kv] for this layer. The cache must be a host pool.
-void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k,
-                const float* v, const float* rot_k, const float* rot_v, const HeadCodec* codecs);
+void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k, const float* v, const float* rot_k,
+                const float* rot_v, const HeadCodec* codecs);
 
 }  // namespace kvcc

@@ -10,8 +10,8 @@
 
 namespace kvcc {
 
-void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs,
-                     std::vector<float>& keys, std::vector<float>& values, int64_t length) {
+void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs, std::vector<float>& keys,
+                     std::vector<float>& values, int64_t length) {
   KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "attention_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
@@ -32,8 +32,7 @@ void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* 
         vs = win + g.v_sink_elem() + size_t(pos) * size_t(d);
       } else if (pos - t.sink_count < t.hist_tokens) {
         const int64_t post = pos - t.sink_count;
-        const uint8_t* blk =
-            cache.pages_base() + g.page_block_offset(pages[size_t(post / g.page_tokens)], layer, h);
+        const uint8_t* blk = cache.pages_base() + g.page_block_offset(pages[size_t(post / g.page_tokens)], layer, h);
         const size_t row = size_t(post % g.page_tokens);
         const uint16_t* kp = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset());
         const uint16_t* vp = reinterpret_cast<const uint16_t*>(blk + g.v_params_offset());
@@ -65,16 +64,16 @@ void rotate(const float* x, const float* rot, int d, bool transpose, double* out
     }
     double acc = 0.0;
     for (int i = 0; i < d; ++i)
-      acc += double(x[i]) * double(transpose ? rot[size_t(j) * size_t(d) + size_t(i)]
-                                             : rot[size_t(i) * size_t(d) + size_t(j)]);
+      acc += double(x[i]) *
+             double(transpose ? rot[size_t(j) * size_t(d) + size_t(i)] : rot[size_t(i) * size_t(d) + size_t(j)]);
     out[j] = acc;
   }
 }
 
 // Softmax attention of one rotated query over n rotated keys/values of head h ([n, H, d]
 // arrays), then the output rotated back by R_vᵀ.
-void attend(const double* q_rot, const float* keys, const float* values, int64_t n, int H, int h,
-            int d, const float* rot_v, float sm_scale, float* out) {
+void attend(const double* q_rot, const float* keys, const float* values, int64_t n, int H, int h, int d,
+            const float* rot_v, float sm_scale, float* out) {
   if (n == 0) {
     for (int c = 0; c < d; ++c) out[c] = 0.0f;
     return;
@@ -99,21 +98,19 @@ void attend(const double* q_rot, const float* keys, const float* values, int64_t
   for (int j = 0; j < d; ++j) {
     double acc = 0.0;
     for (int i = 0; i < d; ++i)
-      acc += o[size_t(i)] / l *
-             (rot_v ? double(rot_v[size_t(j) * size_t(d) + size_t(i)]) : (i == j ? 1.0 : 0.0));
+      acc += o[size_t(i)] / l * (rot_v ? double(rot_v[size_t(j) * size_t(d) + size_t(i)]) : (i == j ? 1.0 : 0.0));
     out[j] = float(acc);
   }
 }
 
 }  // namespace
 
-void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, const float* q,
-                int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs,
-                float sm_scale, float* out) {
+void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, const float* q, int n_heads,
+                const float* rot_k, const float* rot_v, const HeadCodec* codecs, float sm_scale, float* out) {
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
-  KVCC_REQUIRE(n_heads % H == 0, "decode: query heads " + std::to_string(n_heads) +
-                                " not a multiple of KV heads " + std::to_string(H));
+  KVCC_REQUIRE(n_heads % H == 0,
+               "decode: query heads " + std::to_string(n_heads) + " not a multiple of KV heads " + std::to_string(H));
   const int r = n_heads / H;
   std::vector<float> keys, values;
   std::vector<double> q_rot(static_cast<size_t>(d));
@@ -123,17 +120,16 @@ void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, c
     for (int qh = 0; qh < n_heads; ++qh) {
       const int h = qh / r;
       const size_t off = (b * size_t(n_heads) + size_t(qh)) * size_t(d);
-      rotate(q + off, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false,
-             q_rot.data());
+      rotate(q + off, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false, q_rot.data());
       attend(q_rot.data(), keys.data(), values.data(), n, H, h, d,
              rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr, sm_scale, out + off);
     }
   }
 }
 
-void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k,
-                 const float* v, int n_heads, const float* rot_k, const float* rot_v,
-                 const HeadCodec* codecs, float sm_scale, float* out, int64_t length) {
+void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k, const float* v,
+                 int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs, float sm_scale,
+                 float* out, int64_t length) {
   const KvGeometry& g = cache.geometry();
   const int d = g.head_dim, H = g.n_kv_heads;
   KVCC_REQUIRE(n_heads % H == 0, "prefill: query heads not a multiple of KV heads");
@@ -158,8 +154,7 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
     for (int qh = 0; qh < n_heads; ++qh) {
       const int h = qh / r;
       const size_t off = (size_t(j) * size_t(n_heads) + size_t(qh)) * size_t(d);
-      rotate(q + off, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false,
-             q_rot.data());
+      rotate(q + off, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false, q_rot.data());
       attend(q_rot.data(), keys.data(), values.data(), n0 + j + 1, H, h, d,
              rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr, sm_scale, out + off);
     }

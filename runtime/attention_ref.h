@@ -14,22 +14,21 @@ namespace kvcc {
 // (sink, history, ring): [length, n_kv, d] each. The cache must be a host pool. length: the
 // sequence's length (-1: cache.length(seq)); a shorter one reads the cache as it was before a
 // grow whose tokens this layer has not been given yet (prefill inside a step).
-void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs,
-                     std::vector<float>& keys, std::vector<float>& values, int64_t length = -1);
+void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* codecs, std::vector<float>& keys,
+                     std::vector<float>& values, int64_t length = -1);
 
 // Decode attention: one query per sequence. q: [batch, n_heads, d] post-RoPE, unrotated;
 // out: [batch, n_heads, d]. rot_k, rot_v: [n_kv, d, d] (null: identity). sm_scale: the softmax
 // scale (1/sqrt(d) usually). An empty sequence gives a zero output.
-void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, const float* q,
-                int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs,
-                float sm_scale, float* out);
+void decode_ref(const KvCache& cache, int layer, const std::vector<int>& seqs, const float* q, int n_heads,
+                const float* rot_k, const float* rot_v, const HeadCodec* codecs, float sm_scale, float* out);
 
 // Prefill/extend attention for one sequence: T new tokens at positions length..length+T-1 attend
 // causally to the cache as stored and to the new tokens themselves (rotated, BF16-rounded, as
 // the ring will hold them). q: [T, n_heads, d]; k, v: [T, n_kv, d] unrotated; out [T, n_heads, d].
 // Does not modify the cache: append the new tokens afterwards. length: as in gather_sequence.
-void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k,
-                 const float* v, int n_heads, const float* rot_k, const float* rot_v,
-                 const HeadCodec* codecs, float sm_scale, float* out, int64_t length = -1);
+void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q, const float* k, const float* v,
+                 int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs, float sm_scale,
+                 float* out, int64_t length = -1);
 
 }  // namespace kvcc

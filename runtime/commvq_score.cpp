@@ -31,13 +31,13 @@ CommvqQueryTable commvq_query_table(const CommvqKeyCodebook& cb, const float* q)
   return table;
 }
 
-void commvq_scores(const CommvqQueryTable& table, const std::vector<double>& inv_freq,
-                   const CommvqEncoded& keys, const int32_t* positions, float* scores) {
+void commvq_scores(const CommvqQueryTable& table, const std::vector<double>& inv_freq, const CommvqEncoded& keys,
+                   const int32_t* positions, float* scores) {
   const int d = table.d, pairs = d / 2, K = table.K;
-  KVCC_REQUIRE(int(inv_freq.size()) == pairs, "commvq: " + std::to_string(inv_freq.size()) +
-                                             " RoPE frequencies for " + std::to_string(pairs) + " pairs");
+  KVCC_REQUIRE(int(inv_freq.size()) == pairs, "commvq: " + std::to_string(inv_freq.size()) + " RoPE frequencies for " +
+                                                  std::to_string(pairs) + " pairs");
   KVCC_REQUIRE(keys.stages == table.stages, "commvq: encoded keys have " + std::to_string(keys.stages) +
-                                           " stages, the codebook " + std::to_string(table.stages));
+                                                " stages, the codebook " + std::to_string(table.stages));
   std::vector<float> s(static_cast<size_t>(d));
   for (size_t i = 0; i < keys.n; ++i) {
     std::fill(s.begin(), s.end(), 0.0f);
@@ -61,11 +61,10 @@ void commvq_scores(const CommvqQueryTable& table, const std::vector<double>& inv
   }
 }
 
-void commvq_weighted_values(const CommvqValueCodebook& cb, const CommvqEncoded& values, const float* p,
-                            float* out) {
+void commvq_weighted_values(const CommvqValueCodebook& cb, const CommvqEncoded& values, const float* p, float* out) {
   cb.check();
   KVCC_REQUIRE(values.stages == cb.stages, "commvq: encoded values have " + std::to_string(values.stages) +
-                                          " stages, the codebook " + std::to_string(cb.stages));
+                                               " stages, the codebook " + std::to_string(cb.stages));
   const int d = cb.d, C = cb.n_codes();
   std::vector<double> weight(size_t(cb.stages) * C, 0.0);
   for (size_t i = 0; i < values.n; ++i) {
@@ -93,10 +92,10 @@ void commvq_weighted_values(const CommvqValueCodebook& cb, const CommvqEncoded& 
 }
 
 void commvq_attend(const CommvqCodec& codec, const std::vector<double>& inv_freq, const float* q,
-                   const CommvqEncoded& keys, const int32_t* positions, const CommvqEncoded& values,
-                   float scale, float* out) {
+                   const CommvqEncoded& keys, const int32_t* positions, const CommvqEncoded& values, float scale,
+                   float* out) {
   KVCC_REQUIRE(keys.n == values.n, "commvq: " + std::to_string(keys.n) + " encoded keys but " +
-                                  std::to_string(values.n) + " encoded values");
+                                       std::to_string(values.n) + " encoded values");
   const int d = codec.key.d;
   if (keys.n == 0) {
     std::fill(out, out + d, 0.0f);

@@ -23,17 +23,16 @@ CommvqQueryTable commvq_query_table(const CommvqKeyCodebook& cb, const float* q)
 
 // scores[i] = q·RoPE_{positions[i]}(decode(keys row i)), without the 1/√d scale.
 // inv_freq: [d/2] RoPE inverse frequencies (rope_inv_freq of the model).
-void commvq_scores(const CommvqQueryTable& table, const std::vector<double>& inv_freq,
-                   const CommvqEncoded& keys, const int32_t* positions, float* scores);
+void commvq_scores(const CommvqQueryTable& table, const std::vector<double>& inv_freq, const CommvqEncoded& keys,
+                   const int32_t* positions, float* scores);
 
 // out [d] (model basis) = Σ_t p[t]·v̂_t over the encoded values.
-void commvq_weighted_values(const CommvqValueCodebook& cb, const CommvqEncoded& values, const float* p,
-                            float* out);
+void commvq_weighted_values(const CommvqValueCodebook& cb, const CommvqEncoded& values, const float* p, float* out);
 
 // One query's attention over an encoded sequence: softmax(scale·scores) then the weighted values.
 // out: [d]. Throws Error when keys and values disagree in length.
 void commvq_attend(const CommvqCodec& codec, const std::vector<double>& inv_freq, const float* q,
-                   const CommvqEncoded& keys, const int32_t* positions, const CommvqEncoded& values,
-                   float scale, float* out);
+                   const CommvqEncoded& keys, const int32_t* positions, const CommvqEncoded& values, float scale,
+                   float* out);
 
 }  // namespace kvcc

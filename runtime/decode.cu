@@ -56,8 +56,8 @@ constexpr int kPageBytes = kGpuPageBytes;  // one (page, layer, head) block (ser
 constexpr int kSubtiles = kGpuPageTokens / 16;
 static_assert(kSubtiles == 4, "load_keys, load_values and int2_page hold a page's 4 subtiles in registers");
 
-constexpr int kD = kGpuHeadDim;          // head_dim of the tensor-core kernel
-constexpr int kHeads = kGpuMaxGroupHeads; // MMA n: query heads per KV head, padded
+constexpr int kD = kGpuHeadDim;            // head_dim of the tensor-core kernel
+constexpr int kHeads = kGpuMaxGroupHeads;  // MMA n: query heads per KV head, padded
 constexpr int kWarps = kDecodeWarps;
 // Per-warp output slab of the CTA's final reduction: [kHeads][kSlabRow] floats, rows padded
 // against shared-memory bank conflicts (the final sum adds exactly 4 slabs).
@@ -283,7 +283,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
           const int i = 2 * r + c;
           const float x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
           sc[s][i] = x;
-          if (c) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+          if (c) mx1 = fmaxf(mx1, x);
+          else mx0 = fmaxf(mx0, x);
         }
       }
       continue;
@@ -312,7 +313,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
         // The logit without its per-column scale (q.scale > 0), which enters with the max.
         const float x = fmaf(-sz.y, q.sum[c], qc) * sz.x;
         sc[s][i] = x;
-        if (c) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+        if (c) mx1 = fmaxf(mx1, x);
+        else mx0 = fmaxf(mx0, x);
       }
     }
   }
@@ -371,9 +373,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
 // kSplitQ: q = q_hi + q_lo in two bf16 MMAs, so the logits carry fp32-like precision (the
 // windows of the INT2 cache); the plain BF16 baseline rounds q once, as BF16 attention does.
 template <bool kSplitQ>
-__device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv_bfloat16* vbase,
-                                          uint32_t valid, const uint32_t (&kq)[8][2],
-                                          const uint32_t (&kq_lo)[8][2], float cscale,
+__device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv_bfloat16* vbase, uint32_t valid,
+                                          const uint32_t (&kq)[8][2], const uint32_t (&kq_lo)[8][2], float cscale,
                                           WarpState& st, int g, int t) {
   uint4 kr[2][4], vr[4][2];
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
@@ -412,7 +413,8 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
     const int row = g + 8 * (i >> 1);
     const float x = ((valid >> row) & 1u) ? sc[i] * cscale : -INFINITY;
     sc[i] = x;
-    if (i & 1) mx1 = fmaxf(mx1, x); else mx0 = fmaxf(mx0, x);
+    if (i & 1) mx1 = fmaxf(mx1, x);
+    else mx0 = fmaxf(mx0, x);
   }
   float msub[2];
   online_rescale<false>(st, mx0, mx1, msub);
@@ -432,8 +434,8 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
       return wi == 0 ? u.x : wi == 1 ? u.y : wi == 2 ? u.z : u.w;
     };
     const uint32_t w0 = word(0), w1 = word(1), w2 = word(2), w3 = word(3);
-    mma_bf16(st.o[mb], __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
-             __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632), b01, b23);
+    mma_bf16(st.o[mb], __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632), __byte_perm(w2, w3, 0x5410),
+             __byte_perm(w2, w3, 0x7632), b01, b23);
   }
 }
 
@@ -560,8 +562,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
         const uint32_t valid = nvalid >= 16 ? 0xffffu : ((1u << nvalid) - 1u);
         if (!valid) continue;
         const __nv_bfloat16* blk = a.bf16_pages + (size_t(pt[p]) * a.n_kv + h) * 2 * size_t(P) * kD;
-        bf16_tile<false>(blk + size_t(tile) * 16 * kD, blk + size_t(P) * kD + size_t(tile) * 16 * kD,
-                         valid, kq, kq_lo, cscale, st, g, t);
+        bf16_tile<false>(blk + size_t(tile) * 16 * kD, blk + size_t(P) * kD + size_t(tile) * 16 * kD, valid, kq, kq_lo,
+                         cscale, st, g, t);
       }
     } else {
       const KvGeometry& geo = a.geo;
@@ -628,12 +630,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const float o = st.o[j][c + 2 * hf];
-          if (int2_path && kTable)
-            v[8 * hf + j] = (o - st.spz[c]) * factor[c];  // Σ(p·s)·L(c) − Σ(p·s)·z
-          else if (int2_path)
-            v[8 * hf + j] = (o * kappa_inv(j) - st.spz[c]) * factor[c];  // Σ(p·s)·c − Σ(p·s)·z
-          else
-            v[2 * j + hf] = o * factor[c];
+          if (int2_path && kTable) v[8 * hf + j] = (o - st.spz[c]) * factor[c];  // Σ(p·s)·L(c) − Σ(p·s)·z
+          else if (int2_path) v[8 * hf + j] = (o * kappa_inv(j) - st.spz[c]) * factor[c];  // Σ(p·s)·c − Σ(p·s)·z
+          else v[2 * j + hf] = o * factor[c];
         }
       float4* dst = reinterpret_cast<float4*>(slab + (2 * t + c) * kSlabRow + 16 * g);
 #pragma unroll
@@ -692,9 +691,9 @@ __device__ __forceinline__ void rotate_quarter(const float (*x)[kD], const float
 //    ~1% of a logit's precision, more than the 1e-2 test budget allows);
 //  - fp16 (level table): q_rot/max|q_rot|.
 constexpr int kRotThreads = 4 * kD;
-__global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, const float* rot_k, int n_heads, int r,
-                                                              float sm_scale_log2, float* q_rot, uint4* qk8,
-                                                              float* qk_sc, bool fp16_query) {
+__global__ void __launch_bounds__(kRotThreads)
+    rotate_queries(const float* q, const float* rot_k, int n_heads, int r, float sm_scale_log2, float* q_rot,
+                   uint4* qk8, float* qk_sc, bool fp16_query) {
   pdl_launch_dependents();
   __shared__ float qv[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
@@ -770,9 +769,9 @@ __global__ void __launch_bounds__(kRotThreads) rotate_queries(const float* q, co
 // do cost 4–6 us at batch 32–64, 4K context, measured).
 constexpr int kMergeThreads = 4 * kD;
 template <int kChunk>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_o, const float* part_ml, int n_kv,
-                                                              int total_splits, int n_heads, int r,
-                                                              const float* rot_v_t, float* out) {
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_splits(const float* part_o, const float* part_ml, int n_kv, int total_splits, int n_heads, int r,
+                 const float* rot_v_t, float* out) {
   __shared__ float part[4][kD];
   __shared__ float ov[kD];
   __shared__ float slice_m[4], slice_l[4];
@@ -788,8 +787,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   float m_run, l_run, acc;
   // Split s of head hh: entry (base + s)·kHeads + hh of the partials (DecodeArgs::part_o, part_ml).
-  merge_run<kChunk, kD>(part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits,
-                        slice, 4, m_run, l_run, acc);
+  merge_run<kChunk, kD>(
+      part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits, slice, 4, m_run, l_run,
+      acc);
   part[slice][j] = acc;
   if (j == 0) {
     slice_m[slice] = m_run;
@@ -816,9 +816,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits(const float* part_
 // 350 -> 344, batch 8 equal); with few pairs merge_splits' 4 slices per head finish sooner
 // (batch 1 / 32K 17.3 vs 19.2 us).
 template <int kChunk>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float* part_o, const float* part_ml, int n_kv,
-                                                             int total_splits, int n_heads, int r,
-                                                             const float* rot_v_t, float* out) {
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_splits_group(const float* part_o, const float* part_ml, int n_kv, int total_splits, int n_heads, int r,
+                       const float* rot_v_t, float* out) {
   __shared__ float ov[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
@@ -828,8 +828,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_group(const float*
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   for (int hh = slice; hh < r; hh += 4) {
     float m_run, l_run, acc;
-    merge_run<kChunk, kD>(part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits, 0,
-                          1, m_run, l_run, acc);
+    merge_run<kChunk, kD>(
+        part_o, part_ml, [base, hh](int s) { return (base + s) * kHeads + hh; }, j, total_splits, 0, 1, m_run, l_run,
+        acc);
     ov[hh][j] = l_run > 0.0f ? acc / l_run : 0.0f;
   }
   __syncthreads();
@@ -885,9 +886,9 @@ const DecodeGpu& decode_gpu(int target_ctas) {
   return gpu;
 }
 
-void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int batch, const float* q,
-            const float* rot_k, const float* rot_v_t, float* out, void* workspace,
-            size_t workspace_bytes, cudaStream_t stream, int stages) {
+void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int batch, const float* q, const float* rot_k,
+            const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+            int stages) {
   const DecodeWorkspace lay = decode_workspace(batch, a.n_heads, a.n_kv, plan);
   KVCC_REQUIRE(workspace_bytes >= lay.total, "decode (CUDA): workspace too small");
   if (batch == 0) return;
@@ -941,7 +942,7 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   if (stages & 4) {
     const MergePlan m = plan_decode_merge(batch * a.n_kv, plan.total);
     const cudaLaunchConfig_t c = config(dim3(m.grouped ? a.n_kv : a.n_heads, batch), kMergeThreads, 0);
-    const auto merge = m.grouped ? (m.chunk == 8 ? merge_splits_group<8> : merge_splits_group<12>)
+    const auto merge = m.grouped      ? (m.chunk == 8 ? merge_splits_group<8> : merge_splits_group<12>)
                        : m.chunk == 1 ? merge_splits<1>
                        : m.chunk == 4 ? merge_splits<4>
                                       : merge_splits<12>;
@@ -954,16 +955,16 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
 
 }  // namespace
 
-size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
-                              int page_tokens_bf16, int target_ctas, int ring) {
+size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages, int page_tokens_bf16,
+                              int target_ctas, int ring) {
   return decode_workspace_bytes(decode_gpu(target_ctas), g, batch, n_heads, max_pages, page_tokens_bf16, target_ctas,
                                 ring);
 }
 
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape,
-                 const float* q, const float* rot_k, const float* rot_v_t, float* out,
-                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const float* q,
+                 const float* rot_k, const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream) {
   require_hopper();
   bool table = false;
   for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
@@ -971,7 +972,7 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
   KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
-          "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
+               "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
   DecodeArgs a{};
   if (table) {
     // Code values as fp16: the level table, or the uniform grid's 0..3 (its zero is in the pages).
@@ -1003,9 +1004,8 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
 }
 
 void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint16_t* bf16_pages,
-                       const DeviceBatch& batch, const DecodeShape& shape, const float* q,
-                       const float* rot_k, const float* rot_v_t, float* out, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream) {
+                       const DeviceBatch& batch, const DecodeShape& shape, const float* q, const float* rot_k,
+                       const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   require_hopper();
   const std::string why = gpu_bf16_unsupported_reason(n_kv_heads, head_dim, shape.n_heads, page_tokens);
   KVCC_REQUIRE(why.empty(), "decode (CUDA): " + why + " is not supported");

@@ -74,7 +74,7 @@ class DeviceBuffer {
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T));  // never null, even for n = 0
     KVCC_REQUIRE(e == cudaSuccess, "device buffer: cannot allocate " + std::to_string(n * sizeof(T)) +
-                                  " bytes: " + cudaGetErrorString(e));
+                                       " bytes: " + cudaGetErrorString(e));
     p_ = static_cast<T*>(p);
     n_ = n;
   }

@@ -17,40 +17,35 @@ namespace kvcc {
 namespace {
 void check_geometry(const KvGeometry& g, PoolMemory memory) {
   KVCC_REQUIRE(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0,
-          "kv cache: layers, KV heads and head_dim must be positive");
+               "kv cache: layers, KV heads and head_dim must be positive");
   // The layout (formats/kv_layout.h) packs a row's 2-bit codes 4 to a byte: code rows of head_dim/4
   // bytes, so a host pool (the CPU reference kernels) takes any multiple of 4. A device pool keeps
   // the multiple of 16 (its kernels' scope is runtime/served.h's, checked by the Runtime).
   const int multiple = memory == PoolMemory::Host ? 4 : 16;
-  KVCC_REQUIRE(g.head_dim % multiple == 0, std::string("kv cache: head_dim must be a multiple of ") +
-                                          std::to_string(multiple) + " for a " +
-                                          (memory == PoolMemory::Host ? "host" : "device") + " pool, got " +
-                                          std::to_string(g.head_dim));
-  KVCC_REQUIRE(g.group > 0 && g.head_dim % g.group == 0,
-          "kv cache: group " + std::to_string(g.group) + " does not divide head_dim " +
-              std::to_string(g.head_dim));
+  KVCC_REQUIRE(g.head_dim % multiple == 0,
+               std::string("kv cache: head_dim must be a multiple of ") + std::to_string(multiple) + " for a " +
+                   (memory == PoolMemory::Host ? "host" : "device") + " pool, got " + std::to_string(g.head_dim));
+  KVCC_REQUIRE(g.group > 0 && g.head_dim % g.group == 0, "kv cache: group " + std::to_string(g.group) +
+                                                             " does not divide head_dim " + std::to_string(g.head_dim));
   KVCC_REQUIRE(g.page_tokens > 0 && g.page_tokens % 16 == 0,
-          "kv cache: page size must be a positive multiple of 16, got " +
-              std::to_string(g.page_tokens));
+               "kv cache: page size must be a positive multiple of 16, got " + std::to_string(g.page_tokens));
   KVCC_REQUIRE(g.sink >= 0, "kv cache: negative sink size");
   KVCC_REQUIRE(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
-                                         ") must hold at least one page (" +
-                                         std::to_string(g.page_tokens) + ")");
+                                              ") must hold at least one page (" + std::to_string(g.page_tokens) + ")");
 }
 }  // namespace
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   check_geometry(config.geometry, config.memory);
-  KVCC_REQUIRE(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31),
-          "kv cache: page count out of range");
+  KVCC_REQUIRE(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31), "kv cache: page count out of range");
   KVCC_REQUIRE(config.max_sequences > 0, "kv cache: max_sequences must be positive");
   const KvGeometry& g = config.geometry;
   pages_region_bytes_ = size_t(config.max_pages) * g.page_bytes();
   pool_bytes_ = pages_region_bytes_ + size_t(config.max_sequences) * g.window_slot_bytes();
   if (config.memory == PoolMemory::Host) {
     pool_ = static_cast<uint8_t*>(std::aligned_alloc(256, (pool_bytes_ + 255) / 256 * 256));
-    KVCC_REQUIRE(pool_ != nullptr, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
-                                  " bytes of host memory");
+    KVCC_REQUIRE(pool_ != nullptr,
+                 "kv cache: cannot allocate " + std::to_string(pool_bytes_) + " bytes of host memory");
     std::memset(pool_, 0, pool_bytes_);
   } else {
 #if defined(KVCC_HAVE_CUDA)
@@ -58,7 +53,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     void* p = nullptr;
     cudaError_t e = cudaMalloc(&p, pool_bytes_);
     KVCC_REQUIRE(e == cudaSuccess, "kv cache: cannot allocate " + std::to_string(pool_bytes_) +
-                                  " bytes of device memory: " + cudaGetErrorString(e));
+                                       " bytes of device memory: " + cudaGetErrorString(e));
     pool_ = static_cast<uint8_t*>(p);
     cudaMemset(pool_, 0, pool_bytes_);
 #else
@@ -83,12 +78,12 @@ KvCache::~KvCache() {
 
 KvCache::Sequence& KvCache::seq_at(int seq) {
   KVCC_REQUIRE(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
-          "kv cache: no live sequence " + std::to_string(seq));
+               "kv cache: no live sequence " + std::to_string(seq));
   return sequences_[size_t(seq)];
 }
 const KvCache::Sequence& KvCache::seq_at(int seq) const {
   KVCC_REQUIRE(seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live,
-          "kv cache: no live sequence " + std::to_string(seq));
+               "kv cache: no live sequence " + std::to_string(seq));
   return sequences_[size_t(seq)];
 }
 
@@ -96,7 +91,7 @@ int KvCache::take_slot() {
   for (size_t s = 0; s < sequences_.size(); ++s)
     if (!sequences_[s].live) return int(s);
   throw CacheFull("kv cache: out of sequence slots (all " + std::to_string(sequences_.size()) +
-              " in use); free a sequence first");
+                  " in use); free a sequence first");
 }
 
 int KvCache::add_sequence() {
@@ -111,14 +106,13 @@ int KvCache::fork(int parent, void* stream) {
   const int s = take_slot();
   const KvGeometry& g = config_.geometry;
   uint8_t* dst = reinterpret_cast<uint8_t*>(windows_base()) + size_t(s) * g.window_slot_bytes();
-  const uint8_t* src =
-      reinterpret_cast<uint8_t*>(windows_base()) + size_t(parent) * g.window_slot_bytes();
+  const uint8_t* src = reinterpret_cast<uint8_t*>(windows_base()) + size_t(parent) * g.window_slot_bytes();
   if (config_.memory == PoolMemory::Host) {
     std::memcpy(dst, src, g.window_slot_bytes());
   } else {
 #if defined(KVCC_HAVE_CUDA)
-    cudaError_t e = cudaMemcpyAsync(dst, src, g.window_slot_bytes(), cudaMemcpyDeviceToDevice,
-                                    static_cast<cudaStream_t>(stream));
+    cudaError_t e =
+        cudaMemcpyAsync(dst, src, g.window_slot_bytes(), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
     KVCC_REQUIRE(e == cudaSuccess, std::string("kv cache: fork copy failed: ") + cudaGetErrorString(e));
 #endif
   }
@@ -150,15 +144,14 @@ std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& se
     const Sequence& s = seq_at(seqs[i]);
     KVCC_REQUIRE(new_tokens[i] >= 0, "kv cache: negative token count");
     for (size_t j = 0; j < i; ++j)
-      KVCC_REQUIRE(seqs[j] != seqs[i], "kv cache: sequence " + std::to_string(seqs[i]) +
-                                      " appears twice in one batch");
+      KVCC_REQUIRE(seqs[j] != seqs[i], "kv cache: sequence " + std::to_string(seqs[i]) + " appears twice in one batch");
     need[i] = history_pages(g, s.length + new_tokens[i]) - int64_t(s.pages.size());
     total += need[i];
   }
   if (total > int64_t(free_pages_.size()))
     throw CacheFull("kv cache: out of pages (need " + std::to_string(total) + ", " +
-                std::to_string(free_pages_.size()) + " free of " +
-                std::to_string(config_.max_pages) + "); free a sequence first");
+                    std::to_string(free_pages_.size()) + " free of " + std::to_string(config_.max_pages) +
+                    "); free a sequence first");
   std::vector<std::vector<int32_t>> added(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& s = seq_at(seqs[i]);
@@ -175,13 +168,9 @@ std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& se
   return added;
 }
 
-std::vector<int32_t> KvCache::grow(int seq, int64_t new_tokens) {
-  return grow_batch({seq}, {new_tokens})[0];
-}
+std::vector<int32_t> KvCache::grow(int seq, int64_t new_tokens) { return grow_batch({seq}, {new_tokens})[0]; }
 
-bool KvCache::live(int seq) const {
-  return seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live;
-}
+bool KvCache::live(int seq) const { return seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live; }
 int64_t KvCache::length(int seq) const { return seq_at(seq).length; }
 const std::vector<int32_t>& KvCache::page_table(int seq) const { return seq_at(seq).pages; }
 

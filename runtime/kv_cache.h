@@ -27,8 +27,8 @@ struct CacheFull : Error {
 
 struct KvCacheConfig {
   KvGeometry geometry;
-  int64_t max_pages = 0;    // INT2 history pages in the pool
-  int max_sequences = 0;    // window slots (live sequences at once)
+  int64_t max_pages = 0;  // INT2 history pages in the pool
+  int max_sequences = 0;  // window slots (live sequences at once)
   PoolMemory memory = PoolMemory::Host;
 };
 
@@ -56,8 +56,7 @@ class KvCache {
   // the old length. All or nothing: throws Error (and changes nothing) when pages run out.
   std::vector<int32_t> grow(int seq, int64_t new_tokens);
   // Grows several sequences at once, all or nothing across the batch.
-  std::vector<std::vector<int32_t>> grow_batch(const std::vector<int>& seqs,
-                                               const std::vector<int64_t>& new_tokens);
+  std::vector<std::vector<int32_t>> grow_batch(const std::vector<int>& seqs, const std::vector<int64_t>& new_tokens);
 
   bool live(int seq) const;
   int64_t length(int seq) const;
@@ -74,9 +73,7 @@ class KvCache {
 
   // Pool regions (host or device addresses, per memory()).
   uint8_t* pages_base() const { return pool_; }
-  uint16_t* windows_base() const {
-    return reinterpret_cast<uint16_t*>(pool_ + pages_region_bytes_);
-  }
+  uint16_t* windows_base() const { return reinterpret_cast<uint16_t*>(pool_ + pages_region_bytes_); }
 
  private:
   struct Sequence {

@@ -30,8 +30,8 @@ struct DeviceBatch {
 };
 
 struct DecodeShape {
-  int n_heads = 0;    // query heads; n_heads / n_kv_heads <= 8
-  float sm_scale = 0; // softmax scale, usually 1/sqrt(d)
+  int n_heads = 0;      // query heads; n_heads / n_kv_heads <= 8
+  float sm_scale = 0;   // softmax scale, usually 1/sqrt(d)
   int target_ctas = 0;  // 0: the kernel's own plan (about one or two waves)
   int stages = 7;       // benchmarking only: bit 0 rotate q, bit 1 attention, bit 2 merge
   int ring = 0;         // tests only: 0 the plan's choice, 2 or 3 that INT2 page-ring depth
@@ -39,25 +39,24 @@ struct DecodeShape {
 
 // Bytes of workspace decode_int2 (page_tokens_bf16 = 0) or decode_bf16_paged (its page size;
 // only g.n_kv_heads is used then) needs for this batch shape, DecodeShape::target_ctas and ::ring.
-size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages,
-                              int page_tokens_bf16 = 0, int target_ctas = 0, int ring = 0);
+size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages, int page_tokens_bf16 = 0,
+                              int target_ctas = 0, int ring = 0);
 
 // INT2 decode attention over the mixed cache (sink + INT2 history + ring) of one layer.
 // q: [batch, n_heads, d] fp32 post-RoPE, unrotated. rot_k: [n_kv, d, d]; rot_v_t: [n_kv, d, d]
 // holding R_vᵀ (so the output rotation reads rows coalesced). out: [batch, n_heads, d] fp32.
 // codecs: host array [n_kv]; any level table selects the (slower) table kernel for the launch.
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape,
-                 const float* q, const float* rot_k, const float* rot_v_t, float* out,
-                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const float* q,
+                 const float* rot_k, const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream);
 
 // The in-house BF16 baseline: the same kernel structure over a plain paged BF16 cache, pages of
 // page_tokens tokens, page block (page, head) = K [page_tokens][d] then V [page_tokens][d] bf16,
 // keys and values in the rotated basis (rot_k / rot_v_t may be null: no rotation).
 void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint16_t* bf16_pages,
-                       const DeviceBatch& batch, const DecodeShape& shape, const float* q,
-                       const float* rot_k, const float* rot_v_t, float* out, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream);
+                       const DeviceBatch& batch, const DecodeShape& shape, const float* q, const float* rot_k,
+                       const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Append (one layer, a batch of sequences): rotate (x·R), round to BF16, quantise the tokens that
 // move into history, write sink and ring. The cache must have grown already (KvCache::grow).
@@ -66,10 +65,9 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
 // codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
 // (AppendPlanHost, plan_append_moves: runtime/plan.h).
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves);
-void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer,
-               const AppendPlanHost& plan, const HeadCodec* codecs, const float* k, const float* v,
-               const float* rot_k, const float* rot_v, void* workspace, size_t workspace_bytes,
-               cudaStream_t stream);
+void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
+               const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
 // prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as
@@ -88,12 +86,10 @@ struct PrefillShape {
   int warps = 0;       // query rows per CTA / 16: 4 or 8 (0: the kernel's choice; tuning)
 };
 size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape);
-void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                  int seq_slot, int64_t length, const int32_t* page_table, int T,
-                  const HeadCodec* codecs, const PrefillShape& shape, const float* q,
-                  const float* k, const float* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
-                  cudaStream_t stream);
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
+                  int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
+                  const float* q, const float* k, const float* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace kvcc
 #endif

@@ -74,16 +74,16 @@ int kvcc_sequence_length(kvcc_runtime* rt, int seq, int64_t* length) {
 }
 int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts) {
   if (bad(rt, "runtime") || (n_seqs > 0 && (bad(seqs, "seqs") || bad(counts, "counts")))) return KVCC_BAD_ARGUMENT;
-  return guarded([&] {
-    rt->rt->begin_append(std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs));
-  });
+  return guarded(
+      [&] { rt->rt->begin_append(std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs)); });
 }
 int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream) {
   if (bad(rt, "runtime") || bad(k, "k") || bad(v, "v")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->append(layer, k, v, stream); });
 }
 int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const float* q, float* out, void* stream) {
-  if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out") || (n_seqs > 0 && bad(seqs, "seqs"))) return KVCC_BAD_ARGUMENT;
+  if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out") || (n_seqs > 0 && bad(seqs, "seqs")))
+    return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->decode(layer, std::vector<int>(seqs, seqs + n_seqs), q, out, stream); });
 }
 int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, const float* k, const float* v,

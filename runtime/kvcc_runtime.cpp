@@ -33,17 +33,18 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
   KVCC_REQUIRE(a.n_kv_heads == e.n_kv_heads, mismatch("KV heads", a.n_kv_heads, e.n_kv_heads));
   KVCC_REQUIRE(a.head_dim == e.head_dim, mismatch("head_dim", a.head_dim, e.head_dim));
   KVCC_REQUIRE(a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
-          "artifact: expected " + std::to_string(a.n_layers * a.n_kv_heads) + " (layer, KV head) entries, found " +
-              std::to_string(a.heads.size()));
+               "artifact: expected " + std::to_string(a.n_layers * a.n_kv_heads) + " (layer, KV head) entries, found " +
+                   std::to_string(a.heads.size()));
   KVCC_REQUIRE(served_by_runtime(a.recipe.method),
-          "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
-              method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
+               "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
+                   method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
   KVCC_REQUIRE(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
   // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there.
   KVCC_REQUIRE(a.recipe.group <= a.head_dim,
-          "artifact: group " + std::to_string(a.recipe.group) + " spans several KV heads (head_dim " +
-              std::to_string(a.head_dim) + "); the paged runtime stores quantiser parameters per KV head, "
-              "so it serves --group <= head_dim only (spanning groups are evaluated by kvcc report / validate)");
+               "artifact: group " + std::to_string(a.recipe.group) + " spans several KV heads (head_dim " +
+                   std::to_string(a.head_dim) +
+                   "); the paged runtime stores quantiser parameters per KV head, "
+                   "so it serves --group <= head_dim only (spanning groups are evaluated by kvcc report / validate)");
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   for (const HeadArtifact& h : a.heads)
     for (const SideArtifact* s : {&h.key, &h.value}) {
@@ -96,7 +97,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     for (const HeadArtifact& h : a.heads) table = table || !h.key.levels.empty() || !h.value.levels.empty();
     const std::string scope = gpu_unsupported_reason(g, e.n_heads, kGpuAllOps, table);
     KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
-    KVCC_REQUIRE(o.sm_scale >= 0.0f, "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
+    KVCC_REQUIRE(o.sm_scale >= 0.0f,
+                 "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
 #if defined(KVCC_HAVE_CUDA)
     require_hopper();
 #endif
@@ -105,7 +107,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   bool any_rotation = false;
-  for (const HeadArtifact& h : a.heads) any_rotation = any_rotation || !h.key.rotation.empty() || !h.value.rotation.empty();
+  for (const HeadArtifact& h : a.heads)
+    any_rotation = any_rotation || !h.key.rotation.empty() || !h.value.rotation.empty();
   for (const HeadArtifact& h : a.heads) {
     HeadCodec c;
     for (int side = 0; side < 2; ++side) {
@@ -145,10 +148,14 @@ std::unique_ptr<Runtime> Runtime::load(const std::string& path, const EngineShap
 }
 
 const float* Runtime::rot_k(int layer) const {
-  return rot_k_.empty() ? nullptr : rot_k_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
+  return rot_k_.empty()
+             ? nullptr
+             : rot_k_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
 }
 const float* Runtime::rot_v(int layer) const {
-  return rot_v_.empty() ? nullptr : rot_v_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
+  return rot_v_.empty()
+             ? nullptr
+             : rot_v_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
 }
 
 void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts) {
@@ -240,11 +247,12 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
   if (!step_open || it == pending_seqs_.end()) return cache_->length(seq);
   const size_t i = size_t(it - pending_seqs_.begin());
   KVCC_REQUIRE(!appended_[size_t(layer)], "runtime: prefill of layer " + std::to_string(layer) + ", sequence " +
-                                         std::to_string(seq) +
-                                         " after that layer's append in this step (call prefill first: the new "
-                                         "tokens attend to themselves through k and v)");
+                                              std::to_string(seq) +
+                                              " after that layer's append in this step (call prefill first: the new "
+                                              "tokens attend to themselves through k and v)");
   KVCC_REQUIRE(T == pending_counts_[i], "runtime: prefill of " + std::to_string(T) + " tokens, but begin_append gave " +
-                                       std::to_string(pending_counts_[i]) + " for sequence " + std::to_string(seq));
+                                            std::to_string(pending_counts_[i]) + " for sequence " +
+                                            std::to_string(seq));
   return pending_old_[i];
 }
 

@@ -65,8 +65,8 @@ class Runtime {
   EngineShape engine_;
   RuntimeOptions options_;
   std::unique_ptr<KvCache> cache_;
-  std::vector<HeadCodec> codecs_;          // [layers * n_kv]
-  std::vector<float> rot_k_, rot_v_;       // [layers * n_kv * d * d], empty: identity
+  std::vector<HeadCodec> codecs_;     // [layers * n_kv]
+  std::vector<float> rot_k_, rot_v_;  // [layers * n_kv * d * d], empty: identity
   std::vector<int> pending_seqs_, pending_counts_;
   std::vector<int64_t> pending_old_;
   std::vector<char> appended_;  // [layers]: append(layer) done in the current step

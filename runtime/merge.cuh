@@ -24,13 +24,13 @@ namespace kvcc {
 // part_ml[2e], part_ml[2e + 1] and part_o[e·row + j], e = entry(s). Every split wrote its partial
 // (zeros where it saw no key), so only the count guards them.
 template <int kChunk, int kRow, class Entry>
-KVCC_HD void merge_run(const float* part_o, const float* part_ml, Entry entry, int j, int n_splits, int first,
-                       int step, float& m_run, float& l_run, float& acc) {
+KVCC_HD void merge_run(const float* part_o, const float* part_ml, Entry entry, int j, int n_splits, int first, int step,
+                       float& m_run, float& l_run, float& acc) {
   m_run = -INFINITY;
   l_run = acc = 0.0f;
   for (int s0 = first; s0 < n_splits; s0 += step * kChunk) {
     float m[kChunk], l[kChunk], o[kChunk];
-KVCC_MERGE_UNROLL
+    KVCC_MERGE_UNROLL
     for (int i = 0; i < kChunk; ++i) {
       const int s = s0 + step * i;
       const size_t e = entry(s);
@@ -39,13 +39,13 @@ KVCC_MERGE_UNROLL
       o[i] = s < n_splits ? part_o[e * kRow + j] : 0.0f;
     }
     float mc = m_run;
-KVCC_MERGE_UNROLL
+    KVCC_MERGE_UNROLL
     for (int i = 0; i < kChunk; ++i) mc = fmaxf(mc, m[i]);
     if (mc == -INFINITY) continue;
     const float alpha = m_run == -INFINITY ? 0.0f : exp2f(m_run - mc);
     l_run *= alpha;
     acc *= alpha;
-KVCC_MERGE_UNROLL
+    KVCC_MERGE_UNROLL
     for (int i = 0; i < kChunk; ++i) {
       const float w = m[i] == -INFINITY ? 0.0f : exp2f(m[i] - mc);
       l_run = fmaf(w, l[i], l_run);
@@ -60,7 +60,7 @@ KVCC_MERGE_UNROLL
 KVCC_HD float merge_slices(const float* m, const float* l, const float* acc, int stride) {
   const float mall = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
   float w[4];
-KVCC_MERGE_UNROLL
+  KVCC_MERGE_UNROLL
   for (int k = 0; k < 4; ++k) w[k] = m[k] == -INFINITY ? 0.0f : exp2f(m[k] - mall);
   const float sum = (w[0] * acc[0] + w[1] * acc[stride]) + (w[2] * acc[2 * stride] + w[3] * acc[3 * stride]);
   const float lsum = (w[0] * l[0] + w[1] * l[1]) + (w[2] * l[2] + w[3] * l[3]);

@@ -111,7 +111,7 @@ DecodeWorkspace decode_workspace(int batch, int n_heads, int n_kv, const DecodeP
 size_t decode_workspace_bytes(const DecodeGpu& gpu, const KvGeometry& g, int batch, int n_heads, int max_pages,
                               int page_tokens_bf16, int target_ctas, int ring) {
   const DecodePlan p = page_tokens_bf16 > 0 ? plan_decode_bf16(gpu, batch, g.n_kv_heads, max_pages, target_ctas)
-                                           : plan_decode_int2(gpu, g, batch, max_pages, target_ctas, ring);
+                                            : plan_decode_int2(gpu, g, batch, max_pages, target_ctas, ring);
   return decode_workspace(batch, n_heads, g.n_kv_heads, p).total;
 }
 
@@ -165,15 +165,15 @@ PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan
 AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
   const size_t nseq = plan.seq_slots.size();
   KVCC_REQUIRE(plan.old_lengths.size() == nseq && plan.counts.size() == nseq && plan.row_offsets.size() == nseq &&
-              plan.page_tables.size() == nseq,
-          "append (CUDA): plan arrays differ in size");
+                   plan.page_tables.size() == nseq,
+               "append (CUDA): plan arrays differ in size");
   AppendMoves m;
   for (size_t i = 0; i < nseq; ++i) {
     const int64_t n0 = plan.old_lengths[i], n1 = n0 + plan.counts[i];
     m.rows = std::max(m.rows, plan.row_offsets[i] + plan.counts[i]);
     const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
     KVCC_REQUIRE(int64_t(plan.page_tables[i].size()) >= t1.hist_tokens / g.page_tokens,
-            "append (CUDA): sequence was not grown before appending");
+                 "append (CUDA): sequence was not grown before appending");
     const int slot = plan.seq_slots[i];
     auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };
     const int64_t post0 = n0 - t0.sink_count;

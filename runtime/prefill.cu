@@ -40,12 +40,12 @@
 namespace kvcc {
 namespace {
 
-constexpr int kD = kGpuHeadDim;        // head_dim
-constexpr int kBN = kPrefillKeyTile;    // key tokens per tile (= page_tokens)
+constexpr int kD = kGpuHeadDim;       // head_dim
+constexpr int kBN = kPrefillKeyTile;  // key tokens per tile (= page_tokens)
 constexpr int kStride = kD + 8;  // shared row stride in 16-bit elements: 272 B, so ldmatrix rows hit distinct banks
-constexpr int kPageBytes = kGpuPageBytes;  // one (page, layer, head) block (served.h)
+constexpr int kPageBytes = kGpuPageBytes;         // one (page, layer, head) block (served.h)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
-constexpr int kRotRows = 32;     // rows per CTA of the rotation kernels
+constexpr int kRotRows = 32;                      // rows per CTA of the rotation kernels
 constexpr float kLog2e = 1.4426950408889634f;
 
 // fp16 with saturation instead of overflow to infinity.
@@ -121,8 +121,9 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
     float m = -INFINITY, l = 0.0f, acc = 0.0f;
     if (i < n) {
       const size_t row = size_t(h) * rows + p0 + i;
-      merge_run<kChunk, kD>(part_o, part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j,
-                            splits, slice, kSlices, m, l, acc);
+      merge_run<kChunk, kD>(
+          part_o, part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
+          kSlices, m, l, acc);
     }
     part[slice][i][j] = acc;
     if (j == 0) {
@@ -163,15 +164,14 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
 // first), widened to fp16 into the first win_rows rows of the key/value staging, ahead of the new
 // tokens (exact within fp16's range; beyond ±65504 they saturate). grid (win_rows, n_kv), 32
 // threads: 16-byte chunks of the K and V rows.
-__global__ void __launch_bounds__(32) stage_windows(const __nv_bfloat16* windows, KvGeometry geo, int layer,
-                                                    int seq_slot, int sink_count, int64_t hist_tokens, int kv_rows,
-                                                    __half* k_dst, __half* v_dst) {
+__global__ void __launch_bounds__(32)
+    stage_windows(const __nv_bfloat16* windows, KvGeometry geo, int layer, int seq_slot, int sink_count,
+                  int64_t hist_tokens, int kv_rows, __half* k_dst, __half* v_dst) {
   const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
   const __nv_bfloat16* win = windows + geo.window_block_elem(seq_slot, layer, h);
-  const __nv_bfloat16* src =
-      i < sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
-                     : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
-                           size_t(ring_slot(geo, hist_tokens + (i - sink_count))) * kD;
+  const __nv_bfloat16* src = i < sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
+                                            : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
+                                                  size_t(ring_slot(geo, hist_tokens + (i - sink_count))) * kD;
   uint4 u = reinterpret_cast<const uint4*>(src)[chunk];
   u.x = bf16x2_to_half2(u.x);
   u.y = bf16x2_to_half2(u.y);
@@ -298,8 +298,8 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t lo = ok ? qrow[8 * ks + t] : 0u, hi = ok ? qrow[8 * ks + 4 + t] : 0u;
-      qa[ks][rr] = lo;       // a0 / a1: columns 2t, 2t+1 of rows g / g+8
-      qa[ks][2 + rr] = hi;   // a2 / a3: columns 2t+8, 2t+9
+      qa[ks][rr] = lo;      // a0 / a1: columns 2t, 2t+1 of rows g / g+8
+      qa[ks][2 + rr] = hi;  // a2 / a3: columns 2t+8, 2t+9
       const float2 f0 = unpack_half2(lo), f1 = unpack_half2(hi);
       s += (f0.x + f0.y) + (f1.x + f1.y);
     }
@@ -364,8 +364,8 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const bool valid = page || key0 + tok <= qtok[rr];
-          const float x = valid ? (sc[nt][2 * rr + e] - tp[nt][e].y * qsum[rr]) * tp[nt][e].x * a.sm_scale_log2
-                                : -INFINITY;
+          const float x =
+              valid ? (sc[nt][2 * rr + e] - tp[nt][e].y * qsum[rr]) * tp[nt][e].x * a.sm_scale_log2 : -INFINITY;
           sc[nt][2 * rr + e] = x;
           mx[rr] = fmaxf(mx[rr], x);
         }
@@ -428,8 +428,7 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
     float* dst = a.part_o + row * kD;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n)
-      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) =
-          make_float2(o[n][2 * rr] - spz[rr], o[n][2 * rr + 1] - spz[rr]);
+      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) = make_float2(o[n][2 * rr] - spz[rr], o[n][2 * rr + 1] - spz[rr]);
     if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
   }
 }
@@ -471,9 +470,9 @@ PrefillPlan plan_of(const KvGeometry& g, int64_t length, int T, const PrefillSha
 void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
   require_gpu_served(g, shape.n_heads, kGpuPrefill, true, "prefill (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
-  KVCC_REQUIRE(T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) &&
-              int64_t(T) * shape.n_heads < (int64_t(1) << 31),
-          "prefill (CUDA): length or token count out of range");
+  KVCC_REQUIRE(
+      T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) && int64_t(T) * shape.n_heads < (int64_t(1) << 31),
+      "prefill (CUDA): length or token count out of range");
 }
 
 }  // namespace
@@ -483,16 +482,14 @@ size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const
   return prefill_workspace(g, T, plan_of(g, length, T, shape)).bytes;
 }
 
-void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                  int seq_slot, int64_t length, const int32_t* page_table, int T,
-                  const HeadCodec* codecs, const PrefillShape& shape, const float* q,
-                  const float* k, const float* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
-                  cudaStream_t stream) {
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
+                  int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
+                  const float* q, const float* k, const float* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   require_hopper();
   check_scope(g, layer, length, T, shape);
   KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
-          "prefill (CUDA): give all three rotations or none");
+               "prefill (CUDA): give all three rotations or none");
   if (T == 0) return;
   const PrefillPlan plan = plan_of(g, length, T, shape);
   const PrefillWorkspace lay = prefill_workspace(g, T, plan);
@@ -536,16 +533,14 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, T, g.n_kv_heads, 1, 1, wv, a.kv_rows, a.win_rows);
   if (plan.win_rows > 0) {
     const KvTiers t = tiers_of(g, length);
-    stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(windows), g, layer, seq_slot, t.sink_count, t.hist_tokens, a.kv_rows,
-        wk, wv);
+    stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(windows),
+                                                                        g, layer, seq_slot, t.sink_count, t.hist_tokens,
+                                                                        a.kv_rows, wk, wv);
   }
   const dim3 grid(plan.row_tiles, g.n_kv_heads, plan.splits);
   prepare_prefill_kernels();
-  if (plan.warps == 4)
-    prefill_kernel<4><<<grid, 128, kSmemBytes, stream>>>(a);
-  else
-    prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
+  if (plan.warps == 4) prefill_kernel<4><<<grid, 128, kSmemBytes, stream>>>(a);
+  else prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
   const dim3 fin_grid((plan.rows + kFinRows - 1) / kFinRows, g.n_kv_heads);
   const int chunk = merge_slice_chunk(plan.splits);
   const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;

@@ -29,8 +29,7 @@ std::string query_heads_problem(int n_heads, int n_kv, bool decode) {
 
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops, bool level_table) {
   const bool prefill = ops & kGpuPrefill, decode = ops & kGpuDecode;
-  if (g.head_dim != kGpuHeadDim)
-    return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
+  if (g.head_dim != kGpuHeadDim) return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
   if (g.group != g.head_dim) return "group " + str(g.group) + " (the kernels need group = head_dim)";
   if (!prefill && !decode) return "";  // append serves any pages, windows and heads
   if (g.page_tokens != kGpuPageTokens)
@@ -62,8 +61,8 @@ void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool lev
 
 std::string gpu_arch_problem(int device, const std::string& name, int major, int minor) {
   if (major == 9 && minor == 0) return "";
-  return "kvcc's CUDA kernels need a Hopper GPU (sm_90); device " + str(device) + " is " + name + " (sm_" +
-         str(major) + str(minor) + "); use the CPU pool";
+  return "kvcc's CUDA kernels need a Hopper GPU (sm_90); device " + str(device) + " is " + name + " (sm_" + str(major) +
+         str(minor) + "); use the CPU pool";
 }
 
 }  // namespace kvcc

@@ -15,16 +15,16 @@ namespace kvcc {
 // layout is spelled out below from the same formulas; tests/test_plan.cpp checks every constant
 // against KvGeometry's own functions.
 constexpr int kGpuHeadDim = 128;
-constexpr int kGpuPageTokens = KvGeometry{}.page_tokens;                // P
-constexpr int kGpuCodeRowBytes = kGpuHeadDim / 4;                       // code_row_bytes(): 4 codes a byte
-constexpr int kGpuParamBytes = 4;                                       // one (scale, zero) fp16 pair a token
-constexpr int kGpuCodesBytes = kGpuPageTokens * kGpuCodeRowBytes;       // codes_bytes()
-constexpr int kGpuParamsBytes = kGpuPageTokens * kGpuParamBytes;        // params_bytes() at group = head_dim
-constexpr int kGpuVCodesOffset = kGpuCodesBytes;                        // v_codes_offset()
-constexpr int kGpuKParamsOffset = 2 * kGpuCodesBytes;                   // k_params_offset()
-constexpr int kGpuVParamsOffset = 2 * kGpuCodesBytes + kGpuParamsBytes; // v_params_offset()
-constexpr int kGpuPageBytes = 2 * kGpuCodesBytes + 2 * kGpuParamsBytes; // page_head_bytes(): 4608
-constexpr int kGpuBf16RowBytes = 2 * kGpuHeadDim;                       // one sink / ring row
+constexpr int kGpuPageTokens = KvGeometry{}.page_tokens;                 // P
+constexpr int kGpuCodeRowBytes = kGpuHeadDim / 4;                        // code_row_bytes(): 4 codes a byte
+constexpr int kGpuParamBytes = 4;                                        // one (scale, zero) fp16 pair a token
+constexpr int kGpuCodesBytes = kGpuPageTokens * kGpuCodeRowBytes;        // codes_bytes()
+constexpr int kGpuParamsBytes = kGpuPageTokens * kGpuParamBytes;         // params_bytes() at group = head_dim
+constexpr int kGpuVCodesOffset = kGpuCodesBytes;                         // v_codes_offset()
+constexpr int kGpuKParamsOffset = 2 * kGpuCodesBytes;                    // k_params_offset()
+constexpr int kGpuVParamsOffset = 2 * kGpuCodesBytes + kGpuParamsBytes;  // v_params_offset()
+constexpr int kGpuPageBytes = 2 * kGpuCodesBytes + 2 * kGpuParamsBytes;  // page_head_bytes(): 4608
+constexpr int kGpuBf16RowBytes = 2 * kGpuHeadDim;                        // one sink / ring row
 // Decode walks the BF16 sink and ring in tiles of 16 tokens (the MMA's M), so both windows must
 // be multiples of it.
 constexpr int kGpuWindowTile = 16;
@@ -32,9 +32,9 @@ static_assert(kGpuPageTokens % kGpuWindowTile == 0, "a page is whole MMA tiles")
 static_assert(kGpuHeadDim == 4 * 32, "append quantises a row with one warp, 4 channels per lane");
 
 // Scope limits of the kernels beyond the geometry.
-constexpr int kGpuMaxGroupHeads = 8;     // decode: query heads per KV head (the MMA's n = 8 columns)
-constexpr int kDecodeMaxTableHeads = 64; // decode with level tables: KV heads (tables are kernel parameters)
-constexpr int kPrefillMaxKvHeads = 64;   // prefill: KV heads (per-head codecs are kernel parameters)
+constexpr int kGpuMaxGroupHeads = 8;      // decode: query heads per KV head (the MMA's n = 8 columns)
+constexpr int kDecodeMaxTableHeads = 64;  // decode with level tables: KV heads (tables are kernel parameters)
+constexpr int kPrefillMaxKvHeads = 64;    // prefill: KV heads (per-head codecs are kernel parameters)
 
 // The geometry of kv_layout.h the kernels serve (its default windows), for n_layers and KV heads.
 KvGeometry gpu_geometry(int n_layers, int n_kv_heads);

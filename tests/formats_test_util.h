@@ -32,7 +32,6 @@ std::string error_of(F&& f) {
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
 
-
 class ScratchDir {
  public:
   ScratchDir() {

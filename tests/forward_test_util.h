@@ -33,10 +33,8 @@ std::vector<S> model_logits(const ModelFile& model, const std::vector<int32_t>& 
   std::vector<S> x(size_t(T) * c.hidden);
   embed(model, ids.data(), T, x.data());
   for (int l = 0; l < c.n_layers; ++l) {
-    if constexpr (std::is_same_v<S, float>)
-      layer_forward(c, load_layer(model, l), l, 0, x.data(), T);
-    else
-      layer_forward(c, load_layer<double>(model, l), l, 0, x.data(), T);
+    if constexpr (std::is_same_v<S, float>) layer_forward(c, load_layer(model, l), l, 0, x.data(), T);
+    else layer_forward(c, load_layer<double>(model, l), l, 0, x.data(), T);
   }
   std::vector<S> logits(size_t(T) * c.vocab);
   final_logits(model, x.data(), T, logits.data());
@@ -61,8 +59,8 @@ RefComparison compare_to_reference(const ModelFile& model, const nlohmann::json&
     const auto row = ref["logits"][k].get<std::vector<double>>();
     if (int(row.size()) != vocab) throw std::runtime_error("reference vocab mismatch");
     for (int v = 0; v < vocab; ++v) {
-      cmp.max_abs_diff = std::max(cmp.max_abs_diff,
-                                  std::abs(double(logits[size_t(positions[k]) * vocab + v]) - row[v]));
+      cmp.max_abs_diff =
+          std::max(cmp.max_abs_diff, std::abs(double(logits[size_t(positions[k]) * vocab + v]) - row[v]));
       cmp.max_abs_ref = std::max(cmp.max_abs_ref, std::abs(row[v]));
     }
   }

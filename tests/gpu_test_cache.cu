@@ -26,12 +26,12 @@
 namespace kvcc {
 namespace {
 
+using testing::PoolPair;
 using testing::random_rotations;
+using testing::random_rows;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
-using testing::PoolPair;
-using testing::random_rows;
 
 // The same cache operations on a host pool (CPU reference) and a device pool (CUDA kernels).
 struct Twin : PoolPair {
@@ -82,7 +82,7 @@ TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) {
   w.append({a, b, c}, {1, 63, 400});   // inside the sink; sink exact; history already
   w.append({a, b, c}, {100, 257, 1});  // crosses sink; ring exactly full + 1; one step
   const int f = w.fork(c);
-  w.append({f, c, a}, {64, 3, 700});   // fork diverges; long prefill
+  w.append({f, c, a}, {64, 3, 700});                                     // fork diverges; long prefill
   for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});  // decode steps, flushes
   w.expect_pools_equal();
 }
@@ -323,8 +323,8 @@ TEST(GpuServed, LaunchersRefuseWhatTheTableRefuses) {
   EXPECT_EQ(gpu_unsupported_reason(g, 8, kGpuPrefill), "");  // prefill serves any windows
   g = test_geometry(1, 2);
   const std::string heads = message([&] {
-    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{18, 0.1f}, nullptr, nullptr,
-                nullptr, nullptr, nullptr, 0, nullptr);
+    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{18, 0.1f}, nullptr, nullptr, nullptr,
+                nullptr, nullptr, 0, nullptr);
   });
   EXPECT_NE(heads.find("9 query heads per KV head"), std::string::npos) << heads;
   g.group = 32;

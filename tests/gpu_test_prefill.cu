@@ -27,13 +27,13 @@
 namespace kvcc {
 namespace {
 
+using testing::PoolPair;
 using testing::random_orthogonal;
 using testing::random_rotations;
+using testing::random_rows;
 using testing::rel;
 using testing::test_geometry;
 using testing::transpose_heads;
-using testing::PoolPair;
-using testing::random_rows;
 
 constexpr int kD = kGpuHeadDim;
 
@@ -121,8 +121,8 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
     size_t unwritten = 0;
     for (float x : got) unwritten += !std::isfinite(x);
     EXPECT_EQ(unwritten, 0u) << "len " << len << " T " << T << ": outputs not written";
-    EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "len " << len << " T " << T
-                                                                        << ": repeated runs differ";
+    EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0)
+        << "len " << len << " T " << T << ": repeated runs differ";
     double worst_case = 0;
     for (int j = 0; j < T; ++j)
       for (int h = 0; h < n_heads; ++h) {
@@ -145,7 +145,7 @@ std::vector<Case> standard_cases(Caches& c) {
   const int f = c.fork(s5);
   c.append({f, s5}, {17, 5});  // the fork diverges from its parent
   c.sync_device();
-  return {{e, 1},  {e, 150}, {s1, 1},  {s1, 40}, {s2, 77}, {s3, 1},   {s3, 64},
+  return {{e, 1},  {e, 150},  {s1, 1}, {s1, 40}, {s2, 77}, {s3, 1}, {s3, 64},
           {s4, 3}, {s4, 130}, {f, 1},  {f, 200}, {s5, 65}, {e, 64}};
 }
 

@@ -36,8 +36,10 @@ struct PoolPair {
   std::mt19937 rng;
 
   PoolPair(const KvGeometry& geo, int64_t pages, int seqs, unsigned seed)
-      : g(geo), host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
-        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}), rng(seed) {
+      : g(geo),
+        host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
+        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}),
+        rng(seed) {
     std::uniform_real_distribution<float> ur(0.85f, 1.0f);
     for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) {
       HeadCodec c;

@@ -44,8 +44,8 @@ struct SimHead {
   std::vector<int> ring;  // positions currently in the ring, oldest first
 };
 
-void sim_quantize(const KvGeometry& g, const SideCodec& c, const std::vector<float>& x,
-                  std::vector<uint8_t>& codes, std::vector<uint16_t>& params, std::vector<float>& hat) {
+void sim_quantize(const KvGeometry& g, const SideCodec& c, const std::vector<float>& x, std::vector<uint8_t>& codes,
+                  std::vector<uint16_t>& params, std::vector<float>& hat) {
   codes.assign(size_t(g.head_dim), 0);
   params.clear();
   hat.assign(size_t(g.head_dim), 0.0f);
@@ -57,9 +57,8 @@ void sim_quantize(const KvGeometry& g, const SideCodec& c, const std::vector<flo
     params.push_back(p.scale);
     params.push_back(p.zero);
     for (int i = 0; i < g.group; ++i)
-      hat[size_t(grp * g.group + i)] =
-          c.use_table ? c.levels[cs[i]] * float_from_f16(p.scale)
-                      : (float(cs[i]) - float_from_f16(p.zero)) * float_from_f16(p.scale);
+      hat[size_t(grp * g.group + i)] = c.use_table ? c.levels[cs[i]] * float_from_f16(p.scale)
+                                                   : (float(cs[i]) - float_from_f16(p.zero)) * float_from_f16(p.scale);
   }
 }
 
@@ -101,8 +100,8 @@ std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
 struct World {
   KvGeometry g;
   KvCache cache;
-  std::vector<float> rot_k, rot_v;  // [layers][H][d][d]
-  std::vector<HeadCodec> codecs;    // [layers][H]
+  std::vector<float> rot_k, rot_v;          // [layers][H][d][d]
+  std::vector<HeadCodec> codecs;            // [layers][H]
   std::map<int, std::vector<SimHead>> sim;  // seq -> [layers * H]
   std::mt19937 rng{1234};
 
@@ -161,8 +160,7 @@ struct World {
             const size_t row = size_t(batch.row_offsets[i] + j);
             const float* kx = k.data() + (row * H + h) * d;
             const float* vx = v.data() + (row * H + h) * d;
-            sim_append(g, codec(l)[h], sim[seqs[i]][size_t(l * H + h)],
-                       rotate_bf16(kx, rk(l) + size_t(h) * d * d, d),
+            sim_append(g, codec(l)[h], sim[seqs[i]][size_t(l * H + h)], rotate_bf16(kx, rk(l) + size_t(h) * d * d, d),
                        rotate_bf16(vx, rv(l) + size_t(h) * d * d, d));
           }
     }
@@ -192,15 +190,16 @@ struct World {
               const uint8_t* crow = blk + (side ? g.v_codes_offset() : g.k_codes_offset()) + row * size_t(d / 4);
               for (int c = 0; c < d; ++c)
                 ASSERT_EQ((crow[c / 4] >> (2 * (c % 4))) & 3, codes[size_t(c)]) << "pos " << pos << " ch " << c;
-              const uint16_t* prm = reinterpret_cast<const uint16_t*>(blk + (side ? g.v_params_offset() : g.k_params_offset())) +
-                                    row * 2 * size_t(g.groups());
+              const uint16_t* prm =
+                  reinterpret_cast<const uint16_t*>(blk + (side ? g.v_params_offset() : g.k_params_offset())) +
+                  row * 2 * size_t(g.groups());
               for (size_t i = 0; i < params.size(); ++i) ASSERT_EQ(prm[i], params[i]);
             }
           } else {
-            const size_t ko = pos < g.sink ? g.k_sink_elem() + size_t(pos) * d
-                                           : g.k_ring_elem() + size_t(post % g.recent) * d;
-            const size_t vo = pos < g.sink ? g.v_sink_elem() + size_t(pos) * d
-                                           : g.v_ring_elem() + size_t(post % g.recent) * d;
+            const size_t ko =
+                pos < g.sink ? g.k_sink_elem() + size_t(pos) * d : g.k_ring_elem() + size_t(post % g.recent) * d;
+            const size_t vo =
+                pos < g.sink ? g.v_sink_elem() + size_t(pos) * d : g.v_ring_elem() + size_t(post % g.recent) * d;
             for (int c = 0; c < d; ++c) {
               ASSERT_EQ(win[ko + size_t(c)], bf16_from_float(s.k[size_t(pos)][size_t(c)]));
               ASSERT_EQ(win[vo + size_t(c)], bf16_from_float(s.v[size_t(pos)][size_t(c)]));
@@ -213,8 +212,8 @@ struct World {
 
 // Naive float64 attention of rotated query rows over a simulated head, output rotated back.
 std::vector<double> naive_attention(const std::vector<double>& q_rot, const std::vector<std::vector<float>>& keys,
-                                    const std::vector<std::vector<float>>& values, size_t n, const float* rot_v,
-                                    int d, double scale) {
+                                    const std::vector<std::vector<float>>& values, size_t n, const float* rot_v, int d,
+                                    double scale) {
   std::vector<double> out(static_cast<size_t>(d), 0.0);
   if (n == 0) return out;
   std::vector<double> s(n);
@@ -290,8 +289,8 @@ TEST(CacheLayout, PageAndSlotSizes) {
 TEST(CacheAllocator, AccountingForkFreeAndOutOfMemory) {
   KvGeometry g = small_geometry();
   KvCache cache(KvCacheConfig{g, 6, 3, PoolMemory::Host});
-  const size_t page = size_t(2 * 16 * 8 + 2 * 16 * 4) * 4;       // bytes per page, all layers/heads
-  const size_t slot = size_t(2 * (8 + 32) * 32 * 2) * 4;          // bytes per window slot
+  const size_t page = size_t(2 * 16 * 8 + 2 * 16 * 4) * 4;  // bytes per page, all layers/heads
+  const size_t slot = size_t(2 * (8 + 32) * 32 * 2) * 4;    // bytes per window slot
   EXPECT_EQ(cache.bytes_in_use(), 0u);
   const int a = cache.add_sequence();
   EXPECT_EQ(cache.bytes_in_use(), slot);
@@ -439,8 +438,8 @@ void check_prefill_causal(const KvGeometry& geometry) {
   for (auto& x : v) x = nd(w.rng);
   const double scale = 1.0 / std::sqrt(double(d));
   const int l = 1;
-  prefill_ref(w.cache, l, a, T, q.data(), k.data(), v.data(), n_heads, w.rk(l), w.rv(l), w.codec(l),
-              float(scale), out.data());
+  prefill_ref(w.cache, l, a, T, q.data(), k.data(), v.data(), n_heads, w.rk(l), w.rv(l), w.codec(l), float(scale),
+              out.data());
   for (int h = 0; h < H; ++h) {
     const SimHead& s = w.sim[a][size_t(l * H + h)];
     auto keys = s.k_hat, values = s.v_hat;
@@ -452,7 +451,8 @@ void check_prefill_causal(const KvGeometry& geometry) {
       for (int qh = h * r; qh < (h + 1) * r; ++qh) {
         const size_t off = size_t(j * n_heads + qh) * d;
         auto qr = rotate_query(q.data() + off, w.rk(l) + size_t(h) * d * d, d);
-        auto want = naive_attention(qr, keys, values, s.k.size() + size_t(j) + 1, w.rv(l) + size_t(h) * d * d, d, scale);
+        auto want =
+            naive_attention(qr, keys, values, s.k.size() + size_t(j) + 1, w.rv(l) + size_t(h) * d * d, d, scale);
         std::vector<float> got(out.begin() + long(off), out.begin() + long(off + d));
         EXPECT_LT(rel_err(got, want), 1e-5) << "token " << j << " head " << qh;
       }

@@ -236,8 +236,8 @@ TEST(CacheRuntime, HostPoolServesHeadDim8) {
       const size_t off = size_t(l) * kKv * d * d;
       size_t qo = 0, ko = 0;
       for (int i = 0; i < 2; ++i) {
-        rt.prefill(l, i ? b : a, counts[size_t(i)], q.data() + qo, ks[size_t(l)].data() + ko,
-                   vs[size_t(l)].data() + ko, got.data() + qo);
+        rt.prefill(l, i ? b : a, counts[size_t(i)], q.data() + qo, ks[size_t(l)].data() + ko, vs[size_t(l)].data() + ko,
+                   got.data() + qo);
         prefill_ref(ref, l, i ? b : a, counts[size_t(i)], q.data() + qo, ks[size_t(l)].data() + ko,
                     vs[size_t(l)].data() + ko, kHeads, rk.data() + off, rv.data() + off,
                     codecs.data() + size_t(l) * kKv, scale, want.data() + qo);
@@ -297,8 +297,10 @@ TEST(CacheRuntime, HeadDimRuleByPool) {
     }
   };
   for (int d : {4, 8, 12, 16, 32}) EXPECT_EQ(problem(d, PoolMemory::Host), "") << d;
-  for (int d : {2, 6, 10}) EXPECT_NE(problem(d, PoolMemory::Host).find("multiple of 4 for a host pool"), std::string::npos);
-  for (int d : {4, 8, 24}) EXPECT_NE(problem(d, PoolMemory::Device).find("multiple of 16 for a device pool"), std::string::npos);
+  for (int d : {2, 6, 10})
+    EXPECT_NE(problem(d, PoolMemory::Host).find("multiple of 4 for a host pool"), std::string::npos);
+  for (int d : {4, 8, 24})
+    EXPECT_NE(problem(d, PoolMemory::Device).find("multiple of 16 for a device pool"), std::string::npos);
 }
 
 // Prefill on a host pool is prefill_ref over the cache as it was before the step's tokens, whether
@@ -346,7 +348,8 @@ TEST_F(RuntimeAndReference, PrefillReadsTheCacheBeforeTheStep) {
     }
     if (!inside) {
       rt->begin_append({a, b}, counts);
-      EXPECT_THROW(rt->prefill(0, a, counts[0] + 1, nullptr, nullptr, nullptr, nullptr), Error);  // not the step's count
+      EXPECT_THROW(rt->prefill(0, a, counts[0] + 1, nullptr, nullptr, nullptr, nullptr),
+                   Error);  // not the step's count
       for (int l = 0; l < kLayers; ++l) rt->append(l, ks[l].data(), vs[l].data());
     }
     ref.grow_batch({a, b}, {counts[0], counts[1]});

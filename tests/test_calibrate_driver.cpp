@@ -28,9 +28,9 @@ const std::string kShared = KVCC_SHARED_DIR;
 const std::string kModel = kShared + "/models/tinystories-656k";
 const std::string kText = kShared + "/text/tinystories_valid_100.txt";
 
-#define REQUIRE_SHARED()                                                                    \
-  do {                                                                                      \
-    if (!fs::exists(kModel + "/config.json") || !fs::exists(kText))                         \
+#define REQUIRE_SHARED()                                                                       \
+  do {                                                                                         \
+    if (!fs::exists(kModel + "/config.json") || !fs::exists(kText))                            \
       GTEST_SKIP() << "needs ../shared/models/tinystories-656k and tinystories_valid_100.txt"; \
   } while (0)
 
@@ -229,10 +229,9 @@ int run_command(const std::string& cmd, std::string* output = nullptr) {
 
 std::string cli_args(const std::string& output) {
   const CalibrationOptions o = small_options();
-  return " calibrate-model --model " + shell_quote(kModel) + " --data " + shell_quote(kText) +
-         " --tokens " + std::to_string(o.max_tokens) + " --max-seq-len " +
-         std::to_string(o.max_seq_len) + " --reservoir " + std::to_string(o.reservoir) +
-         " --seed " + std::to_string(o.seed) + " -o " + shell_quote(output);
+  return " calibrate-model --model " + shell_quote(kModel) + " --data " + shell_quote(kText) + " --tokens " +
+         std::to_string(o.max_tokens) + " --max-seq-len " + std::to_string(o.max_seq_len) + " --reservoir " +
+         std::to_string(o.reservoir) + " --seed " + std::to_string(o.seed) + " -o " + shell_quote(output);
 }
 
 TEST(CalibrateDriver, MpirunRanksEqualSingleRun) {
@@ -245,11 +244,10 @@ TEST(CalibrateDriver, MpirunRanksEqualSingleRun) {
   for (int ranks : {1, 2, 3}) {
     const std::string out = dir / ("mpi" + std::to_string(ranks) + ".h5");
     std::string log;
-    const int rc = run_command(
-        std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") + test::kOneBlasThreadEnv +
-            "mpirun -n " + std::to_string(ranks) + " --oversubscribe " + shell_quote(KVCC_BINARY) +
-            cli_args(out),
-        &log);
+    const int rc = run_command(std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
+                                   test::kOneBlasThreadEnv + "mpirun -n " + std::to_string(ranks) +
+                                   " --oversubscribe " + shell_quote(KVCC_BINARY) + cli_args(out),
+                               &log);
     ASSERT_EQ(rc, 0) << log;
     SCOPED_TRACE("mpirun -n " + std::to_string(ranks));
     const Stats stats = read_stats(out);
@@ -263,8 +261,7 @@ TEST(CalibrateDriver, CliWritesTheSameStatsAndReportsProgress) {
   REQUIRE_SHARED();
   TempDir dir;
   std::string log;
-  ASSERT_EQ(run_command(test::kOneBlasThreadEnv + shell_quote(KVCC_BINARY) + cli_args(dir / "cli.h5"), &log), 0)
-      << log;
+  ASSERT_EQ(run_command(test::kOneBlasThreadEnv + shell_quote(KVCC_BINARY) + cli_args(dir / "cli.h5"), &log), 0) << log;
   const int n_layers = ModelFile::open(kModel).config().n_layers;
   const std::string last_line = "layer " + std::to_string(n_layers) + "/" + std::to_string(n_layers);
   EXPECT_NE(log.find(last_line), std::string::npos) << log;  // plain progress lines (no tty)
@@ -279,10 +276,8 @@ TEST(CalibrateDriver, BadInputGivesClearErrors) {
   TempDir dir;
   auto message_of = [](const CalibrationOptions& o, const std::string& out = "") {
     try {
-      if (out.empty())
-        calibrate_model(o);
-      else
-        run_calibration(o, out);
+      if (out.empty()) calibrate_model(o);
+      else run_calibration(o, out);
     } catch (const Error& e) {
       return std::string(e.what());
     }
@@ -333,9 +328,8 @@ TEST(CalibrateDriver, BadInputGivesClearErrors) {
 
   // The CLI prints the error on one line and exits 1.
   std::string log;
-  EXPECT_EQ(run_command(shell_quote(KVCC_BINARY) + " calibrate-model --model " +
-                            shell_quote(dir / "nope") + " --data " + shell_quote(kText) + " -o " +
-                            shell_quote(dir / "x.h5"),
+  EXPECT_EQ(run_command(shell_quote(KVCC_BINARY) + " calibrate-model --model " + shell_quote(dir / "nope") +
+                            " --data " + shell_quote(kText) + " -o " + shell_quote(dir / "x.h5"),
                         &log),
             1);
   EXPECT_NE(log.find("kvcc: error:"), std::string::npos) << log;

@@ -117,8 +117,7 @@ void expect_matrix_near(const std::vector<double>& got, const std::vector<double
   double scale = 0;
   for (double v : want) scale = std::max(scale, std::abs(v));
   ASSERT_GT(scale, 0.0) << what << " reference is all zero";
-  for (size_t i = 0; i < want.size(); ++i)
-    ASSERT_NEAR(got[i], want[i], rel * scale) << what << " entry " << i;
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], rel * scale) << what << " entry " << i;
 }
 
 struct Fixture {
@@ -189,7 +188,8 @@ TEST(CalibrateStats, SumsMatchNaiveDoubleComputation) {
         for (int j = 0; j < s.T; ++j) {
           double w = 0;
           for (int hq = h * r; hq < h * r + r; ++hq)
-            for (int i = 0; i < s.T; ++i) w += s.probs[size_t(hq)][size_t(i) * s.T + j] * s.probs[size_t(hq)][size_t(i) * s.T + j];
+            for (int i = 0; i < s.T; ++i)
+              w += s.probs[size_t(hq)][size_t(i) * s.T + j] * s.probs[size_t(hq)][size_t(i) * s.T + j];
           for (int k = 0; k < d; ++k) x[size_t(k)] = s.value[(size_t(j) * nkv + h) * d + k];
           add_outer(p2, x.data(), d, w);
           p2_weight += w;
@@ -215,8 +215,7 @@ TEST(CalibrateStats, SumsMatchNaiveDoubleComputation) {
       }
       // Stored matrices are full and symmetric.
       for (int a = 0; a < d; ++a)
-        for (int b = 0; b < d; ++b)
-          ASSERT_EQ(hs.query_m2[size_t(a) * d + b], hs.query_m2[size_t(b) * d + a]);
+        for (int b = 0; b < d; ++b) ASSERT_EQ(hs.query_m2[size_t(a) * d + b], hs.query_m2[size_t(b) * d + a]);
     }
   }
 }

@@ -75,8 +75,8 @@ std::vector<float> synthetic_rows(size_t n, int d, uint64_t seed) {
 }
 
 // Naive RoPE in double from the definition: pair (re, im) rotated by pos·ω_j.
-std::vector<double> naive_rope(const std::vector<float>& x, int d, RopeStyle style,
-                               const std::vector<double>& inv_freq, int pos) {
+std::vector<double> naive_rope(const std::vector<float>& x, int d, RopeStyle style, const std::vector<double>& inv_freq,
+                               int pos) {
   std::vector<double> y(x.begin(), x.end());
   for (int j = 0; j < d / 2; ++j) {
     const int c0 = commvq_pair_channel(style, d, j, 0), c1 = commvq_pair_channel(style, d, j, 1);
@@ -274,8 +274,8 @@ TEST(CommvqTrain, StagesNeverIncreaseErrorAndEncodingReproducesIt) {
     for (size_t r = 0; r < rep.size(); ++r) {
       EXPECT_LE(rep[r].error_after, rep[r].error_before * (1 + 1e-6)) << "stage " << r;
       if (r > 0) {
-      EXPECT_NEAR(rep[r].error_before, rep[r - 1].error_after, 1e-9);
-    }
+        EXPECT_NEAR(rep[r].error_before, rep[r - 1].error_after, 1e-9);
+      }
       // The kept iterate is the best one seen, and greedy encoding with it gives its error.
       double best = rep[r].error_before;
       for (double e : rep[r].iteration_error) best = std::min(best, e);

@@ -30,7 +30,8 @@ Stats rope_consistent_stats() {
   Reservoir& res = stats.reservoir(0, 0);
   const int d = res.d;
   for (size_t i = 0; i < res.size(); ++i) {
-    std::copy(res.key_pre.begin() + long(i * d), res.key_pre.begin() + long((i + 1) * d), res.key.begin() + long(i * d));
+    std::copy(res.key_pre.begin() + long(i * d), res.key_pre.begin() + long((i + 1) * d),
+              res.key.begin() + long(i * d));
     apply_rope(stats.config, res.key.data() + i * d, 1, 1, res.position[i]);
   }
   return stats;
@@ -49,8 +50,8 @@ TEST(CommvqCompile, ArtifactVerifiesAndReportMatchesIndependentErrors) {
   const CommvqBudget b = commvq_budget(1, d);
   EXPECT_EQ(art.recipe.params.at("key_stages"), std::to_string(b.key_stages));
   EXPECT_EQ(art.recipe.params.at("value_code_bits"), std::to_string(b.value_code_bits));
-  EXPECT_NEAR(history_bits(art.recipe, KvSide::Key, d),
-              commvq_effective_bits(b.key_stages, 2 * b.key_half_bits, d), 1e-6);
+  EXPECT_NEAR(history_bits(art.recipe, KvSide::Key, d), commvq_effective_bits(b.key_stages, 2 * b.key_half_bits, d),
+              1e-6);
 
   const AttentionReport rep = attention_report(stats, {o}, 512);
   ASSERT_EQ(rep.methods.size(), 1u);

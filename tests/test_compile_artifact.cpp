@@ -273,13 +273,17 @@ TEST(CompileCli, CompileAndReportEndToEnd) {
   EXPECT_EQ(art.head(1, 0).key.clip_ratio, lib.head(1, 0).key.clip_ratio);
 
   // A user error is one line naming the cause, with a non-zero exit.
-  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path + " --method bogus -o " + art_path, out), 0);
+  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path + " --method bogus -o " + art_path, out),
+            0);
   EXPECT_NE(out.find("unknown method 'bogus'"), std::string::npos) << out;
-  EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + (dir / "missing.h5").string() + " -o " + art_path, out), 0);
+  EXPECT_NE(
+      run_command(std::string(KVCC_BINARY) + " compile " + (dir / "missing.h5").string() + " -o " + art_path, out), 0);
   EXPECT_NE(out.find("missing.h5"), std::string::npos) << out;
   // oscar-only flags on another method are refused rather than silently ignored.
   EXPECT_NE(run_command(std::string(KVCC_BINARY) + " compile " + stats_path +
-                            " --method hadamard --value-target p2 -o " + (dir / "h.kvcc.h5").string(), out), 0);
+                            " --method hadamard --value-target p2 -o " + (dir / "h.kvcc.h5").string(),
+                        out),
+            0);
   EXPECT_NE(out.find("--value-target applies to oscar, oscar-lm and kivi --values oscar only, not hadamard"),
             std::string::npos)
       << out;
@@ -293,11 +297,11 @@ TEST(CompileCli, CompileAndReportEndToEnd) {
   EXPECT_EQ(read_artifact((dir / "k.kvcc.h5").string()).recipe.value_target, "output");
 
   const std::string json_path = (dir / "report.json").string(), svg_path = (dir / "report.svg").string();
-  ASSERT_EQ(run_command(std::string(KVCC_BINARY) + " report " + stats_path +
-                            " --methods oscar,hadamard:noclip,oscar:U --rows 64 --json " + json_path +
-                            " --svg " + svg_path,
-                        out),
-            0)
+  ASSERT_EQ(
+      run_command(std::string(KVCC_BINARY) + " report " + stats_path +
+                      " --methods oscar,hadamard:noclip,oscar:U --rows 64 --json " + json_path + " --svg " + svg_path,
+                  out),
+      0)
       << out;
   EXPECT_NE(out.find("| hadamard/noclip |"), std::string::npos) << out;
   std::ifstream in(json_path);

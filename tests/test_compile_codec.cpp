@@ -71,8 +71,10 @@ TEST(KvCodec, UniformGridMatchesNaiveReference) {
         std::vector<float> got(x.size()), want(x.size());
         roundtrip_page(r, side, KvSide::Key, d, x.data(), n, got.data());
         for (int t = 0; t < n; ++t)
-          for (int g0 = 0; g0 < d; g0 += group) naive_uniform(&x[size_t(t) * d + g0], group, ratio, bits, &want[size_t(t) * d + g0]);
-        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], want[i]) << bits << " " << group << " " << ratio << " @" << i;
+          for (int g0 = 0; g0 < d; g0 += group)
+            naive_uniform(&x[size_t(t) * d + g0], group, ratio, bits, &want[size_t(t) * d + g0]);
+        for (size_t i = 0; i < x.size(); ++i)
+          ASSERT_EQ(got[i], want[i]) << bits << " " << group << " " << ratio << " @" << i;
       }
 }
 
@@ -198,8 +200,10 @@ TEST(LayerCodec, SpanningGroupQuantisesConcatenatedRotatedRows) {
             // Reference: rotate each head by hand, concatenate, quantise as one group, rotate back.
             std::vector<float> y, yq(static_cast<size_t>(group));
             for (int k = 0; k < span; ++k) {
-              const SideArtifact& s = which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
-              const std::vector<float> yk = rotate_by_hand(s.rotation, d, &x[size_t(t) * w + size_t(h0 + k) * d], false);
+              const SideArtifact& s =
+                  which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
+              const std::vector<float> yk =
+                  rotate_by_hand(s.rotation, d, &x[size_t(t) * w + size_t(h0 + k) * d], false);
               y.insert(y.end(), yk.begin(), yk.end());
             }
             if (std::string(method) == "oscar") {
@@ -216,7 +220,8 @@ TEST(LayerCodec, SpanningGroupQuantisesConcatenatedRotatedRows) {
               }
             }
             for (int k = 0; k < span; ++k) {
-              const SideArtifact& s = which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
+              const SideArtifact& s =
+                  which == KvSide::Key ? a.heads[size_t(h0 + k)].key : a.heads[size_t(h0 + k)].value;
               const std::vector<float> want = rotate_by_hand(s.rotation, d, &yq[size_t(k) * d], true);
               for (int i = 0; i < d; ++i)
                 ASSERT_EQ(got[size_t(t) * w + size_t(h0 + k) * d + i], want[size_t(i)])
@@ -278,7 +283,8 @@ TEST(KvCodec, KvarnBalancingReducesStdImbalance) {
   const BalanceScales s = kvarn_balance(tile.data(), rows, cols, 8);
   std::vector<float> balanced(tile.size());
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) balanced[size_t(r) * cols + c] = tile[size_t(r) * cols + c] / s.row[size_t(r)] / s.col[size_t(c)];
+    for (int c = 0; c < cols; ++c)
+      balanced[size_t(r) * cols + c] = tile[size_t(r) * cols + c] / s.row[size_t(r)] / s.col[size_t(c)];
   const double before = std_imbalance(tile.data(), rows, cols), after = std_imbalance(balanced.data(), rows, cols);
   EXPECT_LT(after, 0.25 * before) << before << " -> " << after;
   for (float v : s.row) EXPECT_GE(v, round_f16(std::exp(-0.3f)) - 1e-3f);  // log-scale floor

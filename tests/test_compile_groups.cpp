@@ -60,8 +60,7 @@ TEST(SpanningGroups, HeadsOfAGroupShareTheirJointlyFittedQuantiser) {
       const HeadArtifact &a = art.head(l, h0), &b = art.head(l, h0 + 1);
       EXPECT_EQ(a.key.clip_ratio, b.key.clip_ratio);
       EXPECT_EQ(a.value.clip_ratio, b.value.clip_ratio);
-      const std::vector<FitRows> rows =
-          select_aligned_rows({&s.reservoir(l, h0), &s.reservoir(l, h0 + 1)}, false, 128);
+      const std::vector<FitRows> rows = select_aligned_rows({&s.reservoir(l, h0), &s.reservoir(l, h0 + 1)}, false, 128);
       EXPECT_EQ(a.key.clip_ratio, fit_clip_ratio(art.recipe, {&a.key, &b.key}, KvSide::Key, rows));
       EXPECT_EQ(a.value.clip_ratio, fit_clip_ratio(art.recipe, {&a.value, &b.value}, KvSide::Value, rows));
     }
@@ -117,8 +116,7 @@ TEST(SpanningGroups, AlignedRowsMatchTokensAcrossReservoirs) {
 
 TEST(SpanningGroups, ReportEvaluatesSpanningGroupsWithTheLayerCodec) {
   const Stats& s = small_head_stats();
-  const AttentionReport rep =
-      attention_report(s, {options_for("hadamard", 16), options_for("hadamard", 64)}, 128);
+  const AttentionReport rep = attention_report(s, {options_for("hadamard", 16), options_for("hadamard", 64)}, 128);
   ASSERT_EQ(rep.methods.size(), 2u);
   EXPECT_EQ(rep.methods[1].label, "hadamard/g64");
   EXPECT_DOUBLE_EQ(history_bits(rep.methods[0].recipe, KvSide::Key, 16), 4.0);

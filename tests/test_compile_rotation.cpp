@@ -136,7 +136,8 @@ TEST(Rotation, TargetsNormaliseTheStatsSums) {
   const size_t nq = res.q.size() / size_t(d);
   for (size_t row = 0; row < nq; ++row)
     for (int i = 0; i < d; ++i)
-      for (int j = 0; j < d; ++j) direct[size_t(i) * d + j] += double(res.q[row * d + i]) * res.q[row * d + j] / double(nq);
+      for (int j = 0; j < d; ++j)
+        direct[size_t(i) * d + j] += double(res.q[row * d + i]) * res.q[row * d + j] / double(nq);
   for (size_t i = 0; i < m.size(); ++i) EXPECT_NEAR(m[i], direct[i], 1e-5 * (1 + std::fabs(direct[i])));
   // logit2: weights k M kᵀ normalised to mean 1 over the fitting rows.
   const Matrix a = value_target(hs, res, "logit2", d);

@@ -113,12 +113,12 @@ TEST_F(DemoCli, DefaultRunOnTheShippedModel) {
   std::printf("  kvcc demo: %.1f s wall\n%s", r.seconds, r.out.c_str());
   EXPECT_LT(r.seconds, 60.0);
   for (const char* needle : {"[stories260k] sampled 48 calibration stories", "the first held-out story",
-                             "[stories260k] calibrate:", "[stories260k] compile: 5 methods", "[stories260k] validate:",
-                             "runtime/cpu", "full-precision ppl"})
+                             "[stories260k] calibrate:", "[stories260k] compile: 5 methods",
+                             "[stories260k] validate:", "runtime/cpu", "full-precision ppl"})
     EXPECT_NE(r.out.find(needle), std::string::npos) << needle;
   const std::vector<std::string> methods = {"identity", "hadamard", "oscar", "oscar-lm", "kivi"};
   for (const char* f : {"stories260k-calib.ids", "stories260k-heldout.ids", "stories260k.stats.h5",
-                               "stories260k-validation.json", "stories260k-validation.svg"})
+                        "stories260k-validation.json", "stories260k-validation.svg"})
     EXPECT_TRUE(fs::exists(dir.file(f))) << f;
   for (const std::string& m : methods) EXPECT_TRUE(fs::exists(dir.file("stories260k-" + m + ".kvcc.h5"))) << m;
 
@@ -204,11 +204,10 @@ TEST_F(DemoCli, DefaultRunOnTheShippedModel) {
   const std::vector<std::vector<int32_t>> docs(heldout.begin(), heldout.begin() + 6);
   for (const std::string method : {"identity", "oscar"}) {
     const Artifact art = read_artifact(dir.file("stories260k-" + method + ".kvcc.h5"));
-    const ValidationResult v =
-        validate_schemes(model, docs,
-                         {scheme_from_artifact(art, "codec", c),
-                          runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
-                         ValidateMode::PseudoDecode, 16);
+    const ValidationResult v = validate_schemes(
+        model, docs,
+        {scheme_from_artifact(art, "codec", c), runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
+        ValidateMode::PseudoDecode, 16);
     const SchemeMetrics &codec = v.schemes[0], &rt = v.schemes[1];
     EXPECT_EQ(rt.cache, "runtime/cpu");
     EXPECT_GT(codec.kl, 1e-3);
@@ -234,9 +233,10 @@ TEST_F(DemoCli, MissingModelIsAClearError) {
 // blocks attend to quantised pages): codec path, its own files.
 TEST_F(DemoCli, SyntheticStillRuns) {
   TempDir dir;
-  const RunResult r =
-      run_kvcc(dir.path, "demo --synthetic --calib-docs 2 --eval-docs 2 --doc-length 128 --block 32 --methods identity kivi --out " +
-                             dir.path);
+  const RunResult r = run_kvcc(
+      dir.path,
+      "demo --synthetic --calib-docs 2 --eval-docs 2 --doc-length 128 --block 32 --methods identity kivi --out " +
+          dir.path);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("SYNTHETIC"), std::string::npos) << r.out;
   const nlohmann::json j = nlohmann::json::parse(testing::read_bytes(dir.file("synthetic-validation.json")));

@@ -33,10 +33,17 @@ const std::map<std::string, std::set<std::string>> kAllowed = {
 // Third-party headers (by prefix) -> the only libraries that may include them; the link line of
 // CMakeLists.txt follows the same table.
 const std::vector<std::pair<std::string, std::set<std::string>>> kSystemOwners = {
-    {"cblas", {"model", "calibrate", "compile"}},          {"lapacke", {"compile"}},      {"pcre2", {"model"}},
-    {"unicode/", {"model"}},        {"mpi.h", {"calibrate"}},      {"CLI/", {"cli"}},
-    {"cublas", {}},                 {"cuda_runtime", {"runtime", "eval"}},
-    {"cuda_bf16", {"runtime"}},     {"cuda_fp16", {"runtime"}},   {"hdf5", {"formats"}},
+    {"cblas", {"model", "calibrate", "compile"}},
+    {"lapacke", {"compile"}},
+    {"pcre2", {"model"}},
+    {"unicode/", {"model"}},
+    {"mpi.h", {"calibrate"}},
+    {"CLI/", {"cli"}},
+    {"cublas", {}},
+    {"cuda_runtime", {"runtime", "eval"}},
+    {"cuda_bf16", {"runtime"}},
+    {"cuda_fp16", {"runtime"}},
+    {"hdf5", {"formats"}},
 };
 
 struct Violation {
@@ -98,7 +105,8 @@ TEST(Dependencies, PlantedWrongEdgesAreFound) {
   write("runtime/ok.cpp", "#include \"runtime/kv_cache.h\"\n#include \"formats/error.h\"\n#include <vector>\n");
   write("runtime/bad.cpp", "#include \"model/forward.h\"\n  #  include <cblas.h>\n");
   write("formats/bad.h", "#include \"compile/fit.h\"\n");
-  write("eval/ok.cpp", "#include \"runtime/kvcc_runtime.h\"\n#include \"model/tokenizer.h\"\n#include <cuda_runtime.h>\n");
+  write("eval/ok.cpp",
+        "#include \"runtime/kvcc_runtime.h\"\n#include \"model/tokenizer.h\"\n#include <cuda_runtime.h>\n");
   write("zoo/bad.cpp", "#include <pcre2.h>\n");
   const std::vector<Violation> v = check_tree(root);
   fs::remove_all(root);

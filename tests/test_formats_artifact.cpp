@@ -164,11 +164,10 @@ TEST(ArtifactFormat, BadInputGivesClearErrors) {
     r[1] = 0.01;  // RtR - I has 0.01 off the diagonal
     replace_rotation(file, "key", r);
   });
-  EXPECT_CONTAINS(error_of([&] { read_artifact(path); }), "/layers/1/kv1/key/rotation: not orthogonal (max |RtR - I| = 0.010000");
+  EXPECT_CONTAINS(error_of([&] { read_artifact(path); }),
+                  "/layers/1/kv1/key/rotation: not orthogonal (max |RtR - I| = 0.010000");
 
-  path = damaged(dir, [](h5::File& file) {
-    H5Ldelete(file.id(), "/layers/2/kv1/value/rotation", H5P_DEFAULT);
-  });
+  path = damaged(dir, [](h5::File& file) { H5Ldelete(file.id(), "/layers/2/kv1/value/rotation", H5P_DEFAULT); });
   EXPECT_EQ(error_of([&] { read_artifact(path); }), path + ": missing dataset /layers/2/kv1/value/rotation");
 
   path = damaged(dir, [](h5::File& file) { H5Ldelete(file.id(), "/layers/2", H5P_DEFAULT); });
@@ -198,24 +197,26 @@ TEST(ArtifactFormat, BadInputGivesClearErrors) {
             path + ": /layers/0/kv1/key/eigenvalues has dtype float32, expected float64");
 
   testing::write_bytes(dir.file("junk.h5"), std::string(5000, '\x7f'));
-  EXPECT_EQ(error_of([&] { read_artifact(dir.file("junk.h5")); }), dir.file("junk.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_EQ(error_of([&] { read_artifact(dir.file("junk.h5")); }),
+            dir.file("junk.h5") + ": not an HDF5 file (or truncated)");
   const std::string good = dir.file("good.h5");
   Fixture f;
   write_artifact(testing::random_artifact(f.config, f.fp, 6), good);
   const std::string bytes = testing::read_bytes(good);
   testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() - 100));
-  EXPECT_EQ(error_of([&] { read_artifact(dir.file("cut.h5")); }), dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_EQ(error_of([&] { read_artifact(dir.file("cut.h5")); }),
+            dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
 }
 
 TEST(ArtifactFormat, VerifyListsEveryProblemAndWriterRefuses) {
   testing::ScratchDir dir;
   Fixture f;
   Artifact a = testing::random_artifact(f.config, f.fp, 7);
-  a.head(0, 1).key.eigenvalues[3] = 1e9;                 // no longer ascending
-  a.head(1, 0).key.levels = {-1, 0.5, 0.2, 1};           // unsorted levels
-  a.head(2, 1).value.clip_ratio = 1.5;                   // outside (0, 1]
-  a.head(2, 0).value.extras[1].data[1] = 2.5;            // integer array with a fraction
-  a.recipe.page_size = 0;                                // pages must hold tokens
+  a.head(0, 1).key.eigenvalues[3] = 1e9;        // no longer ascending
+  a.head(1, 0).key.levels = {-1, 0.5, 0.2, 1};  // unsorted levels
+  a.head(2, 1).value.clip_ratio = 1.5;          // outside (0, 1]
+  a.head(2, 0).value.extras[1].data[1] = 2.5;   // integer array with a fraction
+  a.recipe.page_size = 0;                       // pages must hold tokens
   const auto problems = verify_artifact(a);
   ASSERT_EQ(problems.size(), 5u);
   EXPECT_EQ(problems[0], "recipe: sink/recent must be >= 0 and page_size > 0");
@@ -225,8 +226,9 @@ TEST(ArtifactFormat, VerifyListsEveryProblemAndWriterRefuses) {
   EXPECT_EQ(problems[4], "/layers/2/kv1/value: clip_ratio 1.500000 is not in (0, 1]");
 
   EXPECT_EQ(error_of([&] { write_artifact(a, dir.file("bad.h5")); }),
-            dir.file("bad.h5") + ": refusing to write an invalid artifact: recipe: sink/recent must be >= 0 and page_size > 0"
-                                 " (and 4 more problems)");
+            dir.file("bad.h5") +
+                ": refusing to write an invalid artifact: recipe: sink/recent must be >= 0 and page_size > 0"
+                " (and 4 more problems)");
   EXPECT_TRUE(dir.entries().empty());
 
   // Shared per-layer rotations must really be shared; dimensions must match the fingerprint.

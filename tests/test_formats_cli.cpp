@@ -61,7 +61,8 @@ TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
   const std::string base = "compile " + dir.file("s.h5") + " -o " + dir.file("a.kvcc.h5") + " ";
   expect_one_line_error(run_kvcc(dir, base + "-m hadamard --seed 3"),
                         "--seed applies to random, turboquant and commvq only, not hadamard");
-  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --values oscar"), "--values applies to kivi only, not hadamard");
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --values oscar"),
+                        "--values applies to kivi only, not hadamard");
   expect_one_line_error(run_kvcc(dir, base + "-m kivi --values random"),
                         "kivi values must be hadamard or oscar, got 'random'");
   expect_one_line_error(run_kvcc(dir, base + "-m kivi --values hadamard --composition UH"),
@@ -134,7 +135,8 @@ TEST_F(FormatsCli, InspectAndVerifyArtifact) {
   r = run_kvcc(dir, "verify " + path);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out.rfind("OK ", 0), 0u) << r.out;
-  EXPECT_NE(r.out.find("sha256 of 28 datasets"), std::string::npos) << r.out;  // 4 heads x (key: rot, eig, levels; value: rot, eig, 2 extras)
+  EXPECT_NE(r.out.find("sha256 of 28 datasets"), std::string::npos)
+      << r.out;  // 4 heads x (key: rot, eig, levels; value: rot, eig, 2 extras)
 
   // Flip the lowest byte of one rotation value: verify names the dataset, exit 1.
   int64_t offset;
@@ -147,7 +149,8 @@ TEST_F(FormatsCli, InspectAndVerifyArtifact) {
   testing::write_bytes(path, bytes);
   r = run_kvcc(dir, "verify " + path);
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.out.find("FAIL " + path + ": checksum mismatch in /layers/1/kv1/value/rotation"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("FAIL " + path + ": checksum mismatch in /layers/1/kv1/value/rotation"), std::string::npos)
+      << r.out;
   expect_one_line_error(r, "failed verification (1 problem)");
   r = run_kvcc(dir, "inspect " + path);
   expect_one_line_error(r, "checksum mismatch in /layers/1/kv1/value/rotation");
@@ -243,8 +246,10 @@ TEST_F(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("100 documents"), std::string::npos) << r.out;
   // A 2-bit artifact compiled here from a short calibration (the zoo's may change).
-  ASSERT_EQ(run_kvcc(dir, "calibrate-model --model " + model + " --data " + text + " --tokens 3000 -o " +
-                              dir.file("s.h5")).exit_code, 0);
+  ASSERT_EQ(
+      run_kvcc(dir, "calibrate-model --model " + model + " --data " + text + " --tokens 3000 -o " + dir.file("s.h5"))
+          .exit_code,
+      0);
   ASSERT_EQ(run_kvcc(dir, "compile " + dir.file("s.h5") + " -m hadamard -o " + dir.file("a.kvcc.h5")).exit_code, 0);
   const std::string common = " --model " + model + " -a " + dir.file("a.kvcc.h5") +
                              " --tokens 1500 --sink 4 --recent 32 --page-size 32 --json ";
@@ -258,9 +263,9 @@ TEST_F(FormatsCliRealModel, TokenizedIdsValidateLikeTheText) {
   EXPECT_EQ(a["schemes"][0]["nll"], b["schemes"][0]["nll"]);
   EXPECT_EQ(a["schemes"][0]["kl"], b["schemes"][0]["kl"]);
   EXPECT_GT(a["schemes"][0]["kl"].get<double>(), 0.0);
-  expect_one_line_error(run_kvcc(dir, "tokenize --model " + model + " --data " + dir.file("none.txt") + " -o " +
-                                          dir.file("n.ids")),
-                        "none.txt");
+  expect_one_line_error(
+      run_kvcc(dir, "tokenize --model " + model + " --data " + dir.file("none.txt") + " -o " + dir.file("n.ids")),
+      "none.txt");
   EXPECT_FALSE(testing::file_exists(dir.file("n.ids")));
 }
 
@@ -284,8 +289,8 @@ TEST_F(FormatsCliRealModel, ShardedCalibrationMergesToFullRun) {
     const HeadStats &x = full.heads[i], &y = merged.heads[i];
     EXPECT_EQ(x.query_count, y.query_count);
     EXPECT_EQ(x.kv_count, y.kv_count);
-    for (auto member : {&HeadStats::query_m2, &HeadStats::output_m2, &HeadStats::p2_m2, &HeadStats::key_m2,
-                        &HeadStats::value_m2}) {
+    for (auto member :
+         {&HeadStats::query_m2, &HeadStats::output_m2, &HeadStats::p2_m2, &HeadStats::key_m2, &HeadStats::value_m2}) {
       const auto &a = x.*member, &b = y.*member;
       double scale = 0, diff = 0;
       for (size_t k = 0; k < a.size(); ++k) {

@@ -95,11 +95,12 @@ TEST(H5, ErrorsNameFileAndObject) {
   EXPECT_EQ(error_of([&] { g.read<double>("query_m2"); }), path + ": missing dataset /layers/3/query_m2");
   EXPECT_EQ(error_of([&] { f.group("model"); }), path + ": missing group /model");
   EXPECT_EQ(error_of([&] { g.read<float>("x"); }), path + ": /layers/3/x has dtype float64, expected float32");
-  EXPECT_EQ(error_of([&] { g.read<double>("x", h5::Shape{3}); }),
-            path + ": /layers/3/x has shape [2], expected [3]");
+  EXPECT_EQ(error_of([&] { g.read<double>("x", h5::Shape{3}); }), path + ": /layers/3/x has shape [2], expected [3]");
   EXPECT_EQ(error_of([&] { g.attr_int("count"); }), path + ": /layers/3: missing attribute count");
   EXPECT_EQ(error_of([&] { g.attr_int("name"); }), path + ": /layers/3: attribute name is not an integer");
-  EXPECT_EQ(error_of([&] { g.write("bad", {2, 2}, std::vector<double>{1, 2, 3}); }),
+  EXPECT_EQ(error_of([&] {
+              g.write("bad", {2, 2}, std::vector<double>{1, 2, 3});
+            }),
             path + ": /layers/3/bad: 3 values do not fill shape [2, 2]");
 }
 

@@ -73,14 +73,20 @@ TEST(ModelConfig, FingerprintSeparatesModels) {
 
   // Every architecture field participates.
   const std::vector<std::function<void(ModelConfig&)>> edits = {
-      [](ModelConfig& m) { m.architecture = "qwen3"; },      [](ModelConfig& m) { m.hidden += 1; },
-      [](ModelConfig& m) { m.n_heads = 8; },                 [](ModelConfig& m) { m.n_kv_heads = 4; },
-      [](ModelConfig& m) { m.head_dim = 16; },               [](ModelConfig& m) { m.intermediate += 1; },
-      [](ModelConfig& m) { m.vocab += 1; },                  [](ModelConfig& m) { m.rope_scaling.type = "default"; },
-      [](ModelConfig& m) { m.rope_scaling.factor = 2; },     [](ModelConfig& m) { m.rope_scaling.low_freq_factor = 2; },
+      [](ModelConfig& m) { m.architecture = "qwen3"; },
+      [](ModelConfig& m) { m.hidden += 1; },
+      [](ModelConfig& m) { m.n_heads = 8; },
+      [](ModelConfig& m) { m.n_kv_heads = 4; },
+      [](ModelConfig& m) { m.head_dim = 16; },
+      [](ModelConfig& m) { m.intermediate += 1; },
+      [](ModelConfig& m) { m.vocab += 1; },
+      [](ModelConfig& m) { m.rope_scaling.type = "default"; },
+      [](ModelConfig& m) { m.rope_scaling.factor = 2; },
+      [](ModelConfig& m) { m.rope_scaling.low_freq_factor = 2; },
       [](ModelConfig& m) { m.rope_scaling.high_freq_factor = 2; },
       [](ModelConfig& m) { m.rope_scaling.original_max_position = 4096; },
-      [](ModelConfig& m) { m.rms_eps = 1e-6; },              [](ModelConfig& m) { m.tied_embeddings = false; },
+      [](ModelConfig& m) { m.rms_eps = 1e-6; },
+      [](ModelConfig& m) { m.tied_embeddings = false; },
       [](ModelConfig& m) { m.qkv_bias = true; }};
   for (size_t i = 0; i < edits.size(); ++i) {
     ModelConfig m = base;

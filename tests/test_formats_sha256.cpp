@@ -16,8 +16,7 @@ TEST(Sha256, NistVectors) {
   EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
   EXPECT_EQ(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
             "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
-  EXPECT_EQ(sha256_hex(std::string(1000000, 'a')),
-            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  EXPECT_EQ(sha256_hex(std::string(1000000, 'a')), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
   // The 896-bit message (two blocks after padding) exercises the length field spilling over.
   EXPECT_EQ(sha256_hex("abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrlmnopq"
                        "rsmnopqrstnopqrstu"),
@@ -30,7 +29,8 @@ TEST(Sha256, StreamingMatchesOneShot) {
   const std::string expected = sha256_hex(message);
   for (size_t chunk : {1u, 3u, 55u, 56u, 63u, 64u, 65u, 1000u}) {
     Sha256 h;
-    for (size_t at = 0; at < message.size(); at += chunk) h.update(message.data() + at, std::min(chunk, message.size() - at));
+    for (size_t at = 0; at < message.size(); at += chunk)
+      h.update(message.data() + at, std::min(chunk, message.size() - at));
     EXPECT_EQ(h.hex_digest(), expected) << "chunk " << chunk;
   }
 }

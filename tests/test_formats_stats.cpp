@@ -160,7 +160,8 @@ TEST(StatsFormat, MergeEqualsNaiveUnion) {
       EXPECT_EQ(res.heldout[size_t(i)], uint8_t(all[size_t(i)]->doc % 5 == 4));
       EXPECT_TRUE(std::equal(all[size_t(i)]->q.begin(), all[size_t(i)]->q.end(), res.q.begin() + i * r * d));
       EXPECT_TRUE(std::equal(all[size_t(i)]->key.begin(), all[size_t(i)]->key.end(), res.key.begin() + i * d));
-      EXPECT_TRUE(std::equal(all[size_t(i)]->key_pre.begin(), all[size_t(i)]->key_pre.end(), res.key_pre.begin() + i * d));
+      EXPECT_TRUE(
+          std::equal(all[size_t(i)]->key_pre.begin(), all[size_t(i)]->key_pre.end(), res.key_pre.begin() + i * d));
       EXPECT_TRUE(std::equal(all[size_t(i)]->value.begin(), all[size_t(i)]->value.end(), res.value.begin() + i * d));
     }
   }
@@ -246,9 +247,11 @@ TEST(StatsFormat, BadInputGivesClearErrors) {
   // Truncated and not-HDF5.
   const std::string bytes = testing::read_bytes(good);
   testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() * 2 / 3));
-  EXPECT_EQ(error_of([&] { read_stats(dir.file("cut.h5")); }), dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_EQ(error_of([&] { read_stats(dir.file("cut.h5")); }),
+            dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
   testing::write_bytes(dir.file("notes.txt"), "q k v\n");
-  EXPECT_EQ(error_of([&] { read_stats(dir.file("notes.txt")); }), dir.file("notes.txt") + ": not an HDF5 file (or truncated)");
+  EXPECT_EQ(error_of([&] { read_stats(dir.file("notes.txt")); }),
+            dir.file("notes.txt") + ": not an HDF5 file (or truncated)");
 
   // Missing dataset.
   std::string path = damaged(dir, [](h5::File& f) { H5Ldelete(f.id(), "/layers/1/kv0/query_m2", H5P_DEFAULT); });

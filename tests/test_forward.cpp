@@ -24,11 +24,10 @@ void expect_matches_transformers(const std::string& model_path, const std::strin
   const ModelFile model = ModelFile::open(model_path);
   const nlohmann::json ref = read_json_file(ref_path);
   const RefComparison cmp = compare_to_reference(model, ref);
-  EXPECT_LT(cmp.relative(), kRelTol) << model_path << ": max |diff| " << cmp.max_abs_diff
-                                     << " / max |ref| " << cmp.max_abs_ref;
+  EXPECT_LT(cmp.relative(), kRelTol) << model_path << ": max |diff| " << cmp.max_abs_diff << " / max |ref| "
+                                     << cmp.max_abs_ref;
   EXPECT_GT(cmp.max_abs_ref, 0.5);  // the reference is not degenerate
-  std::printf("  %s: max |diff| / max |ref| = %.2e\n", fs::path(model_path).filename().c_str(),
-              cmp.relative());
+  std::printf("  %s: max |diff| / max |ref| = %.2e\n", fs::path(model_path).filename().c_str(), cmp.relative());
 }
 
 }  // namespace
@@ -49,8 +48,7 @@ TEST_P(TinyModel, RopeInverseFrequenciesMatchTransformers) {
   const auto ref = read_json_file(dir + "/ref_logits.json")["inv_freq"].get<std::vector<double>>();
   const std::vector<double> ours = rope_inv_freq(model.config());
   ASSERT_EQ(ours.size(), ref.size());
-  for (size_t i = 0; i < ref.size(); ++i)
-    EXPECT_NEAR(ours[i], ref[i], 1e-6 * ref[i]) << GetParam() << " pair " << i;
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(ours[i], ref[i], 1e-6 * ref[i]) << GetParam() << " pair " << i;
 }
 
 // The same operations in double (validation's exact-check mode) match transformers as well, and
@@ -75,8 +73,7 @@ TEST_P(TinyModel, DoubleForwardMatchesTransformersAndFloat) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Forward, TinyModel,
-                         ::testing::Values("llama31-hd64", "llama31-hd128", "qwen3-hd64",
-                                           "qwen3-hd128", "qwen2-bias"));
+                         ::testing::Values("llama31-hd64", "llama31-hd128", "qwen3-hd64", "qwen3-hd128", "qwen2-bias"));
 
 TEST(Forward, Llama3ScalingChangesOnlyLowFrequencies) {
   const ModelFile model = ModelFile::open(data_models_dir() + "/llama31-hd64");
@@ -262,8 +259,7 @@ TEST(Forward, AttentionQkvPositionOffsetMatchesLongerRun) {
     attention_qkv(c, w, x.data(), T, 0, q.data(), kp.data(), k.data(), v.data());
     const int tail = T - pos0;
     std::vector<float> q2(tail * qdim), kp2(tail * kvdim), k2(tail * kvdim), v2(tail * kvdim);
-    attention_qkv(c, w, x.data() + size_t(pos0) * c.hidden, tail, pos0, q2.data(), kp2.data(),
-                  k2.data(), v2.data());
+    attention_qkv(c, w, x.data() + size_t(pos0) * c.hidden, tail, pos0, q2.data(), kp2.data(), k2.data(), v2.data());
     for (size_t i = 0; i < tail * qdim; ++i) ASSERT_NEAR(q2[i], q[pos0 * qdim + i], 1e-5) << name;
     for (size_t i = 0; i < tail * kvdim; ++i) {
       ASSERT_NEAR(k2[i], k[pos0 * kvdim + i], 1e-5) << name;

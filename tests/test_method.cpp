@@ -22,8 +22,8 @@ namespace {
 
 using testing::error_of;
 
-const char* const kNames[] = {"oscar", "oscar-lm", "hadamard", "identity", "random",
-                              "turboquant", "kivi", "kvarn", "commvq"};
+const char* const kNames[] = {"oscar",      "oscar-lm", "hadamard", "identity", "random",
+                              "turboquant", "kivi",     "kvarn",    "commvq"};
 
 bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 
@@ -148,7 +148,8 @@ TEST(MethodTable, OptionsAMethodIgnoresAreRefusedByOneRule) {
             "turboquant variant must be mse or prod, got 'fast'");
   EXPECT_EQ(options_error(Method::Kivi, 0, {{"values", "random"}}),
             "kivi values must be hadamard or oscar, got 'random'");
-  EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "0"}}), "kvarn iterations must be an integer >= 1, got '0'");
+  EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "0"}}),
+            "kvarn iterations must be an integer >= 1, got '0'");
   EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "8x"}}),
             "kvarn iterations must be an integer >= 1, got '8x'");
   // compile applies the same rule to its parameters.
@@ -236,8 +237,9 @@ TEST(MethodVerify, TurboquantSplitAndParametersGoThroughTheTable) {
   a.recipe.key_bits = 2;  // the stored split no longer matches the budget
   std::vector<std::string> problems = verify_artifact(a);
   ASSERT_FALSE(problems.empty());
-  EXPECT_EQ(problems[0], "turboquant: layer 0 kv head 0 key: split 32 disagrees with the recipe's 2.000000 bits "
-                         "(0 outlier channels)");
+  EXPECT_EQ(problems[0],
+            "turboquant: layer 0 kv head 0 key: split 32 disagrees with the recipe's 2.000000 bits "
+            "(0 outlier channels)");
 }
 
 }  // namespace

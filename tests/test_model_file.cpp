@@ -319,8 +319,8 @@ TEST(ModelFileErrors, TensorShapeDisagreesWithConfig) {
   cfg["intermediate_size"] = 65;
   write_bytes(dir / "config.json", cfg.dump());
   const std::string msg = error_of([&] { ModelFile::open(dir.string()); });
-  EXPECT_NE(msg.find("mlp.gate_proj.weight has shape [64, 32] but the config implies [65, 32]"),
-            std::string::npos) << msg;
+  EXPECT_NE(msg.find("mlp.gate_proj.weight has shape [64, 32] but the config implies [65, 32]"), std::string::npos)
+      << msg;
 }
 
 TEST(ModelFileErrors, HeaderSizeDisagreesWithShape) {
@@ -330,8 +330,8 @@ TEST(ModelFileErrors, HeaderSizeDisagreesWithShape) {
   st.header["model.norm.weight"]["shape"] = {33};  // data_offsets still span 32 floats
   st.write(dir / "model.safetensors");
   const std::string msg = error_of([&] { ModelFile::open(dir.string()); });
-  EXPECT_NE(msg.find("'model.norm.weight': data_offsets span 128 bytes but F32 x shape needs 132"),
-            std::string::npos) << msg;
+  EXPECT_NE(msg.find("'model.norm.weight': data_offsets span 128 bytes but F32 x shape needs 132"), std::string::npos)
+      << msg;
 }
 
 TEST(ModelFileErrors, HeaderOffsetsBeyondFile) {

@@ -29,8 +29,8 @@ const std::string kRefDir = std::string(KVCC_SHARED_DIR) + "/zoo-reference/oscar
 const std::string kKeyFile = kRefDir + "/k_rotation_qqt_r_h_pbr.pt";
 const std::string kValueFile = kRefDir + "/v_rotation_sst_r_h_pbr.pt";
 
-#define REQUIRE_REFERENCE()                                                                   \
-  if (!fs::exists(kKeyFile) || !fs::exists(kValueFile))                                       \
+#define REQUIRE_REFERENCE()                             \
+  if (!fs::exists(kKeyFile) || !fs::exists(kValueFile)) \
   GTEST_SKIP() << "OSCAR reference rotations not found under " << kRefDir << " (../shared absent)"
 
 nlohmann::json refs() {
@@ -247,7 +247,8 @@ TEST(OscarImport, CommandLine) {
   EXPECT_EQ(a.head(17, 0).key.rotation, imported().artifact.head(17, 0).key.rotation);
   EXPECT_EQ(a.recipe.params.at("oscar_key_file_sha256"), sha256_file_hex(kKeyFile));
   const std::string out = (dir / "rot").string();
-  ASSERT_EQ(std::system((std::string(KVCC_BINARY) + " zoo export-oscar " + art + " -o " + out + " > /dev/null").c_str()), 0);
+  ASSERT_EQ(
+      std::system((std::string(KVCC_BINARY) + " zoo export-oscar " + art + " -o " + out + " > /dev/null").c_str()), 0);
   const OscarRotationSet k = read_oscar_pt(out + "/k_rotation_qqt_r_h_pbr.pt");
   EXPECT_EQ(k.layers[35].rotation, imported().key.layers[35].rotation);
   // A missing file is a one-line error and a non-zero exit.

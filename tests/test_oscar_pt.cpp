@@ -160,8 +160,9 @@ TEST(Pickle, ReadsCPythonProtocol2And4) {
     EXPECT_EQ(c->get_int_key(7)->text, "seven");
   }
   // collections.OrderedDict([('k', 1)]), protocol 2: REDUCE of the allowed global, then SETITEM.
-  const PyValue od = unpickle(from_hex("800263636f6c6c656374696f6e730a4f726465726564446963740a71002952710158010000006b71024b01732e"),
-                              kNoStorage, "cpython");
+  const PyValue od =
+      unpickle(from_hex("800263636f6c6c656374696f6e730a4f726465726564446963740a71002952710158010000006b71024b01732e"),
+               kNoStorage, "cpython");
   ASSERT_TRUE(od.get("k"));
   EXPECT_EQ(od.get("k")->integer, 1);
 }
@@ -201,11 +202,21 @@ TEST(Pickle, ForbiddenGlobalRefusedBeforeAnythingIsBuilt) {
   EXPECT_EQ(loads, 0);
   // Other refusals name what they met.
   const std::pair<std::string, std::string> cases[] = {
-      {"\x80\x02" "cbuiltins\neval\n.", "builtins.eval"},
-      {"\x80\x02" "ctorch\nHalfStorage\n.", "float32"},
-      {"\x80\x02" "(i__main__\nX\n.", "INST"},
-      {"\x80\x02" "\x81.", "NEWOBJ"},
-      {"\x80\x02" "\x82\x01.", "EXT1"},
+      {"\x80\x02"
+       "cbuiltins\neval\n.",
+       "builtins.eval"},
+      {"\x80\x02"
+       "ctorch\nHalfStorage\n.",
+       "float32"},
+      {"\x80\x02"
+       "(i__main__\nX\n.",
+       "INST"},
+      {"\x80\x02"
+       "\x81.",
+       "NEWOBJ"},
+      {"\x80\x02"
+       "\x82\x01.",
+       "EXT1"},
       {"\x80\x04\x8c\x02os\x8c\x06system\x93.", "os.system"},  // STACK_GLOBAL
   };
   for (const auto& [bytes, name] : cases) {
@@ -220,12 +231,17 @@ TEST(Pickle, ForbiddenGlobalRefusedBeforeAnythingIsBuilt) {
 }
 
 TEST(Pickle, MalformedInputIsAnError) {
-  EXPECT_THROW(unpickle("\x80\x02}", kNoStorage, "trunc"), Error);          // no STOP
+  EXPECT_THROW(unpickle("\x80\x02}", kNoStorage, "trunc"), Error);              // no STOP
   EXPECT_THROW(unpickle("\x80\x02X\xff\xff\xff\x7f", kNoStorage, "t"), Error);  // string past the end
-  EXPECT_THROW(unpickle("\x80\x02" "a.", kNoStorage, "t"), Error);             // APPEND on empty stack
-  EXPECT_THROW(unpickle("\x80\x02h\x05.", kNoStorage, "t"), Error);            // memo key never set
+  EXPECT_THROW(unpickle("\x80\x02"
+                        "a.",
+                        kNoStorage, "t"),
+               Error);                                               // APPEND on empty stack
+  EXPECT_THROW(unpickle("\x80\x02h\x05.", kNoStorage, "t"), Error);  // memo key never set
   // A list that contains itself: refused instead of recursing forever.
-  const char self_ref[] = "\x80\x02]q\x00h\x00" "a.";
+  const char self_ref[] =
+      "\x80\x02]q\x00h\x00"
+      "a.";
   EXPECT_THROW(unpickle(std::string(self_ref, sizeof self_ref - 1), kNoStorage, "t"), Error);
 }
 
@@ -236,11 +252,12 @@ TEST(Pickle, TorchSaveRoundTrip) {
   PyTensor scalar;
   scalar.shape = {};
   scalar.data = {42};
-  const PyValue v = PyValue::dict({{PyValue::from_string("a"), PyValue::from_tensor(a)},
-                                   {PyValue::from_int(3), PyValue::from_tensor(scalar)},
-                                   {PyValue::from_string("f"), PyValue::from_float(-0.125)},
-                                   {PyValue::from_string("big"), PyValue::from_int(-(int64_t(1) << 50))},
-                                   {PyValue::from_string("t"), PyValue::tuple({PyValue::from_bool(false), PyValue::none()})}});
+  const PyValue v =
+      PyValue::dict({{PyValue::from_string("a"), PyValue::from_tensor(a)},
+                     {PyValue::from_int(3), PyValue::from_tensor(scalar)},
+                     {PyValue::from_string("f"), PyValue::from_float(-0.125)},
+                     {PyValue::from_string("big"), PyValue::from_int(-(int64_t(1) << 50))},
+                     {PyValue::from_string("t"), PyValue::tuple({PyValue::from_bool(false), PyValue::none()})}});
   const PyValue back = torch_load_bytes(torch_save_bytes(v, "archive"), "mem");
   ASSERT_TRUE(back.get("a") && back.get("a")->is(PyValue::Kind::Tensor));
   EXPECT_EQ(back.get("a")->tensor->shape, a.shape);
@@ -254,7 +271,8 @@ TEST(Pickle, TorchSaveRoundTrip) {
 }
 
 TEST(Pickle, ReadsTorchStridedAndOffsetViews) {
-  // torch.save({"t": arange(6).reshape(2,3).t(), "view": arange(10)[3:7], "expanded": arange(3).expand(2, 3), "n": 7, "f": 0.25, "s": "x",
+  // torch.save({"t": arange(6).reshape(2,3).t(), "view": arange(10)[3:7], "expanded": arange(3).expand(2, 3), "n": 7,
+  // "f": 0.25, "s": "x",
   //             "l": [1, -2, 2**40], "tup": (True, None)}) made by make_oscar_refs.py --small.
   const PyValue v = torch_load(kData + "/strided.pt");
   const PyTensor& t = *v.get("t")->tensor;
@@ -310,8 +328,9 @@ TEST(OscarPt, RefusesWrongStructure) {
   r.shape = {3, 4};  // not square
   r.data.assign(12, 0.f);
   const PyValue layer = PyValue::dict({{PyValue::from_string("rotation"), PyValue::from_tensor(r)}});
-  const PyValue bad_shape = PyValue::dict({{PyValue::from_string("format_version"), PyValue::from_int(1)},
-                                           {PyValue::from_string("layers"), PyValue::dict({{PyValue::from_int(0), layer}})}});
+  const PyValue bad_shape =
+      PyValue::dict({{PyValue::from_string("format_version"), PyValue::from_int(1)},
+                     {PyValue::from_string("layers"), PyValue::dict({{PyValue::from_int(0), layer}})}});
   EXPECT_THROW(read_oscar_pt(save(bad_shape)), Error);
   const PyValue bad_version = PyValue::dict({{PyValue::from_string("format_version"), PyValue::from_int(7)},
                                              {PyValue::from_string("layers"), PyValue::dict()}});

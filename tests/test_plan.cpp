@@ -100,10 +100,8 @@ TEST(ServedShapes, EachRuleNamesItsFieldAndKernels) {
     const unsigned ops[3] = {kGpuAppend, kGpuPrefill, kGpuDecode};
     for (int i = 0; i < 3; ++i) {
       const std::string why = gpu_unsupported_reason(g, c.heads, ops[i], c.table);
-      if (served[i])
-        EXPECT_EQ(why, "") << c.what << " op " << ops[i];
-      else
-        EXPECT_TRUE(contains(why, c.what)) << c.what << " op " << ops[i] << ": '" << why << "'";
+      if (served[i]) EXPECT_EQ(why, "") << c.what << " op " << ops[i];
+      else EXPECT_TRUE(contains(why, c.what)) << c.what << " op " << ops[i] << ": '" << why << "'";
     }
     const std::string all = gpu_unsupported_reason(g, c.heads, kGpuAllOps, c.table);
     EXPECT_EQ(all.empty(), c.append && c.prefill && c.decode) << c.what << ": '" << all << "'";
@@ -188,8 +186,9 @@ TEST(ServedShapes, DeviceRuntimeRefusesAtConstruction) {
 TEST(ServedShapes, OnlyHopperRunsTheKernels) {
   EXPECT_EQ(gpu_arch_problem(0, "NVIDIA H200", 9, 0), "");
   const std::string a100 = gpu_arch_problem(0, "NVIDIA A100-SXM4-80GB", 8, 0);
-  EXPECT_EQ(a100, "kvcc's CUDA kernels need a Hopper GPU (sm_90); device 0 is NVIDIA A100-SXM4-80GB (sm_80); use the "
-                  "CPU pool");
+  EXPECT_EQ(a100,
+            "kvcc's CUDA kernels need a Hopper GPU (sm_90); device 0 is NVIDIA A100-SXM4-80GB (sm_80); use the "
+            "CPU pool");
   EXPECT_TRUE(contains(gpu_arch_problem(1, "NVIDIA B200", 10, 0), "device 1 is NVIDIA B200 (sm_100)"));
   EXPECT_TRUE(contains(gpu_arch_problem(0, "NVIDIA L40S", 8, 9), "(sm_89)"));
   EXPECT_FALSE(gpu_arch_problem(0, "sm_90a?", 9, 1).empty());
@@ -255,8 +254,7 @@ TEST(DecodePlanning, SplitsCoverEveryPageOnceWithinTheirBudget) {
                 EXPECT_EQ(p.ring, ring ? ring : kDecodeRingDeep) << where;
                 continue;
               }
-              if (pairs >= kDecodeFewPairs && p.units_per_split >= 24 &&
-                  p.ring == (ring ? ring : kDecodeRingWide)) {
+              if (pairs >= kDecodeFewPairs && p.units_per_split >= 24 && p.ring == (ring ? ring : kDecodeRingWide)) {
                 // The waves plan: at most 4 waves of resident CTAs of its build.
                 EXPECT_LE(p.paged_splits, ceil_div(4 * gpu.resident(p.ring), pairs)) << where;
               } else {
@@ -322,10 +320,8 @@ TEST(DecodePlanning, TwoWaveRungIsNeverTaken) {
         if (pairs < kDecodeFewPairs) continue;
         const DecodePlan p = plan_decode_int2(gpu, g, batch, pages, 0, 0);
         const int four = ceil_div(pages, ceil_div(4 * gpu.resident_wide, pairs));
-        if (four >= 24)
-          EXPECT_EQ(p.units_per_split, four);
-        else
-          EXPECT_LE(p.paged_splits, std::max(1, ceil_div(2 * kSms, pairs)));
+        if (four >= 24) EXPECT_EQ(p.units_per_split, four);
+        else EXPECT_LE(p.paged_splits, std::max(1, ceil_div(2 * kSms, pairs)));
       }
 }
 
@@ -419,7 +415,7 @@ TEST(PrefillPlanning, TilesAndSplitsCoverEveryKey) {
               continue;
             }
             const int ctas = p.row_tiles * n_kv, resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
-            EXPECT_TRUE(ctas < resident || p.splits == 1) << where;         // the query tiles fill the GPU
+            EXPECT_TRUE(ctas < resident || p.splits == 1) << where;     // the query tiles fill the GPU
             EXPECT_TRUE(units < 4 || p.units_per_split >= 4) << where;  // each split keeps >= 4 key tiles
             EXPECT_LE(int64_t(p.splits) * ctas, std::max(int64_t(ctas), int64_t(resident) + ctas)) << where;
           }
@@ -463,8 +459,8 @@ TEST(AppendPlanning, EveryTokenLandsOnceWhereItsTierSays) {
       int64_t row = 0;
       int32_t next_page = 0;
       for (int i = 0; i < nseq; ++i) {
-        const int64_t old = std::vector<int64_t>{0, 1, sink, sink + recent, sink + recent + 1, 1000}[rng() % 6] +
-                            int64_t(rng() % 70);
+        const int64_t old =
+            std::vector<int64_t>{0, 1, sink, sink + recent, sink + recent + 1, 1000}[rng() % 6] + int64_t(rng() % 70);
         const int count = std::vector<int>{0, 1, 1, 17, 64, 300}[rng() % 6];
         plan.seq_slots.push_back(10 + i);
         plan.old_lengths.push_back(old);
@@ -478,7 +474,7 @@ TEST(AppendPlanning, EveryTokenLandsOnceWhereItsTierSays) {
       const AppendMoves m = plan_append_moves(g, plan);
       EXPECT_EQ(m.rows, row);
       std::map<std::pair<int32_t, int32_t>, int> page_rows;  // (page, row) -> times written
-      std::vector<int> staged(size_t(row), 0);                // staging row -> times used
+      std::vector<int> staged(size_t(row), 0);               // staging row -> times used
       for (const AppendMove& mv : m.moves) {
         ++page_rows[{mv.page, mv.row}];
         if (!mv.from_ring) ++staged[size_t(mv.src)];
@@ -502,8 +498,8 @@ TEST(AppendPlanning, EveryTokenLandsOnceWhereItsTierSays) {
           ASSERT_NE(it, m.moves.end());
           EXPECT_EQ(it->seq_slot, plan.seq_slots[size_t(i)]);
           EXPECT_EQ(bool(it->from_ring), from_ring);
-          EXPECT_EQ(it->src, from_ring ? int32_t(post % g.recent)
-                                       : int32_t(plan.row_offsets[size_t(i)] + (post + g.sink - n0)));
+          EXPECT_EQ(it->src,
+                    from_ring ? int32_t(post % g.recent) : int32_t(plan.row_offsets[size_t(i)] + (post + g.sink - n0)));
         }
         for (const AppendWindowWrite& w : m.writes) {
           if (w.seq_slot != plan.seq_slots[size_t(i)]) continue;
@@ -604,8 +600,8 @@ TEST(Merge, LogSumExpOfSplitsMatchesFloat64) {
   Partials none = random_partials(9, rng, 1.0);
   float m[4], l[4], acc[4];
   for (int slice = 0; slice < 4; ++slice)
-    merge_run<4, 1>(none.o.data(), none.ml.data(), [](int s) { return size_t(s); }, 0, 9, slice, 4, m[slice],
-                    l[slice], acc[slice]);
+    merge_run<4, 1>(
+        none.o.data(), none.ml.data(), [](int s) { return size_t(s); }, 0, 9, slice, 4, m[slice], l[slice], acc[slice]);
   EXPECT_EQ(merge_slices(m, l, acc, 1), 0.0f);
 }
 
@@ -633,8 +629,9 @@ TEST(Merge, ReadsThePartialsLayoutItIsGiven) {
         }
         const size_t base = size_t(h) * rows + row, stride = size_t(n_kv) * rows;
         float m, l, acc;
-        merge_run<4, d>(o.data(), ml.data(), [base, stride](int s) { return size_t(s) * stride + base; }, j, splits, 0,
-                        1, m, l, acc);
+        merge_run<4, d>(
+            o.data(), ml.data(), [base, stride](int s) { return size_t(s) * stride + base; }, j, splits, 0, 1, m, l,
+            acc);
         EXPECT_NEAR(acc / l, merged64(p).first, 1e-6 * (1.0 + merged64(p).second));
       }
 }

@@ -30,7 +30,7 @@ const std::string kGutenbergModel = kShared + "/models/gutenberg-27m";
 const std::string kStories260kModel = kShared + "/models/stories260k/stories260K.bin";
 const std::string kStories260kTokenizer = kShared + "/models/stories260k/tok512.bin";
 
-#define SKIP_WITHOUT_SHARED()                                                          \
+#define SKIP_WITHOUT_SHARED() \
   if (!fs::exists(kShared + "/models")) GTEST_SKIP() << "no ../shared/models (real models and text) here"
 
 std::string read_file(const std::string& path) {
@@ -153,8 +153,8 @@ TEST(Tokenizer, Stories260kMatchesPythonRederivationOfLlama2c) {
 TEST(Tokenizer, EdgeCasesMatchReference) {
   SKIP_WITHOUT_SHARED();
   const json cases = read_json(kRefs + "cases.json");
-  expect_cases(*kvcc::Tokenizer::from_file(kTinyStoriesModel + "/tokenizer.json"), cases["tokenizers"]["tinystories-656k"],
-               "tinystories-656k");
+  expect_cases(*kvcc::Tokenizer::from_file(kTinyStoriesModel + "/tokenizer.json"),
+               cases["tokenizers"]["tinystories-656k"], "tinystories-656k");
   expect_cases(*kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json"), cases["tokenizers"]["gutenberg-27m"],
                "gutenberg-27m");
   expect_cases(*kvcc::Tokenizer::from_file(kStories260kTokenizer), cases["tokenizers"]["stories260k"], "stories260k");
@@ -186,7 +186,8 @@ TEST(Tokenizer, DecodeInvertsEncodeOnRealText) {
   const auto stories = kvcc::split_documents(read_file(kShared + "/text/tinystories_valid_100.txt"));
   const auto books = kvcc::split_documents(read_file(kShared + "/text/gutenberg_heldout.txt"));
   auto gutenberg = kvcc::Tokenizer::from_file(kGutenbergModel + "/tokenizer.json");
-  for (size_t d = 0; d < books.size(); d += 7) EXPECT_EQ(gutenberg->decode(gutenberg->encode(books[d], true)), books[d]);
+  for (size_t d = 0; d < books.size(); d += 7)
+    EXPECT_EQ(gutenberg->decode(gutenberg->encode(books[d], true)), books[d]);
   // llama2.c falls back to bytes, so any text survives, including the books' “curly quotes”.
   auto llama2c = kvcc::Tokenizer::from_file(kStories260kTokenizer);
   for (const auto& doc : stories) EXPECT_EQ(llama2c->decode(llama2c->encode(doc, true)), doc);
@@ -301,19 +302,24 @@ TEST(Tokenizer, ForModelFindsTheTokenizerAndRefusesAVocabularyMismatch) {
   TempDir dir;
   EXPECT_NE(error_of([&] { kvcc::Tokenizer::for_model(dir.path.string(), 512); }).find("no tokenizer.json"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { kvcc::Tokenizer::for_model((dir.path / "missing.bin").string(), 512); }).find("does not exist"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { kvcc::Tokenizer::for_model((dir.path / "missing.bin").string(), 512); }).find("does not exist"),
+      std::string::npos);
   write_file(dir.path / "model.bin", "x");
-  EXPECT_NE(error_of([&] { kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 512); }).find("no tokenizer.bin"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 512); }).find("no tokenizer.bin"),
+      std::string::npos);
   // tokenizer.bin beside the checkpoint wins over tok*.bin.
   fs::copy_file(kStories260kTokenizer, dir.path / "tok512.bin");
   fs::copy_file(kStories260kTokenizer, dir.path / "tok999.bin");
-  EXPECT_NE(error_of([&] { kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 1000); }).find("several tokenizers"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 1000); }).find("several tokenizers"),
+      std::string::npos);
   EXPECT_EQ(kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 512)->vocab_size(), 512);
   write_file(dir.path / "tokenizer.bin", read_file(kStories260kTokenizer).substr(0, 9));
-  EXPECT_NE(error_of([&] { kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 512); }).find("tokenizer.bin is truncated"),
+  EXPECT_NE(error_of([&] {
+              kvcc::Tokenizer::for_model((dir.path / "model.bin").string(), 512);
+            }).find("tokenizer.bin is truncated"),
             std::string::npos);
 }
 
@@ -377,8 +383,9 @@ TEST(Tokenizer, TruncatedOrCorruptTokenizerBinIsRefused) {
   const int32_t negative = -3;
   std::memcpy(bad_header.data(), &negative, 4);
   EXPECT_NE(load_error(bad_header).find("max_token_length -3"), std::string::npos);
-  EXPECT_NE(error_of([&] { kvcc::Tokenizer::from_file((dir.path / "absent.bin").string()); }).find("cannot open tokenizer"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { kvcc::Tokenizer::from_file((dir.path / "absent.bin").string()); }).find("cannot open tokenizer"),
+      std::string::npos);
   write_file(dir.path / "tokenizer", original);  // no extension: recognised by content
   EXPECT_EQ(kvcc::Tokenizer::from_file((dir.path / "tokenizer").string())->kind(), "llama2.c tokenizer.bin");
 }
@@ -403,7 +410,8 @@ TEST(Tokenizer, ReadTokenIdFile) {
   EXPECT_NE(error_of([&] { kvcc::read_token_id_file(path.string()); }).find("line 2: \"x4\" is not a token id"),
             std::string::npos);
   write_file(path, "1 -2\n");
-  EXPECT_NE(error_of([&] { kvcc::read_token_id_file(path.string()); }).find("\"-2\" is not a token id"), std::string::npos);
+  EXPECT_NE(error_of([&] { kvcc::read_token_id_file(path.string()); }).find("\"-2\" is not a token id"),
+            std::string::npos);
   write_file(path, "7 99999999999\n");
   EXPECT_NE(error_of([&] { kvcc::read_token_id_file(path.string()); }).find("\"99999999999\""), std::string::npos);
   write_file(path, "12ab\n");

@@ -114,9 +114,8 @@ TEST(Validate, FullPrecisionCodecReproducesPlainForward) {
   EXPECT_NEAR(one_block.reference_nll, plain, 1e-9 * plain);
   EXPECT_NEAR(one_block.schemes[0].nll, plain, 1e-9 * plain);
   for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-    const ValidationResult r =
-        validate_schemes(model, docs, {copy_scheme(model.config(), 4, 16, 8), copy_scheme(model.config(), 0, 8, 8)},
-                         mode, 32);
+    const ValidationResult r = validate_schemes(
+        model, docs, {copy_scheme(model.config(), 4, 16, 8), copy_scheme(model.config(), 0, 8, 8)}, mode, 32);
     EXPECT_EQ(r.predictions, 149u + 36u + 1u);
     // Blocks of 32 change only the shapes of the float32 GEMMs (OpenBLAS accumulates in a
     // shape-dependent order), so the plain pass agrees to float rounding, not bit for bit.
@@ -143,9 +142,9 @@ TEST(Validate, DoublePrecisionReproducesPlainForwardAtAnyBlock) {
   const double plain = plain_forward_nll<double>(model, docs);
   for (int block : {32, 128}) {
     for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-      const ValidationResult r = validate_schemes(
-          model, docs, {copy_scheme(c, 4, 16, 8), copy_scheme(c, 0, 8, 8), copy_scheme(c, 4, 24, 16)}, mode,
-          block, {}, ValidatePrecision::Double);
+      const ValidationResult r =
+          validate_schemes(model, docs, {copy_scheme(c, 4, 16, 8), copy_scheme(c, 0, 8, 8), copy_scheme(c, 4, 24, 16)},
+                           mode, block, {}, ValidatePrecision::Double);
       EXPECT_EQ(r.precision, "double");
       EXPECT_EQ(r.predictions, 199u + 36u + 1u);
       EXPECT_NEAR(r.reference_nll, plain, 1e-9 * plain) << "block " << block;
@@ -171,16 +170,17 @@ TEST(Validate, DoublePrecisionReproducesPlainForwardOnGutenberg27m) {
   const ModelConfig& c = model.config();
   const auto docs = random_documents(c.vocab, {300});
   const double plain = plain_forward_nll<double>(model, docs);
-  const ValidationResult d = validate_schemes(model, docs, {copy_scheme(c, 4, 32, 32)},
-                                              ValidateMode::PseudoDecode, 32, {}, ValidatePrecision::Double);
+  const ValidationResult d = validate_schemes(model, docs, {copy_scheme(c, 4, 32, 32)}, ValidateMode::PseudoDecode, 32,
+                                              {}, ValidatePrecision::Double);
   EXPECT_NEAR(d.reference_nll, plain, 1e-9 * plain);
   EXPECT_EQ(d.schemes[0].nll, d.reference_nll);
   EXPECT_EQ(d.schemes[0].kl, 0.0);
   const ValidationResult f = validate_schemes(model, docs, {}, ValidateMode::PseudoDecode, 32);
   const double plain_f = plain_forward_nll<float>(model, docs);
-  std::printf("  gutenberg-27m, 300 tokens, blocks of 32: |reference − plain| / plain = %.1e (double), "
-              "%.1e (float)\n",
-              std::abs(d.reference_nll - plain) / plain, std::abs(f.reference_nll - plain_f) / plain_f);
+  std::printf(
+      "  gutenberg-27m, 300 tokens, blocks of 32: |reference − plain| / plain = %.1e (double), "
+      "%.1e (float)\n",
+      std::abs(d.reference_nll - plain) / plain, std::abs(f.reference_nll - plain_f) / plain_f);
 }
 
 // The per-layer codec (roundtrip_layer_page on all KV heads at once) gives the same numbers as
@@ -219,8 +219,8 @@ TEST(Validate, PerLayerCodecEqualsPerHeadCodecAtGroupWithinHead) {
     }
   }};
   const auto docs = random_documents(c.vocab, {120, 60});
-  const ValidationResult r = validate_schemes(
-      model, docs, {scheme_from_artifact(art, "per-layer", c), per_head}, ValidateMode::PseudoDecode, 32);
+  const ValidationResult r = validate_schemes(model, docs, {scheme_from_artifact(art, "per-layer", c), per_head},
+                                              ValidateMode::PseudoDecode, 32);
   const SchemeMetrics &layer = r.schemes[0], &head = r.schemes[1];
   EXPECT_GT(layer.kl, 1e-4);  // the codec does quantise
   EXPECT_EQ(layer.nll, head.nll);
@@ -246,8 +246,8 @@ TEST(Validate, PerDocumentMetricsAndErrorBars) {
   const ModelConfig& c = model.config();
   const auto docs = random_documents(c.vocab, {90, 64, 130});
   const Artifact art = identity_artifact(model, 4, 16, 8);
-  const ValidationResult r = validate_schemes(model, docs, {scheme_from_artifact(art, "int2", c)},
-                                              ValidateMode::PseudoDecode, 32);
+  const ValidationResult r =
+      validate_schemes(model, docs, {scheme_from_artifact(art, "int2", c)}, ValidateMode::PseudoDecode, 32);
   const SchemeMetrics& m = r.schemes[0];
   ASSERT_EQ(m.per_document.size(), 3u);
   ASSERT_EQ(r.reference_doc_nll.size(), 3u);
@@ -282,8 +282,8 @@ TEST(Validate, PerDocumentMetricsAndErrorBars) {
   EXPECT_NE(to_svg(r).find("stroke=\"#1f77b4\""), std::string::npos);
 
   // One document: no standard error (null in the JSON, "-" in the table).
-  const ValidationResult one = validate_schemes(model, {docs[0]}, {scheme_from_artifact(art, "int2", c)},
-                                                ValidateMode::PseudoDecode, 32);
+  const ValidationResult one =
+      validate_schemes(model, {docs[0]}, {scheme_from_artifact(art, "int2", c)}, ValidateMode::PseudoDecode, 32);
   EXPECT_TRUE(std::isnan(one.schemes[0].kl_stderr));
   EXPECT_TRUE(nlohmann::json::parse(to_json(one))["schemes"][0]["kl_stderr"].is_null());
 }
@@ -305,8 +305,8 @@ TEST(Validate, TwoBitCacheLosesQualityAndErrorAccumulates) {
   EXPECT_NE(m.layer_rel_error[1], st.schemes[0].layer_rel_error[1]);
   // A sink + ring covering the whole document means nothing is quantised: exact again.
   const Artifact wide = identity_artifact(model, 4, 256, 8);
-  const ValidationResult exact =
-      validate_schemes(model, docs, {scheme_from_artifact(wide, "wide", model.config())}, ValidateMode::PseudoDecode, 32);
+  const ValidationResult exact = validate_schemes(model, docs, {scheme_from_artifact(wide, "wide", model.config())},
+                                                  ValidateMode::PseudoDecode, 32);
   EXPECT_EQ(exact.schemes[0].kl, 0.0);
   EXPECT_EQ(m.method, "identity");
   EXPECT_DOUBLE_EQ(m.nominal_bits, 2.0);
@@ -367,7 +367,8 @@ Artifact hadamard_artifact(const ModelFile& model, int sink, int recent, int pag
   const int d = a.head_dim;
   std::vector<double> h(size_t(d) * d);
   for (int i = 0; i < d; ++i)
-    for (int j = 0; j < d; ++j) h[size_t(i) * d + j] = (__builtin_popcount(unsigned(i & j)) & 1 ? -1.0 : 1.0) / std::sqrt(double(d));
+    for (int j = 0; j < d; ++j)
+      h[size_t(i) * d + j] = (__builtin_popcount(unsigned(i & j)) & 1 ? -1.0 : 1.0) / std::sqrt(double(d));
   for (HeadArtifact& head : a.heads) head.key.rotation = head.value.rotation = h;
   return a;
 }
@@ -413,15 +414,16 @@ std::vector<float> bf16_window_logits(const ModelFile& model, const Artifact& ar
 // forward pass's with K/V rounded to BF16 in the rotated basis (bf16_window_logits), at any block
 // size (prefill rounds the block's own K/V as the ring will hold them). The two differ only in
 // float summation order (prefill_ref accumulates in double, the forward in float GEMMs), which can
-// flip the BF16 rounding of a few elements (tolerance below). Pseudo-decode only: in static mode the cache holds the reference run's
-// K/V, which this forward pass does not compute (with one block per document there is no cache,
-// and static equals it too: checked at block 256).
+// flip the BF16 rounding of a few elements (tolerance below). Pseudo-decode only: in static mode the cache holds the
+// reference run's K/V, which this forward pass does not compute (with one block per document there is no cache, and
+// static equals it too: checked at block 256).
 TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
   const ModelFile model = ModelFile::open(tiny_model_path());
   const ModelConfig& c = model.config();
   const auto docs = random_documents(c.vocab, {150, 37, 2});
   const Artifact art = hadamard_artifact(model, 256, 16, 16);
-  const double bf16_ref = mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
+  const double bf16_ref =
+      mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
   const double plain = plain_forward_nll(model, docs);
   // The effect under test is the BF16 rounding of the windows: the runtime must sit four times
   // closer to the BF16-window forward than that rounding moves the NLL (~4e-5 relative), so a
@@ -434,8 +436,8 @@ TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
   for (int block : {1, 32, 256})
     for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
       if (mode == ValidateMode::Static && block < 256) continue;
-      const ValidationResult r = validate_schemes(
-          model, docs, {runtime_scheme_from_artifact(art, "rt", c, ValidateDevice::Cpu)}, mode, block);
+      const ValidationResult r =
+          validate_schemes(model, docs, {runtime_scheme_from_artifact(art, "rt", c, ValidateDevice::Cpu)}, mode, block);
       EXPECT_EQ(r.schemes[0].cache, "runtime/cpu");
       EXPECT_NEAR(r.schemes[0].nll, bf16_ref, tol) << "block " << block << ", " << r.mode;
       std::printf("  block %d, %s: |runtime − bf16 forward| / nll = %.1e (BF16 rounding itself: %.1e)\n", block,
@@ -453,10 +455,10 @@ TEST(ValidateRuntime, TwoBitKlCloseToCodecPath) {
   const auto docs = random_documents(c.vocab, {200, 120});
   for (const Artifact& art : {identity_artifact(model, 16, 32, 16), hadamard_artifact(model, 16, 32, 16)}) {
     for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-      const ValidationResult r = validate_schemes(model, docs,
-                                                  {scheme_from_artifact(art, "codec", c),
-                                                   runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
-                                                  mode, 32);
+      const ValidationResult r = validate_schemes(
+          model, docs,
+          {scheme_from_artifact(art, "codec", c), runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
+          mode, 32);
       const SchemeMetrics &codec = r.schemes[0], &rt = r.schemes[1];
       EXPECT_EQ(codec.cache, "codec");
       EXPECT_EQ(rt.cache, "runtime/cpu");

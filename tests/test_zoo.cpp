@@ -249,8 +249,7 @@ TEST_F(ZooFixture, InterruptedPublishLeavesTheOldZooValid) {
         };
         try {
           zoo::publish(replace ? a1b : a2, zoo.string(), o);
-        } catch (...) {
-        }
+        } catch (...) {}
         ::_exit(0);
       }
       int status = 0;
@@ -296,7 +295,8 @@ TEST_F(ZooFixture, VerifyFindsCorruptMissingAndExtraFiles) {
   ASSERT_EQ(v.extra.size(), 1u);
   EXPECT_EQ(v.extra[0], "tiny/stray.txt");
   // The command line reports the same and fails.
-  const std::string cmd = std::string(KVCC_BINARY) + " zoo verify --zoo " + zoo.string() + " > " + (dir / "out.txt").string();
+  const std::string cmd =
+      std::string(KVCC_BINARY) + " zoo verify --zoo " + zoo.string() + " > " + (dir / "out.txt").string();
   EXPECT_NE(std::system(cmd.c_str()), 0);
   const std::string out = read_bytes(dir / "out.txt");
   EXPECT_NE(out.find("corrupt: "), std::string::npos) << out;
@@ -341,9 +341,15 @@ TEST_F(ZooFixture, FindMatchingAndNonMatchingModel) {
 
   // Through the command line: a listing for the match, a one-line error naming the closest entry.
   const std::string out = (dir / "find.txt").string();
-  EXPECT_EQ(std::system((std::string(KVCC_BINARY) + " zoo find --model " + kTinyStories + " --zoo " + zoo.string() + " > " + out).c_str()), 0);
+  EXPECT_EQ(std::system((std::string(KVCC_BINARY) + " zoo find --model " + kTinyStories + " --zoo " + zoo.string() +
+                         " > " + out)
+                            .c_str()),
+            0);
   EXPECT_NE(read_bytes(out).find("tinystories-656k/oscar"), std::string::npos);
-  EXPECT_NE(std::system((std::string(KVCC_BINARY) + " zoo find --model " + kStories260k + " --zoo " + zoo.string() + " 2> " + out).c_str()), 0);
+  EXPECT_NE(std::system((std::string(KVCC_BINARY) + " zoo find --model " + kStories260k + " --zoo " + zoo.string() +
+                         " 2> " + out)
+                            .c_str()),
+            0);
   const std::string err = read_bytes(out);
   EXPECT_NE(err.find("no entry"), std::string::npos) << err;
   EXPECT_NE(err.find("closest: tinystories-656k/oscar"), std::string::npos) << err;
@@ -353,11 +359,17 @@ TEST_F(ZooFixture, CommandLinePublishListShow) {
   const std::string a1 = write(small_artifact("tiny", cfg, fp, "oscar", 11.0), "a1.kvcc.h5");
   const std::string kvcc = KVCC_BINARY;
   const std::string out = (dir / "out.txt").string();
-  ASSERT_EQ(std::system((kvcc + " zoo publish " + a1 + " --zoo " + zoo.string() + " --card-notes 'first notes' > " + out).c_str()), 0);
+  ASSERT_EQ(
+      std::system(
+          (kvcc + " zoo publish " + a1 + " --zoo " + zoo.string() + " --card-notes 'first notes' > " + out).c_str()),
+      0);
   const std::string err = (dir / "err.txt").string();
   EXPECT_NE(std::system((kvcc + " zoo publish " + a1 + " --zoo " + zoo.string() + " 2> " + err).c_str()), 0);
   EXPECT_NE(read_bytes(err).find("--replace"), std::string::npos) << read_bytes(err);
-  EXPECT_EQ(std::system((kvcc + " zoo publish " + a1 + " --zoo " + zoo.string() + " --replace --card-notes 'cli notes' > " + out).c_str()), 0);
+  EXPECT_EQ(std::system((kvcc + " zoo publish " + a1 + " --zoo " + zoo.string() +
+                         " --replace --card-notes 'cli notes' > " + out)
+                            .c_str()),
+            0);
   ASSERT_EQ(std::system((kvcc + " zoo list --zoo " + zoo.string() + " > " + out).c_str()), 0);
   EXPECT_NE(read_bytes(out).find("tiny/oscar-int2-g8-output"), std::string::npos);
   ASSERT_EQ(std::system((kvcc + " zoo show tiny --zoo " + zoo.string() + " --card > " + out).c_str()), 0);

@@ -47,9 +47,9 @@ std::string utc_now() {
 void check_layers(const OscarRotationSet& set, const char* which) {
   for (size_t i = 0; i < set.layers.size(); ++i)
     KVCC_REQUIRE(set.layers[i].layer_id == int64_t(i),
-            std::string(which) + " rotations have layer ids that are not 0.." + std::to_string(set.layers.size() - 1) +
-                " (layer " + std::to_string(set.layers[i].layer_id) +
-                "); sparse ids (hybrid models) are not supported by kvcc artifacts");
+                 std::string(which) + " rotations have layer ids that are not 0.." +
+                     std::to_string(set.layers.size() - 1) + " (layer " + std::to_string(set.layers[i].layer_id) +
+                     "); sparse ids (hybrid models) are not supported by kvcc artifacts");
 }
 
 void fill_side(SideArtifact& side, const OscarRotationSet& set, int layer, int kv_head, double clip_ratio) {
@@ -71,16 +71,16 @@ Artifact import_oscar(const OscarRotationSet& key, const OscarRotationSet& value
   KVCC_REQUIRE((o.config == nullptr) == (o.fingerprint == nullptr), "import_oscar: config and fingerprint go together");
   check_layers(key, "key");
   check_layers(value, "value");
-  KVCC_REQUIRE(key.layers.size() == value.layers.size(),
-          "key rotations have " + std::to_string(key.layers.size()) + " layers but value rotations " +
-              std::to_string(value.layers.size()));
-  KVCC_REQUIRE(key.head_dim == value.head_dim, "key rotations are " + std::to_string(key.head_dim) + "x" +
-                                              std::to_string(key.head_dim) + " but value rotations " +
-                                              std::to_string(value.head_dim) + "x" + std::to_string(value.head_dim));
+  KVCC_REQUIRE(key.layers.size() == value.layers.size(), "key rotations have " + std::to_string(key.layers.size()) +
+                                                             " layers but value rotations " +
+                                                             std::to_string(value.layers.size()));
+  KVCC_REQUIRE(key.head_dim == value.head_dim,
+               "key rotations are " + std::to_string(key.head_dim) + "x" + std::to_string(key.head_dim) +
+                   " but value rotations " + std::to_string(value.head_dim) + "x" + std::to_string(value.head_dim));
   const int per_head = std::max(key.heads, value.heads);
   KVCC_REQUIRE((key.heads == 1 || key.heads == per_head) && (value.heads == 1 || value.heads == per_head),
-          "key and value files hold different numbers of per-head rotations (" + std::to_string(key.heads) + " vs " +
-              std::to_string(value.heads) + ")");
+               "key and value files hold different numbers of per-head rotations (" + std::to_string(key.heads) +
+                   " vs " + std::to_string(value.heads) + ")");
 
   Artifact a;
   a.producer = std::string("kvcc ") + KVCC_VERSION;
@@ -91,13 +91,15 @@ Artifact import_oscar(const OscarRotationSet& key, const OscarRotationSet& value
   a.head_dim = key.head_dim;
   if (o.config != nullptr) {
     const ModelConfig& c = *o.config;
-    KVCC_REQUIRE(c.n_layers == a.n_layers, "the OSCAR files have " + std::to_string(a.n_layers) + " layers but the model has " +
-                                          std::to_string(c.n_layers) + " (rotations of another model?)");
+    KVCC_REQUIRE(c.n_layers == a.n_layers, "the OSCAR files have " + std::to_string(a.n_layers) +
+                                               " layers but the model has " + std::to_string(c.n_layers) +
+                                               " (rotations of another model?)");
     KVCC_REQUIRE(c.head_dim == a.head_dim, "the OSCAR rotations are " + std::to_string(a.head_dim) +
-                                          "-dimensional but the model's head_dim is " + std::to_string(c.head_dim));
-    KVCC_REQUIRE(per_head == 1 || per_head == c.n_kv_heads,
-            "the OSCAR files hold " + std::to_string(per_head) + " rotations per layer but the model has " +
-                std::to_string(c.n_kv_heads) + " KV heads");
+                                               "-dimensional but the model's head_dim is " +
+                                               std::to_string(c.head_dim));
+    KVCC_REQUIRE(per_head == 1 || per_head == c.n_kv_heads, "the OSCAR files hold " + std::to_string(per_head) +
+                                                                " rotations per layer but the model has " +
+                                                                std::to_string(c.n_kv_heads) + " KV heads");
     a.n_heads = c.n_heads;
     a.n_kv_heads = c.n_kv_heads;
     a.rope_style = c.rope_style;
@@ -105,9 +107,9 @@ Artifact import_oscar(const OscarRotationSet& key, const OscarRotationSet& value
   } else {
     a.n_kv_heads = o.n_kv_heads > 0 ? o.n_kv_heads : per_head;
     a.n_heads = o.n_heads > 0 ? o.n_heads : a.n_kv_heads;
-    KVCC_REQUIRE(per_head == 1 || per_head == a.n_kv_heads,
-            "the OSCAR files hold " + std::to_string(per_head) + " rotations per layer but --n-kv-heads is " +
-                std::to_string(a.n_kv_heads));
+    KVCC_REQUIRE(per_head == 1 || per_head == a.n_kv_heads, "the OSCAR files hold " + std::to_string(per_head) +
+                                                                " rotations per layer but --n-kv-heads is " +
+                                                                std::to_string(a.n_kv_heads));
     KVCC_REQUIRE(a.n_heads % a.n_kv_heads == 0, "--n-heads must be a multiple of --n-kv-heads");
     a.rope_style = RopeStyle::RotateHalf;  // OSCAR serves Hugging Face models
     // A fingerprint of shapes only, marked so: it can never match a real model's fingerprint.
@@ -155,8 +157,8 @@ Artifact import_oscar(const OscarRotationSet& key, const OscarRotationSet& value
 OscarExport export_oscar(const Artifact& a, int format_version) {
   KVCC_REQUIRE(format_version >= 0 && format_version <= 2, "OSCAR format_version must be 1 or 2");
   KVCC_REQUIRE(a.n_layers > 0 && a.n_kv_heads > 0 && a.head_dim > 0 &&
-              a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
-          "artifact has no rotations to export");
+                   a.heads.size() == size_t(a.n_layers) * size_t(a.n_kv_heads),
+               "artifact has no rotations to export");
   const size_t d = size_t(a.head_dim);
   auto to_f32 = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
 
@@ -175,8 +177,9 @@ OscarExport export_oscar(const Artifact& a, int format_version) {
   const bool shared = differing_head < 0;
   if (format_version == 0) format_version = shared ? 1 : 2;
   KVCC_REQUIRE(format_version == 2 || shared,
-          "the artifact's KV heads have different rotations (layer " + std::to_string(shared_at_layer) + ", heads 0 and " +
-              std::to_string(differing_head) + "); OSCAR format_version 1 holds one per layer: use --format-version 2");
+               "the artifact's KV heads have different rotations (layer " + std::to_string(shared_at_layer) +
+                   ", heads 0 and " + std::to_string(differing_head) +
+                   "); OSCAR format_version 1 holds one per layer: use --format-version 2");
 
   OscarExport out;
   const Recipe& r = a.recipe;
@@ -206,8 +209,8 @@ OscarExport export_oscar(const Artifact& a, int format_version) {
       bool have_eigen = true;
       for (int h = 0; h < heads; ++h) {
         const SideArtifact& s = side == 0 ? a.head(l, h).key : a.head(l, h).value;
-        KVCC_REQUIRE(s.rotation.size() == d * d, "layer " + std::to_string(l) + " head " + std::to_string(h) + " has no " +
-                                                (side == 0 ? "key" : "value") + " rotation");
+        KVCC_REQUIRE(s.rotation.size() == d * d, "layer " + std::to_string(l) + " head " + std::to_string(h) +
+                                                     " has no " + (side == 0 ? "key" : "value") + " rotation");
         layer.rotation.insert(layer.rotation.end(), s.rotation.begin(), s.rotation.end());
         have_eigen = have_eigen && s.eigenvalues.size() == d;
         if (have_eigen) layer.eigenvalues.insert(layer.eigenvalues.end(), s.eigenvalues.begin(), s.eigenvalues.end());
@@ -218,8 +221,9 @@ OscarExport export_oscar(const Artifact& a, int format_version) {
   }
   for (const std::string* obj : {&kobj, &vobj})
     for (char c : *obj)
-      KVCC_REQUIRE((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.',
-              "objective '" + *obj + "' cannot name an OSCAR rotation file");
+      KVCC_REQUIRE((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+                       c == '.',
+                   "objective '" + *obj + "' cannot name an OSCAR rotation file");
   out.key_file_name = "k_rotation_" + kobj + ".pt";
   out.value_file_name = "v_rotation_" + vobj + ".pt";
   return out;

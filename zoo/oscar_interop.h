@@ -23,7 +23,7 @@ struct OscarImportOptions {
   int n_heads = 0, n_kv_heads = 0;
   // OSCAR serves with fixed clip ratios (SGLANG_OSCAR_K/V_CLIP_RATIO = 0.96 / 0.92).
   double key_clip_ratio = 0.96, value_clip_ratio = 0.92;
-  std::string command;        // recorded in the artifact
+  std::string command;                             // recorded in the artifact
   std::string key_file_sha256, value_file_sha256;  // recorded in recipe.params
 };
 

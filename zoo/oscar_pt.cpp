@@ -36,12 +36,12 @@ std::string shape_text(const std::vector<int64_t>& s) {
 
 OscarRotationSet read_oscar_pt(const std::string& path) {
   const PyValue root = torch_load(path);
-  KVCC_REQUIRE(root.is(PyValue::Kind::Dict), path + ": not an OSCAR rotation file (top level is a " +
-                                            kind_name(root.kind) + ", expected a dict)");
+  KVCC_REQUIRE(root.is(PyValue::Kind::Dict),
+               path + ": not an OSCAR rotation file (top level is a " + kind_name(root.kind) + ", expected a dict)");
   OscarRotationSet set;
   set.format_version = int(field(root, "format_version", PyValue::Kind::Int, path).integer);
   KVCC_REQUIRE(set.format_version == 1 || set.format_version == 2,
-          path + ": OSCAR format_version " + std::to_string(set.format_version) + " is not supported (1 or 2)");
+               path + ": OSCAR format_version " + std::to_string(set.format_version) + " is not supported (1 or 2)");
   if (const PyValue* o = root.get("objective")) {
     KVCC_REQUIRE(o->is(PyValue::Kind::String), path + ": 'objective' is not a string");
     set.objective = o->text;
@@ -60,15 +60,16 @@ OscarRotationSet read_oscar_pt(const std::string& path) {
     KVCC_REQUIRE(entry.is(PyValue::Kind::Dict), where + " is not a dict");
     if (const PyValue* id = entry.get("layer_id")) {
       KVCC_REQUIRE(id->is(PyValue::Kind::Int) && id->integer == layer.layer_id,
-              where + ": its layer_id field " + id->repr() + " differs from its key");
+                   where + ": its layer_id field " + id->repr() + " differs from its key");
     }
     const PyTensor& rot = *field(entry, "rotation", PyValue::Kind::Tensor, where).tensor;
     KVCC_REQUIRE(rot.shape.size() == rot_dims,
-            where + ": rotation has shape " + shape_text(rot.shape) + ", expected " +
-                (rot_dims == 2 ? "[d, d] for format_version 1" : "[n_kv_heads, d, d] for format_version 2"));
+                 where + ": rotation has shape " + shape_text(rot.shape) + ", expected " +
+                     (rot_dims == 2 ? "[d, d] for format_version 1" : "[n_kv_heads, d, d] for format_version 2"));
     const int64_t d = rot.shape.back();
     const int64_t heads = rot_dims == 3 ? rot.shape[0] : 1;
-    KVCC_REQUIRE(d > 0 && heads > 0 && rot.shape[rot_dims - 2] == d, where + ": rotation " + shape_text(rot.shape) + " is not square");
+    KVCC_REQUIRE(d > 0 && heads > 0 && rot.shape[rot_dims - 2] == d,
+                 where + ": rotation " + shape_text(rot.shape) + " is not square");
     if (set.layers.empty()) {
       set.head_dim = int(d);
       set.heads = int(heads);
@@ -82,7 +83,7 @@ OscarRotationSet read_oscar_pt(const std::string& path) {
       KVCC_REQUIRE(ev->is(PyValue::Kind::Tensor), where + ": eigenvalues is not a tensor");
       const std::vector<int64_t> want = rot_dims == 3 ? std::vector<int64_t>{heads, d} : std::vector<int64_t>{d};
       KVCC_REQUIRE(ev->tensor->shape == want, where + ": eigenvalues have shape " + shape_text(ev->tensor->shape) +
-                                             ", expected " + shape_text(want));
+                                                  ", expected " + shape_text(want));
       for (float x : ev->tensor->data) KVCC_REQUIRE(std::isfinite(x), where + ": eigenvalues hold NaN or inf");
       layer.eigenvalues = ev->tensor->data;
     }
@@ -92,19 +93,21 @@ OscarRotationSet read_oscar_pt(const std::string& path) {
             [](const OscarLayer& a, const OscarLayer& b) { return a.layer_id < b.layer_id; });
   for (size_t i = 1; i < set.layers.size(); ++i)
     KVCC_REQUIRE(set.layers[i].layer_id != set.layers[i - 1].layer_id,
-            path + ": layer " + std::to_string(set.layers[i].layer_id) + " appears twice");
+                 path + ": layer " + std::to_string(set.layers[i].layer_id) + " appears twice");
   return set;
 }
 
 void write_oscar_pt(const OscarRotationSet& set, const std::string& path) {
   KVCC_REQUIRE(set.format_version == 1 || set.format_version == 2, "OSCAR format_version must be 1 or 2");
-  KVCC_REQUIRE(set.format_version == 2 || set.heads == 1,
-          "format_version 1 holds one rotation per layer; this set has " + std::to_string(set.heads) + " per layer");
+  KVCC_REQUIRE(
+      set.format_version == 2 || set.heads == 1,
+      "format_version 1 holds one rotation per layer; this set has " + std::to_string(set.heads) + " per layer");
   KVCC_REQUIRE(set.head_dim > 0 && !set.layers.empty(), "OSCAR rotation set is empty");
   const int64_t d = set.head_dim, h = set.heads;
   std::vector<std::pair<PyValue, PyValue>> layers;
   for (const auto& layer : set.layers) {
-    KVCC_REQUIRE(layer.rotation.size() == size_t(h * d * d), "layer " + std::to_string(layer.layer_id) + ": rotation size mismatch");
+    KVCC_REQUIRE(layer.rotation.size() == size_t(h * d * d),
+                 "layer " + std::to_string(layer.layer_id) + ": rotation size mismatch");
     PyTensor rot;
     rot.shape = set.format_version == 1 ? std::vector<int64_t>{d, d} : std::vector<int64_t>{h, d, d};
     rot.data = layer.rotation;
@@ -112,7 +115,8 @@ void write_oscar_pt(const OscarRotationSet& set, const std::string& path) {
         {PyValue::from_string("layer_id"), PyValue::from_int(layer.layer_id)},
         {PyValue::from_string("rotation"), PyValue::from_tensor(std::move(rot))}};
     if (!layer.eigenvalues.empty()) {
-      KVCC_REQUIRE(layer.eigenvalues.size() == size_t(h * d), "layer " + std::to_string(layer.layer_id) + ": eigenvalues size mismatch");
+      KVCC_REQUIRE(layer.eigenvalues.size() == size_t(h * d),
+                   "layer " + std::to_string(layer.layer_id) + ": eigenvalues size mismatch");
       PyTensor ev;
       ev.shape = set.format_version == 1 ? std::vector<int64_t>{d} : std::vector<int64_t>{h, d};
       ev.data = layer.eigenvalues;

@@ -82,32 +82,47 @@ const PyValue* PyValue::get_int_key(int64_t key) const {
 
 const char* kind_name(PyValue::Kind k) {
   switch (k) {
-    case PyValue::Kind::None: return "None";
-    case PyValue::Kind::Bool: return "bool";
-    case PyValue::Kind::Int: return "int";
-    case PyValue::Kind::Float: return "float";
-    case PyValue::Kind::String: return "str";
-    case PyValue::Kind::List: return "list";
-    case PyValue::Kind::Tuple: return "tuple";
-    case PyValue::Kind::Dict: return "dict";
-    case PyValue::Kind::Tensor: return "tensor";
+    case PyValue::Kind::None:
+      return "None";
+    case PyValue::Kind::Bool:
+      return "bool";
+    case PyValue::Kind::Int:
+      return "int";
+    case PyValue::Kind::Float:
+      return "float";
+    case PyValue::Kind::String:
+      return "str";
+    case PyValue::Kind::List:
+      return "list";
+    case PyValue::Kind::Tuple:
+      return "tuple";
+    case PyValue::Kind::Dict:
+      return "dict";
+    case PyValue::Kind::Tensor:
+      return "tensor";
   }
   return "?";
 }
 
 std::string PyValue::repr() const {
   switch (kind) {
-    case Kind::None: return "None";
-    case Kind::Bool: return boolean ? "True" : "False";
-    case Kind::Int: return std::to_string(integer);
-    case Kind::Float: return std::to_string(real);
-    case Kind::String: return "'" + text + "'";
+    case Kind::None:
+      return "None";
+    case Kind::Bool:
+      return boolean ? "True" : "False";
+    case Kind::Int:
+      return std::to_string(integer);
+    case Kind::Float:
+      return std::to_string(real);
+    case Kind::String:
+      return "'" + text + "'";
     case Kind::Tensor: {
       std::string s = "tensor[";
       for (size_t i = 0; i < tensor->shape.size(); ++i) s += (i ? "," : "") + std::to_string(tensor->shape[i]);
       return s + "]";
     }
-    default: return std::string(kind_name(kind)) + " of " + std::to_string(kind == Kind::Dict ? entries.size() : items.size());
+    default:
+      return std::string(kind_name(kind)) + " of " + std::to_string(kind == Kind::Dict ? entries.size() : items.size());
   }
 }
 
@@ -117,24 +132,64 @@ namespace {
 // Opcodes
 
 enum Op : uint8_t {
-  MARK = '(', STOP = '.', POP = '0', POP_MARK = '1', DUP = '2', BININT = 'J', BININT1 = 'K', BININT2 = 'M',
-  NONE = 'N', BINPERSID = 'Q', REDUCE = 'R', BINUNICODE = 'X', APPEND = 'a', GLOBAL = 'c', DICT = 'd',
-  EMPTY_DICT = '}', APPENDS = 'e', BINGET = 'h', LONG_BINGET = 'j', LIST = 'l', EMPTY_LIST = ']',
-  BINPUT = 'q', LONG_BINPUT = 'r', SETITEM = 's', TUPLE = 't', EMPTY_TUPLE = ')', SETITEMS = 'u',
-  BINFLOAT = 'G', PROTO = 0x80, TUPLE1 = 0x85, TUPLE2 = 0x86, TUPLE3 = 0x87, NEWTRUE = 0x88,
-  NEWFALSE = 0x89, LONG1 = 0x8a, SHORT_BINUNICODE = 0x8c, BINUNICODE8 = 0x8d, STACK_GLOBAL = 0x93,
-  MEMOIZE = 0x94, FRAME = 0x95,
+  MARK = '(',
+  STOP = '.',
+  POP = '0',
+  POP_MARK = '1',
+  DUP = '2',
+  BININT = 'J',
+  BININT1 = 'K',
+  BININT2 = 'M',
+  NONE = 'N',
+  BINPERSID = 'Q',
+  REDUCE = 'R',
+  BINUNICODE = 'X',
+  APPEND = 'a',
+  GLOBAL = 'c',
+  DICT = 'd',
+  EMPTY_DICT = '}',
+  APPENDS = 'e',
+  BINGET = 'h',
+  LONG_BINGET = 'j',
+  LIST = 'l',
+  EMPTY_LIST = ']',
+  BINPUT = 'q',
+  LONG_BINPUT = 'r',
+  SETITEM = 's',
+  TUPLE = 't',
+  EMPTY_TUPLE = ')',
+  SETITEMS = 'u',
+  BINFLOAT = 'G',
+  PROTO = 0x80,
+  TUPLE1 = 0x85,
+  TUPLE2 = 0x86,
+  TUPLE3 = 0x87,
+  NEWTRUE = 0x88,
+  NEWFALSE = 0x89,
+  LONG1 = 0x8a,
+  SHORT_BINUNICODE = 0x8c,
+  BINUNICODE8 = 0x8d,
+  STACK_GLOBAL = 0x93,
+  MEMOIZE = 0x94,
+  FRAME = 0x95,
 };
 
 // Names of the opcodes outside the subset, so a refusal says which one it met.
 const char* refused_opcode_name(uint8_t code) {
-  static const std::map<uint8_t, const char*> names = {
-      {'i', "INST"}, {'o', "OBJ"}, {0x81, "NEWOBJ"}, {0x92, "NEWOBJ_EX"}, {'b', "BUILD"}, {0x82, "EXT1"},
-      {0x83, "EXT2"}, {0x84, "EXT4"}, {'P', "PERSID"}, {'I', "INT"}, {'L', "LONG"}, {'F', "FLOAT"},
-      {'S', "STRING"}, {'V', "UNICODE"}, {'T', "BINSTRING"}, {'U', "SHORT_BINSTRING"}, {'B', "BINBYTES"},
-      {'C', "SHORT_BINBYTES"}, {0x8e, "BINBYTES8"}, {0x96, "BYTEARRAY8"}, {0x97, "NEXT_BUFFER"},
-      {0x98, "READONLY_BUFFER"}, {0x8f, "EMPTY_SET"}, {0x90, "ADDITEMS"}, {0x91, "FROZENSET"},
-      {0x8b, "LONG4"}, {'g', "GET"}, {'p', "PUT"}};
+  static const std::map<uint8_t, const char*> names = {{'i', "INST"},         {'o', "OBJ"},
+                                                       {0x81, "NEWOBJ"},      {0x92, "NEWOBJ_EX"},
+                                                       {'b', "BUILD"},        {0x82, "EXT1"},
+                                                       {0x83, "EXT2"},        {0x84, "EXT4"},
+                                                       {'P', "PERSID"},       {'I', "INT"},
+                                                       {'L', "LONG"},         {'F', "FLOAT"},
+                                                       {'S', "STRING"},       {'V', "UNICODE"},
+                                                       {'T', "BINSTRING"},    {'U', "SHORT_BINSTRING"},
+                                                       {'B', "BINBYTES"},     {'C', "SHORT_BINBYTES"},
+                                                       {0x8e, "BINBYTES8"},   {0x96, "BYTEARRAY8"},
+                                                       {0x97, "NEXT_BUFFER"}, {0x98, "READONLY_BUFFER"},
+                                                       {0x8f, "EMPTY_SET"},   {0x90, "ADDITEMS"},
+                                                       {0x91, "FROZENSET"},   {0x8b, "LONG4"},
+                                                       {'g', "GET"},          {'p', "PUT"}};
   auto it = names.find(code);
   return it == names.end() ? "unknown" : it->second;
 }
@@ -169,7 +224,7 @@ uint64_t le(std::string_view s) {
 Instr decode(std::string_view in, size_t pos, const std::string& label) {
   auto need = [&](size_t n) {
     KVCC_REQUIRE(pos + 1 <= in.size() && n <= in.size() - pos - 1,
-            label + ": truncated pickle (opcode at byte " + std::to_string(pos) + " runs past the end)");
+                 label + ": truncated pickle (opcode at byte " + std::to_string(pos) + " runs past the end)");
   };
   need(0);
   const uint8_t code = uint8_t(in[pos]);
@@ -180,28 +235,65 @@ Instr decode(std::string_view in, size_t pos, const std::string& label) {
   auto counted = [&](size_t width) {
     need(width);
     const uint64_t n = le(in.substr(pos + 1, width));
-    KVCC_REQUIRE(n <= in.size(), label + ": truncated pickle (string at byte " + std::to_string(pos) + " runs past the end)");
+    KVCC_REQUIRE(n <= in.size(),
+                 label + ": truncated pickle (string at byte " + std::to_string(pos) + " runs past the end)");
     need(width + size_t(n));
     return Instr{code, pos, in.substr(pos + 1 + width, size_t(n))};
   };
   switch (code) {
-    case MARK: case STOP: case POP: case POP_MARK: case DUP: case NONE: case BINPERSID: case REDUCE:
-    case APPEND: case DICT: case EMPTY_DICT: case APPENDS: case LIST: case EMPTY_LIST: case SETITEM:
-    case TUPLE: case EMPTY_TUPLE: case SETITEMS: case TUPLE1: case TUPLE2: case TUPLE3: case NEWTRUE:
-    case NEWFALSE: case STACK_GLOBAL: case MEMOIZE:
+    case MARK:
+    case STOP:
+    case POP:
+    case POP_MARK:
+    case DUP:
+    case NONE:
+    case BINPERSID:
+    case REDUCE:
+    case APPEND:
+    case DICT:
+    case EMPTY_DICT:
+    case APPENDS:
+    case LIST:
+    case EMPTY_LIST:
+    case SETITEM:
+    case TUPLE:
+    case EMPTY_TUPLE:
+    case SETITEMS:
+    case TUPLE1:
+    case TUPLE2:
+    case TUPLE3:
+    case NEWTRUE:
+    case NEWFALSE:
+    case STACK_GLOBAL:
+    case MEMOIZE:
       return fixed(0);
-    case PROTO: case BININT1: case BINGET: case BINPUT: return fixed(1);
-    case BININT2: return fixed(2);
-    case BININT: case LONG_BINGET: case LONG_BINPUT: return fixed(4);
-    case BINFLOAT: case FRAME: return fixed(8);
-    case BINUNICODE: return counted(4);
-    case SHORT_BINUNICODE: return counted(1);
-    case BINUNICODE8: return counted(8);
-    case LONG1: return counted(1);
+    case PROTO:
+    case BININT1:
+    case BINGET:
+    case BINPUT:
+      return fixed(1);
+    case BININT2:
+      return fixed(2);
+    case BININT:
+    case LONG_BINGET:
+    case LONG_BINPUT:
+      return fixed(4);
+    case BINFLOAT:
+    case FRAME:
+      return fixed(8);
+    case BINUNICODE:
+      return counted(4);
+    case SHORT_BINUNICODE:
+      return counted(1);
+    case BINUNICODE8:
+      return counted(8);
+    case LONG1:
+      return counted(1);
     case GLOBAL: {
       const size_t a = in.find('\n', pos + 1);
       const size_t b = a == std::string_view::npos ? a : in.find('\n', a + 1);
-      KVCC_REQUIRE(b != std::string_view::npos, label + ": truncated pickle (GLOBAL at byte " + std::to_string(pos) + ")");
+      KVCC_REQUIRE(b != std::string_view::npos,
+                   label + ": truncated pickle (GLOBAL at byte " + std::to_string(pos) + ")");
       return Instr{code, pos, in.substr(pos + 1, b - pos - 1)};
     }
     default:
@@ -212,11 +304,17 @@ Instr decode(std::string_view in, size_t pos, const std::string& label) {
 
 size_t instr_size(const Instr& ins) {
   switch (ins.code) {
-    case BINUNICODE: return 1 + 4 + ins.arg.size();
-    case SHORT_BINUNICODE: case LONG1: return 1 + 1 + ins.arg.size();
-    case BINUNICODE8: return 1 + 8 + ins.arg.size();
-    case GLOBAL: return 1 + ins.arg.size() + 1;
-    default: return 1 + ins.arg.size();
+    case BINUNICODE:
+      return 1 + 4 + ins.arg.size();
+    case SHORT_BINUNICODE:
+    case LONG1:
+      return 1 + 1 + ins.arg.size();
+    case BINUNICODE8:
+      return 1 + 8 + ins.arg.size();
+    case GLOBAL:
+      return 1 + ins.arg.size() + 1;
+    default:
+      return 1 + ins.arg.size();
   }
 }
 
@@ -229,7 +327,8 @@ void refuse_global(const std::string& dotted, const std::string& label) {
   std::string why = "only torch._utils._rebuild_tensor_v2, torch.FloatStorage and collections.OrderedDict are allowed";
   if (dotted.rfind("torch.", 0) == 0 && dotted.size() > 7 && dotted.find("Storage") != std::string::npos)
     why = "only float32 tensors (torch.FloatStorage) are supported";
-  throw Error(label + ": pickle global '" + dotted + "' is not allowed (" + why + "); refused before anything was built");
+  throw Error(label + ": pickle global '" + dotted + "' is not allowed (" + why +
+              "); refused before anything was built");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -250,12 +349,14 @@ struct Node {
   int64_t numel = 0;                           // Storage: element count
 };
 
-
 const char* node_kind(Node::K k) {
   switch (k) {
-    case Node::K::Global: return "global";
-    case Node::K::Storage: return "storage";
-    default: return kind_name(PyValue::Kind(int(k)));
+    case Node::K::Global:
+      return "global";
+    case Node::K::Storage:
+      return "storage";
+    default:
+      return kind_name(PyValue::Kind(int(k)));
   }
 }
 
@@ -350,24 +451,40 @@ class Unpickler {
       const Instr ins = decode(in_, pos, label_);
       pos += instr_size(ins);
       switch (ins.code) {
-        case PROTO: case FRAME: break;
-        case MARK: marks_.push_back(stack_.size()); break;
+        case PROTO:
+        case FRAME:
+          break;
+        case MARK:
+          marks_.push_back(stack_.size());
+          break;
         case STOP: {
           NodeP result = pop();
           if (!stack_.empty() || !marks_.empty()) fail("malformed pickle (values left on the stack at STOP)");
           return result;
         }
-        case POP: pop(); break;
-        case POP_MARK: pop_to_mark(); break;
-        case DUP: stack_.push_back(top()); break;
-        case NONE: stack_.push_back(make(Node::K::None)); break;
-        case NEWTRUE: case NEWFALSE: {
+        case POP:
+          pop();
+          break;
+        case POP_MARK:
+          pop_to_mark();
+          break;
+        case DUP:
+          stack_.push_back(top());
+          break;
+        case NONE:
+          stack_.push_back(make(Node::K::None));
+          break;
+        case NEWTRUE:
+        case NEWFALSE: {
           auto n = make(Node::K::Bool);
           n->b = ins.code == NEWTRUE;
           stack_.push_back(n);
           break;
         }
-        case BININT1: case BININT2: case BININT: case LONG1: {
+        case BININT1:
+        case BININT2:
+        case BININT:
+        case LONG1: {
           auto n = make(Node::K::Int);
           if (ins.code == BININT) {
             n->i = int32_t(uint32_t(le(ins.arg)));
@@ -391,17 +508,29 @@ class Unpickler {
           stack_.push_back(n);
           break;
         }
-        case BINUNICODE: case SHORT_BINUNICODE: case BINUNICODE8: {
+        case BINUNICODE:
+        case SHORT_BINUNICODE:
+        case BINUNICODE8: {
           auto n = make(Node::K::String);
           n->s = std::string(ins.arg);
           stack_.push_back(n);
           break;
         }
-        case EMPTY_DICT: stack_.push_back(make(Node::K::Dict)); break;
-        case EMPTY_LIST: stack_.push_back(make(Node::K::List)); break;
-        case EMPTY_TUPLE: stack_.push_back(make(Node::K::Tuple)); break;
-        case TUPLE: stack_.push_back(tuple_of(pop_to_mark())); break;
-        case TUPLE1: case TUPLE2: case TUPLE3: {
+        case EMPTY_DICT:
+          stack_.push_back(make(Node::K::Dict));
+          break;
+        case EMPTY_LIST:
+          stack_.push_back(make(Node::K::List));
+          break;
+        case EMPTY_TUPLE:
+          stack_.push_back(make(Node::K::Tuple));
+          break;
+        case TUPLE:
+          stack_.push_back(tuple_of(pop_to_mark()));
+          break;
+        case TUPLE1:
+        case TUPLE2:
+        case TUPLE3: {
           const size_t n = size_t(ins.code - TUPLE1 + 1);
           std::vector<NodeP> items(n);
           for (size_t i = n; i-- > 0;) items[i] = pop();
@@ -449,9 +578,15 @@ class Unpickler {
           for (size_t i = 0; i < items.size(); i += 2) set_item(*d, items[i], items[i + 1]);
           break;
         }
-        case BINPUT: case LONG_BINPUT: memo_[uint32_t(le(ins.arg))] = top(); break;
-        case MEMOIZE: memo_[uint32_t(memo_.size())] = top(); break;
-        case BINGET: case LONG_BINGET: {
+        case BINPUT:
+        case LONG_BINPUT:
+          memo_[uint32_t(le(ins.arg))] = top();
+          break;
+        case MEMOIZE:
+          memo_[uint32_t(memo_.size())] = top();
+          break;
+        case BINGET:
+        case LONG_BINGET: {
           auto it = memo_.find(uint32_t(le(ins.arg)));
           if (it == memo_.end()) fail("malformed pickle (memo key " + std::to_string(le(ins.arg)) + " not set)");
           stack_.push_back(it->second);
@@ -473,24 +608,26 @@ class Unpickler {
           stack_.push_back(g);
           break;
         }
-        case BINPERSID: stack_.push_back(persistent_load(*pop())); break;
+        case BINPERSID:
+          stack_.push_back(persistent_load(*pop()));
+          break;
         case REDUCE: {
           NodeP args = pop();
           NodeP fn = pop();
           stack_.push_back(reduce(*fn, *args));
           break;
         }
-        default: fail("internal: unhandled opcode " + hex_byte(ins.code));
+        default:
+          fail("internal: unhandled opcode " + hex_byte(ins.code));
       }
     }
   }
 
   // ('storage', torch.FloatStorage, key, location, numel)
   NodeP persistent_load(const Node& pid) {
-    const bool shape_ok = pid.k == Node::K::Tuple && pid.items.size() == 5 &&
-                          pid.items[0]->k == Node::K::String && pid.items[0]->s == "storage" &&
-                          pid.items[1]->k == Node::K::Global && pid.items[2]->k == Node::K::String &&
-                          pid.items[4]->k == Node::K::Int;
+    const bool shape_ok = pid.k == Node::K::Tuple && pid.items.size() == 5 && pid.items[0]->k == Node::K::String &&
+                          pid.items[0]->s == "storage" && pid.items[1]->k == Node::K::Global &&
+                          pid.items[2]->k == Node::K::String && pid.items[4]->k == Node::K::Int;
     if (!shape_ok) fail("unsupported persistent id (expected ('storage', torch.FloatStorage, key, location, numel))");
     if (pid.items[1]->s != "torch.FloatStorage") refuse_global(pid.items[1]->s, label_);
     const std::string& key = pid.items[2]->s;
@@ -515,7 +652,8 @@ class Unpickler {
     if (n.k != Node::K::Tuple) fail(std::string("tensor ") + what + " is not a tuple");
     std::vector<int64_t> v;
     for (const auto& x : n.items) {
-      if (x->k != Node::K::Int || x->i < 0) fail(std::string("tensor ") + what + " holds a non-integer or negative entry");
+      if (x->k != Node::K::Int || x->i < 0)
+        fail(std::string("tensor ") + what + " holds a non-integer or negative entry");
       v.push_back(x->i);
     }
     return v;
@@ -577,12 +715,18 @@ class Unpickler {
     if (depth > 64) fail("pickle nests deeper than 64 levels (or refers to itself)");
     PyValue v;
     switch (n.k) {
-      case Node::K::None: return v;
-      case Node::K::Bool: return PyValue::from_bool(n.b);
-      case Node::K::Int: return PyValue::from_int(n.i);
-      case Node::K::Float: return PyValue::from_float(n.f);
-      case Node::K::String: return PyValue::from_string(n.s);
-      case Node::K::List: case Node::K::Tuple: {
+      case Node::K::None:
+        return v;
+      case Node::K::Bool:
+        return PyValue::from_bool(n.b);
+      case Node::K::Int:
+        return PyValue::from_int(n.i);
+      case Node::K::Float:
+        return PyValue::from_float(n.f);
+      case Node::K::String:
+        return PyValue::from_string(n.s);
+      case Node::K::List:
+      case Node::K::Tuple: {
         std::vector<PyValue> items;
         for (const auto& x : n.items) items.push_back(to_value(*x, depth + 1));
         return n.k == Node::K::List ? PyValue::list(std::move(items)) : PyValue::tuple(std::move(items));
@@ -596,8 +740,10 @@ class Unpickler {
         v.kind = PyValue::Kind::Tensor;
         v.tensor = n.tensor;
         return v;
-      case Node::K::Global: fail("a bare global (" + n.s + ") is not a supported value");
-      case Node::K::Storage: fail("a bare storage is not a supported value");
+      case Node::K::Global:
+        fail("a bare global (" + n.s + ") is not a supported value");
+      case Node::K::Storage:
+        fail("a bare storage is not a supported value");
     }
     return v;
   }
@@ -672,9 +818,15 @@ class Pickler {
 
   void write(const PyValue& v) {
     switch (v.kind) {
-      case PyValue::Kind::None: out_.push_back(char(NONE)); break;
-      case PyValue::Kind::Bool: out_.push_back(char(v.boolean ? NEWTRUE : NEWFALSE)); break;
-      case PyValue::Kind::Int: write_int(v.integer); break;
+      case PyValue::Kind::None:
+        out_.push_back(char(NONE));
+        break;
+      case PyValue::Kind::Bool:
+        out_.push_back(char(v.boolean ? NEWTRUE : NEWFALSE));
+        break;
+      case PyValue::Kind::Int:
+        write_int(v.integer);
+        break;
       case PyValue::Kind::Float: {
         uint64_t bits;
         std::memcpy(&bits, &v.real, 8);
@@ -682,7 +834,9 @@ class Pickler {
         for (int i = 7; i >= 0; --i) out_.push_back(char((bits >> (8 * i)) & 0xff));
         break;
       }
-      case PyValue::Kind::String: write_string(v.text); break;
+      case PyValue::Kind::String:
+        write_string(v.text);
+        break;
       case PyValue::Kind::List:
         out_.push_back(char(EMPTY_LIST));
         if (!v.items.empty()) {
@@ -706,14 +860,16 @@ class Pickler {
           out_.push_back(char(MARK));
           for (const auto& [k, x] : v.entries) {
             KVCC_REQUIRE(k.kind == PyValue::Kind::String || k.kind == PyValue::Kind::Int,
-                    "pickle writer: dict keys must be str or int");
+                         "pickle writer: dict keys must be str or int");
             write(k);
             write(x);
           }
           out_.push_back(char(SETITEMS));
         }
         break;
-      case PyValue::Kind::Tensor: write_tensor(*v.tensor); break;
+      case PyValue::Kind::Tensor:
+        write_tensor(*v.tensor);
+        break;
     }
   }
 
@@ -777,7 +933,8 @@ PyValue torch_load_bytes(std::string bytes, const std::string& label) {
     }
   }
   KVCC_REQUIRE(found == 1, label + ": not a torch.save archive (" +
-                          (found == 0 ? std::string("no <name>/data.pkl entry") : "several data.pkl entries") + ")");
+                               (found == 0 ? std::string("no <name>/data.pkl entry") : "several data.pkl entries") +
+                               ")");
   if (const ZipEntry* order = zip.find(prefix + "byteorder")) {
     const std::string bo = zip.read(*order);
     KVCC_REQUIRE(bo == "little", label + ": byte order '" + bo + "' is not supported (only little-endian)");
@@ -801,7 +958,7 @@ PyValue torch_load(const std::string& path) {
 
 std::string torch_save_bytes(const PyValue& value, const std::string& archive_name) {
   KVCC_REQUIRE(!archive_name.empty() && archive_name.find('/') == std::string::npos,
-          "torch archive name must be a plain name");
+               "torch archive name must be a plain name");
   std::vector<std::string> storages;
   const std::string pkl = pickle_dumps(value, storages);
   const std::string p = archive_name + "/";

@@ -38,7 +38,7 @@ struct Cursor {
   const std::string& label;
   void need(uint64_t offset, uint64_t size, const char* what) const {
     KVCC_REQUIRE(offset <= bytes.size() && size <= bytes.size() - offset,
-            label + ": truncated ZIP archive (" + what + " runs past the end of the file)");
+                 label + ": truncated ZIP archive (" + what + " runs past the end of the file)");
   }
   uint64_t get(uint64_t offset, int width) const {
     uint64_t v = 0;
@@ -56,12 +56,18 @@ void put(std::string& out, uint64_t v, int width) {
 
 const char* method_name(uint16_t method) {
   switch (method) {
-    case 8: return "deflate";
-    case 9: return "deflate64";
-    case 12: return "bzip2";
-    case 14: return "lzma";
-    case 93: return "zstd";
-    default: return "unknown";
+    case 8:
+      return "deflate";
+    case 9:
+      return "deflate64";
+    case 12:
+      return "bzip2";
+    case 14:
+      return "lzma";
+    case 93:
+      return "zstd";
+    default:
+      return "unknown";
   }
 }
 
@@ -105,8 +111,7 @@ void ZipReader::parse() {
     }
   }
   KVCC_REQUIRE(end != UINT64_MAX, label_ + ": not a ZIP archive (no end-of-central-directory record; truncated?)");
-  KVCC_REQUIRE(c.u16(end + 4) == 0 && c.u16(end + 6) == 0,
-          label_ + ": multi-disk ZIP archives are not supported");
+  KVCC_REQUIRE(c.u16(end + 4) == 0 && c.u16(end + 6) == 0, label_ + ": multi-disk ZIP archives are not supported");
   uint64_t count = c.u16(end + 10);
   uint64_t cd_size = c.u32(end + 12);
   uint64_t cd_offset = c.u32(end + 16);
@@ -119,7 +124,7 @@ void ZipReader::parse() {
     cd_offset = c.u64(end64 + 48);
   } else {
     KVCC_REQUIRE(count != 0xffff && cd_offset != k32Max,
-            label_ + ": corrupt ZIP archive (zip64 sizes without a zip64 end record)");
+                 label_ + ": corrupt ZIP archive (zip64 sizes without a zip64 end record)");
   }
   c.need(cd_offset, cd_size, "central directory");
 
@@ -128,7 +133,7 @@ void ZipReader::parse() {
   for (uint64_t i = 0; i < count; ++i) {
     c.need(pos, 46, "central directory entry");
     KVCC_REQUIRE(c.u32(pos) == kCentralSig,
-            label_ + ": corrupt ZIP archive (bad central directory signature at entry " + std::to_string(i) + ")");
+                 label_ + ": corrupt ZIP archive (bad central directory signature at entry " + std::to_string(i) + ")");
     const uint16_t flags = c.u16(pos + 8);
     const uint16_t method = c.u16(pos + 10);
     const uint32_t crc = c.u32(pos + 16);
@@ -142,7 +147,7 @@ void ZipReader::parse() {
     for (uint64_t e = pos + 46 + name_len; e + 4 <= pos + 46 + name_len + extra_len;) {
       const uint16_t id = c.u16(e), len = c.u16(e + 2);
       KVCC_REQUIRE(e + 4 + len <= pos + 46 + name_len + extra_len,
-              label_ + ": corrupt ZIP archive (extra field of '" + name + "' overruns its entry)");
+                   label_ + ": corrupt ZIP archive (extra field of '" + name + "' overruns its entry)");
       if (id == kZip64ExtraId) {
         uint64_t f = e + 4;
         auto take = [&](uint64_t& field) {
@@ -159,7 +164,7 @@ void ZipReader::parse() {
     }
     KVCC_REQUIRE(!(flags & 1), label_ + ": entry '" + name + "' is encrypted, which is not supported");
     KVCC_REQUIRE(method == 0, label_ + ": entry '" + name + "' is compressed (method " + std::to_string(method) + ": " +
-                             method_name(method) + "); only stored entries (torch.save archives) are supported");
+                                  method_name(method) + "); only stored entries (torch.save archives) are supported");
     KVCC_REQUIRE(csize == usize, label_ + ": corrupt ZIP archive (stored entry '" + name + "' has differing sizes)");
     KVCC_REQUIRE(seen.insert(name).second, label_ + ": corrupt ZIP archive (duplicate entry '" + name + "')");
 
@@ -169,7 +174,7 @@ void ZipReader::parse() {
     const uint16_t local_name_len = c.u16(local + 26), local_extra_len = c.u16(local + 28);
     c.need(local + 30, local_name_len, "local header");
     KVCC_REQUIRE(bytes_.compare(size_t(local + 30), local_name_len, name) == 0,
-            label_ + ": corrupt ZIP archive (local header name differs from the directory for '" + name + "')");
+                 label_ + ": corrupt ZIP archive (local header name differs from the directory for '" + name + "')");
     const uint64_t data = local + 30 + local_name_len + local_extra_len;
     c.need(data, usize, ("data of '" + name + "'").c_str());
     entries_.push_back({std::move(name), data, usize, crc});

@@ -18,7 +18,7 @@ struct ZipEntry {
   std::string name;
   uint64_t data_offset = 0;  // where the stored bytes start in the archive
   uint64_t size = 0;
-  uint32_t crc32 = 0;        // from the central directory
+  uint32_t crc32 = 0;  // from the central directory
 };
 
 class ZipReader {

@@ -37,13 +37,13 @@ struct ZooFile {
 };
 
 struct ZooEntry {
-  std::string id;          // "<model_id>/<recipe_tag>"
+  std::string id;  // "<model_id>/<recipe_tag>"
   std::string model_id;
   std::string recipe_tag;
   ModelFingerprint fingerprint;
   std::string fingerprint_source;  // "model" | "shapes" (built from an imported file's shapes only)
   std::string artifact_format_version;
-  std::string published;   // UTC, ISO 8601
+  std::string published;  // UTC, ISO 8601
   std::string notes;
   nlohmann::json recipe;      // method, bits, group, sink, recent, value_target, granularity, ...
   nlohmann::json shape;       // n_layers, n_heads, n_kv_heads, head_dim, rope_style
@@ -72,9 +72,9 @@ std::string recipe_tag(const Artifact& artifact);
 std::string render_card(const ZooEntry& entry, const Artifact& artifact);
 
 struct PublishOptions {
-  std::string notes;            // appended to the card
-  bool replace = false;         // replace a duplicate or conflicting entry instead of refusing
-  nlohmann::json validation;    // attached results (a `kvcc validate` JSON report); null: none
+  std::string notes;          // appended to the card
+  bool replace = false;       // replace a duplicate or conflicting entry instead of refusing
+  nlohmann::json validation;  // attached results (a `kvcc validate` JSON report); null: none
   // Called after each step ("files_written", "index_temp_written", "index_written"); tests throw
   // from it to simulate a publish interrupted at that point.
   std::function<void(const std::string& stage)> on_stage;
@@ -93,9 +93,9 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
 
 struct VerifyReport {
   size_t entries = 0, files_checked = 0;
-  std::vector<std::string> missing;   // "path (entry id)"
-  std::vector<std::string> corrupt;   // "path (entry id): size/sha256 differ"
-  std::vector<std::string> extra;     // files in the zoo no entry refers to
+  std::vector<std::string> missing;  // "path (entry id)"
+  std::vector<std::string> corrupt;  // "path (entry id): size/sha256 differ"
+  std::vector<std::string> extra;    // files in the zoo no entry refers to
   bool ok() const { return missing.empty() && corrupt.empty() && extra.empty(); }
 };
 // Re-hashes every file the index lists and walks the directory for files it does not list.

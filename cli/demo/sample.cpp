@@ -13,7 +13,7 @@ IncrementalDecoder::IncrementalDecoder(const ModelFile& model, int max_tokens)
     : model_(model), max_tokens_(max_tokens) {
   const ModelConfig& c = model.config();
   KVCC_REQUIRE(max_tokens >= 1 && max_tokens <= c.max_position,
-          "decoder: tokens must be in 1.." + std::to_string(c.max_position) + " (the model's context)");
+               "decoder: tokens must be in 1.." + std::to_string(c.max_position) + " (the model's context)");
   const size_t kvdim = size_t(c.n_kv_heads) * size_t(c.head_dim), qdim = size_t(c.n_heads) * size_t(c.head_dim);
   for (int l = 0; l < c.n_layers; ++l) {
     layers_.push_back(load_layer(model, l));
@@ -69,8 +69,9 @@ int32_t sample_token(const std::vector<float>& logits, double temperature, std::
 std::vector<std::vector<int32_t>> sample_documents(const ModelFile& model, int n_docs, const SampleOptions& o) {
   const ModelConfig& c = model.config();
   KVCC_REQUIRE(n_docs >= 0, "sample: negative document count");
-  KVCC_REQUIRE(o.max_tokens >= 2 && o.max_tokens <= c.max_position,
-          "sample: tokens per document must be in 2.." + std::to_string(c.max_position) + " (the model's context)");
+  KVCC_REQUIRE(
+      o.max_tokens >= 2 && o.max_tokens <= c.max_position,
+      "sample: tokens per document must be in 2.." + std::to_string(c.max_position) + " (the model's context)");
   KVCC_REQUIRE(o.temperature > 0, "sample: the temperature must be positive");
   IncrementalDecoder decoder(model, o.max_tokens);
   std::mt19937_64 rng(o.seed);
