@@ -42,12 +42,23 @@ extern "C" {
 
 int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                       int64_t max_pages, int max_sequences, int memory, kvcc_runtime** out) {
+  return kvcc_runtime_load_rank(artifact_path, n_layers, n_heads, n_kv_heads, head_dim, max_pages, max_sequences,
+                                memory, 0, 1, out);
+}
+
+int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                           int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out) {
   if (bad(artifact_path, "artifact_path") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
   return guarded([&] {
     kvcc::RuntimeOptions o;
     o.max_pages = max_pages;
     o.max_sequences = max_sequences;
     o.memory = memory ? kvcc::PoolMemory::Device : kvcc::PoolMemory::Host;
+    if (rank != 0 || ranks != 1) {  // one rank: the whole model (its shape is checked by the load)
+      const kvcc::KvHeadRange slice = kvcc::kv_head_slice(n_kv_heads, rank, ranks);
+      o.kv_begin = slice.begin;
+      o.kv_end = slice.end;
+    }
     auto h = std::make_unique<kvcc_runtime>();
     h->rt = kvcc::Runtime::load(artifact_path, kvcc::EngineShape{n_layers, n_heads, n_kv_heads, head_dim}, o);
     *out = h.release();

@@ -17,6 +17,11 @@ typedef struct kvcc_runtime kvcc_runtime;
 /* memory: 0 = host pool (CPU reference), 1 = device pool (CUDA, a Hopper GPU: sm_90). */
 int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                       int64_t max_pages, int max_sequences, int memory, kvcc_runtime** out);
+/* Tensor parallelism: rank `rank` of `ranks` serves KV heads [rank·n_kv/ranks, (rank+1)·n_kv/ranks)
+ * and their query heads; q, k, v and out of every later call hold the slice's heads only
+ * (kvcc_runtime.h). ranks must divide n_kv_heads. rank 0 of 1 is kvcc_runtime_load. */
+int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                           int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out);
 void kvcc_runtime_free(kvcc_runtime* rt);
 
 int kvcc_add_sequence(kvcc_runtime* rt, int* seq);

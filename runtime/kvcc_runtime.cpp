@@ -81,11 +81,34 @@ std::string device_scope_problem(const KvGeometry& g, int n_heads) {
   return gpu_unsupported_reason(g, n_heads, kGpuAllOps);
 }
 
+KvHeadRange kv_head_slice(int n_kv_heads, int rank, int ranks) {
+  KVCC_REQUIRE(n_kv_heads > 0, "tensor parallel: KV heads must be positive, got " + std::to_string(n_kv_heads));
+  KVCC_REQUIRE(ranks > 0, "tensor parallel: rank count must be positive, got " + std::to_string(ranks));
+  KVCC_REQUIRE(n_kv_heads % ranks == 0, "tensor parallel: " + std::to_string(ranks) + " ranks do not divide " +
+                                            std::to_string(n_kv_heads) + " KV heads into equal slices");
+  KVCC_REQUIRE(rank >= 0 && rank < ranks,
+               "tensor parallel: rank " + std::to_string(rank) + " out of range [0, " + std::to_string(ranks) + ")");
+  const int per = n_kv_heads / ranks;
+  return KvHeadRange{rank * per, (rank + 1) * per};
+}
+
 Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& o) : engine_(e), options_(o) {
   check_artifact_for_engine(a, e);
+  const bool whole = o.kv_begin == 0 && (o.kv_end == 0 || o.kv_end == e.n_kv_heads);
+  const int kv_end = o.kv_end == 0 ? e.n_kv_heads : o.kv_end;
+  KVCC_REQUIRE(o.kv_end != 0 || o.kv_begin == 0,
+               "runtime: kv_begin " + std::to_string(o.kv_begin) + " without kv_end (kv_end = 0 means all KV heads)");
+  KVCC_REQUIRE(o.kv_begin >= 0 && o.kv_begin < kv_end && kv_end <= e.n_kv_heads,
+               "runtime: KV-head slice [" + std::to_string(o.kv_begin) + ", " + std::to_string(kv_end) +
+                   ") is not a non-empty range inside the model's " + std::to_string(e.n_kv_heads) + " KV heads");
+  KVCC_REQUIRE(whole || e.n_heads % e.n_kv_heads == 0,
+               "runtime: a KV-head slice needs query heads (" + std::to_string(e.n_heads) +
+                   ") to be a multiple of KV heads (" + std::to_string(e.n_kv_heads) + ")");
+  kv_begin_ = o.kv_begin;
+  n_heads_ = whole ? e.n_heads : e.n_heads / e.n_kv_heads * (kv_end - o.kv_begin);
   KvGeometry g;
   g.n_layers = a.n_layers;
-  g.n_kv_heads = a.n_kv_heads;
+  g.n_kv_heads = kv_end - o.kv_begin;
   g.head_dim = a.head_dim;
   g.group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
   g.page_tokens = a.recipe.page_size;
@@ -93,9 +116,13 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   g.recent = a.recipe.recent;
   if (o.memory == PoolMemory::Device) {
     // Everything the device pool's append, decode and prefill will check, checked now.
-    bool table = false;
-    for (const HeadArtifact& h : a.heads) table = table || !h.key.levels.empty() || !h.value.levels.empty();
-    const std::string scope = gpu_unsupported_reason(g, e.n_heads, kGpuAllOps, table);
+    bool table = false;  // some head of the slice has a level table
+    for (size_t i = 0; i < a.heads.size(); ++i) {
+      const HeadArtifact& h = a.heads[i];
+      const int kv = int(i % size_t(a.n_kv_heads));
+      if (kv >= o.kv_begin && kv < kv_end) table = table || !h.key.levels.empty() || !h.value.levels.empty();
+    }
+    const std::string scope = gpu_unsupported_reason(g, n_heads_, kGpuAllOps, table);
     KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
     KVCC_REQUIRE(o.sm_scale >= 0.0f,
                  "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
@@ -106,10 +133,14 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
+  // Over the whole model, so that a slice rotates (or not) exactly as the whole-model Runtime does.
   bool any_rotation = false;
   for (const HeadArtifact& h : a.heads)
     any_rotation = any_rotation || !h.key.rotation.empty() || !h.value.rotation.empty();
-  for (const HeadArtifact& h : a.heads) {
+  for (size_t i = 0; i < a.heads.size(); ++i) {
+    const int kv = int(i % size_t(a.n_kv_heads));
+    if (kv < kv_begin_ || kv >= kv_end) continue;  // another rank's head
+    const HeadArtifact& h = a.heads[i];
     HeadCodec c;
     for (int side = 0; side < 2; ++side) {
       const SideArtifact& s = side ? h.value : h.key;
@@ -204,8 +235,7 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (cache_->memory() == PoolMemory::Host) {
-    decode_ref(*cache_, layer, seqs, q, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale,
-               out);
+    decode_ref(*cache_, layer, seqs, q, n_heads_, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale, out);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
@@ -230,8 +260,8 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   db.page_offset = dev_->batch.data() + 2 * n;
   db.page_table = dev_->batch.data() + 3 * n;
   db.max_pages = max_pages;
-  DecodeShape shape{engine_.n_heads, options_.sm_scale, 0};
-  dev_->ws.reserve(decode_workspace_bytes(g, n, engine_.n_heads, max_pages));
+  DecodeShape shape{n_heads_, options_.sm_scale, 0};
+  dev_->ws.reserve(decode_workspace_bytes(g, n, n_heads_, max_pages));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
@@ -263,8 +293,8 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
   KVCC_REQUIRE(T >= 0, "runtime: negative token count");
   const int64_t length = prefill_length(layer, seq, T);
   if (cache_->memory() == PoolMemory::Host) {
-    prefill_ref(*cache_, layer, seq, T, q, k, v, engine_.n_heads, rot_k(layer), rot_v(layer), codecs(layer),
-                options_.sm_scale, out, length);
+    prefill_ref(*cache_, layer, seq, T, q, k, v, n_heads_, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale,
+                out, length);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
@@ -272,7 +302,7 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
   const std::vector<int32_t>& pt = cache_->page_table(seq);
   const std::vector<int32_t> hist(pt.begin(), pt.begin() + history_pages(g, length));
   const int32_t* table = dev_->upload_batch(hist, s);
-  const PrefillShape shape{engine_.n_heads, options_.sm_scale};
+  const PrefillShape shape{n_heads_, options_.sm_scale};
   dev_->ws.reserve(prefill_workspace_bytes(g, length, T, shape));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,

@@ -14,6 +14,14 @@
 // q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets). It
 // reads the cache as it was before these tokens, so call it before begin_append, or after
 // begin_append (T = the sequence's count) and before append(layer).
+//
+// Tensor parallelism: RuntimeOptions::kv_begin / kv_end (e.g. from kv_head_slice(rank, ranks))
+// make the Runtime serve one slice of the model's KV heads [kv_begin, kv_end): it holds only
+// those heads' codecs, rotations and cache pages, and every tensor above is the slice's part:
+// n_kv = kv_end - kv_begin KV heads and n_heads = the slice's query heads, (n_heads / n_kv_heads
+// of the model) per KV head, i.e. model query heads [kv_begin·r, kv_end·r) for r = n_heads /
+// n_kv_heads. Each head is computed by the same code as in a whole-model Runtime, so the ranks'
+// outputs concatenated along the heads are the whole model's bit for bit.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -32,11 +40,22 @@ struct EngineShape {
 };
 
 struct RuntimeOptions {
-  int64_t max_pages = 0;  // INT2 history pages in the pool
+  int64_t max_pages = 0;  // INT2 history pages in the pool (each holds the slice's KV heads only)
   int max_sequences = 0;
   PoolMemory memory = PoolMemory::Device;
   float sm_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+  // The model's KV heads this Runtime serves, [kv_begin, kv_end); kv_end = 0: all of them
+  // (kv_begin must then be 0). A proper slice needs n_heads a multiple of n_kv_heads.
+  int kv_begin = 0, kv_end = 0;
 };
+
+// Rank `rank` of `ranks` tensor-parallel ranks: contiguous equal slices of the KV heads,
+// [rank·n/ranks, (rank+1)·n/ranks). Throws Error when ranks does not divide n_kv_heads or rank
+// is not in [0, ranks).
+struct KvHeadRange {
+  int begin = 0, end = 0;
+};
+KvHeadRange kv_head_slice(int n_kv_heads, int rank, int ranks);
 
 class Runtime {
  public:
@@ -48,9 +67,17 @@ class Runtime {
                                        const RuntimeOptions& options);
 
   KvCache& cache() { return *cache_; }
+  // The cache's geometry: n_kv_heads is the slice's KV heads (all of the model's by default).
   const KvGeometry& geometry() const { return cache_->geometry(); }
+  // The slice served: model KV heads [kv_begin, kv_end), and the query heads q and out hold
+  // (model query heads [kv_begin·r, kv_end·r), r = n_heads / n_kv_heads).
+  int kv_begin() const { return kv_begin_; }
+  int kv_end() const { return kv_begin_ + geometry().n_kv_heads; }
+  int n_heads() const { return n_heads_; }
+  // Per layer, the slice's KV heads in order: [n_kv] codecs.
   const HeadCodec* codecs(int layer) const { return codecs_.data() + size_t(layer) * geometry().n_kv_heads; }
-  // Host copies: [n_kv, d, d] per layer, x_rot = x·R (null when the artifact has no rotation).
+  // Host copies: [n_kv, d, d] per layer (the slice's heads), x_rot = x·R (null when the artifact
+  // has no rotation).
   const float* rot_k(int layer) const;
   const float* rot_v(int layer) const;
 
@@ -64,6 +91,8 @@ class Runtime {
   struct DeviceState;
   EngineShape engine_;
   RuntimeOptions options_;
+  int kv_begin_ = 0;  // first model KV head of the slice
+  int n_heads_ = 0;   // query heads of the slice
   std::unique_ptr<KvCache> cache_;
   std::vector<HeadCodec> codecs_;     // [layers * n_kv]
   std::vector<float> rot_k_, rot_v_;  // [layers * n_kv * d * d], empty: identity
