@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -333,6 +334,91 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
     }
     std::printf("served shape %d/%d, sink %d, ring %d: worst per-head relative error %.2e\n", sh.n_heads, sh.n_kv,
                 sh.sink, sh.recent, worst);
+  }
+}
+
+// Tensor parallelism on the device pool: ranks of 2 and 4 KV-head slices, each a device Runtime,
+// against the whole model's host Runtime (the CPU reference) on the same steps; every rank's
+// prefill and decode rows are the whole model's rows of its query heads.
+TEST(GpuRuntime, KvHeadSlicesMatchTheWholeHostRuntime) {
+  const int n_heads = 32, n_kv = 8, group = n_heads / n_kv;
+  std::mt19937 rng(33);
+  Artifact art;
+  art.n_layers = 1;
+  art.n_heads = n_heads;
+  art.n_kv_heads = n_kv;
+  art.head_dim = kD;
+  art.recipe.method = "oscar";
+  art.recipe.sink = 16;
+  art.recipe.recent = 96;
+  for (int i = 0; i < n_kv; ++i) {
+    HeadArtifact h;
+    h.key.rotation = random_orthogonal(1, kD, rng);
+    h.value.rotation = random_orthogonal(1, kD, rng);
+    h.key.clip_ratio = h.value.clip_ratio = 0.95;
+    art.heads.push_back(h);
+  }
+  const EngineShape e{1, n_heads, n_kv, kD};
+  RuntimeOptions o;
+  o.max_pages = 64;
+  o.max_sequences = 1;
+  o.memory = PoolMemory::Host;
+  for (int ranks : {2, 4}) {
+    Runtime whole(art, e, o);
+    std::vector<std::unique_ptr<Runtime>> dev;
+    for (int r = 0; r < ranks; ++r) {
+      RuntimeOptions ro = o;
+      ro.memory = PoolMemory::Device;
+      const KvHeadRange s = kv_head_slice(n_kv, r, ranks);
+      ro.kv_begin = s.begin;
+      ro.kv_end = s.end;
+      dev.push_back(std::make_unique<Runtime>(art, e, ro));
+    }
+    const int seq = whole.cache().add_sequence();
+    for (auto& d : dev) ASSERT_EQ(d->cache().add_sequence(), seq);
+    // Rows [tokens, heads, kD] -> the heads [h0, h1) of every token.
+    auto slice = [](const std::vector<float>& x, int heads, int h0, int h1) {
+      const size_t tokens = x.size() / (size_t(heads) * kD);
+      std::vector<float> out;
+      for (size_t t = 0; t < tokens; ++t)
+        out.insert(out.end(), x.begin() + ptrdiff_t((t * heads + h0) * kD),
+                   x.begin() + ptrdiff_t((t * heads + h1) * kD));
+      return out;
+    };
+    double worst = 0;
+    for (int T : {300, 1, 70, 1}) {
+      const auto k = random_rows(size_t(T) * n_kv * kD, rng, true);
+      const auto v = random_rows(k.size(), rng, false);
+      const auto q = random_rows(size_t(T) * n_heads * kD, rng, false);
+      const std::vector<float> qd(q.end() - ptrdiff_t(n_heads) * kD, q.end());
+      std::vector<float> want(q.size()), want_d(qd.size());
+      whole.begin_append({seq}, {T});
+      whole.prefill(0, seq, T, q.data(), k.data(), v.data(), want.data());
+      whole.append(0, k.data(), v.data());
+      whole.decode(0, {seq}, qd.data(), want_d.data());
+      for (int r = 0; r < ranks; ++r) {
+        Runtime& d = *dev[size_t(r)];
+        const int kb = d.kv_begin(), ke = d.kv_end();
+        DeviceBuffer<float> dq(slice(q, n_heads, kb * group, ke * group)), dk(slice(k, n_kv, kb, ke)),
+            dv(slice(v, n_kv, kb, ke)), dout(size_t(T) * (ke - kb) * group * kD);
+        DeviceBuffer<float> dqd(slice(qd, n_heads, kb * group, ke * group)), doutd(size_t(ke - kb) * group * kD);
+        d.begin_append({seq}, {T});
+        d.prefill(0, seq, T, dq.data(), dk.data(), dv.data(), dout.data());
+        d.append(0, dk.data(), dv.data());
+        d.decode(0, {seq}, dqd.data(), doutd.data());
+        std::vector<float> got = dout.download(), expect = slice(want, n_heads, kb * group, ke * group);
+        const std::vector<float> got_d = doutd.download(), expect_d = slice(want_d, n_heads, kb * group, ke * group);
+        got.insert(got.end(), got_d.begin(), got_d.end());
+        expect.insert(expect.end(), expect_d.begin(), expect_d.end());
+        ASSERT_EQ(got.size(), expect.size());
+        for (size_t row = 0; row < got.size() / kD; ++row) {
+          const double err = rel(got.data() + row * kD, expect.data() + row * kD, kD);
+          worst = std::max(worst, err);
+          ASSERT_LT(err, 1e-2) << ranks << " ranks, rank " << r << ", T " << T << ", row " << row;
+        }
+      }
+    }
+    std::printf("%d device ranks vs the whole host runtime: worst per-head relative error %.2e\n", ranks, worst);
   }
 }
 
