@@ -163,6 +163,26 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
   return append_workspace(g, rows, max_moves).bytes;
 }
 
+void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
+                       const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
+                       void* staging, size_t staging_bytes, cudaStream_t stream) {
+  if (plan.rows == 0) return;
+  KVCC_REQUIRE(staging_bytes >= append_staging_bytes(g, plan.rows), "append (CUDA): staging too small");
+  auto* stage = static_cast<__nv_bfloat16*>(staging);
+  auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
+  rotate_rows<<<dim3(unsigned((plan.rows + 15) / 16), g.n_kv_heads, 2), kD, 0, stream>>>(
+      k, v, rot_k, rot_v, int(plan.rows), g.n_kv_heads, stage);
+  const int64_t move_warps = int64_t(plan.n_moves) * g.n_kv_heads * 2;
+  if (move_warps > 0)
+    quantize_moves<<<unsigned((move_warps + 3) / 4), 128, 0, stream>>>(plan.moves, plan.n_moves, g, layer, stage,
+                                                                       int(plan.rows), win, pages, codecs);
+  const int64_t write_warps = int64_t(plan.n_writes) * g.n_kv_heads * 2;
+  if (write_warps > 0)
+    write_windows<<<unsigned((write_warps + 3) / 4), 128, 0, stream>>>(plan.writes, plan.n_writes, g, layer, stage,
+                                                                       int(plan.rows), win);
+  check_cuda(cudaGetLastError(), "append (CUDA) launch");
+}
+
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
                const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -171,40 +191,31 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
   // Plan the moves and window writes (the same walk as append_ref).
   const AppendMoves m = plan_append_moves(g, plan);
-  const std::vector<Move>& moves = m.moves;
-  const std::vector<WindowWrite>& writes = m.writes;
-  const int64_t rows = m.rows;
-  if (rows == 0) return;
-  const AppendWorkspace lay = append_workspace(g, rows, int64_t(moves.size()));
+  if (m.rows == 0) return;
+  const AppendWorkspace lay = append_workspace(g, m.rows, int64_t(m.moves.size()));
   KVCC_REQUIRE(workspace_bytes >= lay.bytes, "append (CUDA): workspace too small");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  auto* staging = reinterpret_cast<__nv_bfloat16*>(ws + lay.staging);
-  auto* d_moves = reinterpret_cast<Move*>(ws + lay.moves);
-  auto* d_writes = reinterpret_cast<WindowWrite*>(ws + lay.writes);
+  DeviceAppendPlan d;
+  d.moves = reinterpret_cast<AppendMove*>(ws + lay.moves);
+  d.writes = reinterpret_cast<AppendWindowWrite*>(ws + lay.writes);
+  d.n_moves = int(m.moves.size());
+  d.n_writes = int(m.writes.size());
+  d.rows = m.rows;
   auto* d_codecs = reinterpret_cast<HeadCodec*>(ws + lay.codecs);
   // Pageable host memory: the copies complete (staged) before cudaMemcpyAsync returns.
-  if (!moves.empty())
-    check_cuda(cudaMemcpyAsync(d_moves, moves.data(), moves.size() * sizeof(Move), cudaMemcpyHostToDevice, stream),
+  if (!m.moves.empty())
+    check_cuda(cudaMemcpyAsync(ws + lay.moves, m.moves.data(), m.moves.size() * sizeof(AppendMove),
+                               cudaMemcpyHostToDevice, stream),
                "append (CUDA): copy plan");
-  if (!writes.empty())
-    check_cuda(
-        cudaMemcpyAsync(d_writes, writes.data(), writes.size() * sizeof(WindowWrite), cudaMemcpyHostToDevice, stream),
-        "append (CUDA): copy plan");
+  if (!m.writes.empty())
+    check_cuda(cudaMemcpyAsync(ws + lay.writes, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite),
+                               cudaMemcpyHostToDevice, stream),
+               "append (CUDA): copy plan");
   check_cuda(
       cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
       "append (CUDA): copy codecs");
-  auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
-  rotate_rows<<<dim3(unsigned((rows + 15) / 16), g.n_kv_heads, 2), kD, 0, stream>>>(k, v, rot_k, rot_v, int(rows),
-                                                                                    g.n_kv_heads, staging);
-  const int64_t move_warps = int64_t(moves.size()) * g.n_kv_heads * 2;
-  if (move_warps > 0)
-    quantize_moves<<<unsigned((move_warps + 3) / 4), 128, 0, stream>>>(d_moves, int(moves.size()), g, layer, staging,
-                                                                       int(rows), win, pages, d_codecs);
-  const int64_t write_warps = int64_t(writes.size()) * g.n_kv_heads * 2;
-  if (write_warps > 0)
-    write_windows<<<unsigned((write_warps + 3) / 4), 128, 0, stream>>>(d_writes, int(writes.size()), g, layer, staging,
-                                                                       int(rows), win);
-  check_cuda(cudaGetLastError(), "append (CUDA) launch");
+  append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, ws + lay.staging,
+                    lay.moves - lay.staging, stream);
 }
 
 }  // namespace kvcc

@@ -95,6 +95,7 @@ int KvCache::take_slot() {
 }
 
 int KvCache::add_sequence() {
+  ++version_;
   const int s = take_slot();
   sequences_[size_t(s)] = Sequence{true, 0, {}};
   ++sequences_live_;
@@ -102,6 +103,7 @@ int KvCache::add_sequence() {
 }
 
 int KvCache::fork(int parent, void* stream) {
+  ++version_;
   const Sequence& p = seq_at(parent);
   const int s = take_slot();
   const KvGeometry& g = config_.geometry;
@@ -123,6 +125,7 @@ int KvCache::fork(int parent, void* stream) {
 }
 
 void KvCache::free_sequence(int seq) {
+  ++version_;
   Sequence& s = seq_at(seq);
   for (int32_t page : s.pages) {
     if (--refcount_[size_t(page)] == 0) {
@@ -136,6 +139,7 @@ void KvCache::free_sequence(int seq) {
 
 std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& seqs,
                                                       const std::vector<int64_t>& new_tokens) {
+  ++version_;
   KVCC_REQUIRE(seqs.size() == new_tokens.size(), "kv cache: grow_batch needs one count per sequence");
   const KvGeometry& g = config_.geometry;
   std::vector<int64_t> need(seqs.size());

@@ -65,6 +65,9 @@ class KvCache {
   int64_t pages_in_use() const { return pages_in_use_; }
   int64_t pages_free() const { return int64_t(free_pages_.size()); }
   int sequences_live() const { return sequences_live_; }
+  // Counts every change of sequences, lengths or page tables (add, fork, free, grow): a plan made
+  // from the tables is current while this is unchanged.
+  uint64_t version() const { return version_; }
   int page_refcount(int32_t page) const { return refcount_[size_t(page)]; }
   // Bytes of the pool in use: pages in use (each once, however many sequences share it) plus the
   // window slots of live sequences.
@@ -94,6 +97,7 @@ class KvCache {
   std::vector<int32_t> free_pages_;  // a stack; the lowest ids are handed out first
   int64_t pages_in_use_ = 0;
   int sequences_live_ = 0;
+  uint64_t version_ = 0;
 };
 
 }  // namespace kvcc

@@ -68,6 +68,12 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
                const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
                void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
+// rotate and stage, quantise the moves, write the windows; no host work, no copies. codecs: device
+// [n_kv] of this layer; staging: at least append_staging_bytes(g, plan.rows).
+void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
+                       const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
+                       void* staging, size_t staging_bytes, cudaStream_t stream);
 
 // Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
 // prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as

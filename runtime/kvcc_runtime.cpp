@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "formats/error.h"
@@ -58,8 +59,16 @@ struct Runtime::DeviceState {
   DeviceBuffer<float> rot_k;    // [layers, n_kv, d, d]; empty: no rotation
   DeviceBuffer<float> rot_v_t;  // R_vᵀ
   DeviceBuffer<float> rot_v;
-  DeviceBuffer<int32_t> batch;  // seq_slot | seq_len | page_offset | page_table
-  DeviceBuffer<uint8_t> ws;
+  DeviceBuffer<HeadCodec> codecs;  // [layers, n_kv], uploaded once
+  DeviceBuffer<int32_t> batch;     // prefill's page table, and a decode batch outside a step
+  DeviceBuffer<uint8_t> step;      // the step's plan: append moves | window writes | decode batch
+  DeviceBuffer<uint8_t> ws;        // append staging and decode workspace (stream order)
+  // The step planned by begin_append (valid until the next one): its sequences, the append plan
+  // and the decode batch of those sequences, all in `step`.
+  std::vector<int> step_seqs;
+  uint64_t step_version = 0;  // the cache's version the plan was made at
+  DeviceAppendPlan append;
+  DeviceBatch decode;
   // r from element off on (a layer's rotations), or null when the artifact has none.
   static const float* at(const DeviceBuffer<float>& r, size_t off) { return r.empty() ? nullptr : r.data() + off; }
   // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
@@ -70,6 +79,36 @@ struct Runtime::DeviceState {
     return batch.data();
   }
 };
+
+namespace {
+// A decode batch's int arrays for `seqs` at their current lengths: seq_slot | seq_len |
+// page_offset | page tables (offsets relative to the tables' start); max_pages is set.
+std::vector<int32_t> decode_batch_ints(const KvCache& cache, const std::vector<int>& seqs, int& max_pages) {
+  const size_t n = seqs.size();
+  std::vector<int32_t> host(3 * n);
+  max_pages = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& pt = cache.page_table(seqs[i]);
+    host[i] = seqs[i];
+    host[n + i] = int32_t(cache.length(seqs[i]));
+    host[2 * n + i] = int32_t(host.size() - 3 * n);
+    host.insert(host.end(), pt.begin(), pt.end());
+    max_pages = std::max(max_pages, int(pt.size()));
+  }
+  return host;
+}
+
+DeviceBatch device_batch(const int32_t* ints, int n, int max_pages) {
+  DeviceBatch db;
+  db.batch = n;
+  db.seq_slot = ints;
+  db.seq_len = ints + n;
+  db.page_offset = ints + 2 * n;
+  db.page_table = ints + 3 * n;
+  db.max_pages = max_pages;
+  return db;
+}
+}  // namespace
 #else
 struct Runtime::DeviceState {};
 #endif
@@ -169,6 +208,7 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     dev_->rot_v = DeviceBuffer<float>(rot_v_);
     dev_->rot_v_t = DeviceBuffer<float>(rvt);
   }
+  if (o.memory == PoolMemory::Device) dev_->codecs = DeviceBuffer<HeadCodec>(codecs_);
 #endif
 }
 
@@ -189,7 +229,7 @@ const float* Runtime::rot_v(int layer) const {
              : rot_v_.data() + size_t(layer) * geometry().n_kv_heads * geometry().head_dim * geometry().head_dim;
 }
 
-void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts) {
+void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream) {
   KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: one count per sequence");
   std::vector<int64_t> old, add;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -201,7 +241,47 @@ void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>&
   pending_counts_ = counts;
   pending_old_ = old;
   appended_.assign(size_t(geometry().n_layers), 0);
+#if defined(KVCC_HAVE_CUDA)
+  if (cache_->memory() == PoolMemory::Device) plan_step(stream);
+#endif
 }
+
+#if defined(KVCC_HAVE_CUDA)
+// The step's plan, once for all layers: the append moves and window writes (plan_append_moves)
+// and the decode batch of the step's sequences at their new lengths, uploaded in one copy; the
+// workspace sized for the step's append and decode. Layers then only launch kernels.
+void Runtime::plan_step(void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const KvGeometry& g = geometry();
+  const AppendBatch b = make_append_batch(pending_seqs_, pending_old_, pending_counts_);
+  AppendPlanHost host_plan{pending_seqs_, pending_old_, pending_counts_, b.row_offsets, {}};
+  for (int seq : pending_seqs_) host_plan.page_tables.push_back(cache_->page_table(seq));
+  const AppendMoves m = plan_append_moves(g, host_plan);
+  int max_pages = 0;
+  const std::vector<int32_t> ints = decode_batch_ints(*cache_, pending_seqs_, max_pages);
+  const size_t moves_at = 0, writes_at = align256(m.moves.size() * sizeof(AppendMove)),
+               ints_at = writes_at + align256(m.writes.size() * sizeof(AppendWindowWrite)),
+               bytes = ints_at + ints.size() * sizeof(int32_t);
+  std::vector<uint8_t> packed(bytes);
+  std::memcpy(packed.data() + moves_at, m.moves.data(), m.moves.size() * sizeof(AppendMove));
+  std::memcpy(packed.data() + writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
+  std::memcpy(packed.data() + ints_at, ints.data(), ints.size() * sizeof(int32_t));
+  DeviceState& d = *dev_;
+  d.step.reserve(bytes);  // grows only here, between steps
+  d.step.upload(packed.data(), bytes, stream);
+  d.step_seqs = pending_seqs_;
+  d.step_version = cache_->version();
+  d.append.moves = reinterpret_cast<const AppendMove*>(d.step.data() + moves_at);
+  d.append.writes = reinterpret_cast<const AppendWindowWrite*>(d.step.data() + writes_at);
+  d.append.n_moves = int(m.moves.size());
+  d.append.n_writes = int(m.writes.size());
+  d.append.rows = m.rows;
+  d.decode =
+      device_batch(reinterpret_cast<const int32_t*>(d.step.data() + ints_at), int(pending_seqs_.size()), max_pages);
+  d.ws.reserve(std::max(append_staging_bytes(g, m.rows),
+                        decode_workspace_bytes(g, int(pending_seqs_.size()), n_heads_, max_pages)));
+}
+#endif
 
 void Runtime::append(int layer, const float* k, const float* v, void* stream) {
   const KvGeometry& g = geometry();
@@ -213,19 +293,11 @@ void Runtime::append(int layer, const float* k, const float* v, void* stream) {
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
-  AppendBatch b = make_append_batch(pending_seqs_, pending_old_, pending_counts_);
-  AppendPlanHost plan{pending_seqs_, pending_old_, pending_counts_, b.row_offsets, {}};
-  int64_t rows = 0, moves = 0;
-  for (size_t i = 0; i < pending_seqs_.size(); ++i) {
-    plan.page_tables.push_back(cache_->page_table(pending_seqs_[i]));
-    rows += pending_counts_[i];
-    moves += pending_counts_[i] + g.recent;
-  }
-  dev_->ws.reserve(append_workspace_bytes(g, rows, moves));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
-  append_kv(g, cache_->pages_base(), cache_->windows_base(), layer, plan, codecs(layer), k, v,
-            DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(),
-            static_cast<cudaStream_t>(stream));
+  append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->append,
+                    dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
+                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(),
+                    static_cast<cudaStream_t>(stream));
 #else
   throw Error("runtime: built without CUDA");
 #endif
@@ -239,29 +311,17 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
-  const int n = int(seqs.size());
-  std::vector<int32_t> host(size_t(3 * n));
-  int max_pages = 0;
-  for (int i = 0; i < n; ++i) {
-    const auto& pt = cache_->page_table(seqs[size_t(i)]);
-    host[size_t(i)] = seqs[size_t(i)];
-    host[size_t(n + i)] = int32_t(cache_->length(seqs[size_t(i)]));
-    host[size_t(2 * n + i)] = int32_t(host.size() - size_t(3 * n));
-    host.insert(host.end(), pt.begin(), pt.end());
-    max_pages = std::max(max_pages, int(pt.size()));
-  }
-  // Page offsets were taken before each insert, relative to the table start.
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  dev_->upload_batch(host, s);
   DeviceBatch db;
-  db.batch = n;
-  db.seq_slot = dev_->batch.data();
-  db.seq_len = dev_->batch.data() + n;
-  db.page_offset = dev_->batch.data() + 2 * n;
-  db.page_table = dev_->batch.data() + 3 * n;
-  db.max_pages = max_pages;
+  if (seqs == dev_->step_seqs && cache_->version() == dev_->step_version) {
+    db = dev_->decode;  // planned with the step: no host work, no copy
+  } else {
+    int max_pages = 0;
+    const std::vector<int32_t> host = decode_batch_ints(*cache_, seqs, max_pages);
+    db = device_batch(dev_->upload_batch(host, s), int(seqs.size()), max_pages);
+    dev_->ws.reserve(decode_workspace_bytes(g, db.batch, n_heads_, max_pages));
+  }
   DecodeShape shape{n_heads_, options_.sm_scale, 0};
-  dev_->ws.reserve(decode_workspace_bytes(g, n, n_heads_, max_pages));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),

@@ -81,7 +81,11 @@ class Runtime {
   const float* rot_k(int layer) const;
   const float* rot_v(int layer) const;
 
-  void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts);
+  // Opens a step: the sequences grow by counts. On a device pool the step is planned here, once
+  // for all layers (append moves, window writes and the decode batch of `seqs`, uploaded in one
+  // copy on `stream`; workspace sized), so append(layer) and decode(layer, seqs) only launch
+  // kernels. decode of other sequences than the step's plans its batch per call.
+  void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream = nullptr);
   void append(int layer, const float* k, const float* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
   void prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
@@ -101,6 +105,7 @@ class Runtime {
   std::vector<char> appended_;  // [layers]: append(layer) done in the current step
   // The length prefill reads: before the open step's tokens (checked), else the current one.
   int64_t prefill_length(int layer, int seq, int T) const;
+  void plan_step(void* stream);
   std::unique_ptr<DeviceState> dev_;
 };
 

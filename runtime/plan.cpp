@@ -195,10 +195,14 @@ AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
   return m;
 }
 
+size_t append_staging_bytes(const KvGeometry& g, int64_t rows) {
+  return align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2);  // BF16 K and V rows
+}
+
 AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_moves) {
   AppendWorkspace w;
   w.staging = 0;
-  w.moves = align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2);  // BF16 K and V rows
+  w.moves = append_staging_bytes(g, rows);
   w.writes = w.moves + align256(size_t(max_moves) * sizeof(AppendMove));
   w.codecs = w.writes + align256(size_t(rows) * sizeof(AppendWindowWrite));
   w.bytes = w.codecs + align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));

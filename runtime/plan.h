@@ -135,6 +135,18 @@ struct AppendMoves {
 // the arrays differ in size or a sequence was not grown.
 AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan);
 
+// One step's append plan on the device (the same for every layer of the step): the moves and
+// window writes of plan_append_moves and the staging rows. Runtime::begin_append uploads it once
+// per step; append_kv_planned reads it for each layer.
+struct DeviceAppendPlan {
+  const AppendMove* moves = nullptr;
+  const AppendWindowWrite* writes = nullptr;
+  int n_moves = 0, n_writes = 0;
+  int64_t rows = 0;
+};
+// Bytes of the BF16 staging of `rows` K and V rows (the first part of append's workspace).
+size_t append_staging_bytes(const KvGeometry& g, int64_t rows);
+
 // Append's workspace: byte offsets of the BF16 staging (K then V), the moves, the window writes
 // and the codecs; total bytes.
 struct AppendWorkspace {

@@ -22,7 +22,7 @@ TEST=$BUILD/tests/gpu_test_cache
 PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
-gpu_cmake_build gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill ||
+gpu_cmake_build gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill bench_step ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
@@ -53,6 +53,9 @@ fi
 echo "bench_decode exit: $?"
 "$BUILD/bench/bench_prefill" | tee "$OUT/bench_prefill.txt"
 echo "bench_prefill exit: $?"
+# A whole decode step through the Runtime API (begin_append, then append + decode per layer).
+"$BUILD/bench/bench_step" | tee "$OUT/bench_step.txt"
+echo "bench_step exit: $?"
 # Where small-batch time goes (KVCC_STAGES bits: 1 rotate q, 2 attention, 4 merge); not in the table.
 for st in 2 1 4; do
   KVCC_STAGES=$st "$BENCH" --configs 32:8:1:4096,32:8:1:32768 --out "$BUILD/parts.jsonl" --reps 20 | grep decode | sed "s/^/stages=$st /"
@@ -64,11 +67,14 @@ if [ -n "${BEFORE_TREE:-}" ]; then
   # A whole older source tree (e.g. `git archive OLD | tar x -C DIR`): its own CMake build of
   # bench_decode, timed on the same shapes right after this tree's, for the before column.
   mkdir -p "$OUT/before"
+  # bench_step uses the public Runtime API only: this tree's file times the older Runtime too.
+  [ -e "$BEFORE_TREE/bench/bench_step.cu" ] || cp bench/bench_step.cu "$BEFORE_TREE/bench/"
   (cd "$BEFORE_TREE" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
-    cmake --build build-before --target bench_decode -j"$JOBS" >/dev/null) || echo "BEFORE_TREE BUILD FAILED"
+    cmake --build build-before --target bench_decode bench_step -j"$JOBS" >/dev/null) || echo "BEFORE_TREE BUILD FAILED"
   "$BEFORE_TREE/build-before/bench/bench_decode" --configs "$CONFIGS" --out "$OUT/before/perf_before_r1.jsonl" --reps 30 |
     grep decode | sed "s/^/before /"
   echo "before tree ($BEFORE_TREE) exit: $?"
+  "$BEFORE_TREE/build-before/bench/bench_step" | sed "s/^/before /" | tee "$OUT/before/bench_step.txt"
   REPORT_ARGS=(--before before/perf_before_r1.jsonl)
 elif [ -n "${BEFORE:-}" ]; then
   OUT=$OUT/before GPU_BUILD=$BUILD BUILD=build-gpu-perf BEFORE=$BEFORE ROUNDS=1 NO_SDPA=1 CONFIGS=$CONFIGS scripts/gpu_perf.sh before: >/dev/null 2>&1

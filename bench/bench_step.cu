@@ -1,0 +1,152 @@
+// A whole decode step through the public Runtime API, as an engine calls it: begin_append (one
+// new token per sequence), then per layer append(layer) + decode(layer) on one stream, host work
+// included (wall time from the first call to the stream's end, over many steps). Only the public
+// API is used, so the same file times an older tree's Runtime (scripts/gpu_run.sh BEFORE_TREE).
+//
+// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "formats/artifact.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kvcc_runtime.h"
+
+using namespace kvcc;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// A random orthogonal d x d matrix (Gram-Schmidt of Gaussian rows), row-major.
+std::vector<double> random_orthogonal(int d, std::mt19937& rng) {
+  std::normal_distribution<double> n01;
+  std::vector<double> m(size_t(d) * d);
+  for (double& x : m) x = n01(rng);
+  for (int i = 0; i < d; ++i) {
+    double* r = m.data() + size_t(i) * d;
+    for (int j = 0; j < i; ++j) {
+      const double* q = m.data() + size_t(j) * d;
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += r[c] * q[c];
+      for (int c = 0; c < d; ++c) r[c] -= dot * q[c];
+    }
+    double norm = 0;
+    for (int c = 0; c < d; ++c) norm += r[c] * r[c];
+    norm = std::sqrt(norm);
+    for (int c = 0; c < d; ++c) r[c] /= norm;
+  }
+  return m;
+}
+
+float* device_random(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> n01;
+  std::vector<float> h(n);
+  for (float& x : h) x = n01(rng);
+  float* d = nullptr;
+  ck(cudaMalloc(&d, n * sizeof(float)), "cudaMalloc");
+  ck(cudaMemcpy(d, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return d;
+}
+
+void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
+  const int d = 128;
+  std::mt19937 rng(7);
+  Artifact art;
+  art.n_layers = layers;
+  art.n_heads = hq;
+  art.n_kv_heads = hkv;
+  art.head_dim = d;
+  art.recipe.method = "oscar";
+  for (int i = 0; i < layers * hkv; ++i) {
+    HeadArtifact h;
+    h.key.rotation = random_orthogonal(d, rng);
+    h.value.rotation = random_orthogonal(d, rng);
+    h.key.clip_ratio = h.value.clip_ratio = 0.95;
+    art.heads.push_back(h);
+  }
+  const EngineShape e{layers, hq, hkv, d};
+  RuntimeOptions o;
+  o.max_pages = int64_t(batch) * ((ctx + steps + 64) / 64 + 1);
+  o.max_sequences = batch;
+  o.memory = PoolMemory::Device;
+  Runtime rt(art, e, o);
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  std::vector<int> seqs;
+  for (int b = 0; b < batch; ++b) seqs.push_back(rt.cache().add_sequence());
+  // Fill every sequence to ctx tokens, in chunks (random K/V rows).
+  const int chunk = 8192;
+  float* kv = device_random(size_t(chunk) * hkv * d, rng);
+  for (int b = 0; b < batch; ++b)
+    for (int done = 0; done < ctx; done += chunk) {
+      const int n = std::min(chunk, ctx - done);
+      rt.begin_append({seqs[size_t(b)]}, {n});
+      for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
+    }
+  ck(cudaStreamSynchronize(s), "fill");
+  float* k1 = device_random(size_t(batch) * hkv * d, rng);
+  float* v1 = device_random(size_t(batch) * hkv * d, rng);
+  float* q = device_random(size_t(batch) * hq * d, rng);
+  float* out = nullptr;
+  ck(cudaMalloc(&out, size_t(batch) * hq * d * sizeof(float)), "cudaMalloc");
+  const std::vector<int> ones(size_t(batch), 1);
+  auto step = [&] {
+    rt.begin_append(seqs, ones);
+    for (int l = 0; l < layers; ++l) {
+      rt.append(l, k1, v1, s);
+      rt.decode(l, seqs, q, out, s);
+    }
+  };
+  for (int i = 0; i < 3; ++i) step();  // warm-up
+  ck(cudaStreamSynchronize(s), "warm-up");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  ck(cudaStreamSynchronize(s), "steps");
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included)\n", hq,
+              hkv, batch, ctx, layers, us / steps / layers);
+  for (float* p : {kv, k1, v1, q, out}) cudaFree(p);
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string configs = "32:8:1:32768,32:8:8:131072,32:8:64:32768";
+  int layers = 4, steps = 50;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
+    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+  }
+  std::stringstream ss(configs);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int hq, hkv, batch, ctx;
+    if (std::sscanf(item.c_str(), "%d:%d:%d:%d", &hq, &hkv, &batch, &ctx) != 4) {
+      std::fprintf(stderr, "bad config %s\n", item.c_str());
+      return 1;
+    }
+    try {
+      run(hq, hkv, batch, ctx, layers, steps);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: %s\n", item.c_str(), e.what());
+      return 1;
+    }
+  }
+  return 0;
+}
