@@ -62,6 +62,18 @@ float* device_random(size_t n, std::mt19937& rng) {
   return d;
 }
 
+// begin_append on the benchmark's stream where the Runtime takes one (older Runtimes did no device
+// work there and take none).
+template <class R>
+auto begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& counts, cudaStream_t s, int)
+    -> decltype(rt.begin_append(seqs, counts, static_cast<void*>(s)), void()) {
+  rt.begin_append(seqs, counts, static_cast<void*>(s));
+}
+template <class R>
+void begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& counts, cudaStream_t, long) {
+  rt.begin_append(seqs, counts);
+}
+
 void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
   const int d = 128;
   std::mt19937 rng(7);
@@ -94,7 +106,7 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
   for (int b = 0; b < batch; ++b)
     for (int done = 0; done < ctx; done += chunk) {
       const int n = std::min(chunk, ctx - done);
-      rt.begin_append({seqs[size_t(b)]}, {n});
+      begin_step(rt, {seqs[size_t(b)]}, {n}, s, 0);
       for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
     }
   ck(cudaStreamSynchronize(s), "fill");
@@ -105,7 +117,7 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
   ck(cudaMalloc(&out, size_t(batch) * hq * d * sizeof(float)), "cudaMalloc");
   const std::vector<int> ones(size_t(batch), 1);
   auto step = [&] {
-    rt.begin_append(seqs, ones);
+    begin_step(rt, seqs, ones, s, 0);
     for (int l = 0; l < layers; ++l) {
       rt.append(l, k1, v1, s);
       rt.decode(l, seqs, q, out, s);

@@ -69,6 +69,31 @@ struct Runtime::DeviceState {
   uint64_t step_version = 0;  // the cache's version the plan was made at
   DeviceAppendPlan append;
   DeviceBatch decode;
+  // One stream per Runtime is the contract; a call on another stream than the step's waits for
+  // the step's upload (`uploaded`), and the next upload waits for that call (`used`).
+  cudaStream_t step_stream = nullptr;
+  cudaEvent_t uploaded = nullptr, used = nullptr;
+  bool used_elsewhere = false;
+  DeviceState() {
+    check_cuda(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming), "runtime: event");
+    check_cuda(cudaEventCreateWithFlags(&used, cudaEventDisableTiming), "runtime: event");
+  }
+  ~DeviceState() {
+    cudaEventDestroy(uploaded);
+    cudaEventDestroy(used);
+  }
+  DeviceState(const DeviceState&) = delete;
+  DeviceState& operator=(const DeviceState&) = delete;
+  // Before a launch of the step's plan on `s`: wait for the upload when s is another stream.
+  void before_use(cudaStream_t s) {
+    if (s != step_stream) check_cuda(cudaStreamWaitEvent(s, uploaded, 0), "runtime: stream wait");
+  }
+  // After it: let the next step's upload wait for this stream.
+  void after_use(cudaStream_t s) {
+    if (s == step_stream) return;
+    check_cuda(cudaEventRecord(used, s), "runtime: event record");
+    used_elsewhere = true;
+  }
   // r from element off on (a layer's rotations), or null when the artifact has none.
   static const float* at(const DeviceBuffer<float>& r, size_t off) { return r.empty() ? nullptr : r.data() + off; }
   // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
@@ -267,8 +292,12 @@ void Runtime::plan_step(void* stream_ptr) {
   std::memcpy(packed.data() + writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
   std::memcpy(packed.data() + ints_at, ints.data(), ints.size() * sizeof(int32_t));
   DeviceState& d = *dev_;
+  if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(stream, d.used, 0), "runtime: stream wait");
+  d.used_elsewhere = false;
   d.step.reserve(bytes);  // grows only here, between steps
   d.step.upload(packed.data(), bytes, stream);
+  check_cuda(cudaEventRecord(d.uploaded, stream), "runtime: event record");
+  d.step_stream = stream;
   d.step_seqs = pending_seqs_;
   d.step_version = cache_->version();
   d.append.moves = reinterpret_cast<const AppendMove*>(d.step.data() + moves_at);
@@ -294,10 +323,12 @@ void Runtime::append(int layer, const float* k, const float* v, void* stream) {
   }
 #if defined(KVCC_HAVE_CUDA)
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  dev_->before_use(s);
   append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->append,
                     dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
-                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(),
-                    static_cast<cudaStream_t>(stream));
+                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(), s);
+  dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
 #endif
@@ -313,8 +344,10 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
 #if defined(KVCC_HAVE_CUDA)
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   DeviceBatch db;
-  if (seqs == dev_->step_seqs && cache_->version() == dev_->step_version) {
+  const bool planned = seqs == dev_->step_seqs && cache_->version() == dev_->step_version;
+  if (planned) {
     db = dev_->decode;  // planned with the step: no host work, no copy
+    dev_->before_use(s);
   } else {
     int max_pages = 0;
     const std::vector<int32_t> host = decode_batch_ints(*cache_, seqs, max_pages);
@@ -326,6 +359,7 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
               dev_->ws.bytes(), s);
+  if (planned) dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -84,7 +84,9 @@ class Runtime {
   // Opens a step: the sequences grow by counts. On a device pool the step is planned here, once
   // for all layers (append moves, window writes and the decode batch of `seqs`, uploaded in one
   // copy on `stream`; workspace sized), so append(layer) and decode(layer, seqs) only launch
-  // kernels. decode of other sequences than the step's plans its batch per call.
+  // kernels. decode of other sequences than the step's plans its batch per call. Pass the stream
+  // append and decode run on (one stream per Runtime); calls on another stream are ordered after
+  // the upload, and the next step's upload after them, by events.
   void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream = nullptr);
   void append(int layer, const float* k, const float* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
