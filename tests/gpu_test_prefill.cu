@@ -338,9 +338,11 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
 }
 
 // Tensor parallelism on the device pool: ranks of 2 and 4 KV-head slices, each a device Runtime,
-// against the whole model's host Runtime (the CPU reference) on the same steps; every rank's
-// prefill and decode rows are the whole model's rows of its query heads.
-TEST(GpuRuntime, KvHeadSlicesMatchTheWholeHostRuntime) {
+// against the whole model's device Runtime on the same steps (the oracle: the same kernels on the
+// same heads, so only a different split-K order can differ, well below 1e-5); every rank's prefill
+// and decode rows are the whole model's rows of its query heads. The whole host Runtime's error is
+// printed, not asserted here (the device-vs-host tests above own it).
+TEST(GpuRuntime, KvHeadSlicesMatchTheWholeDeviceRuntime) {
   const int n_heads = 32, n_kv = 8, group = n_heads / n_kv;
   std::mt19937 rng(33);
   Artifact art;
@@ -434,8 +436,8 @@ TEST(GpuRuntime, KvHeadSlicesMatchTheWholeHostRuntime) {
           const double dev_host = rel(same.data() + row * kD, expect.data() + row * kD, kD);
           worst = std::max(worst, err);
           worst_dev = std::max(worst_dev, err_dev);
-          EXPECT_LT(err, 1e-2) << ranks << " ranks, rank " << r << ", T " << T << ", row " << row
-                               << "; the whole device runtime vs host: " << dev_host << ", slice vs it: " << err_dev;
+          EXPECT_LT(err_dev, 1e-5) << ranks << " ranks, rank " << r << ", T " << T << ", row " << row
+                                   << "; vs the whole host runtime: " << err << " (device vs host " << dev_host << ")";
         }
       }
     }
