@@ -7,6 +7,7 @@
 
 #include "calibrate/driver.h"
 #include "cli/command.h"
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 
 namespace kvcc::cli {
@@ -125,12 +126,17 @@ Command reg{
                                  "whitespace-separated token ids");
       data->excludes(ids);
       app.add_option("--tokenizer", o.tokenizer_path, "Tokenizer file (default: the model's own, found beside it)");
-      app.add_option("--tokens", o.max_tokens, "Stop after this many tokens in total (default: all)");
+      app.add_option("--tokens", o.max_tokens, "Stop after this many tokens in total (default: all)")
+          ->transform(whole_number(1, ~0ULL));
       app.add_option("--max-seq-len", o.max_seq_len,
-                     "Truncate each document to this many tokens (default: min(model context, 2048))");
+                     "Truncate each document to this many tokens (default: min(model context, 2048))")
+          ->transform(whole_number(1, 2147483647));
       app.add_option("--reservoir", o.reservoir, "Sampled token rows kept per layer and KV head")
+          ->transform(whole_number(1, 2147483647))
           ->capture_default_str();
-      app.add_option("--seed", o.seed, "Seed of the reservoir sampling")->capture_default_str();
+      app.add_option("--seed", o.seed, "Seed of the reservoir sampling")
+          ->transform(whole_number(0, ~0ULL))
+          ->capture_default_str();
       app.add_option("--separator", o.separator, "Document separator in the text")->capture_default_str();
       app.add_option("--shard", flags->shard,
                      "Process only documents with index % N == I (I/N); merge the shards with "
@@ -140,7 +146,9 @@ Command reg{
           "Runs the model one layer at a time over every calibration token (memory: one layer's\n"
           "weights plus the hidden states of the calibration set) and accumulates, per layer and KV\n"
           "head, the query second moment, the value targets, key/value moments and ranges, and a\n"
-          "reservoir of sampled rows (documents with index % 5 == 4 are held out).\n\n"
+          "reservoir of sampled rows (documents with index % 5 == 4 are held out). Refuses a model\n"
+          "whose weights hold NaN or Inf (naming the tensor) or whose config has a negative or\n"
+          "non-finite rms_norm_eps or rope_theta, and an output that names an input.\n\n"
           "Example:\n"
           "  kvcc calibrate-model --model ../shared/models/tinystories-656k \\\n"
           "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
@@ -150,6 +158,8 @@ Command reg{
           "`kvcc merge-stats a.h5 b.h5 -o stats.h5` (equal to one run up to float64 rounding).");
       return [flags]() -> int {
         CalibrationOptions options = flags->options;
+        require_output_is_not_input(flags->output,
+                                    {options.model_path, options.data_path, options.ids_path, options.tokenizer_path});
         KVCC_REQUIRE(!options.data_path.empty() || !options.ids_path.empty(),
                      "give the calibration input: --data TEXT or --ids FILE");
         if (!flags->shard.empty()) parse_shard(flags->shard, options.shard_index, options.shard_count);

@@ -9,6 +9,7 @@
 #include "cli/command.h"
 #include "compile/compile.h"
 #include "formats/artifact.h"
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
 #include "formats/kv_codec.h"
@@ -117,6 +118,8 @@ struct Args {
 
 void add_compile_options(CLI::App& sub, Args& a) {
   CompileOptions& o = a.options;
+  // Unset is the method's default (-1 in CompileOptions); a given value must be in range.
+  constexpr unsigned long long kIntMax = 2147483647;
   const auto accepting = [](MethodOption option) {
     std::string names;
     for (Method m : all_methods())
@@ -138,15 +141,18 @@ void add_compile_options(CLI::App& sub, Args& a) {
                      "); above head_dim a multiple of it dividing n_kv_heads*head_dim: one "
                      "group spans that many KV heads of a token (" +
                      names_where([](const MethodTraits& t) { return t.spans_heads; }) +
-                     "); kivi: also tokens per key group");
-  sub.add_option("--sink", o.sink,
-                 "BF16 tokens kept at the start (default " + defaults_text(&MethodTraits::sink) + ")");
+                     "); kivi: also tokens per key group")
+      ->transform(whole_number(0, kIntMax));
+  sub.add_option("--sink", o.sink, "BF16 tokens kept at the start (default " + defaults_text(&MethodTraits::sink) + ")")
+      ->transform(whole_number(0, kIntMax));
   sub.add_option("--recent", o.recent,
                  "BF16 ring of the last tokens (default " + defaults_text(&MethodTraits::recent) +
-                     "); kivi's is its residual window");
-  sub.add_option(
-      "--page-size", o.page_size,
-      "tokens per quantised page (default " + defaults_text(&MethodTraits::page_size) + "); kvarn's page is its tile");
+                     "); kivi's is its residual window")
+      ->transform(whole_number(0, kIntMax));
+  sub.add_option("--page-size", o.page_size,
+                 "tokens per quantised page (default " + defaults_text(&MethodTraits::page_size) +
+                     "); kvarn's page is its tile")
+      ->transform(whole_number(1, kIntMax));
   sub.add_option("--value-target", o.value_target,
                  "value importance of " + accepting(MethodOption::ValueTarget) +
                      ": output (Σ o oᵀ) | p2 (Σ_j Σ_i p_ij² v vᵀ) | logit2 (OSCAR code: weights kᵀMk "
@@ -159,7 +165,8 @@ void add_compile_options(CLI::App& sub, Args& a) {
                  "rotation of " + accepting(MethodOption::Composition) + ": UHP | UH | U (ablations); default " +
                      oscar.composition);
   sub.add_option("--seed", o.seed, "seed of the random draws of " + accepting(MethodOption::Seed))
-      ->capture_default_str();
+      ->capture_default_str()
+      ->transform(whole_number(0, ~0ULL));
   sub.add_option("--param", a.params, "method parameter KEY=VALUE: " + params_text());
   sub.add_option("--values", a.values,
                  flag_param_text("--values") +
@@ -172,8 +179,9 @@ void add_compile_options(CLI::App& sub, Args& a) {
                  "reservoir fitting tokens per KV head (per group of heads when --group spans heads) "
                  "for clip ratios and level tables: " +
                      accepting(MethodOption::FitRows))
-      ->capture_default_str();
-  sub.add_option("--threads", o.threads, "worker threads (default: all cores)");
+      ->capture_default_str()
+      ->transform(whole_number(1, kIntMax));
+  sub.add_option("--threads", o.threads, "worker threads (default: all cores)")->transform(whole_number(0, 4096));
 }
 
 int run_compile(Args& a) {
@@ -228,7 +236,8 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
                   "artifact with the rotation, eigenvalues and quantizer parameters of every\n"
                   "(layer, KV head), plus the recipe, seed and the stats file's sha256.\n"
                   "Clip ratios are fitted on the query-weighted logit error (keys) and the\n"
-                  "attention-output error (values). An option the method ignores is refused.\n\n" +
+                  "attention-output error (values). An option the method ignores is refused, and so is a\n"
+                  "number out of range (--page-size 0, --sink -1) or an ART that names STATS.\n\n" +
                   methods_text() +
                   "\nExample:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
@@ -241,6 +250,7 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
               return [a, &sub] {
                 // An option the method ignores would hide a typo'd recipe: refused by the table's
                 // rule, before the stats are read.
+                require_output_is_not_input(a->out_path, {a->stats_path});
                 parse_params(a->params, a->options.params);
                 if (!a->values.empty()) a->options.params["values"] = a->values;
                 unsigned given = 0;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
 #include "formats/stats.h"
@@ -24,12 +25,14 @@ Command reg{
           "Sums, counts and token totals add, per-channel ranges widen, and each reservoir keeps the\n"
           "smallest sampling priorities of the union (so shards merged equal one run over all the\n"
           "documents). Refuses files of different models, naming what differs. The output is written\n"
-          "to a temporary file and renamed, so a failure leaves nothing behind.\n\n"
+          "to a temporary file and renamed, so a failure leaves nothing behind; an output that names an\n"
+          "input is refused.\n\n"
           "Example:\n"
           "  kvcc calibrate-model --model M --data text.txt --shard 0/2 -o s0.h5\n"
           "  kvcc calibrate-model --model M --data text.txt --shard 1/2 -o s1.h5\n"
           "  kvcc merge-stats s0.h5 s1.h5 -o stats.h5");
       return [inputs, output]() {
+        require_output_is_not_input(*output, *inputs);
         const size_t n = inputs->size();
         // Progress per file on a terminal; in scripts stderr stays for the one-line error.
         const bool progress = stderr_is_tty();
@@ -43,7 +46,7 @@ Command reg{
           try {
             merge_stats(merged, next);
           } catch (const Error& e) {
-            throw Error(path + " vs " + inputs->front() + ": " + e.what());
+            throw Error(inputs->front() + " vs " + path + ": " + e.what());
           }
           if (progress)
             std::fprintf(stderr, "kvcc merge-stats: [%zu/%zu] %s: %llu tokens\n", i + 1, n, path.c_str(),

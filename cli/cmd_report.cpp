@@ -86,6 +86,8 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
 }
 
 int run_report(const ReportArgs& a) {
+  for (const std::string* out : {&a.markdown_path, &a.json_path, &a.svg_path})
+    require_output_is_not_input(*out, {a.stats_path});
   const Stats stats = read_stats(a.stats_path);
   AttentionReport rep = attention_report(stats, parse_methods(a), a.rows, true);
   rep.model = std::filesystem::path(a.stats_path).filename().string();

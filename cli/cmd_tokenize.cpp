@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
 #include "model/tokenizer.h"
@@ -18,6 +19,7 @@ struct Args {
 };
 
 int run_tokenize(const Args& a) {
+  require_output_is_not_input(a.output, {a.model_path, a.data_path, a.tokenizer_path});
   const ModelFile model = ModelFile::open(a.model_path);
   const ModelConfig& c = model.config();
   const std::string text = read_text_file(a.data_path, "text");
@@ -40,7 +42,8 @@ Command reg{"tokenize", 55, "Write a text's documents as token ids (the --ids fo
                   "(BOS as the model's config says), and writes one line of ids per document: exactly\n"
                   "what `calibrate-model` and `validate` compute from --data, for --ids. Use it where\n"
                   "the tokenizer cannot run (a tokenizer.json with regex pre-tokenizers needs PCRE2) or\n"
-                  "to tokenize once for many runs. The file is written atomically.\n\n"
+                  "to tokenize once for many runs. The file is written atomically; an output that names\n"
+                  "an input is refused.\n\n"
                   "Example:\n"
                   "  kvcc tokenize --model DIR --data heldout.txt -o heldout.ids\n"
                   "  kvcc validate --model DIR -a oscar.kvcc.h5 --ids heldout.ids");

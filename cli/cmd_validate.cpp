@@ -1,5 +1,7 @@
 // kvcc validate: a model run over text with each artifact's quantised KV cache, against the same
 // run with a full-precision cache (eval/experiment.h).
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -43,6 +45,9 @@ int run_validate(Args& a) {
                "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
                "the codec path's exact check");
   KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
+  std::vector<std::string> inputs = a.artifact_paths;
+  inputs.insert(inputs.end(), {a.model_path, a.data.data_path, a.data.ids_path, a.data.tokenizer_path});
+  for (const std::string* out : {&a.json_path, &a.svg_path}) require_output_is_not_input(*out, inputs);
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<CacheScheme> schemes;
   for (const std::string& path : a.artifact_paths) {
@@ -65,9 +70,16 @@ int run_validate(Args& a) {
   }
   const auto docs = load_validation_documents(model, a.data);
   const bool tty = stderr_is_tty();
+  // Without a terminal (a log file), a line at the start, each 5% of the tokens and the end.
+  uint64_t next_line_tokens = 0;
   const ValidationResult result = validate_schemes(
       model, docs, schemes, a.mode, a.block,
       [&](const ValidateProgress& p) {
+        if (!tty) {
+          if (p.tokens_done < next_line_tokens && p.tokens_done < p.tokens_total) return;
+          const uint64_t step = std::max<uint64_t>(1, (p.tokens_total + 19) / 20);
+          next_line_tokens = (p.tokens_done / step + 1) * step;
+        }
         const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
         std::fprintf(stderr,
                      tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
@@ -117,6 +129,7 @@ Command reg{
           "run). A difference between methods within about 2 se is not established by this\n"
           "text: add documents. --json holds per-document metrics (for paired comparisons\n"
           "between methods); --svg plots KL vs effective bits with +-1 se bars.\n\n"
+          "Progress goes to stderr: redrawn on a terminal, else a line per 5% of the tokens.\n\n"
           "Examples:\n"
           "  kvcc validate --model ../shared/models/gutenberg-27m --artifact oscar.kvcc.h5 \\\n"
           "      --artifact kivi.kvcc.h5 --data heldout.txt --tokens 16384 --json v.json --svg v.svg\n"
@@ -132,8 +145,11 @@ Command reg{
       sub.add_option("--ids", a->data.ids_path, "pre-tokenized documents (one line of ids each)");
       sub.add_option("--tokenizer", a->data.tokenizer_path, "explicit tokenizer file (llama2.c)");
       sub.add_option("--separator", a->data.separator, "document separator")->capture_default_str();
-      sub.add_option("--tokens", a->data.max_tokens, "stop after this many tokens (0: all)")->capture_default_str();
+      sub.add_option("--tokens", a->data.max_tokens, "stop after this many tokens (0: all)")
+          ->transform(whole_number(0, ~0ULL))
+          ->capture_default_str();
       sub.add_option("--max-seq-len", a->data.max_seq_len, "truncate documents (0: min(max_position, 2048))")
+          ->transform(whole_number(0, 2147483647))
           ->capture_default_str();
       sub.add_option("--block", a->block, "tokens per pseudo-decode block")
           ->check(CLI::PositiveNumber)

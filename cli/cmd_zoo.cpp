@@ -10,6 +10,7 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
 #include "zoo/oscar_pt.h"
@@ -109,7 +110,8 @@ static Command reg{
 
       auto* exp = app.add_subcommand("export-oscar", "Write an artifact's rotations as OSCAR K/V .pt files");
       exp->add_option("artifact", o->artifact, "Artifact (.kvcc.h5)")->required();
-      exp->add_option("-o,--output", o->out, "Output directory (created when absent)")->required();
+      exp->add_option("-o,--output", o->out, "Output directory (created when absent; an existing file is refused)")
+          ->required();
       exp->add_option("--format-version", o->format_version,
                       "1: per layer (KV heads must share rotations), 2: per KV head; default: 1 when possible")
           ->check(CLI::IsMember({1, 2}));
@@ -182,6 +184,7 @@ static Command reg{
           return 0;
         }
         if (imp->parsed()) {
+          require_output_is_not_input(o->out, {o->key_pt, o->value_pt, o->model});
           const OscarRotationSet key = read_oscar_pt(o->key_pt);
           const OscarRotationSet value = read_oscar_pt(o->value_pt);
           zoo::OscarImportOptions io;
@@ -214,11 +217,19 @@ static Command reg{
           return 0;
         }
         if (exp->parsed()) {
+          // -o names a directory: an existing file there is refused (not replaced by a directory).
+          std::error_code ec;
+          KVCC_REQUIRE(!fs::exists(o->out, ec) || fs::is_directory(o->out, ec),
+                       "--output " + o->out + " is an existing file; export-oscar writes two .pt files into a " +
+                           "directory: give a directory (created when absent)");
           const Artifact art = read_artifact(o->artifact);
           const zoo::OscarExport ex = zoo::export_oscar(art, o->format_version);
-          fs::create_directories(o->out);
           const std::string kpath = (fs::path(o->out) / ex.key_file_name).string();
           const std::string vpath = (fs::path(o->out) / ex.value_file_name).string();
+          require_output_is_not_input(kpath, {o->artifact});
+          require_output_is_not_input(vpath, {o->artifact});
+          fs::create_directories(o->out, ec);
+          KVCC_REQUIRE(!ec, "cannot create the output directory " + o->out + " (" + ec.message() + ")");
           write_oscar_pt(ex.key, kpath);
           write_oscar_pt(ex.value, vpath);
           std::printf("wrote %s and %s (format_version %d, %zu layers)\n", kpath.c_str(), vpath.c_str(),

@@ -24,6 +24,11 @@ struct Registered {
 };
 std::vector<Registered>& registry();
 
+// The check of an integer option: a plain decimal number in [min, max], else CLI11 refuses it
+// with "--option: must be ..." (exit 105). Without it CLI11 wraps "-5" given to an unsigned option
+// to 2^64-5 and reads "010" as octal.
+CLI::Validator whole_number(long long min, unsigned long long max);
+
 // True when stderr is a terminal (progress bars) — plain lines otherwise.
 bool stderr_is_tty();
 

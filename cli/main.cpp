@@ -21,6 +21,37 @@ Command::Command(std::string name, int order, std::string description, Setup set
   registry().push_back({std::move(name), order, std::move(description), std::move(setup)});
 }
 
+CLI::Validator whole_number(long long min, unsigned long long max) {
+  // Help shows ">= 1" for the usual bound (the type's), "0..4096" otherwise.
+  const bool open_ended = max >= 2147483647ULL;
+  const std::string shown = open_ended ? ">= " + std::to_string(min) : std::to_string(min) + ".." + std::to_string(max);
+  const std::string range = "a whole number from " + std::to_string(min) + " to " + std::to_string(max);
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        const std::string bad = "must be " + range + ", got '" + text + "'";
+        size_t i = 0;
+        const bool negative = !text.empty() && text[0] == '-';
+        if (negative || (!text.empty() && text[0] == '+')) i = 1;
+        if (i == text.size() || text.size() - i > 20) return bad;
+        unsigned long long magnitude = 0;
+        for (; i < text.size(); ++i) {
+          if (text[i] < '0' || text[i] > '9') return bad;
+          const unsigned digit = unsigned(text[i] - '0');
+          if (magnitude > (~0ULL - digit) / 10) return bad;
+          magnitude = magnitude * 10 + digit;
+        }
+        if (negative && magnitude > 0) {
+          if (min >= 0 || magnitude - 1 > static_cast<unsigned long long>(-(min + 1))) return bad;
+        } else if (magnitude > max || (min > 0 && magnitude < static_cast<unsigned long long>(min))) {
+          return bad;
+        }
+        // What CLI11 converts, in canonical form (it reads base 0: a leading zero would be octal).
+        text = (negative && magnitude > 0 ? "-" : "") + std::to_string(magnitude);
+        return std::string();
+      },
+      shown);
+}
+
 bool stderr_is_tty() { return isatty(fileno(stderr)) != 0; }
 
 }  // namespace kvcc::cli
@@ -43,6 +74,11 @@ int main(int argc, char** argv) {
   for (auto& r : reg) {
     CLI::App* sub = app.add_subcommand(r.name, r.description);
     runners[sub] = r.setup(*sub);
+  }
+  // Bare `kvcc` is a usage error: the help (on stderr, stdout stays for results) and exit 2.
+  if (argc <= 1) {
+    std::cerr << "kvcc: a subcommand is required\n\n" << app.help();
+    return 2;
   }
   try {
     app.parse(argc, argv);

@@ -3,6 +3,7 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <set>
 
@@ -70,16 +71,18 @@ void write_side(const h5::Group& g, const SideArtifact& s, int d) {
 SideArtifact read_side(const h5::Group& g, int d, std::vector<std::string>* problems) {
   SideArtifact s;
   s.clip_ratio = g.attr_double("clip_ratio");
-  h5::Shape shape;
-  s.rotation = read_checked<double>(g, "rotation", nullptr, &shape, problems);
+  // Shapes are checked before anything is read (and every read is bounded by the file's size).
+  h5::Shape shape = g.dataset("rotation").shape();
   if (shape != h5::Shape{d, d} && shape != h5::Shape{0, 0})
     throw Error(g.file_name() + ": " + g.child_path("rotation") + " has shape " + h5::shape_string(shape) +
                 ", expected " + h5::shape_string({d, d}));
+  s.rotation = read_checked<double>(g, "rotation", &shape, nullptr, problems);
   const h5::Shape vec{d};
   if (g.has("eigenvalues")) s.eigenvalues = read_checked<double>(g, "eigenvalues", &vec, nullptr, problems);
   if (g.has("levels")) {
-    s.levels = read_checked<double>(g, "levels", nullptr, &shape, problems);
+    shape = g.dataset("levels").shape();
     if (shape.size() != 1) throw Error(g.file_name() + ": " + g.child_path("levels") + " must be one-dimensional");
+    s.levels = read_checked<double>(g, "levels", &shape, nullptr, problems);
   }
   if (g.has("extras")) {
     h5::Group extras = g.group("extras");
@@ -124,10 +127,11 @@ Recipe read_recipe(const h5::Group& g) {
   r.method = g.attr_string("method");
   r.key_bits = g.attr_double("key_bits");
   r.value_bits = g.attr_double("value_bits");
-  r.group = int(g.attr_int("group"));
-  r.sink = int(g.attr_int("sink"));
-  r.recent = int(g.attr_int("recent"));
-  r.page_size = int(g.attr_int("page_size"));
+  constexpr int kMin = std::numeric_limits<int>::min(), kMax = std::numeric_limits<int>::max();
+  r.group = g.attr_int32("group", kMin, kMax);
+  r.sink = g.attr_int32("sink", kMin, kMax);
+  r.recent = g.attr_int32("recent", kMin, kMax);
+  r.page_size = g.attr_int32("page_size", kMin, kMax);
   r.value_target = g.attr_string("value_target");
   r.granularity = g.attr_string("granularity");
   r.composition = g.attr_string("composition");
@@ -147,10 +151,12 @@ Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* p
   a.model_id = file.attr_string("model_id");
   {
     h5::Group model = file.group("model");
-    a.n_layers = int(model.attr_int("n_layers"));
-    a.n_heads = int(model.attr_int("n_heads"));
-    a.n_kv_heads = int(model.attr_int("n_kv_heads"));
-    a.head_dim = int(model.attr_int("head_dim"));
+    // Checked, not narrowed: 2^32 + 8 must not read as 8.
+    constexpr int kMin = std::numeric_limits<int>::min(), kMax = std::numeric_limits<int>::max();
+    a.n_layers = model.attr_int32("n_layers", kMin, kMax);
+    a.n_heads = model.attr_int32("n_heads", kMin, kMax);
+    a.n_kv_heads = model.attr_int32("n_kv_heads", kMin, kMax);
+    a.head_dim = model.attr_int32("head_dim", kMin, kMax);
     try {
       a.rope_style = rope_style_from_name(model.attr_string("rope_style"));
     } catch (const Error& e) {
@@ -172,7 +178,7 @@ Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* p
   }
   a.recipe = read_recipe(file.group("recipe"));
   h5::Group layers = file.group("layers");
-  a.heads.reserve(size_t(a.n_layers) * size_t(a.n_kv_heads));
+  // Not reserved from the (untrusted) counts: a missing group ends the loop with an Error.
   for (int l = 0; l < a.n_layers; ++l) {
     h5::Group layer = layers.group(std::to_string(l));
     for (int h = 0; h < a.n_kv_heads; ++h) {

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <vector>
 
 #include "formats/error.h"
@@ -60,6 +62,26 @@ void write_file_atomically(const std::string& path, const std::function<void(con
     throw;
   }
   fsync_path(directory_of(path));
+}
+
+void require_output_is_not_input(const std::string& output, const std::vector<std::string>& inputs) {
+  namespace fs = std::filesystem;
+  if (output.empty()) return;
+  for (const std::string& input : inputs) {
+    if (input.empty()) continue;
+    std::error_code ec;
+    bool same = false;
+    if (fs::exists(output, ec) && fs::exists(input, ec)) {
+      same = fs::equivalent(output, input, ec) && !ec;
+    } else {
+      const fs::path a = fs::weakly_canonical(output, ec);
+      const bool a_ok = !ec;
+      const fs::path b = fs::weakly_canonical(input, ec);
+      same = a_ok && !ec ? a == b : fs::path(output).lexically_normal() == fs::path(input).lexically_normal();
+    }
+    KVCC_REQUIRE(!same, "the output " + output + " is the input " + input +
+                            "; writing it would replace the input: choose another output path");
+  }
 }
 
 void write_bytes_atomically(const std::string& path, const std::string& bytes) {

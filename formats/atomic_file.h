@@ -4,6 +4,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace kvcc {
 
@@ -15,6 +16,11 @@ void write_file_atomically(const std::string& path, const std::function<void(con
 
 // Convenience for byte contents.
 void write_bytes_atomically(const std::string& path, const std::string& bytes);
+
+// Throws Error, naming both, when `output` names the same file as one of `inputs` (by
+// std::filesystem::equivalent when both exist, else by weakly_canonical path; an empty input is
+// skipped): a writer would otherwise replace its own input. Call it before any work.
+void require_output_is_not_input(const std::string& output, const std::vector<std::string>& inputs);
 
 // The marker every temporary name carries (tests use it to check nothing is left behind).
 inline constexpr const char* kTempMarker = ".tmp-";

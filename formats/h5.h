@@ -2,6 +2,16 @@
 // HDF5's own error printing is silenced; every failure becomes a kvcc::Error that names the file
 // and the object ("stats.h5: missing dataset /layers/3/kv1/query_m2"). Files are written with
 // little-endian standard types; strings are variable-length UTF-8 (what h5py writes too).
+//
+// Files opened with File::open are untrusted input (libhdf5 1.10 itself trusts sizes in the file,
+// and crashed, hung or allocated gigabytes on corrupt ones). Before libhdf5 opens the file its
+// global heap collections are parsed and checked, and variable-length strings are read from those
+// copies; before an object is opened its link must be a hard link and its object header (chunk
+// sizes, attribute messages) must be consistent with the file; before anything is read its HDF5
+// type must be one of the standard types below (or a plain string), an attribute must hold one
+// value, and a dataset's size is checked against the file's size before a buffer is allocated (a
+// dataset cannot hold more raw bytes than its file; compressed data at most kMaxCompressionRatio
+// times as many). A corrupt file is refused with an Error naming what is wrong.
 #pragma once
 #include <hdf5.h>
 
@@ -72,7 +82,19 @@ constexpr DType dtype_of<uint64_t>() {
 
 using Shape = std::vector<int64_t>;
 std::string shape_string(const Shape&);  // "[128, 128]"
+// The product of the dimensions; -1 when one is negative or the product overflows int64.
 int64_t element_count(const Shape&);
+size_t dtype_size(DType);
+
+// Filtered (compressed) datasets may hold at most this many times the file's size (deflate's
+// best case is about 1032:1).
+inline constexpr uint64_t kMaxCompressionRatio = 1100;
+// The longest string attribute kvcc reads (a command line, a fingerprint field list).
+inline constexpr size_t kMaxStringBytes = size_t(1) << 20;
+
+// What File::open learnt from the file's bytes: its size, and its global heap collections
+// (where variable-length strings live), parsed and checked (h5.cpp).
+struct FileInfo;
 
 // A group, a dataset or a file's root: something attributes hang on.
 class Object {
@@ -80,6 +102,10 @@ class Object {
   const std::string& file_name() const { return file_name_; }
   const std::string& path() const { return path_; }  // "/layers/3/kv1"
   hid_t id() const { return handle_->get(); }
+  // Bytes of the file when it was opened for reading (what bounds every read); UINT64_MAX for a
+  // file being written.
+  uint64_t file_size() const;
+  const FileInfo& file_info() const { return *info_; }
 
   bool has_attr(const std::string& name) const;
   std::vector<std::string> attr_names() const;
@@ -93,6 +119,9 @@ class Object {
   // Throw Error "FILE: missing attribute NAME of PATH" / "... is not a string" etc.
   std::string attr_string(const std::string& name) const;
   int64_t attr_int(const std::string& name) const;
+  // attr_int checked to lie in [lo, hi] ("attribute NAME = V is out of range [lo, hi]"), so no
+  // caller narrows a corrupt 64-bit value into a plausible int.
+  int attr_int32(const std::string& name, int lo, int hi) const;
   uint64_t attr_uint(const std::string& name) const;
   double attr_double(const std::string& name) const;  // accepts integer attributes too
   bool attr_bool(const std::string& name) const { return attr_int(name) != 0; }
@@ -102,17 +131,21 @@ class Object {
   std::string child_path(const std::string& name) const;
 
  protected:
-  Object(std::shared_ptr<Handle> handle, std::string file_name, std::string path)
-      : handle_(std::move(handle)), file_name_(std::move(file_name)), path_(std::move(path)) {}
+  Object(std::shared_ptr<Handle> handle, std::string file_name, std::string path, std::shared_ptr<const FileInfo> info)
+      : handle_(std::move(handle)), file_name_(std::move(file_name)), path_(std::move(path)), info_(std::move(info)) {}
   std::shared_ptr<Handle> handle_;
   std::string file_name_;
   std::string path_;
+  std::shared_ptr<const FileInfo> info_;
 };
 
 class Dataset : public Object {
  public:
-  Shape shape() const;
+  Shape shape() const;  // throws Error for a dataspace that is not simple or scalar
   DType dtype() const;  // throws Error for a type kvcc does not store
+  // Throws Error unless `shape` elements of `type` can be read: no external or virtual storage,
+  // and no more bytes than the file holds (kMaxCompressionRatio times that when filtered).
+  void check_readable(const Shape& shape, DType type) const;
   // Byte offset of contiguous data in the file (tests corrupt bytes through it); -1 if none.
   int64_t file_offset() const;
 
@@ -140,7 +173,7 @@ class Group : public Object {
   std::vector<T> read(const std::string& name, const Shape* expected_shape = nullptr,
                       Shape* shape_out = nullptr) const {
     Dataset ds = dataset(name);
-    Shape shape = checked_shape(ds, dtype_of<T>(), expected_shape);
+    Shape shape = checked_shape(ds, dtype_of<T>(), expected_shape);  // bounded by the file's size
     std::vector<T> out(size_t(element_count(shape)));
     read_raw(ds, dtype_of<T>(), out.data());
     if (shape_out) *shape_out = shape;
@@ -157,6 +190,8 @@ class Group : public Object {
  protected:
   friend class File;
   using Object::Object;
+  // The dataset's shape after checking its dtype is `type`, its shape `expected` (when given) and
+  // that it fits the file (Dataset::check_readable).
   Shape checked_shape(const Dataset& ds, DType type, const Shape* expected) const;
 };
 

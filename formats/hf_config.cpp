@@ -1,5 +1,6 @@
 #include "formats/hf_config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -7,6 +8,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "formats/json_int.h"
 
 namespace kvcc {
 
@@ -32,21 +34,20 @@ bool present(const json& j, const char* key) { return j.contains(key) && !j[key]
 
 int required_int(const json& j, const char* key, const std::string& where) {
   KVCC_REQUIRE(present(j, key), where + ": missing field '" + key + "'");
-  KVCC_REQUIRE(j[key].is_number_integer() && j[key].get<int64_t>() > 0,
-               where + ": field '" + key + "' must be a positive integer");
-  return j[key].get<int>();
+  return json_int32(j[key], where + ": field '" + key + "'", 1);
 }
 
 int optional_int(const json& j, const char* key, int fallback, const std::string& where) {
   if (!present(j, key)) return fallback;
-  KVCC_REQUIRE(j[key].is_number_integer(), where + ": field '" + key + "' must be an integer");
-  return j[key].get<int>();
+  return json_int32(j[key], where + ": field '" + key + "'");
 }
 
 double optional_number(const json& j, const char* key, double fallback, const std::string& where) {
   if (!present(j, key)) return fallback;
   KVCC_REQUIRE(j[key].is_number(), where + ": field '" + key + "' must be a number");
-  return j[key].get<double>();
+  const double v = j[key].get<double>();
+  KVCC_REQUIRE(std::isfinite(v), where + ": field '" + key + "' must be finite, got " + j[key].dump());
+  return v;
 }
 
 bool optional_bool(const json& j, const char* key, bool fallback, const std::string& where) {
@@ -56,11 +57,11 @@ bool optional_bool(const json& j, const char* key, bool fallback, const std::str
 }
 
 // A token id field that may be an integer or a list of integers (Llama 3.1's eos): the first.
-std::optional<int> token_id(const json& j, const char* key) {
+std::optional<int> token_id(const json& j, const char* key, const std::string& where) {
   if (!present(j, key)) return std::nullopt;
   const json& v = j[key];
-  if (v.is_number_integer()) return v.get<int>();
-  if (v.is_array() && !v.empty() && v[0].is_number_integer()) return v[0].get<int>();
+  if (v.is_number_integer()) return json_int32(v, where + ": field '" + key + "'");
+  if (v.is_array() && !v.empty() && v[0].is_number_integer()) return json_int32(v[0], where + ": field '" + key + "'");
   return std::nullopt;
 }
 
@@ -112,7 +113,8 @@ void parse_rope(const json& config, const std::string& where, ModelConfig& cfg) 
       scaling = &config["rope_scaling"];
     }
   }
-  KVCC_REQUIRE(cfg.rope_theta > 0, where + ": rope_theta must be positive");
+  KVCC_REQUIRE(cfg.rope_theta > 0,
+               where + ": field 'rope_theta' must be positive, got " + std::to_string(cfg.rope_theta));
   if (!scaling) return;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"})
@@ -152,11 +154,11 @@ std::optional<bool> tokenizer_json_adds_bos(const json& tokenizer) {
   return false;
 }
 
-std::optional<int> added_token_id(const json& tokenizer, const std::string& content) {
+std::optional<int> added_token_id(const json& tokenizer, const std::string& content, const std::string& where) {
   if (!present(tokenizer, "added_tokens") || !tokenizer["added_tokens"].is_array()) return std::nullopt;
   for (const auto& t : tokenizer["added_tokens"])
     if (t.contains("content") && t["content"] == content && t.contains("id") && t["id"].is_number_integer())
-      return t["id"].get<int>();
+      return json_int32(t["id"], where + ": the id of added token \"" + content + "\"", 0);
   return std::nullopt;
 }
 
@@ -189,6 +191,8 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   KVCC_REQUIRE(cfg.head_dim > 0 && cfg.head_dim % 2 == 0, where + ": head_dim must be positive and even");
   cfg.max_position = optional_int(config, "max_position_embeddings", 2048, where);
   cfg.rms_eps = optional_number(config, "rms_norm_eps", 1e-6, where);
+  KVCC_REQUIRE(cfg.rms_eps >= 0,
+               where + ": field 'rms_norm_eps' must not be negative, got " + std::to_string(cfg.rms_eps));
   cfg.tied_embeddings = optional_bool(config, "tie_word_embeddings", false, where);
   cfg.rope_style = RopeStyle::RotateHalf;
   parse_rope(config, where, cfg);
@@ -208,8 +212,8 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   if (cfg.architecture == "qwen2" || cfg.architecture == "qwen3")
     KVCC_REQUIRE(!optional_bool(config, "use_sliding_window", false, where),
                  where + ": use_sliding_window is not supported");
-  cfg.bos_id = token_id(config, "bos_token_id").value_or(-1);
-  cfg.eos_id = token_id(config, "eos_token_id").value_or(-1);
+  cfg.bos_id = token_id(config, "bos_token_id", where).value_or(-1);
+  cfg.eos_id = token_id(config, "eos_token_id", where).value_or(-1);
   return cfg;
 }
 
@@ -224,14 +228,15 @@ ModelConfig read_hf_config(const std::string& dir) {
   const auto tokenizer_config = read_json_if_present(root / "tokenizer_config.json");
   const auto tokenizer = read_json_if_present(root / "tokenizer.json");
   if (generation) {
-    if (cfg.bos_id < 0) cfg.bos_id = token_id(*generation, "bos_token_id").value_or(-1);
-    if (cfg.eos_id < 0) cfg.eos_id = token_id(*generation, "eos_token_id").value_or(-1);
+    const std::string gen_where = (root / "generation_config.json").string();
+    if (cfg.bos_id < 0) cfg.bos_id = token_id(*generation, "bos_token_id", gen_where).value_or(-1);
+    if (cfg.eos_id < 0) cfg.eos_id = token_id(*generation, "eos_token_id", gen_where).value_or(-1);
   }
   if (tokenizer_config && tokenizer) {
     if (auto text = token_text(*tokenizer_config, "bos_token"); text && cfg.bos_id < 0)
-      cfg.bos_id = added_token_id(*tokenizer, *text).value_or(-1);
+      cfg.bos_id = added_token_id(*tokenizer, *text, (root / "tokenizer.json").string()).value_or(-1);
     if (auto text = token_text(*tokenizer_config, "eos_token"); text && cfg.eos_id < 0)
-      cfg.eos_id = added_token_id(*tokenizer, *text).value_or(-1);
+      cfg.eos_id = added_token_id(*tokenizer, *text, (root / "tokenizer.json").string()).value_or(-1);
   }
 
   // Qwen tokenizers add no BOS although config.json names one; Llama ones do.

@@ -191,7 +191,7 @@ const std::vector<MethodTraits>& table() {
        .value_target = "",
        .composition = "",
        .options = 0,
-       .params = {{"iterations", nullptr, "8", {}, 1}},
+       .params = {{"iterations", nullptr, "8", {}, 1, 1000}},
        .verify = nullptr,
        .describe = nullptr},
       // Stages and code bits default to the --bits preset (compile/commvq.h commvq_fill_recipe).
@@ -213,11 +213,11 @@ const std::vector<MethodTraits>& table() {
        .value_target = "",
        .composition = "",
        .options = unsigned(Seed),
-       .params = {{"key_stages", nullptr, nullptr, {}, 1},
-                  {"key_code_bits", nullptr, nullptr, {}, 2},
-                  {"value_stages", nullptr, nullptr, {}, 1},
-                  {"value_code_bits", nullptr, nullptr, {}, 1},
-                  {"iterations", nullptr, "20", {}, 1},
+       .params = {{"key_stages", nullptr, nullptr, {}, 1, 64},
+                  {"key_code_bits", nullptr, nullptr, {}, 2, 16},
+                  {"value_stages", nullptr, nullptr, {}, 1, 64},
+                  {"value_code_bits", nullptr, nullptr, {}, 1, 16},
+                  {"iterations", nullptr, "20", {}, 1, 1000},
                   {"max_rows", nullptr, "0", {}, 0}},
        .verify = verify_commvq,
        .describe = describe_commvq},
@@ -237,11 +237,11 @@ std::string join(const std::vector<std::string>& items, std::string_view sep, st
 std::string param_flag(const MethodParam& p) { return p.flag ? std::string(p.flag) : "--param " + std::string(p.key); }
 
 // Whether `value` is an integer (all of it) >= min.
-bool integer_at_least(const std::string& value, int min) {
+bool integer_in_range(const std::string& value, int min, int max) {
   try {
     size_t used = 0;
     const long long v = std::stoll(value, &used);
-    return used == value.size() && v >= min;
+    return used == value.size() && v >= min && v <= max;
   } catch (const std::exception&) {
     return false;
   }
@@ -342,8 +342,9 @@ std::vector<std::string> method_param_problems(Method m, const std::map<std::str
         out.push_back(std::string(t.name) + " " + p.key + " must be " +
                       join(std::vector<std::string>(p.choices.begin(), p.choices.end()), ", ", " or ") + ", got '" + v +
                       "'");
-    } else if (!integer_at_least(v, p.min_value)) {
+    } else if (!integer_in_range(v, p.min_value, p.max_value)) {
       out.push_back(std::string(t.name) + " " + p.key + " must be an integer >= " + std::to_string(p.min_value) +
+                    (p.max_value < std::numeric_limits<int>::max() ? " and <= " + std::to_string(p.max_value) : "") +
                     ", got '" + v + "'");
     }
   }

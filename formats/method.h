@@ -7,6 +7,7 @@
 // Artifacts keep the name (Recipe::method, docs/formats.md); convert at the boundary with
 // method_from_name / method_of.
 #pragma once
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -65,8 +66,11 @@ struct MethodParam {
   const char* key;
   const char* flag;                  // the compile flag that sets it, or nullptr: --param KEY=VALUE
   const char* default_value;         // filled in by compile; nullptr: none (absent, or derived)
-  std::vector<const char*> choices;  // allowed values; empty: an integer >= min_value
+  std::vector<const char*> choices;  // allowed values; empty: an integer in [min_value, max_value]
   int min_value = 0;
+  // An upper bound keeps a recipe's cost sane: compile and verify refuse, say, a kvarn
+  // iterations=2000000000 that would make every page take hours to code.
+  int max_value = std::numeric_limits<int>::max();
 };
 
 struct MethodTraits {

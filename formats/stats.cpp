@@ -105,7 +105,10 @@ void write_config(const h5::Group& g, const ModelConfig& c) {
 
 ModelConfig read_config(const h5::Group& g) {
   ModelConfig c;
-  auto as_int = [&](const char* name) { return int(g.attr_int(name)); };
+  // Checked, not narrowed: 2^32 + 8 must not read as 8.
+  auto as_int = [&](const char* name) {
+    return g.attr_int32(name, std::numeric_limits<int>::min(), std::numeric_limits<int>::max());
+  };
   c.architecture = g.attr_string("architecture");
   c.n_layers = as_int("n_layers");
   c.hidden = as_int("hidden");
@@ -178,17 +181,20 @@ void write_reservoir(const h5::Group& g, const Reservoir& r) {
 
 Reservoir read_reservoir(const h5::Group& g, const ModelConfig& c, bool with_rows) {
   Reservoir r;
-  r.capacity = int(g.attr_int("capacity"));
-  r.group = int(g.attr_int("group"));
-  r.d = int(g.attr_int("d"));
+  constexpr int kMaxInt = std::numeric_limits<int>::max();
+  r.capacity = g.attr_int32("capacity", 0, kMaxInt);
+  r.group = g.attr_int32("group", 1, kMaxInt);
+  r.d = g.attr_int32("d", 1, kMaxInt);
   if (r.group != c.group() || r.d != c.head_dim)
     g.fail("group " + std::to_string(r.group) + " and d " + std::to_string(r.d) + " do not match the model (" +
            std::to_string(c.group()) + ", " + std::to_string(c.head_dim) + ")");
-  h5::Shape shape;
-  r.position = g.read<int32_t>("position", nullptr, &shape);
+  // The row count is checked against the capacity before anything is read (every read is also
+  // bounded by the file's size).
+  const h5::Shape shape = g.dataset("position").shape();
   if (shape.size() != 1) g.fail("position must be one-dimensional, has shape " + h5::shape_string(shape));
   const int64_t n = shape[0];
   if (n > r.capacity) g.fail(std::to_string(n) + " rows exceed capacity " + std::to_string(r.capacity));
+  r.position = g.read<int32_t>("position", h5::Shape{n});
   if (with_rows) {
     r.q = g.read<float>("q", h5::Shape{n, r.group, r.d});
     r.key_pre = g.read<float>("key_pre", h5::Shape{n, r.d});
@@ -218,13 +224,12 @@ Stats read_stats_structure(const std::string& path, bool with_rows = true) {
   s.provenance.tokens = prov.attr_uint("tokens");
   s.provenance.sequences = prov.attr_uint("sequences");
   s.provenance.seed = prov.attr_uint("seed");
-  s.provenance.max_seq_len = int(prov.attr_int("max_seq_len"));
+  s.provenance.max_seq_len = prov.attr_int32("max_seq_len", 0, std::numeric_limits<int>::max());
   s.provenance.tokenizer = prov.attr_string("tokenizer");
 
   const ModelConfig& c = s.config;
   h5::Group layers = file.group("layers");
-  s.heads.reserve(size_t(c.n_layers * c.n_kv_heads));
-  s.reservoirs.reserve(size_t(c.n_layers * c.n_kv_heads));
+  // Not reserved from the (untrusted) counts: a missing group ends the loop with an Error.
   for (int l = 0; l < c.n_layers; ++l) {
     h5::Group layer = layers.group(std::to_string(l));
     for (int h = 0; h < c.n_kv_heads; ++h) {

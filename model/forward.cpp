@@ -52,11 +52,21 @@ void add_bias(S* y, int T, int n, const std::vector<S>& bias) {
     for (int i = 0; i < n; ++i) y[size_t(t) * n + i] += bias[i];
 }
 
+// Refuses a NaN or infinite weight, naming the tensor: it would spread through every later
+// activation into statistics that kvcc's own readers then reject.
+void require_finite(const ModelFile& model, const std::string& name, const float* v, size_t n, size_t offset = 0) {
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i]))
+      throw Error(model.path() + ": tensor " + name + " holds a non-finite value (" + std::to_string(v[i]) +
+                  " at element " + std::to_string(offset + i) + ")");
+}
+
 template <typename S>
 std::vector<S> load_checked(const ModelFile& model, const std::string& name, size_t numel) {
   std::vector<float> v = model.tensor_f32(name);
   KVCC_REQUIRE(v.size() == numel, model.path() + ": tensor " + name + " has " + std::to_string(v.size()) +
                                       " elements, expected " + std::to_string(numel));
+  require_finite(model, name, v.data(), v.size());
   if constexpr (std::is_same_v<S, float>) return v;
   else return std::vector<S>(v.begin(), v.end());
 }
@@ -134,10 +144,13 @@ void embed(const ModelFile& model, const int32_t* ids, int T, S* x) {
     KVCC_REQUIRE(ids[t] >= 0 && ids[t] < c.vocab, "token id " + std::to_string(ids[t]) + " at position " +
                                                       std::to_string(t) + " is outside the vocabulary (" +
                                                       std::to_string(c.vocab) + ")");
+    const size_t offset = size_t(ids[t]) * size_t(c.hidden);
     if constexpr (std::is_same_v<S, float>) {
       model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, x + size_t(t) * c.hidden);
+      require_finite(model, "model.embed_tokens.weight", x + size_t(t) * c.hidden, size_t(c.hidden), offset);
     } else {
       model.tensor_rows_f32("model.embed_tokens.weight", ids[t], 1, row.data());
+      require_finite(model, "model.embed_tokens.weight", row.data(), row.size(), offset);
       std::copy(row.begin(), row.end(), x + size_t(t) * c.hidden);
     }
   }

@@ -27,6 +27,7 @@
 #endif
 
 #include "formats/error.h"
+#include "formats/json_int.h"
 #include "model/tokenizer_bpe.h"
 #include "model/tokenizer_impl.h"
 
@@ -738,8 +739,7 @@ class HfBpeTokenizer final : public Tokenizer {
                    std::string("BPE ") + key + " is not supported");
 
     for (const auto& [token, id] : model.at("vocab").items()) {
-      const int32_t value = id.get<int32_t>();
-      KVCC_REQUIRE(value >= 0, "vocabulary id " + std::to_string(value) + " of \"" + token + "\" is negative");
+      const int32_t value = json_int32(id, "model.vocab: the id of \"" + token + "\"", 0);
       vocab_.emplace(token, value);
       set_token(value, token);
     }
@@ -787,8 +787,9 @@ class HfBpeTokenizer final : public Tokenizer {
       for (const json& t : root["added_tokens"]) {
         KVCC_REQUIRE(!t.value("single_word", false),
                      "added token \"" + t.value("content", "") + "\" is single_word, which kvcc does not support");
-        added_.push_back({t.at("id").get<int32_t>(), t.at("content").get<std::string>(), t.value("special", false),
-                          t.value("normalized", true), t.value("lstrip", false), t.value("rstrip", false)});
+        added_.push_back({json_int32(t.at("id"), "added_tokens: the id of \"" + t.value("content", "") + "\"", 0),
+                          t.at("content").get<std::string>(), t.value("special", false), t.value("normalized", true),
+                          t.value("lstrip", false), t.value("rstrip", false)});
       }
     }
     is_special_.assign(id_to_token_.size(), false);
@@ -830,7 +831,7 @@ class HfBpeTokenizer final : public Tokenizer {
         KVCC_REQUIRE(j.at("special_tokens").contains(name),
                      "the template's special token \"" + name + "\" is not defined");
         for (const json& id : j["special_tokens"][name].at("ids")) {
-          const int32_t value = id.get<int32_t>();
+          const int32_t value = json_int32(id, "post_processor: an id of special token \"" + name + "\"");
           KVCC_REQUIRE(value >= 0 && value < vocab_size(), "the template's special token \"" + name + "\" has id " +
                                                                std::to_string(value) + ", outside the vocabulary");
           bos_prefix_.push_back(value);

@@ -149,9 +149,9 @@ TEST(MethodTable, OptionsAMethodIgnoresAreRefusedByOneRule) {
   EXPECT_EQ(options_error(Method::Kivi, 0, {{"values", "random"}}),
             "kivi values must be hadamard or oscar, got 'random'");
   EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "0"}}),
-            "kvarn iterations must be an integer >= 1, got '0'");
+            "kvarn iterations must be an integer >= 1 and <= 1000, got '0'");
   EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "8x"}}),
-            "kvarn iterations must be an integer >= 1, got '8x'");
+            "kvarn iterations must be an integer >= 1 and <= 1000, got '8x'");
   // compile applies the same rule to its parameters.
   CompileOptions o;
   o.method = "oscar";
@@ -184,6 +184,34 @@ Artifact commvq_artifact() {
   a.heads.resize(1);
   commvq_store(codec, a.heads[0].key, a.heads[0].value);
   return a;
+}
+
+// An iteration count that would make compile or validate run for hours is refused by the table's
+// bounds, by compile's check and by the artifact reader's verify alike.
+TEST(MethodParams, IterationCountsHaveAnUpperBound) {
+  EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "1000"}}), "(no error)");
+  EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "1001"}}),
+            "kvarn iterations must be an integer >= 1 and <= 1000, got '1001'");
+  EXPECT_EQ(options_error(Method::Kvarn, 0, {{"iterations", "2000000000"}}),
+            "kvarn iterations must be an integer >= 1 and <= 1000, got '2000000000'");
+  EXPECT_EQ(options_error(Method::Commvq, 0, {{"iterations", "2000000000"}}),
+            "commvq iterations must be an integer >= 1 and <= 1000, got '2000000000'");
+  CompileOptions o;
+  o.method = "kvarn";
+  o.params["iterations"] = "2000000000";
+  EXPECT_EQ(error_of([&] { make_recipe(o, 64, 2); }),
+            "kvarn iterations must be an integer >= 1 and <= 1000, got '2000000000'");
+
+  const ModelConfig cfg = testing::small_config();
+  Artifact a = testing::random_artifact(cfg, testing::small_fingerprint(cfg), 3, "kvarn");
+  a.recipe.params = {{"iterations", "2000000000"}};
+  const std::vector<std::string> problems = verify_artifact(a);
+  EXPECT_NE(std::find(problems.begin(), problems.end(),
+                      "recipe: kvarn iterations must be an integer >= 1 and <= 1000, got '2000000000'"),
+            problems.end())
+      << (problems.empty() ? "" : problems[0]);
+  testing::ScratchDir dir;
+  EXPECT_TRUE(has(error_of([&] { write_artifact(a, dir.file("slow.kvcc.h5")); }), "iterations must be an integer"));
 }
 
 TEST(MethodVerify, UnknownMethodIsAProblem) {

@@ -376,3 +376,26 @@ TEST_F(ZooFixture, CommandLinePublishListShow) {
   EXPECT_NE(read_bytes(out).find("cli notes"), std::string::npos);
   ASSERT_EQ(std::system((kvcc + " zoo verify --zoo " + zoo.string() + " > " + out).c_str()), 0);
 }
+
+// Publishers running at once into one zoo take turns on the index (a lock held from reading it
+// to replacing it): every one of them exits 0 and every entry is in the index afterwards.
+TEST_F(ZooFixture, ConcurrentPublishersLoseNoEntry) {
+  constexpr int kPublishers = 6, kRounds = 8;
+  std::vector<std::string> artifacts;
+  for (int i = 0; i < kPublishers; ++i)
+    artifacts.push_back(write(small_artifact("m" + std::to_string(i), cfg, fp, "oscar", 3.0 + i),
+                              "p" + std::to_string(i) + ".kvcc.h5"));
+  for (int round = 0; round < kRounds; ++round) {
+    const fs::path z = dir / ("zoo" + std::to_string(round));
+    std::string cmd = "cd " + dir.string() + " && fails=0; pids=''; ";
+    for (const auto& a : artifacts)
+      cmd +=
+          std::string(KVCC_BINARY) + " zoo publish " + a + " --zoo " + z.string() + " >/dev/null & pids=\"$pids $!\"; ";
+    cmd += "for p in $pids; do wait $p || fails=$((fails+1)); done; exit $fails";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << "round " << round;
+    const zoo::Index index = zoo::read_index(z.string());
+    EXPECT_EQ(index.entries.size(), size_t(kPublishers)) << "round " << round;
+    const zoo::VerifyReport report = zoo::verify_zoo(z.string());
+    EXPECT_TRUE(report.ok()) << "round " << round;
+  }
+}

@@ -1,5 +1,12 @@
 #include "zoo/zoo.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -319,6 +326,38 @@ std::string render_card(const ZooEntry& e, const Artifact& a) {
   return s.str();
 }
 
+// An exclusive flock on <zoo>/.kvcc-zoo.lock (a hidden file, so `zoo verify` does not list it),
+// held from reading the index to replacing it: concurrent publishers into one zoo take turns, so
+// none of them writes an index that misses another's entry.
+namespace {
+class ZooLock {
+ public:
+  explicit ZooLock(const std::string& zoo_dir) {
+    const std::string path = (fs::path(zoo_dir) / ".kvcc-zoo.lock").string();
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd_ < 0) {
+      const int err = errno;
+      throw Error(path + ": cannot open the zoo's lock file (" + std::strerror(err) + ")");
+    }
+    while (::flock(fd_, LOCK_EX) != 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      ::close(fd_);
+      throw Error(path + ": cannot lock the zoo (" + std::strerror(err) + ")");
+    }
+  }
+  ~ZooLock() {
+    ::flock(fd_, LOCK_UN);
+    ::close(fd_);
+  }
+  ZooLock(const ZooLock&) = delete;
+  ZooLock& operator=(const ZooLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+}  // namespace
+
 PublishResult publish(const std::string& artifact_path, const std::string& zoo_dir, const PublishOptions& options) {
   auto stage = [&](const std::string& name) {
     if (options.on_stage) options.on_stage(name);
@@ -339,6 +378,8 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
                                                  "' cannot name a zoo folder (use letters, digits, '.', '_', '-')");
 
   fs::create_directories(zoo_dir);
+  // Held until the index is replaced and the files it no longer lists are removed.
+  const ZooLock lock(zoo_dir);
   Index index = read_index(zoo_dir, /*allow_missing=*/true);
 
   ZooEntry e;
