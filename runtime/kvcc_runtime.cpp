@@ -74,13 +74,16 @@ struct Runtime::DeviceState {
   cudaStream_t step_stream = nullptr;
   cudaEvent_t uploaded = nullptr, used = nullptr;
   bool used_elsewhere = false;
-  DeviceState() {
+  DeviceState() = default;
+  ~DeviceState() {
+    if (uploaded) cudaEventDestroy(uploaded);
+    if (used) cudaEventDestroy(used);
+  }
+  // The events, made at the first step (a host pool's Runtime never touches the device).
+  void make_events() {
+    if (uploaded) return;
     check_cuda(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming), "runtime: event");
     check_cuda(cudaEventCreateWithFlags(&used, cudaEventDisableTiming), "runtime: event");
-  }
-  ~DeviceState() {
-    cudaEventDestroy(uploaded);
-    cudaEventDestroy(used);
   }
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
@@ -292,6 +295,7 @@ void Runtime::plan_step(void* stream_ptr) {
   std::memcpy(packed.data() + writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
   std::memcpy(packed.data() + ints_at, ints.data(), ints.size() * sizeof(int32_t));
   DeviceState& d = *dev_;
+  d.make_events();
   if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(stream, d.used, 0), "runtime: stream wait");
   d.used_elsewhere = false;
   d.step.reserve(bytes);  // grows only here, between steps
