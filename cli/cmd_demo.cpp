@@ -350,18 +350,28 @@ Command reg{"demo", 5,
               sub.add_option("--methods", a->methods,
                              "methods to compile (default: identity hadamard oscar oscar-lm kivi; synthetic: "
                              "identity hadamard kivi kvarn oscar oscar-lm)");
-              sub.add_option("--calib-docs", a->calib_docs, "calibration documents (default 48; synthetic 8)");
-              sub.add_option("--eval-docs", a->eval_docs, "held-out documents (default 16; synthetic 4)");
+              sub.add_option("--calib-docs", a->calib_docs, "calibration documents (default 48; synthetic 8)")
+                  ->transform(whole_number(1, 2147483647));
+              sub.add_option("--eval-docs", a->eval_docs, "held-out documents (default 16; synthetic 4)")
+                  ->transform(whole_number(1, 2147483647));
               sub.add_option("--doc-length", a->doc_length,
                              "tokens per document at most (default 256, capped at the model's context; "
-                             "synthetic: exactly, 512)");
+                             "synthetic: exactly, 512)")
+                  ->transform(whole_number(1, 2147483647));
               sub.add_option("--seed", a->seed, "sampling seed of the calibration stories (held out: seed + 1)")
+                  ->transform(whole_number(0, ~0ULL))
                   ->capture_default_str();
-              sub.add_option("--temperature", a->temperature, "sampling temperature")->capture_default_str();
-              sub.add_option("--sink", a->sink, "full-precision first tokens (default 4)");
-              sub.add_option("--recent", a->recent, "full-precision recent window (default 32)");
-              sub.add_option("--page-size", a->page_size, "tokens per INT2 page (default 16; synthetic 32)");
-              sub.add_option("--block", a->block, "pseudo-decode block in tokens (default 16; synthetic 128)");
+              sub.add_option("--temperature", a->temperature, "sampling temperature")
+                  ->check(positive_real())
+                  ->capture_default_str();
+              sub.add_option("--sink", a->sink, "full-precision first tokens (default 4)")
+                  ->transform(whole_number(0, 2147483647));
+              sub.add_option("--recent", a->recent, "full-precision recent window (default 32)")
+                  ->transform(whole_number(0, 2147483647));
+              sub.add_option("--page-size", a->page_size, "tokens per INT2 page (default 16; synthetic 32)")
+                  ->transform(whole_number(1, 2147483647));
+              sub.add_option("--block", a->block, "pseudo-decode block in tokens (default 16; synthetic 128)")
+                  ->transform(whole_number(1, 2147483647));
               return [a] { return a->synthetic ? run_synthetic(*a) : run_real(*a); };
             }};
 

@@ -121,20 +121,29 @@ Command reg{
           "  kvcc report stats.h5 --methods oscar,oscar:g64,hadamard,hadamard:g64");
       sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
       sub.add_option("--methods", a->methods, "comma-separated methods (with :modifiers)")->capture_default_str();
-      sub.add_option("--key-bits", a->key_bits, "bits per key element")->capture_default_str();
-      sub.add_option("--value-bits", a->value_bits, "bits per value element")->capture_default_str();
+      sub.add_option("--key-bits", a->key_bits, "bits per key element")->check(positive_real())->capture_default_str();
+      sub.add_option("--value-bits", a->value_bits, "bits per value element")
+          ->check(positive_real())
+          ->capture_default_str();
       sub.add_option("--group", a->group,
                      "channels per scale/zero group for every method (default: each method's; "
-                     "per method: the gN modifier)");
+                     "per method: the gN modifier)")
+          ->transform(whole_number(1, 2147483647));
       sub.add_option("--value-target", a->value_target,
                      std::string("value target of the methods that take one: output | p2 | logit2 "
                                  "(default: ") +
                          method_traits(Method::Oscar).value_target + ")");
       sub.add_option("--granularity", a->granularity, "head | layer (of the methods that take it)")
           ->capture_default_str();
-      sub.add_option("--rows", a->rows, "held-out tokens evaluated per KV head")->capture_default_str();
-      sub.add_option("--fit-rows", a->fit_rows, "fitting tokens per KV head (clip ratios)")->capture_default_str();
-      sub.add_option("--seed", a->seed, "seed of the methods that draw at random")->capture_default_str();
+      sub.add_option("--rows", a->rows, "held-out tokens evaluated per KV head")
+          ->transform(whole_number(1, 2147483647))
+          ->capture_default_str();
+      sub.add_option("--fit-rows", a->fit_rows, "fitting tokens per KV head (clip ratios)")
+          ->transform(whole_number(1, 2147483647))
+          ->capture_default_str();
+      sub.add_option("--seed", a->seed, "seed of the methods that draw at random")
+          ->transform(whole_number(0, ~0ULL))
+          ->capture_default_str();
       sub.add_option("--json", a->json_path, "write the full report (per head) as JSON");
       sub.add_option("--svg", a->svg_path, "write a per-layer bar chart (SVG)");
       sub.add_option("--markdown", a->markdown_path, "write the table (markdown)");

@@ -70,7 +70,9 @@ Command reg{
       auto path = std::make_shared<std::string>();
       auto tol = std::make_shared<double>(1e-5);
       app.add_option("FILE", *path, "An artifact (*.kvcc.h5) or a calibration stats file (stats.h5)")->required();
-      app.add_option("--tol", *tol, "Largest allowed |RtR - I| of a rotation")->capture_default_str();
+      app.add_option("--tol", *tol, "Largest allowed |RtR - I| of a rotation")
+          ->check(positive_real())
+          ->capture_default_str();
       app.footer(
           "Artifacts: format version, fingerprint, shapes and dtypes, the sha256 of every dataset,\n"
           "NaN/inf, orthogonality of every rotation (max |RtR - I|), ascending eigenvalues, sorted\n"

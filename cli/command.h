@@ -3,6 +3,7 @@
 // `order` sorts `kvcc --help`. A subcommand is a thin layer: parse flags, call the library, print.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -28,6 +29,25 @@ std::vector<Registered>& registry();
 // with "--option: must be ..." (exit 105). Without it CLI11 wraps "-5" given to an unsigned option
 // to 2^64-5 and reads "010" as octal.
 CLI::Validator whole_number(long long min, unsigned long long max);
+
+// The check of a real option: a finite number > 0. CLI11's PositiveNumber lets "nan" through
+// (every comparison with NaN is false) and "inf" too.
+inline CLI::Validator positive_real() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        size_t used = 0;
+        try {
+          v = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != text.size() || !std::isfinite(v) || v <= 0)
+          return "must be a finite number > 0, got '" + text + "'";
+        return std::string();
+      },
+      "> 0");
+}
 
 // True when stderr is a terminal (progress bars) — plain lines otherwise.
 bool stderr_is_tty();

@@ -293,6 +293,7 @@ void final_logits(const ModelFile& model, const S* x, int T, S* logits) {
   for (int r0 = 0; r0 < vocab; r0 += kRowsPerBlock) {
     const int rows = std::min(kRowsPerBlock, vocab - r0);
     model.tensor_rows_f32(head, r0, rows, block.data());
+    require_finite(model, head, block.data(), size_t(rows) * hidden, size_t(r0) * hidden);
     const S* w;
     if constexpr (std::is_same_v<S, float>) {
       w = block.data();

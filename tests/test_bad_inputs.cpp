@@ -250,6 +250,47 @@ TEST_F(BadInputs, CalibrationRefusesNonFiniteWeightsAndBadNormEps) {
   EXPECT_FALSE(testing::file_exists(file("eps.h5")));
 }
 
+// The output head is checked too: only validate's logits read it, after calibration succeeded.
+TEST_F(BadInputs, ValidateRefusesANonFiniteOutputHead) {
+  const std::string ids = make_ids();
+  const std::string model = make_model();
+  const std::string stats = calibrate(model, ids, file("s.h5"));
+  const RunResult c = run("compile " + stats + " -m identity -o " + file("a.kvcc.h5"));
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  corrupt_first_value(model, "lm_head.weight", std::numeric_limits<float>::quiet_NaN());
+  const RunResult r = run("validate --model " + model + " --artifact " + file("a.kvcc.h5") + " --ids " + ids +
+                          " --json " + file("v.json"));
+  expect_error(r, {"lm_head.weight", "non-finite"});
+  EXPECT_FALSE(testing::file_exists(file("v.json")));
+}
+
+// Options of demo, report and verify: negative, zero, NaN and infinite values are refused by name
+// before any work (demo would otherwise read -1 as "the default").
+TEST_F(BadInputs, DemoReportAndVerifyOptionsAreRangeChecked) {
+  const std::string demo = "demo --out " + file("demo") + " ";
+  expect_error(run(demo + "--calib-docs -3"), {"--calib-docs", "got '-3'"});
+  expect_error(run(demo + "--eval-docs 0"), {"--eval-docs", "got '0'"});
+  expect_error(run(demo + "--doc-length -5"), {"--doc-length", "got '-5'"});
+  expect_error(run(demo + "--sink -1"), {"--sink", "got '-1'"});
+  expect_error(run(demo + "--recent -2"), {"--recent", "got '-2'"});
+  expect_error(run(demo + "--page-size 0"), {"--page-size", "got '0'"});
+  expect_error(run(demo + "--block 0"), {"--block", "got '0'"});
+  expect_error(run(demo + "--temperature nan"), {"--temperature", "got 'nan'"});
+  expect_error(run(demo + "--temperature -1"), {"--temperature", "got '-1'"});
+  EXPECT_FALSE(fs::exists(file("demo")));
+
+  const std::string stats = calibrate(make_model(), make_ids(), file("s.h5"));
+  expect_error(run("report " + stats + " --key-bits nan"), {"--key-bits", "got 'nan'"});
+  expect_error(run("report " + stats + " --value-bits inf"), {"--value-bits", "got 'inf'"});
+  expect_error(run("report " + stats + " --group -16"), {"--group", "got '-16'"});
+  expect_error(run("report " + stats + " --rows 0"), {"--rows", "got '0'"});
+  expect_error(run("report " + stats + " --fit-rows -1"), {"--fit-rows", "got '-1'"});
+  expect_error(run("verify " + stats + " --tol -1"), {"--tol", "got '-1'"});
+  expect_error(run("verify " + stats + " --tol nan"), {"--tol", "got 'nan'"});
+  const RunResult ok = run("verify " + stats + " --tol 1e-4");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
 // 4. compile refuses a kvarn iteration count that would make validate run for hours.
 TEST_F(BadInputs, CompileRefusesHugeIterationCounts) {
   const std::string stats = calibrate(make_model(), make_ids(), file("s.h5"));
