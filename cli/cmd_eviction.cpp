@@ -1,0 +1,183 @@
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "eval/eviction.h"
+#include "eval/experiment.h"
+#include "eval/scheme.h"
+#include "formats/artifact.h"
+#include "formats/atomic_file.h"
+#include "formats/error.h"
+#include "formats/model_file.h"
+#include "formats/stats.h"
+
+namespace kvcc::cli {
+namespace {
+
+struct Args {
+  std::string model_path, stats_path, artifact_path, json_path;
+  ValidateData data;
+  EvictionOptions options;
+  std::vector<std::string> scores;
+};
+
+std::string table(const EvictionResult& r) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "%d conversations: %d passages, history %d, continuation %d (reference NLL %.4f); kept always: "
+                "sink %d, recent %d\n",
+                r.conversations, r.passages, r.history, r.continuation, r.reference_nll, r.sink, r.recent);
+  out += line;
+  out += "score     ratio  int2  KL (nats)            dNLL                 top-1\n";
+  for (const EvictionRow& row : r.rows) {
+    std::snprintf(line, sizeof line, "%-9s %5.1fx %-5s %.4e ±%.1e   %+.4e ±%.1e   %.4f\n", row.score.c_str(), row.ratio,
+                  row.int2 ? "yes" : "no", row.kl, row.kl_stderr, row.delta_nll, row.delta_nll_stderr, row.top1);
+    out += line;
+  }
+  return out;
+}
+
+std::string to_json(const EvictionResult& r) {
+  nlohmann::json j;
+  j["model"] = r.model;
+  j["stats"] = r.stats;
+  j["artifact"] = r.artifact;
+  j["history"] = r.history;
+  j["continuation"] = r.continuation;
+  j["passages"] = r.passages;
+  j["conversations"] = r.conversations;
+  j["sink"] = r.sink;
+  j["recent"] = r.recent;
+  j["reference_nll"] = r.reference_nll;
+  j["seconds"] = r.seconds;
+  for (const EvictionRow& row : r.rows)
+    j["rows"].push_back({{"score", row.score},
+                         {"ratio", row.ratio},
+                         {"int2", row.int2},
+                         {"kl", row.kl},
+                         {"kl_stderr", row.kl_stderr},
+                         {"delta_nll", row.delta_nll},
+                         {"delta_nll_stderr", row.delta_nll_stderr},
+                         {"top1_agreement", row.top1}});
+  return j.dump(2) + "\n";
+}
+
+int run_eviction_command(Args& a) {
+  KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "eviction needs --data TEXT or --ids FILE");
+  require_output_is_not_input(a.json_path, {a.model_path, a.stats_path, a.artifact_path, a.data.data_path,
+                                            a.data.ids_path, a.data.tokenizer_path});
+  const std::map<std::string, EvictionScore> names = {{"window", EvictionScore::Window},
+                                                      {"h2o", EvictionScore::H2O},
+                                                      {"snapkv", EvictionScore::SnapKV},
+                                                      {"qmoment", EvictionScore::QueryMoment},
+                                                      {"keynorm", EvictionScore::KeyNorm}};
+  if (!a.scores.empty()) {
+    a.options.scores.clear();
+    for (const std::string& s : a.scores) a.options.scores.push_back(names.at(s));
+  }
+  const ModelFile model = ModelFile::open(a.model_path);
+  std::optional<Stats> stats;
+  if (!a.stats_path.empty()) {
+    stats = read_stats(a.stats_path);
+    KVCC_REQUIRE(stats->fingerprint.id == model.fingerprint().id,
+                 a.stats_path + " was calibrated on another model (fingerprint " + stats->fingerprint.id + ", " +
+                     a.model_path + " is " + model.fingerprint().id + ")");
+  } else {
+    for (EvictionScore s : a.options.scores)
+      KVCC_REQUIRE(s != EvictionScore::QueryMoment || a.scores.empty(),
+                   "the qmoment score needs --stats (the calibrated query second moments)");
+  }
+  std::optional<CacheScheme> int2;
+  if (!a.artifact_path.empty()) {
+    Artifact artifact = read_artifact(a.artifact_path);
+    check_artifact_matches(artifact, model, a.artifact_path);
+    int2 = scheme_from_artifact(std::move(artifact), a.artifact_path, model.config());
+  }
+  // Documents long enough for a passage (the first one also carries the continuation).
+  ValidateData data = a.data;
+  data.max_seq_len = a.options.history + a.options.continuation + 1;
+  const auto docs = load_validation_documents(model, data);
+  const auto conversations = build_conversations(docs, a.options, model.config().bos_id);
+  EvictionResult r =
+      run_eviction(model, conversations, stats ? &*stats : nullptr, int2 ? &*int2 : nullptr, a.options,
+                   [](int done, int total) { std::fprintf(stderr, "eviction: conversation %d/%d\n", done, total); });
+  r.model = a.model_path;
+  r.stats = a.stats_path;
+  r.artifact = a.artifact_path;
+  std::cout << table(r);
+  std::printf("(%.1f s)\n", r.seconds);
+  if (!a.json_path.empty()) write_bytes_atomically(a.json_path, to_json(r));
+  return 0;
+}
+
+Command reg{"eviction", 55, "Measure token eviction: which history tokens to keep, by which score, and what it costs",
+            [](CLI::App& sub) {
+              auto a = std::make_shared<Args>();
+              sub.footer(
+                  "Builds conversations from the text: --passages passages from documents far apart\n"
+                  "(different books in the held-out sets), --history tokens in all, then the next\n"
+                  "--continuation tokens of the FIRST passage's document. The history is prefilled in\n"
+                  "full precision; each policy keeps ceil(history / ratio) tokens per layer and KV head\n"
+                  "(always the first --sink and the last --recent) and the continuation runs over them;\n"
+                  "reported against the full history: KL(full || evicted), dNLL and top-1 agreement,\n"
+                  "with standard errors across conversations.\n\n"
+                  "Scores: window (StreamingLLM: sink + newest), h2o (accumulated attention), snapkv\n"
+                  "(attention of the last --observation history queries, max-pooled over --pool),\n"
+                  "qmoment (k^T E[q q^T] k from --stats: no attention matrix), keynorm (|k|^2).\n"
+                  "With --artifact each policy also runs on the history quantised as the artifact's\n"
+                  "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n\n"
+                  "Example:\n"
+                  "  kvcc eviction --model ../shared/models/gutenberg-27m --data heldout.txt \\\n"
+                  "      --stats gut.stats.h5 --artifact gut.oscar.kvcc.h5 --json eviction.json");
+              sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
+              sub.add_option("--data", a->data.data_path, "text, documents separated by --separator");
+              sub.add_option("--ids", a->data.ids_path, "pre-tokenized documents (one line of ids each)");
+              sub.add_option("--tokenizer", a->data.tokenizer_path, "explicit tokenizer file (llama2.c)");
+              sub.add_option("--separator", a->data.separator, "document separator")->capture_default_str();
+              sub.add_option("--stats", a->stats_path, "calibration statistics of the model (for qmoment)");
+              sub.add_option("--artifact", a->artifact_path, "also run every policy on the INT2-quantised history");
+              sub.add_option("--history", a->options.history, "history tokens")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--continuation", a->options.continuation, "continuation tokens scored")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--passages", a->options.passages, "passages the history is made of")
+                  ->transform(whole_number(1, 64))
+                  ->capture_default_str();
+              sub.add_option("--ratios", a->options.ratios, "token compression ratios (>= 1)")
+                  ->delimiter(',')
+                  ->check(CLI::Range(1.0, 1e6))
+                  ->capture_default_str();
+              sub.add_option("--scores", a->scores, "scores to run (default: all; qmoment needs --stats)")
+                  ->delimiter(',')
+                  ->check(CLI::IsMember({"window", "h2o", "snapkv", "qmoment", "keynorm"}));
+              sub.add_option("--sink", a->options.sink, "first tokens always kept")
+                  ->transform(whole_number(0, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--recent", a->options.recent, "newest tokens always kept")
+                  ->transform(whole_number(0, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--observation", a->options.observation, "snapkv's observation window")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--pool", a->options.pool, "snapkv's max-pool width (odd)")
+                  ->transform(whole_number(1, 1023))
+                  ->capture_default_str();
+              sub.add_option("--conversations", a->options.conversations, "conversations at most")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--json", a->json_path, "write the rows as JSON");
+              return [a] { return run_eviction_command(*a); };
+            }};
+
+}  // namespace
+}  // namespace kvcc::cli

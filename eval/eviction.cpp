@@ -1,0 +1,415 @@
+#include "eval/eviction.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+#include "eval/experiment.h"
+#include "formats/error.h"
+#include "formats/kv_layout.h"
+#include "model/forward.h"
+#include "model/observer.h"
+
+namespace kvcc {
+namespace {
+// The message of a failed check, built only then (KVCC_REQUIRE).
+template <class... A>
+std::string cat(const A&... a) {
+  std::ostringstream s;
+  (s << ... << a);
+  return s.str();
+}
+}  // namespace
+
+const char* eviction_score_name(EvictionScore score) {
+  switch (score) {
+    case EvictionScore::Window:
+      return "window";
+    case EvictionScore::H2O:
+      return "h2o";
+    case EvictionScore::SnapKV:
+      return "snapkv";
+    case EvictionScore::QueryMoment:
+      return "qmoment";
+    case EvictionScore::KeyNorm:
+      return "keynorm";
+  }
+  return "?";
+}
+
+std::vector<EvictionScore> all_eviction_scores() {
+  return {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::QueryMoment,
+          EvictionScore::KeyNorm};
+}
+
+std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, int64_t budget, int sink, int recent) {
+  KVCC_REQUIRE(n >= 0 && budget >= 0 && sink >= 0 && recent >= 0, "select_kept: negative size");
+  KVCC_REQUIRE(scores.empty() || int64_t(scores.size()) == n,
+               cat("select_kept: ", scores.size(), " scores for ", n, " tokens"));
+  std::vector<int32_t> kept;
+  if (budget >= n) {
+    kept.resize(size_t(n));
+    std::iota(kept.begin(), kept.end(), 0);
+    return kept;
+  }
+  const int64_t s = std::min<int64_t>({sink, budget, n});
+  // Below sink + recent (or without scores) the budget after the sink goes to the newest tokens.
+  const int64_t r = scores.empty() ? budget - s : std::min<int64_t>(recent, budget - s);
+  std::vector<char> take(size_t(n), 0);
+  for (int64_t j = 0; j < s; ++j) take[size_t(j)] = 1;
+  for (int64_t j = n - r; j < n; ++j) take[size_t(j)] = 1;
+  int64_t left = budget - s - r;
+  if (left > 0 && !scores.empty()) {
+    std::vector<int32_t> order;
+    for (int64_t j = s; j < n - r; ++j) order.push_back(int32_t(j));
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return scores[size_t(a)] != scores[size_t(b)] ? scores[size_t(a)] > scores[size_t(b)] : a > b;
+    });
+    for (size_t i = 0; i < order.size() && left > 0; ++i, --left) take[size_t(order[i])] = 1;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (take[size_t(j)]) kept.push_back(int32_t(j));
+  return kept;
+}
+
+std::vector<double> query_moment_scores(const std::vector<double>& m, const float* keys, int64_t n, size_t stride,
+                                        int d) {
+  KVCC_REQUIRE(m.size() == size_t(d) * d, "query_moment_scores: the moment is not [d, d]");
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = keys + size_t(j) * stride;
+    double s = 0;
+    for (int a = 0; a < d; ++a) {
+      double t = 0;
+      for (int b = 0; b < d; ++b) t += m[size_t(a) * d + b] * double(k[b]);
+      s += double(k[a]) * t;
+    }
+    out[size_t(j)] = s;
+  }
+  return out;
+}
+
+std::vector<double> max_pool(const std::vector<double>& x, int width) {
+  KVCC_REQUIRE(width >= 1 && width % 2 == 1, cat("max_pool: the width must be odd and positive, got ", width));
+  const int64_t n = int64_t(x.size()), h = width / 2;
+  std::vector<double> out(x.size());
+  for (int64_t j = 0; j < n; ++j) {
+    double m = x[size_t(j)];
+    for (int64_t i = std::max<int64_t>(0, j - h); i <= std::min<int64_t>(n - 1, j + h); ++i)
+      m = std::max(m, x[size_t(i)]);
+    out[size_t(j)] = m;
+  }
+  return out;
+}
+
+void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q, const float* hist_k,
+                         const float* hist_v, const std::vector<std::vector<int32_t>>& kept, const float* cont_k,
+                         const float* cont_v, float* out) {
+  const int d = c.head_dim, r = c.group(), qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+  KVCC_REQUIRE(int(kept.size()) == c.n_kv_heads,
+               cat("attention_over_kept: ", kept.size(), " kept sets for ", c.n_kv_heads, " KV heads"));
+  // One KV head at a time through the model's own attention: a group of r query heads over
+  // [kept history rows; continuation rows], the history as a prefix.
+  ModelConfig one = c;
+  one.n_heads = r;
+  one.n_kv_heads = 1;
+  std::vector<float> qg(size_t(T) * r * d), kg, vg, og(size_t(T) * r * d);
+  for (int g = 0; g < c.n_kv_heads; ++g) {
+    const std::vector<int32_t>& rows = kept[size_t(g)];
+    const size_t N = rows.size() + size_t(T);
+    kg.resize(N * d);
+    vg.resize(N * d);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      KVCC_REQUIRE(rows[i] >= 0 && rows[i] < n0,
+                   cat("attention_over_kept: kept position ", rows[i], " outside [0, ", n0, ")"));
+      std::copy_n(hist_k + size_t(rows[i]) * kvdim + size_t(g) * d, d, kg.data() + i * d);
+      std::copy_n(hist_v + size_t(rows[i]) * kvdim + size_t(g) * d, d, vg.data() + i * d);
+    }
+    for (int t = 0; t < T; ++t) {
+      std::copy_n(cont_k + size_t(t) * kvdim + size_t(g) * d, d, kg.data() + (rows.size() + t) * d);
+      std::copy_n(cont_v + size_t(t) * kvdim + size_t(g) * d, d, vg.data() + (rows.size() + t) * d);
+      std::copy_n(q + size_t(t) * qdim + size_t(g) * r * d, size_t(r) * d, qg.data() + size_t(t) * r * d);
+    }
+    prefix_causal_attention(one, int64_t(rows.size()), T, qg.data(), kg.data(), vg.data(), og.data());
+    for (int t = 0; t < T; ++t)
+      std::copy_n(og.data() + size_t(t) * r * d, size_t(r) * d, out + size_t(t) * qdim + size_t(g) * r * d);
+  }
+}
+
+std::vector<std::vector<int32_t>> build_conversations(const std::vector<std::vector<int32_t>>& documents,
+                                                      const EvictionOptions& o, int bos_id) {
+  KVCC_REQUIRE(o.passages >= 1 && o.history >= o.passages && o.continuation >= 1,
+               cat("eviction: need history >= passages", " >= 1 and a continuation, got history ", o.history, ", ",
+                   o.passages, " passages, continuation ", o.continuation));
+  const size_t D = documents.size(), stride = D / size_t(o.passages);
+  const int per = o.history / o.passages;
+  std::vector<std::vector<int32_t>> out;
+  for (size_t i = 0; i < stride && int(out.size()) < o.conversations; ++i) {
+    std::vector<int32_t> conv;
+    bool ok = true;
+    for (int k = 0; k < o.passages && ok; ++k) {
+      std::vector<int32_t> doc = documents[i + size_t(k) * stride];
+      if (k > 0 && !doc.empty() && doc[0] == bos_id) doc.erase(doc.begin());
+      // The last passage fills the history up to H exactly.
+      const int take = k + 1 == o.passages ? o.history - int(conv.size()) : per;
+      const size_t need = size_t(take) + (k == 0 ? size_t(o.continuation) + 1 : 0);
+      if (doc.size() < need) ok = false;
+      else conv.insert(conv.end(), doc.begin(), doc.begin() + take);
+    }
+    if (!ok) continue;
+    const std::vector<int32_t>& first = documents[i];
+    const int per0 = o.passages == 1 ? o.history : per;
+    conv.insert(conv.end(), first.begin() + per0, first.begin() + per0 + o.continuation + 1);
+    out.push_back(std::move(conv));
+  }
+  KVCC_REQUIRE(!out.empty(),
+               cat("eviction: no conversation can be built: every one needs ", o.passages, " documents of at least ",
+                   per, " tokens (", o.history / o.passages + o.continuation + 1, " for the first) among ", D,
+                   " documents (", o.passages, " groups of ", stride, ")"));
+  return out;
+}
+
+namespace {
+
+// Per layer, the history's post-RoPE K/V and, per KV head, the attention-based scores.
+struct HistoryObserver : AttentionObserver {
+  const ModelConfig& c;
+  int observation;
+  std::vector<std::vector<float>> keys, values;             // [layer] [H, kvdim]
+  std::vector<std::vector<std::vector<double>>> h2o, snap;  // [layer][kv head] [H]
+  HistoryObserver(const ModelConfig& config, int obs) : c(config), observation(obs) {
+    keys.resize(size_t(c.n_layers));
+    values.resize(size_t(c.n_layers));
+    h2o.assign(size_t(c.n_layers), std::vector<std::vector<double>>(size_t(c.n_kv_heads)));
+    snap = h2o;
+  }
+  void on_qkv(const SequenceTaps& t) override {
+    const size_t n = size_t(t.T) * c.n_kv_heads * c.head_dim;
+    keys[size_t(t.layer)].assign(t.key, t.key + n);
+    values[size_t(t.layer)].assign(t.value, t.value + n);
+  }
+  void on_probs(const SequenceTaps& t, int q_head, const float* probs, const float*) override {
+    const int g = q_head / c.group(), T = t.T;
+    std::vector<double>& a = h2o[size_t(t.layer)][size_t(g)];
+    std::vector<double>& s = snap[size_t(t.layer)][size_t(g)];
+    a.resize(size_t(T), 0.0);
+    s.resize(size_t(T), 0.0);
+    for (int i = 0; i < T; ++i) {
+      const float* row = probs + size_t(i) * T;
+      for (int j = 0; j <= i; ++j) a[size_t(j)] += row[j];
+      if (i >= T - observation)
+        for (int j = 0; j <= i; ++j) s[size_t(j)] += row[j];
+    }
+  }
+};
+
+// The history as the artifact's cache holds it: whole pages past the sink and before the ring
+// through the codec (eval/experiment.cpp's append_rows, all at once).
+void quantise_history(const CacheScheme& s, const ModelConfig& c, int layer, std::vector<float>& keys,
+                      std::vector<float>& values, int64_t n) {
+  const CodecPath* path = std::get_if<CodecPath>(&s.path);
+  KVCC_REQUIRE(path && path->codec, "eviction: the INT2 scheme needs a codec");
+  KvGeometry g;
+  g.sink = s.sink;
+  g.recent = s.recent;
+  g.page_tokens = s.page_size;
+  const int64_t post = n - std::min<int64_t>(n, s.sink);
+  const int64_t hist = std::min(tiers_of(g, n).hist_tokens, post / s.page_size * s.page_size);
+  const size_t kvdim = size_t(c.n_kv_heads) * c.head_dim, page = size_t(s.page_size) * kvdim;
+  std::vector<float> out(page);
+  for (int64_t p = 0; p < hist; p += s.page_size) {
+    const int64_t first = s.sink + p;
+    for (const KvSide side : {KvSide::Key, KvSide::Value}) {
+      float* base = (side == KvSide::Key ? keys : values).data() + size_t(first) * kvdim;
+      path->codec(layer, side, base, s.page_size, first, out.data());
+      std::copy(out.begin(), out.end(), base);
+    }
+  }
+}
+
+struct Sums {
+  std::vector<double> kl, dnll, top1;  // per conversation
+};
+
+}  // namespace
+
+EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vector<int32_t>>& conversations,
+                            const Stats* stats, const CacheScheme* int2, const EvictionOptions& o,
+                            const std::function<void(int, int)>& progress) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ModelConfig& c = model.config();
+  const int H = o.history, C = o.continuation, d = c.head_dim, V = c.vocab;
+  KVCC_REQUIRE(H >= 1 && C >= 1, "eviction: history and continuation must be positive");
+  KVCC_REQUIRE(int64_t(H) + C <= c.max_position || c.max_position <= 0,
+               cat("eviction: history + continuation (", H + C, ") exceed the model's context of ", c.max_position));
+  KVCC_REQUIRE(o.observation >= 1 && o.observation <= H,
+               cat("eviction: the observation window must be in [1, ", H, "], got ", o.observation));
+  for (double r : o.ratios) KVCC_REQUIRE(std::isfinite(r) && r >= 1, cat("eviction: ratios must be >= 1, got ", r));
+  if (stats) {
+    KVCC_REQUIRE(
+        stats->config.n_layers == c.n_layers && stats->config.n_kv_heads == c.n_kv_heads && stats->config.head_dim == d,
+        cat("eviction: the stats are for another model shape (", stats->config.n_layers, " layers, ",
+            stats->config.n_kv_heads, " KV heads, head_dim ", stats->config.head_dim, ")"));
+  }
+  std::vector<EvictionScore> scores;
+  for (EvictionScore s : o.scores)
+    if (s != EvictionScore::QueryMoment || stats) scores.push_back(s);
+
+  std::vector<LayerWeights> weights;
+  for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<float>(model, l));
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d;
+
+  // The query second moments, normalised: E[q qᵀ] per (layer, KV head).
+  std::vector<std::vector<double>> moment;
+  if (stats)
+    for (const HeadStats& h : stats->heads) {
+      KVCC_REQUIRE(h.query_count > 0, "eviction: the stats hold no queries");
+      std::vector<double> m = h.query_m2;
+      for (double& v : m) v /= double(h.query_count);
+      moment.push_back(std::move(m));
+    }
+
+  struct Variant {
+    std::string score;
+    double ratio;
+    bool int2;
+  };
+  std::vector<Variant> variants;
+  for (bool q : {false, true}) {
+    if (q && !int2) continue;
+    if (q) variants.push_back({"full", 1, true});
+    for (EvictionScore s : scores)
+      for (double r : o.ratios) variants.push_back({eviction_score_name(s), r, q});
+  }
+  std::vector<Sums> sums(variants.size());
+  std::vector<double> ref_nll;
+
+  std::vector<float> x, q, k, v, attn, logits;
+  std::vector<double> lp_ref, lp;
+  int done = 0;
+  for (const std::vector<int32_t>& conv : conversations) {
+    KVCC_REQUIRE(int64_t(conv.size()) == int64_t(H) + C + 1,
+                 cat("eviction: a conversation has ", conv.size(), " tokens, expected ", H + C + 1));
+    // History prefill in full precision, watched.
+    HistoryObserver obs(c, o.observation);
+    x.resize(size_t(H) * c.hidden);
+    embed(model, conv.data(), H, x.data());
+    for (int l = 0; l < c.n_layers; ++l) layer_forward(c, weights[size_t(l)], l, 0, x.data(), H, &obs);
+
+    // Kept sets of one score and budget, per layer and KV head.
+    auto kept_sets = [&](const std::string& score, double ratio) {
+      const int64_t budget = int64_t(std::ceil(double(H) / ratio));
+      std::vector<std::vector<std::vector<int32_t>>> kept(size_t(c.n_layers));
+      for (int l = 0; l < c.n_layers; ++l)
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+          std::vector<double> sc;
+          const float* keys = obs.keys[size_t(l)].data() + size_t(g) * d;
+          if (score == "h2o") sc = obs.h2o[size_t(l)][size_t(g)];
+          else if (score == "snapkv") sc = max_pool(obs.snap[size_t(l)][size_t(g)], o.pool);
+          else if (score == "qmoment")
+            sc = query_moment_scores(moment[size_t(l) * c.n_kv_heads + g], keys, H, kvdim, d);
+          else if (score == "keynorm") {
+            sc.resize(size_t(H));
+            for (int j = 0; j < H; ++j) {
+              double s = 0;
+              for (int a = 0; a < d; ++a) s += double(keys[size_t(j) * kvdim + a]) * keys[size_t(j) * kvdim + a];
+              sc[size_t(j)] = s;
+            }
+          }
+          kept[size_t(l)].push_back(select_kept(sc, H, budget, o.sink, o.recent));
+        }
+      return kept;
+    };
+    std::vector<std::vector<float>> qkeys, qvalues;  // the history through the INT2 codec
+    if (int2) {
+      qkeys = obs.keys;
+      qvalues = obs.values;
+      for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, qkeys[size_t(l)], qvalues[size_t(l)], H);
+    }
+    // The continuation over a kept history: log-probabilities of its C predictions.
+    auto continuation = [&](const std::vector<std::vector<std::vector<int32_t>>>& kept, bool quantised,
+                            std::vector<double>& out) {
+      x.resize(size_t(C) * c.hidden);
+      embed(model, conv.data() + H, C, x.data());
+      q.resize(size_t(C) * qdim);
+      k.resize(size_t(C) * kvdim);
+      v.resize(size_t(C) * kvdim);
+      attn.resize(size_t(C) * qdim);
+      for (int l = 0; l < c.n_layers; ++l) {
+        attention_qkv(c, weights[size_t(l)], x.data(), C, H, q.data(), nullptr, k.data(), v.data());
+        const auto& hk = quantised ? qkeys[size_t(l)] : obs.keys[size_t(l)];
+        const auto& hv = quantised ? qvalues[size_t(l)] : obs.values[size_t(l)];
+        attention_over_kept(c, H, C, q.data(), hk.data(), hv.data(), kept[size_t(l)], k.data(), v.data(), attn.data());
+        attention_output_and_mlp(c, weights[size_t(l)], attn.data(), C, x.data());
+      }
+      logits.resize(size_t(C) * V);
+      final_logits(model, x.data(), C, logits.data());
+      out.assign(size_t(C) * V, 0.0);
+      for (int t = 0; t < C; ++t) {
+        const float* row = logits.data() + size_t(t) * V;
+        double m = row[0];
+        for (int u = 1; u < V; ++u) m = std::max(m, double(row[u]));
+        double s = 0;
+        for (int u = 0; u < V; ++u) s += std::exp(double(row[u]) - m);
+        const double lse = m + std::log(s);
+        for (int u = 0; u < V; ++u) out[size_t(t) * V + u] = double(row[u]) - lse;
+      }
+    };
+    const auto all = kept_sets("full", 1.0);
+    continuation(all, false, lp_ref);
+    double nll = 0;
+    for (int t = 0; t < C; ++t) nll -= lp_ref[size_t(t) * V + conv[size_t(H + t + 1)]];
+    ref_nll.push_back(nll / C);
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+      const Variant& var = variants[vi];
+      continuation(var.score == "full" ? all : kept_sets(var.score, var.ratio), var.int2, lp);
+      double kl = 0, dn = 0, top1 = 0;
+      for (int t = 0; t < C; ++t) {
+        const double* a = lp_ref.data() + size_t(t) * V;
+        const double* b = lp.data() + size_t(t) * V;
+        int am = 0, bm = 0;
+        for (int u = 0; u < V; ++u) {
+          kl += std::exp(a[u]) * (a[u] - b[u]);
+          if (a[u] > a[am]) am = u;
+          if (b[u] > b[bm]) bm = u;
+        }
+        top1 += am == bm;
+        const int32_t target = conv[size_t(H + t + 1)];
+        dn += a[target] - b[target];
+      }
+      sums[vi].kl.push_back(kl / C);
+      sums[vi].dnll.push_back(dn / C);
+      sums[vi].top1.push_back(top1 / C);
+    }
+    if (progress) progress(++done, int(conversations.size()));
+  }
+
+  EvictionResult res;
+  res.history = H;
+  res.continuation = C;
+  res.passages = o.passages;
+  res.conversations = int(conversations.size());
+  res.sink = o.sink;
+  res.recent = o.recent;
+  const std::vector<double> w(conversations.size(), 1.0);
+  auto mean = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / double(x.size()); };
+  res.reference_nll = mean(ref_nll);
+  for (size_t vi = 0; vi < variants.size(); ++vi) {
+    EvictionRow row;
+    row.score = variants[vi].score;
+    row.ratio = variants[vi].ratio;
+    row.int2 = variants[vi].int2;
+    row.kl = mean(sums[vi].kl);
+    row.kl_stderr = clustered_standard_error(sums[vi].kl, w);
+    row.delta_nll = mean(sums[vi].dnll);
+    row.delta_nll_stderr = clustered_standard_error(sums[vi].dnll, w);
+    row.top1 = mean(sums[vi].top1);
+    res.rows.push_back(row);
+  }
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace kvcc

@@ -1,0 +1,102 @@
+// Which tokens a cache keeps: token-eviction scores and what a continuation loses when a long
+// history is cut to a budget (the measurement behind `kvcc eviction`; EpiCache, docs/eviction.md).
+//
+// Protocol. A "conversation" is m passages of H/m tokens from m documents far apart in the text
+// (different books in the held-out sets), followed by the next C tokens of the first passage's
+// document: the continuation must recall the oldest passage, the case recency-based caches lose.
+// The history is prefilled in full precision; then, per layer and KV head, a policy keeps
+// ceil(H / ratio) of its tokens (always the first `sink` and the last `recent`, the rest by score)
+// and the continuation runs over the kept tokens plus itself, causally (one causal pass over the
+// continuation equals decoding it token by token: nothing is evicted meanwhile). Measured against
+// the same continuation over the full history: KL(full ‖ evicted) of the next-token
+// distributions, ΔNLL of the true next tokens, top-1 agreement; documents are the independent
+// samples (clustered standard errors, eval/experiment.h).
+//
+// Scores of history token j for one (layer, KV head), summed over the group's query heads:
+//   window     : none — StreamingLLM: the sink and the most recent tokens
+//   h2o        : Σ_i p_ij over every history query i ≥ j (H2O's accumulated attention)
+//   snapkv     : Σ_i p_ij over the last `observation` history queries, max-pooled over `pool`
+//                neighbouring positions (SnapKV)
+//   qmoment    : kⱼᵀ E[q qᵀ] kⱼ with E[q qᵀ] the calibrated query second moment of the layer and
+//                KV head (stats.h5): the expected squared logit of the key — no query, no
+//                attention matrix
+//   keynorm    : ‖kⱼ‖² (the same without the query statistics)
+// With an artifact, "+int2" rows also quantise the history as the artifact's cache would hold it
+// (pages past the sink and before the ring, eval/scheme.h) before evicting; the continuation's
+// own rows stay full precision (they are in the recent ring).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "eval/scheme.h"
+#include "formats/model_file.h"
+#include "formats/stats.h"
+
+namespace kvcc {
+
+enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, KeyNorm };
+const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | keynorm
+std::vector<EvictionScore> all_eviction_scores();
+
+// The positions kept from n history tokens: the first `sink`, the last `recent`, then the
+// highest scores (ties to the later position) until `budget` tokens; ascending. A budget below
+// sink + recent keeps the sink and the most recent budget − sink. scores may be empty (window).
+std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, int64_t budget, int sink, int recent);
+
+// qmoment scores of n keys (rows of `stride` floats, the head's d channels first): kᵀ M k with M
+// [d, d] row-major.
+std::vector<double> query_moment_scores(const std::vector<double>& m, const float* keys, int64_t n, size_t stride,
+                                        int d);
+
+// Max-pool with window `width` (odd, centred; 1: unchanged).
+std::vector<double> max_pool(const std::vector<double>& x, int width);
+
+// Attention of T continuation queries (positions n0.., q [T, n_heads*d] post-RoPE) over, per KV
+// head g, the history rows kept[g] (positions into hist_k / hist_v [n0, n_kv*d]) and the
+// continuation's own rows causally (cont_k / cont_v [T, n_kv*d]). out [T, n_heads*d]. With every
+// history row kept it is the model's prefix_causal_attention up to float rounding.
+void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q, const float* hist_k,
+                         const float* hist_v, const std::vector<std::vector<int32_t>>& kept, const float* cont_k,
+                         const float* cont_v, float* out);
+
+struct EvictionOptions {
+  int history = 1024;      // H: history tokens (all passages)
+  int continuation = 256;  // C: continuation tokens scored
+  int passages = 3;        // m
+  std::vector<double> ratios = {2, 4, 6};
+  std::vector<EvictionScore> scores = all_eviction_scores();
+  int sink = 4, recent = 32;       // always kept
+  int observation = 32, pool = 7;  // snapkv
+  int conversations = 8;           // at most this many
+};
+
+struct EvictionRow {
+  std::string score;  // eviction_score_name, or "full"
+  double ratio = 1;   // token compression H / kept
+  bool int2 = false;
+  double kl = 0, kl_stderr = 0, delta_nll = 0, delta_nll_stderr = 0, top1 = 0;
+};
+
+struct EvictionResult {
+  std::string model, artifact, stats;
+  int history = 0, continuation = 0, passages = 0, conversations = 0, sink = 0, recent = 0;
+  double reference_nll = 0;  // mean NLL of the continuation over the full history
+  std::vector<EvictionRow> rows;
+  double seconds = 0;
+};
+
+// The conversations of the protocol above from tokenized documents (each needs H/m tokens, the
+// first one H/m + C + 1): passage k from document i + k·⌊D/m⌋. Later passages drop their BOS.
+// Throws Error when fewer than one conversation can be built.
+std::vector<std::vector<int32_t>> build_conversations(const std::vector<std::vector<int32_t>>& documents,
+                                                      const EvictionOptions& options, int bos_id);
+
+// Runs every (score, ratio) with and (when `int2` is given) without INT2 on every conversation.
+// stats: needed for qmoment (skipped without). progress(done, total) after each conversation.
+EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vector<int32_t>>& conversations,
+                            const Stats* stats, const CacheScheme* int2, const EvictionOptions& options,
+                            const std::function<void(int, int)>& progress = {});
+
+}  // namespace kvcc

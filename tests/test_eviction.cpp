@@ -1,0 +1,214 @@
+// Token eviction (eval/eviction.h): the kept sets, the scores against their definitions computed
+// another way, the attention over a kept subset against a direct double-precision softmax, and the
+// experiment's identities (keeping everything loses nothing).
+#include "eval/eviction.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include <unistd.h>
+
+#include "calibrate/synthetic_model.h"
+#include "model/forward.h"
+
+namespace kvcc {
+namespace {
+
+std::vector<float> random_rows(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(g);
+  return v;
+}
+
+TEST(Eviction, SelectKeptKeepsSinkRecentAndTheBestScores) {
+  // 10 tokens, sink 2, recent 2, budget 6: 0 1 | best two of 2..7 | 8 9.
+  const std::vector<double> s = {9, 9, 0.5, 3, 0.1, 3, 7, 0.2, 0, 0};
+  EXPECT_EQ(select_kept(s, 10, 6, 2, 2), (std::vector<int32_t>{0, 1, 5, 6, 8, 9}));  // tie 3 vs 3: the later (5)
+  EXPECT_EQ(select_kept(s, 10, 10, 2, 2).size(), 10u);
+  EXPECT_EQ(select_kept(s, 10, 20, 2, 2).size(), 10u);
+  // Below sink + recent: the sink and the newest.
+  EXPECT_EQ(select_kept(s, 10, 3, 2, 2), (std::vector<int32_t>{0, 1, 9}));
+  // Without scores (window): sink + the newest budget - sink.
+  EXPECT_EQ(select_kept({}, 10, 5, 2, 2), (std::vector<int32_t>{0, 1, 7, 8, 9}));
+  EXPECT_THROW(select_kept({1, 2}, 3, 2, 0, 0), Error);
+}
+
+TEST(Eviction, MaxPoolIsTheWindowMaximum) {
+  const std::vector<double> x = {1, 5, 2, 0, 0, 3, 0};
+  EXPECT_EQ(max_pool(x, 1), x);
+  EXPECT_EQ(max_pool(x, 3), (std::vector<double>{5, 5, 5, 2, 3, 3, 3}));
+  EXPECT_THROW(max_pool(x, 2), Error);
+}
+
+// kᵀ E[q qᵀ] k is the mean squared logit (q·k)² over the queries the moment was built from.
+TEST(Eviction, QueryMomentScoreIsTheMeanSquaredLogit) {
+  const int d = 8, nq = 50, nk = 6;
+  const std::vector<float> q = random_rows(size_t(nq) * d, 1), k = random_rows(size_t(nk) * d, 2);
+  std::vector<double> m(size_t(d) * d, 0.0);
+  for (int i = 0; i < nq; ++i)
+    for (int a = 0; a < d; ++a)
+      for (int b = 0; b < d; ++b) m[size_t(a) * d + b] += double(q[size_t(i) * d + a]) * q[size_t(i) * d + b] / nq;
+  const std::vector<double> s = query_moment_scores(m, k.data(), nk, size_t(d), d);
+  for (int j = 0; j < nk; ++j) {
+    double expect = 0;
+    for (int i = 0; i < nq; ++i) {
+      double dot = 0;
+      for (int a = 0; a < d; ++a) dot += double(q[size_t(i) * d + a]) * k[size_t(j) * d + a];
+      expect += dot * dot / nq;
+    }
+    // Both sums in double of the same float inputs: they differ by double rounding only.
+    EXPECT_NEAR(s[size_t(j)], expect, 1e-12 * (1 + expect));
+  }
+}
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 16;
+  c.hidden = 64;
+  return c;
+}
+
+// A subset kept per KV head: the attention equals a softmax in double over exactly those rows
+// plus the continuation's causal prefix. Float inputs, float GEMMs over ≤ 40 terms of O(1)
+// products: the outputs (convex combinations of O(1) values) agree to ~1e-6; 1e-5 is the bound.
+TEST(Eviction, AttentionOverKeptMatchesADirectSoftmax) {
+  const ModelConfig c = small_config();
+  const int d = c.head_dim, n0 = 24, T = 5, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+  const auto q = random_rows(size_t(T) * qdim, 3), hk = random_rows(size_t(n0) * kvdim, 4),
+             hv = random_rows(size_t(n0) * kvdim, 5), ck = random_rows(size_t(T) * kvdim, 6),
+             cv = random_rows(size_t(T) * kvdim, 7);
+  const std::vector<std::vector<int32_t>> kept = {{0, 3, 4, 10, 23}, {1, 2, 22}};
+  std::vector<float> out(size_t(T) * qdim, NAN);
+  attention_over_kept(c, n0, T, q.data(), hk.data(), hv.data(), kept, ck.data(), cv.data(), out.data());
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int h = 0; h < c.n_heads; ++h) {
+    const int g = h / c.group();
+    for (int t = 0; t < T; ++t) {
+      std::vector<const float*> ks, vs;
+      for (int32_t j : kept[size_t(g)]) {
+        ks.push_back(hk.data() + size_t(j) * kvdim + size_t(g) * d);
+        vs.push_back(hv.data() + size_t(j) * kvdim + size_t(g) * d);
+      }
+      for (int j = 0; j <= t; ++j) {
+        ks.push_back(ck.data() + size_t(j) * kvdim + size_t(g) * d);
+        vs.push_back(cv.data() + size_t(j) * kvdim + size_t(g) * d);
+      }
+      std::vector<double> w(ks.size());
+      double mx = -1e300, sum = 0;
+      for (size_t j = 0; j < ks.size(); ++j) {
+        double dot = 0;
+        for (int a = 0; a < d; ++a) dot += double(q[size_t(t) * qdim + size_t(h) * d + a]) * ks[j][a];
+        w[j] = dot * scale;
+        mx = std::max(mx, w[j]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (int a = 0; a < d; ++a) {
+        double o = 0;
+        for (size_t j = 0; j < ks.size(); ++j) o += w[j] / sum * vs[j][a];
+        EXPECT_NEAR(out[size_t(t) * qdim + size_t(h) * d + a], o, 1e-5) << "head " << h << " t " << t;
+      }
+    }
+  }
+}
+
+// Everything kept: the model's own prefix attention over [history; continuation].
+TEST(Eviction, AttentionOverEverythingIsThePrefixAttention) {
+  const ModelConfig c = small_config();
+  const int d = c.head_dim, n0 = 30, T = 7, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+  const auto q = random_rows(size_t(T) * qdim, 8), k = random_rows(size_t(n0 + T) * kvdim, 9),
+             v = random_rows(size_t(n0 + T) * kvdim, 10);
+  std::vector<std::vector<int32_t>> all(2, std::vector<int32_t>(n0));
+  for (auto& a : all)
+    for (int j = 0; j < n0; ++j) a[size_t(j)] = j;
+  std::vector<float> out(size_t(T) * qdim), ref(size_t(T) * qdim);
+  attention_over_kept(c, n0, T, q.data(), k.data(), v.data(), all, k.data() + size_t(n0) * kvdim,
+                      v.data() + size_t(n0) * kvdim, out.data());
+  prefix_causal_attention(c, n0, T, q.data(), k.data(), v.data(), ref.data());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << i;
+}
+
+TEST(Eviction, ConversationsJoinPassagesOfDistantDocumentsThenContinueTheFirst) {
+  std::vector<std::vector<int32_t>> docs;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> doc = {0};
+    for (int t = 1; t < 40; ++t) doc.push_back(100 * i + t);
+    docs.push_back(doc);
+  }
+  EvictionOptions o;
+  o.history = 12;
+  o.passages = 3;
+  o.continuation = 5;
+  o.conversations = 10;
+  const auto conv = build_conversations(docs, o, 0);
+  ASSERT_EQ(conv.size(), 2u);  // D/m = 2 groups
+  // Passages from documents 0, 2, 4 (4 tokens each, later ones without BOS), then document 0's
+  // tokens 4..9 (5 inputs + the last target).
+  EXPECT_EQ(conv[0], (std::vector<int32_t>{0, 1, 2, 3, 201, 202, 203, 204, 401, 402, 403, 404, 4, 5, 6, 7, 8, 9}));
+  o.history = 200;
+  EXPECT_THROW(build_conversations(docs, o, 0), Error);
+}
+
+class EvictionRun : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = (std::filesystem::temp_directory_path() / ("kvcc_eviction_" + std::to_string(::getpid()))).string();
+    spec.vocab = 64;
+    spec.hidden = 32;
+    spec.n_layers = 2;
+    spec.n_heads = 2;
+    spec.n_kv_heads = 1;
+    spec.head_dim = 16;
+    spec.intermediate = 64;
+    spec.max_position = 256;
+    write_synthetic_model(dir, spec);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir); }
+  std::string dir;
+  SyntheticModelSpec spec;
+};
+
+// Ratio 1 keeps every token: every score's row is the reference exactly (KL and ΔNLL 0, top-1 1);
+// an identity "codec" makes the int2 rows the same; real eviction loses something.
+TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {1, 4};
+  o.conversations = 2;
+  o.scores = {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::KeyNorm};
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  CacheScheme identity;
+  identity.sink = 4;
+  identity.recent = 8;
+  identity.page_size = 8;
+  identity.path = CodecPath{
+      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
+  ASSERT_EQ(r.rows.size(), 1u + 2 * 4 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
+  double lost = 0;
+  for (const EvictionRow& row : r.rows) {
+    if (row.ratio == 1) {
+      EXPECT_EQ(row.kl, 0.0) << row.score;
+      EXPECT_EQ(row.delta_nll, 0.0) << row.score;
+      EXPECT_EQ(row.top1, 1.0) << row.score;
+    } else {
+      EXPECT_GE(row.kl, 0.0) << row.score;
+      lost += row.kl;
+    }
+  }
+  EXPECT_GT(lost, 0.0);
+  EXPECT_GT(r.reference_nll, 0.0);
+}
+
+}  // namespace
+}  // namespace kvcc
