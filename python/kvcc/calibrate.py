@@ -1,0 +1,652 @@
+"""PyTorch calibration producer: ``python -m kvcc.calibrate``.
+
+Runs a transformers model over calibration text and writes the attention statistics of
+``kvcc calibrate-model`` in the same kvcc-stats v1 schema (docs/formats.md), so ``kvcc compile``,
+``merge-stats`` and the zoo read it unchanged. The model's attention is replaced by a function
+registered with transformers' AttentionInterface that sees the post-RoPE queries and keys and the
+values of every layer; it computes the attention probabilities blockwise (float32, as the C++
+forward pass), returns the attention output to the model, and accumulates in float64 on the
+model's device:
+
+- query_m2 (Σ q qᵀ over the r query heads of a KV head), key_m2, value_m2, per-channel ranges;
+- the value targets output_m2 (Σ o oᵀ per query head) and p2_m2 (Σ_j w_j v_j v_jᵀ with
+  w_j = Σ_heads Σ_i p_ij²) and p2_weight;
+- the reservoir rows (q, pre-RoPE key, key, value) of the tokens with the smallest sampling
+  priorities, the priority being the C++ splitmix64 hash of (seed, doc, position).
+
+Text is split, truncated and budgeted exactly as calibrate/driver.cpp does, and tokenized with
+the model's tokenizer.json through the `tokenizers` library (the fast tokenizer transformers
+uses), BOS prefixed as the model config says. Needs torch, transformers, numpy and h5py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import shlex
+import sys
+import time
+
+import numpy as np
+
+from kvcc._stats_h5 import (KvccError, ModelConfig, make_fingerprint, read_model_config, require, weight_headers,
+                            weights_sha256, write_stats)
+
+DEFAULT_SEPARATOR = "<|endoftext|>"
+ATTN_NAME = "kvcc_calibrate"
+
+
+def _version() -> str:
+    try:
+        from kvcc import __version__  # the package's version (the CMake project VERSION)
+        return str(__version__)
+    except Exception:
+        return "0.1.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Input: documents, tokens, budget (calibrate/driver.cpp prepare_calibration_set)
+
+_WHITESPACE = " \t\n\r\f\v"
+
+
+def split_documents(text: str, separator: str = DEFAULT_SEPARATOR) -> list[str]:
+    """model/tokenizer.cpp split_documents: split on the separator, trim ASCII whitespace, drop empty."""
+    pieces = [text] if separator == "" else text.split(separator)
+    return [s for s in (p.strip(_WHITESPACE) for p in pieces) if s]
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def reservoir_priority(seed: int, doc: int, positions: np.ndarray) -> np.ndarray:
+    """calibrate/accumulators.cpp reservoir_priority for one document, vectorized over positions."""
+    token = (np.uint64(doc) << np.uint64(32)) | np.asarray(positions, dtype=np.uint64)
+    s = splitmix64(np.array([seed], dtype=np.uint64))
+    return splitmix64(s ^ splitmix64(token ^ np.uint64(0xA0761D6478BD642F)))
+
+
+def _tokenizer_kind(tok_json: dict) -> str:
+    """Tokenizer::kind() of model/tokenizer_hf.cpp: what provenance.tokenizer records."""
+
+    def steps(node):
+        if not isinstance(node, dict):
+            return []
+        if node.get("type") == "Sequence":
+            out = []
+            for key in ("pretokenizers", "normalizers"):
+                for sub in node.get(key) or []:
+                    out += steps(sub)
+            return out
+        return [node]
+
+    pre = steps(tok_json.get("pre_tokenizer"))
+    if any(s.get("type") == "ByteLevel" for s in pre):
+        return "tokenizer.json (byte-level BPE)"
+    meta = any(s.get("type") == "Metaspace" for s in pre)
+    for s in steps(tok_json.get("normalizer")):
+        if s.get("content") == "\u2581" or s.get("prepend") == "\u2581":
+            meta = True
+    return "tokenizer.json (metaspace BPE)" if meta else "tokenizer.json (BPE)"
+
+
+def _template_bos_prefix(tok_json: dict) -> list[int]:
+    """The special tokens before $A in the post-processor's single template (the C++ BOS prefix)."""
+    prefix: list[int] = []
+
+    def walk(pp):
+        if not isinstance(pp, dict):
+            return
+        if pp.get("type") == "Sequence":
+            for sub in pp.get("processors") or []:
+                walk(sub)
+        elif pp.get("type") == "TemplateProcessing":
+            for item in pp.get("single") or []:
+                if "Sequence" in item:
+                    break
+                name = item["SpecialToken"]["id"]
+                require(name in pp.get("special_tokens", {}), f"the template's special token \"{name}\" is not defined")
+                prefix.extend(int(i) for i in pp["special_tokens"][name]["ids"])
+
+    walk(tok_json.get("post_processor"))
+    return prefix
+
+
+class DocumentEncoder:
+    """Encodes documents as model/tokenizer_hf.cpp does: no special tokens from the
+    post-processor, then the template's BOS prefix when the model config adds BOS."""
+
+    def __init__(self, model_dir: str, tokenizer_path: str, config: ModelConfig):
+        import json
+
+        path = tokenizer_path or os.path.join(model_dir, "tokenizer.json")
+        require(os.path.isfile(path), f"no tokenizer.json in model directory {model_dir}" if not tokenizer_path
+                else f"tokenizer file '{tokenizer_path}' does not exist or is not a file")
+        try:
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(path)
+            with open(path, "r", encoding="utf-8") as f:
+                tok_json = json.load(f)
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise KvccError(f"tokenizer {path}: cannot load ({e})") from None
+        self.kind = _tokenizer_kind(tok_json)
+        self.prefix = _template_bos_prefix(tok_json) if config.add_bos else []
+        if config.add_bos and not self.prefix and config.bos_id >= 0:
+            self.prefix = [config.bos_id]  # tokenizers without a template: the config's BOS
+        n = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        padded = n < config.vocab and (config.vocab - n) * 100 < config.vocab
+        require(n == config.vocab or padded, f"tokenizer has {n} tokens but the model's vocabulary is {config.vocab}")
+
+    def encode(self, text: str) -> list[int]:
+        return self.prefix + list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def read_token_id_file(path: str) -> list[list[int]]:
+    """model/tokenizer.cpp read_token_id_file: whitespace-separated decimal ids, one document per line."""
+    docs = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = raw.rstrip(b"\n")
+            ids = []
+            for tok in line.replace(b"\t", b" ").replace(b"\r", b" ").split(b" "):
+                if not tok:
+                    continue
+                require(tok.isdigit() or (tok[:1] == b"-" and tok[1:].isdigit()),
+                        f"{path}:{number}: '{tok.decode(errors='replace')}' is not a token id")
+                v = int(tok)
+                require(-(2**31) <= v < 2**31, f"{path}:{number}: token id {v} is out of range")
+                ids.append(v)
+            docs.append(ids)
+    return docs
+
+
+def prepare_calibration_set(args, config: ModelConfig, encoder_factory) -> dict:
+    max_len = args.max_seq_len or 0
+    model_max = config.max_position if config.max_position > 0 else 2048
+    if max_len == 0:
+        max_len = min(model_max, 2048)
+    require(max_len > 0, "--max-seq-len must be positive")
+    require(max_len <= model_max, f"--max-seq-len {max_len} exceeds the model's maximum position {model_max}")
+    budget = args.tokens or 0
+    sequences: list[list[int]] = []
+    doc_index: list[int] = []
+    total = 0
+
+    def add(ids, doc) -> bool:
+        nonlocal total
+        if budget > 0 and total >= budget:
+            return False
+        ids = ids[:max_len]
+        if budget > 0:
+            ids = ids[:budget - total]
+        if not ids:
+            return True
+        for i in ids:
+            require(0 <= i < config.vocab, f"token id {i} in document {doc} is outside the model's vocabulary of "
+                    f"{config.vocab} (ids made by another tokenizer?)")
+        total += len(ids)
+        sequences.append(ids)
+        doc_index.append(doc)
+        return True
+
+    if args.ids:
+        require(os.path.isfile(args.ids), f"token id file '{args.ids}' does not exist or is not a file")
+        with open(args.ids, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        kind = "ids"
+        for i, ids in enumerate(read_token_id_file(args.ids)):
+            if not add(ids, i):
+                break
+        require(total > 0, f"token id file '{args.ids}' holds no tokens")
+    else:
+        require(os.path.isfile(args.data), f"calibration text '{args.data}' does not exist or is not a file")
+        with open(args.data, "rb") as f:
+            raw = f.read()
+        sha = hashlib.sha256(raw).hexdigest()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KvccError(f"calibration text '{args.data}' is not valid UTF-8 (byte {e.start})") from None
+        docs = split_documents(text, args.separator)
+        require(docs, f"calibration text '{args.data}' holds no documents (empty or whitespace only)")
+        encoder = encoder_factory()
+        kind = encoder.kind
+        for i, doc in enumerate(docs):
+            if not add(encoder.encode(doc), i):
+                break
+        require(total > 0, f"calibration text '{args.data}' gave no tokens")
+    return {"sequences": sequences, "doc_index": doc_index, "tokens": total, "max_seq_len": max_len,
+            "tokenizer": kind, "data_sha256": sha}
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+class _StopForward(Exception):
+    """Raised after the last layer's attention: nothing after it is read (as the C++ driver skips
+    the last layer's MLP)."""
+
+
+class StatsCollector:
+    """Per-layer float64 accumulators on the model's device, and the reservoir rows."""
+
+    def __init__(self, config: ModelConfig, device, sampled: dict, block_bytes: int):
+        import torch
+
+        self.torch = torch
+        self.c = config
+        self.device = device
+        L, K, d = config.n_layers, config.n_kv_heads, config.head_dim
+        f64 = dict(dtype=torch.float64, device=device)
+        self.m2 = {name: torch.zeros((L, K, d, d), **f64)
+                   for name in ("query_m2", "output_m2", "p2_m2", "key_m2", "value_m2")}
+        self.mins = {name: torch.full((L, K, d), math.inf, **f64) for name in ("key_min", "value_min")}
+        self.maxs = {name: torch.full((L, K, d), -math.inf, **f64) for name in ("key_max", "value_max")}
+        self.p2_weight = torch.zeros((L, K), **f64)
+        self.kv_count = [0] * L
+        self.sampled = sampled  # sequence index -> (positions int64 array, priorities uint64 array)
+        self.rows: list[list[tuple]] = [[] for _ in range(L)]  # per layer: (seq, q, key_pre, key, value)
+        self.block_bytes = block_bytes
+        self.seq = -1
+        self.pending_pre_key = None  # (input k, output k) of the last apply_rotary_pos_emb call
+        self.stats_seconds = 0.0
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """The registered attention function: returns the model's attention output and accumulates."""
+        torch = self.torch
+        t0 = time.perf_counter()
+        c = self.c
+        layer = int(getattr(module, "layer_idx"))
+        require(query.shape[0] == 1, "internal: calibration runs one sequence at a time")
+        require(kwargs.get("softcap") is None and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None,
+                "the model's attention uses logit soft-capping or sink logits, which the producer does not model")
+        _, H, T, d = query.shape
+        K = key.shape[1]
+        require(H == c.n_heads and K == c.n_kv_heads and d == c.head_dim and key.shape[2] == T,
+                f"layer {layer}: attention shapes q {tuple(query.shape)} k {tuple(key.shape)} do not match the "
+                f"config ({c.n_heads}/{c.n_kv_heads} heads, head_dim {c.head_dim}, no cache)")
+        r = H // K
+        scale = float(scaling) if scaling is not None else d ** -0.5
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+
+        cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
+        q = query[0].to(cdt).reshape(K, r, T, d)
+        k = key[0].to(cdt)
+        v = value[0].to(cdt)
+        q64, k64, v64 = q.double(), k.double(), v.double()
+        qg = q64.reshape(K, r * T, d)
+        self.m2["query_m2"][layer] += qg.transpose(1, 2) @ qg
+        self.m2["key_m2"][layer] += k64.transpose(1, 2) @ k64
+        self.m2["value_m2"][layer] += v64.transpose(1, 2) @ v64
+        self.mins["key_min"][layer] = torch.minimum(self.mins["key_min"][layer], k64.amin(dim=1))
+        self.maxs["key_max"][layer] = torch.maximum(self.maxs["key_max"][layer], k64.amax(dim=1))
+        self.mins["value_min"][layer] = torch.minimum(self.mins["value_min"][layer], v64.amin(dim=1))
+        self.maxs["value_max"][layer] = torch.maximum(self.maxs["value_max"][layer], v64.amax(dim=1))
+        self.kv_count[layer] += T
+
+        # Blocks of query rows: one block holds K·r·b·T probabilities (float32 and float64).
+        b = max(1, min(T, self.block_bytes // max(1, K * r * T * 12)))
+        out = torch.empty((K, r, T, d), dtype=cdt, device=q.device)
+        w = torch.zeros((K, T), dtype=torch.float64, device=q.device)
+        pos = torch.arange(T, device=q.device)
+        for i0 in range(0, T, b):
+            i1 = min(T, i0 + b)
+            j1 = i1  # causal: keys after the block's last row get zero probability
+            s = (q[:, :, i0:i1] @ k[:, None, :j1].transpose(-1, -2)) * scale  # [K, r, b, j1]
+            rows, cols = pos[i0:i1, None], pos[None, :j1]
+            masked = cols > rows
+            if window is not None:
+                masked = masked | (rows - cols >= int(window))
+            s = s.masked_fill(masked, -math.inf)
+            p = torch.softmax(s, dim=-1)
+            o = p @ v[:, None, :j1]  # [K, r, b, d]
+            out[:, :, i0:i1] = o
+            o64 = o.double().reshape(K, r * (i1 - i0), d)
+            self.m2["output_m2"][layer] += o64.transpose(1, 2) @ o64
+            w[:, :j1] += p.double().square().sum(dim=(1, 2))
+        vw = v64 * w.sqrt()[:, :, None]
+        self.m2["p2_m2"][layer] += vw.transpose(1, 2) @ vw
+        self.p2_weight[layer] += w.sum(dim=1)
+
+        sample = self.sampled.get(self.seq)
+        if sample is not None:
+            idx = torch.as_tensor(sample[0], device=q.device)
+            pre = self._pre_rope_key(key, layer)
+            self.rows[layer].append((
+                self.seq,
+                query[0].float().reshape(K, r, T, d)[:, :, idx].permute(2, 0, 1, 3).cpu(),  # [n, K, r, d]
+                pre[0].float()[:, idx].permute(1, 0, 2).cpu(),  # [n, K, d]
+                key[0].float()[:, idx].permute(1, 0, 2).cpu(),
+                value[0].float()[:, idx].permute(1, 0, 2).cpu(),
+            ))
+        result = out.reshape(H, T, d).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        self.stats_seconds += time.perf_counter() - t0
+        if layer == c.n_layers - 1:
+            raise _StopForward()
+        return result, None
+
+    def _pre_rope_key(self, key, layer):
+        pending = self.pending_pre_key
+        self.pending_pre_key = None
+        require(pending is not None and pending[1] is key,
+                f"layer {layer}: the pre-RoPE key was not seen (the model's attention does not call its module's "
+                "apply_rotary_pos_emb); the reservoir needs it")
+        return pending[0]
+
+    def heads(self):
+        """Per (layer, KV head) dicts for the writer: matrices mirrored from the upper triangle."""
+        torch = self.torch
+        out = []
+        for layer in range(self.c.n_layers):
+            row = []
+            for h in range(self.c.n_kv_heads):
+                hs = {}
+                for name, m in self.m2.items():
+                    upper = torch.triu(m[layer, h])
+                    hs[name] = (upper + torch.triu(upper, 1).transpose(0, 1)).cpu().numpy()
+                for src in (self.mins, self.maxs):
+                    for name, m in src.items():
+                        hs[name] = m[layer, h].cpu().numpy()
+                hs["query_count"] = self.kv_count[layer] * self.c.group
+                hs["output_count"] = self.kv_count[layer] * self.c.group
+                hs["kv_count"] = self.kv_count[layer]
+                hs["p2_weight"] = float(self.p2_weight[layer, h].item())
+                row.append(hs)
+            out.append(row)
+        return out
+
+    def reservoirs(self, doc_index):
+        """Rows in ascending priority, as reservoir_merge leaves them."""
+        torch = self.torch
+        c = self.c
+        out = []
+        for layer in range(c.n_layers):
+            parts = self.rows[layer]
+            if parts:
+                seqs = np.concatenate([np.full(len(self.sampled[s][0]), s) for s, *_ in parts])
+                position = np.concatenate([self.sampled[s][0] for s, *_ in parts]).astype(np.int32)
+                priority = np.concatenate([self.sampled[s][1] for s, *_ in parts])
+                q, kp, k, v = (torch.cat([p[i] for p in parts]).numpy() for i in range(1, 5))
+            else:
+                seqs = np.zeros(0, np.int64)
+                position = np.zeros(0, np.int32)
+                priority = np.zeros(0, np.uint64)
+                q = np.zeros((0, c.n_kv_heads, c.group, c.head_dim), np.float32)
+                kp = k = v = np.zeros((0, c.n_kv_heads, c.head_dim), np.float32)
+            order = np.argsort(priority, kind="stable")
+            docs = np.asarray(doc_index, dtype=np.uint32)[seqs[order]] if len(order) else np.zeros(0, np.uint32)
+            row = []
+            for h in range(c.n_kv_heads):
+                row.append({"q": q[order, h], "key_pre": kp[order, h], "key": k[order, h], "value": v[order, h],
+                            "position": position[order], "doc": docs, "priority": priority[order],
+                            "heldout": (docs % 5 == 4).astype(np.uint8)})
+            out.append(row)
+        return out
+
+
+def select_reservoir(set_: dict, local: list[int], seed: int, capacity: int) -> dict:
+    """The `capacity` smallest priorities over this process's tokens (the union reservoir_merge
+    keeps, independent of order); a priority already seen is a duplicate and skipped, as there."""
+    if capacity == 0 or not local:
+        return {}
+    pri = [reservoir_priority(seed, set_["doc_index"][s], np.arange(len(set_["sequences"][s]))) for s in local]
+    allp = np.concatenate(pri)
+    owner = np.concatenate([np.full(len(p), i) for i, p in enumerate(pri)])
+    posn = np.concatenate([np.arange(len(p)) for p in pri])
+    _, first = np.unique(allp, return_index=True)  # first occurrence of each priority, sorted by priority
+    keep = first[:capacity]
+    sampled = {}
+    for i in np.unique(owner[keep]):
+        sel = keep[owner[keep] == i]
+        sel = sel[np.argsort(posn[sel])]
+        sampled[local[int(i)]] = (posn[sel].astype(np.int64), allp[sel])
+    return sampled
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+_ACTIVE: list = []  # the collector the registered attention function feeds
+
+
+def _attention_trampoline(module, query, key, value, attention_mask, *args, **kwargs):
+    require(bool(_ACTIVE), "the kvcc_calibrate attention runs only inside kvcc.calibrate")
+    return _ACTIVE[-1].attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _register_attention() -> None:
+    """Registered once before loading, so from_pretrained accepts attn_implementation=kvcc_calibrate."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention_trampoline)
+
+
+def _hook_rope(model, collector: StatsCollector) -> list:
+    """Wraps apply_rotary_pos_emb in each attention module's Python module, so the pre-RoPE key (after
+    any k_norm) is seen together with the post-RoPE key the attention function then receives."""
+    patched = []
+    modules = {type(m).__module__ for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
+    for name in modules:
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or getattr(fn, "_kvcc_wrapped", False):
+            continue
+
+        def wrapped(q, k, *args, _fn=fn, **kw):
+            q_out, k_out = _fn(q, k, *args, **kw)
+            collector.pending_pre_key = (k, k_out)
+            return q_out, k_out
+
+        wrapped._kvcc_wrapped = True
+        setattr(mod, "apply_rotary_pos_emb", wrapped)
+        patched.append((mod, fn))
+    return patched
+
+
+def load_model(model_dir: str, config: ModelConfig, device: str, dtype_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME,
+                                                           output_loading_info=True)
+    except Exception as e:
+        raise KvccError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    missing = [k for k in info.get("missing_keys", []) if not (config.tied_embeddings and k == "lm_head.weight")]
+    require(not missing, f"{model_dir}: the checkpoint lacks tensors the model needs: {', '.join(sorted(missing)[:5])}"
+            + (" ..." if len(missing) > 5 else ""))
+    # A NaN or Inf weight would spread into every later activation: refuse it, naming the tensor.
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            bad = (~torch.isfinite(p)).flatten().nonzero()[0].item()
+            raise KvccError(f"{model_dir}: tensor {name} holds a non-finite value "
+                            f"({p.flatten()[bad].item()} at element {bad})")
+    if not config.known_architecture:
+        config.qk_norm = any(hasattr(m, "k_norm") for m in model.modules())
+    model.eval()
+    return model.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+
+
+def _parse_shard(text: str):
+    try:
+        i, n = text.split("/")
+        i, n = int(i), int(n)
+        ok = n >= 1 and 0 <= i < n
+    except ValueError:
+        ok = False
+    require(ok, f"--shard '{text}' is not I/N with 0 <= I < N (e.g. --shard 0/4)")
+    return i, n
+
+
+def _same_path(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def whole(lo):
+        def parse(s):
+            try:
+                v = int(s, 10)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"'{s}' is not a whole number") from None
+            if v < lo or v > 2**63 - 1:
+                raise argparse.ArgumentTypeError(f"{v} is out of range (want >= {lo})")
+            return v
+        return parse
+
+    p = argparse.ArgumentParser(
+        prog="python -m kvcc.calibrate",
+        description="Run a transformers model over calibration text and write its attention statistics "
+                    "(stats.h5, the schema of `kvcc calibrate-model`).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Hooks the model's attention (post-RoPE queries and keys, values, the attention probabilities\n"
+               "computed blockwise) and accumulates in float64 on --device the query second moment, the value\n"
+               "targets, key/value moments and ranges, and a reservoir of sampled rows (documents with\n"
+               "index %% 5 == 4 held out), as `kvcc calibrate-model` does over the same tokens.\n\n"
+               "Example:\n"
+               "  python -m kvcc.calibrate --model ../shared/models/tinystories-656k \\\n"
+               "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
+               "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="Calibration text; documents are separated by --separator")
+    src.add_argument("--ids", help="Pre-tokenized input instead of --data: one document per line, "
+                     "whitespace-separated token ids")
+    p.add_argument("--tokenizer", default="", help="tokenizer.json to use (default: the model's own)")
+    p.add_argument("--tokens", type=whole(1), default=0, help="Stop after this many tokens in total (default: all)")
+    p.add_argument("--max-seq-len", type=whole(1), default=0,
+                   help="Truncate each document to this many tokens (default: min(model context, 2048))")
+    p.add_argument("--reservoir", type=whole(1), default=2048, help="Sampled token rows kept per layer and KV head "
+                   "(default 2048)")
+    p.add_argument("--seed", type=whole(0), default=0, help="Seed of the reservoir sampling (default 0)")
+    p.add_argument("--separator", default=DEFAULT_SEPARATOR, help="Document separator in the text")
+    p.add_argument("--shard", default="", help="Process only documents with index %% N == I (I/N); merge the "
+                   "shards with `kvcc merge-stats`")
+    p.add_argument("-o", "--output", required=True, help="Statistics file to write (HDF5)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="Precision of the model's forward pass (default float32, as `kvcc calibrate-model`); "
+                        "statistics are float64 whatever this is")
+    p.add_argument("--block-mib", type=whole(1), default=256,
+                   help="Memory for one block of attention probabilities (default 256 MiB)")
+    return p
+
+
+def run(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    require(args.seed < 2**64, "--seed must fit in 64 bits")
+    require(args.reservoir < 2**31, "--reservoir must be below 2^31")
+    require(bool(args.data) or bool(args.ids), "give the calibration input: --data TEXT or --ids FILE")
+    for inp in (args.model, args.data, args.ids, args.tokenizer):
+        if inp:
+            require(not _same_path(args.output, inp), f"the output {args.output} is the input {inp}; writing it "
+                    "would replace the input: choose another output path")
+    out_dir = os.path.dirname(args.output) or "."
+    require(os.path.isdir(out_dir), f"output directory '{out_dir}' does not exist")
+    shard_index, shard_count = _parse_shard(args.shard) if args.shard else (0, 1)
+
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        require(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+    t_start = time.perf_counter()
+    config = read_model_config(args.model)
+    headers = weight_headers(args.model)
+    set_ = prepare_calibration_set(args, config, lambda: DocumentEncoder(args.model, args.tokenizer, config))
+    local = [s for s in range(len(set_["sequences"])) if set_["doc_index"][s] % shard_count == shard_index]
+    local_tokens = sum(len(set_["sequences"][s]) for s in local)
+
+    _register_attention()
+    model = load_model(args.model, config, str(device), args.dtype)
+    fingerprint = make_fingerprint(config, weights_sha256(headers))
+    sampled = select_reservoir(set_, local, args.seed, args.reservoir)
+    collector = StatsCollector(config, device, sampled, args.block_mib << 20)
+    _ACTIVE.append(collector)
+    patched = _hook_rope(model, collector)
+    tty = sys.stderr.isatty()
+    print(f"calibrating on {local_tokens} tokens, {config.n_layers} layers, device {device}", file=sys.stderr)
+    done = 0
+    last = time.perf_counter()
+    t0 = last
+    try:
+        with torch.inference_mode():
+            for n_seq, s in enumerate(local):
+                ids = torch.tensor([set_["sequences"][s]], dtype=torch.long, device=device)
+                collector.seq = s
+                try:
+                    model(input_ids=ids, use_cache=False)
+                    raise KvccError("internal: the forward pass ended before the last layer's attention")
+                except _StopForward:
+                    pass
+                done += ids.shape[1]
+                now = time.perf_counter()
+                if now - last >= (0.2 if tty else 10.0) or n_seq + 1 == len(local):
+                    last = now
+                    rate = done / max(now - t0, 1e-9)
+                    eta = (local_tokens - done) / rate if rate > 0 else 0.0
+                    msg = (f"{done}/{local_tokens} tokens ({100.0 * done / max(local_tokens, 1):.0f}%), "
+                           f"{rate:.0f} tok/s, ETA {eta:.0f} s")
+                    print(("\r\033[K" + msg) if tty else msg, end="" if tty else "\n", file=sys.stderr, flush=True)
+        if tty:
+            print(file=sys.stderr)
+    finally:
+        _ACTIVE.remove(collector)
+        for mod, fn in patched:
+            setattr(mod, "apply_rotary_pos_emb", fn)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds_layers = time.perf_counter() - t0
+
+    heads = collector.heads()
+    for layer in range(config.n_layers):
+        for h in range(config.n_kv_heads):
+            for name in ("query_m2", "output_m2", "p2_m2", "key_m2", "value_m2"):
+                require(np.isfinite(heads[layer][h][name]).all(), f"layer {layer} kv{h}: {name} is not finite "
+                        "(the forward pass produced NaN or Inf)")
+    reservoirs = collector.reservoirs(set_["doc_index"])
+    command = "python -m kvcc.calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                               else sys.argv[1:]))
+    provenance = {"data_sha256": set_["data_sha256"], "tokens": local_tokens, "sequences": len(local),
+                  "seed": args.seed, "max_seq_len": set_["max_seq_len"], "tokenizer": set_["tokenizer"]}
+    write_stats(args.output, producer=f"kvcc {_version()} (python -m kvcc.calibrate, torch {torch.__version__})",
+                command=command, config=config, fingerprint=fingerprint, provenance=provenance, heads=heads,
+                reservoirs=reservoirs, capacity=args.reservoir)
+    total = time.perf_counter() - t_start
+    stats_share = 100.0 * collector.stats_seconds / seconds_layers if seconds_layers > 0 else 0.0
+    print(f"calibrated {local_tokens} tokens in {len(local)} sequences in {total:.1f} s "
+          f"({local_tokens / max(total, 1e-9):.0f} tok/s); attention and statistics {collector.stats_seconds:.2f} s "
+          f"of the layers' {seconds_layers:.2f} s ({stats_share:.0f}%)", file=sys.stderr)
+    print(f"wrote {args.output}")
+    return {"tokens": local_tokens, "sequences": len(local), "seconds": total}
+
+
+def main(argv=None) -> int:
+    try:
+        run(argv)
+    except KvccError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
