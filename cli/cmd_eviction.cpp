@@ -74,11 +74,10 @@ int run_eviction_command(Args& a) {
   KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "eviction needs --data TEXT or --ids FILE");
   require_output_is_not_input(a.json_path, {a.model_path, a.stats_path, a.artifact_path, a.data.data_path,
                                             a.data.ids_path, a.data.tokenizer_path});
-  const std::map<std::string, EvictionScore> names = {{"window", EvictionScore::Window},
-                                                      {"h2o", EvictionScore::H2O},
-                                                      {"snapkv", EvictionScore::SnapKV},
-                                                      {"qmoment", EvictionScore::QueryMoment},
-                                                      {"keynorm", EvictionScore::KeyNorm}};
+  const std::map<std::string, EvictionScore> names = {
+      {"window", EvictionScore::Window},        {"h2o", EvictionScore::H2O},
+      {"snapkv", EvictionScore::SnapKV},        {"qmoment", EvictionScore::QueryMoment},
+      {"qgauss", EvictionScore::QueryGaussian}, {"keynorm", EvictionScore::KeyNorm}};
   if (!a.scores.empty()) {
     a.options.scores.clear();
     for (const std::string& s : a.scores) a.options.scores.push_back(names.at(s));
@@ -92,8 +91,8 @@ int run_eviction_command(Args& a) {
                      a.model_path + " is " + model.fingerprint().id + ")");
   } else {
     for (EvictionScore s : a.options.scores)
-      KVCC_REQUIRE(s != EvictionScore::QueryMoment || a.scores.empty(),
-                   "the qmoment score needs --stats (the calibrated query second moments)");
+      KVCC_REQUIRE((s != EvictionScore::QueryMoment && s != EvictionScore::QueryGaussian) || a.scores.empty(),
+                   "the qmoment and qgauss scores need --stats (the calibrated query statistics)");
   }
   std::optional<CacheScheme> int2;
   if (!a.artifact_path.empty()) {
@@ -131,7 +130,8 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "with standard errors across conversations.\n\n"
                   "Scores: window (StreamingLLM: sink + newest), h2o (accumulated attention), snapkv\n"
                   "(attention of the last --observation history queries, max-pooled over --pool),\n"
-                  "qmoment (k^T E[q q^T] k from --stats: no attention matrix), keynorm (|k|^2).\n"
+                  "qmoment (k^T E[q q^T] k from --stats: no attention matrix), qgauss (log E[exp(q.k/sqrt d)]\n"
+                  "for a Gaussian query fitted to --stats), keynorm (|k|^2).\n"
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
                   "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n\n"
                   "Example:\n"
@@ -157,9 +157,9 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   ->delimiter(',')
                   ->check(CLI::Range(1.0, 1e6))
                   ->capture_default_str();
-              sub.add_option("--scores", a->scores, "scores to run (default: all; qmoment needs --stats)")
+              sub.add_option("--scores", a->scores, "scores to run (default: all; qmoment and qgauss need --stats)")
                   ->delimiter(',')
-                  ->check(CLI::IsMember({"window", "h2o", "snapkv", "qmoment", "keynorm"}));
+                  ->check(CLI::IsMember({"window", "h2o", "snapkv", "qmoment", "qgauss", "keynorm"}));
               sub.add_option("--sink", a->options.sink, "first tokens always kept")
                   ->transform(whole_number(0, 2147483647))
                   ->capture_default_str();

@@ -33,6 +33,8 @@ const char* eviction_score_name(EvictionScore score) {
       return "snapkv";
     case EvictionScore::QueryMoment:
       return "qmoment";
+    case EvictionScore::QueryGaussian:
+      return "qgauss";
     case EvictionScore::KeyNorm:
       return "keynorm";
   }
@@ -40,8 +42,8 @@ const char* eviction_score_name(EvictionScore score) {
 }
 
 std::vector<EvictionScore> all_eviction_scores() {
-  return {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::QueryMoment,
-          EvictionScore::KeyNorm};
+  return {EvictionScore::Window,      EvictionScore::H2O,           EvictionScore::SnapKV,
+          EvictionScore::QueryMoment, EvictionScore::QueryGaussian, EvictionScore::KeyNorm};
 }
 
 std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, int64_t budget, int sink, int recent) {
@@ -87,6 +89,19 @@ std::vector<double> query_moment_scores(const std::vector<double>& m, const floa
       s += double(k[a]) * t;
     }
     out[size_t(j)] = s;
+  }
+  return out;
+}
+
+std::vector<double> query_gaussian_scores(const std::vector<double>& mean, const std::vector<double>& cov,
+                                          const float* keys, int64_t n, size_t stride, int d) {
+  KVCC_REQUIRE(mean.size() == size_t(d) && cov.size() == size_t(d) * d, "query_gaussian_scores: shapes");
+  std::vector<double> out = query_moment_scores(cov, keys, n, stride, d);
+  const double s = 1.0 / std::sqrt(double(d));
+  for (int64_t j = 0; j < n; ++j) {
+    double mk = 0;
+    for (int a = 0; a < d; ++a) mk += mean[size_t(a)] * double(keys[size_t(j) * stride + a]);
+    out[size_t(j)] = mk * s + 0.5 * out[size_t(j)] * s * s;
   }
   return out;
 }
@@ -255,20 +270,33 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   }
   std::vector<EvictionScore> scores;
   for (EvictionScore s : o.scores)
-    if (s != EvictionScore::QueryMoment || stats) scores.push_back(s);
+    if ((s != EvictionScore::QueryMoment && s != EvictionScore::QueryGaussian) || stats) scores.push_back(s);
 
   std::vector<LayerWeights> weights;
   for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<float>(model, l));
   const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d;
 
   // The query second moments, normalised: E[q qᵀ] per (layer, KV head).
-  std::vector<std::vector<double>> moment;
+  // and the Gaussian query model: the mean of the reservoir's queries and the covariance.
+  std::vector<std::vector<double>> moment, q_mean, q_cov;
   if (stats)
-    for (const HeadStats& h : stats->heads) {
+    for (size_t i = 0; i < stats->heads.size(); ++i) {
+      const HeadStats& h = stats->heads[i];
       KVCC_REQUIRE(h.query_count > 0, "eviction: the stats hold no queries");
       std::vector<double> m = h.query_m2;
       for (double& v : m) v /= double(h.query_count);
+      const Reservoir& res = stats->reservoirs[i];
+      const size_t rows = res.size() * size_t(res.group);
+      KVCC_REQUIRE(rows > 0 && res.q.size() == rows * size_t(d), "eviction: qgauss needs the stats' reservoir queries");
+      std::vector<double> mu(size_t(d), 0.0);
+      for (size_t r = 0; r < rows; ++r)
+        for (int a = 0; a < d; ++a) mu[size_t(a)] += double(res.q[r * size_t(d) + a]) / double(rows);
+      std::vector<double> sigma = m;
+      for (int a = 0; a < d; ++a)
+        for (int b = 0; b < d; ++b) sigma[size_t(a) * d + b] -= mu[size_t(a)] * mu[size_t(b)];
       moment.push_back(std::move(m));
+      q_mean.push_back(std::move(mu));
+      q_cov.push_back(std::move(sigma));
     }
 
   struct Variant {
@@ -310,13 +338,18 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
           else if (score == "snapkv") sc = max_pool(obs.snap[size_t(l)][size_t(g)], o.pool);
           else if (score == "qmoment")
             sc = query_moment_scores(moment[size_t(l) * c.n_kv_heads + g], keys, H, kvdim, d);
-          else if (score == "keynorm") {
+          else if (score == "qgauss") {
+            const size_t i = size_t(l) * c.n_kv_heads + g;
+            sc = query_gaussian_scores(q_mean[i], q_cov[i], keys, H, kvdim, d);
+          } else if (score == "keynorm") {
             sc.resize(size_t(H));
             for (int j = 0; j < H; ++j) {
               double s = 0;
               for (int a = 0; a < d; ++a) s += double(keys[size_t(j) * kvdim + a]) * keys[size_t(j) * kvdim + a];
               sc[size_t(j)] = s;
             }
+          } else {
+            KVCC_REQUIRE(score == "window" || score == "full", "eviction: unknown score '" + score + "'");
           }
           kept[size_t(l)].push_back(select_kept(sc, H, budget, o.sink, o.recent));
         }

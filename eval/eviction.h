@@ -20,6 +20,9 @@
 //   qmoment    : kⱼᵀ E[q qᵀ] kⱼ with E[q qᵀ] the calibrated query second moment of the layer and
 //                KV head (stats.h5): the expected squared logit of the key — no query, no
 //                attention matrix
+//   qgauss     : μᵀkⱼ/√d + ½ kⱼᵀΣkⱼ/d = log E[exp(q·kⱼ/√d)] for a Gaussian query q ~ N(μ, Σ):
+//                the log of the key's expected unnormalised attention weight (μ: the mean of the
+//                stats' reservoir queries, Σ = E[q qᵀ] − μμᵀ)
 //   keynorm    : ‖kⱼ‖² (the same without the query statistics)
 // With an artifact, "+int2" rows also quantise the history as the artifact's cache would hold it
 // (pages past the sink and before the ring, eval/scheme.h) before evicting; the continuation's
@@ -36,8 +39,8 @@
 
 namespace kvcc {
 
-enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, KeyNorm };
-const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | keynorm
+enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, QueryGaussian, KeyNorm };
+const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | qgauss | keynorm
 std::vector<EvictionScore> all_eviction_scores();
 
 // The positions kept from n history tokens: the first `sink`, the last `recent`, then the
@@ -49,6 +52,9 @@ std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, i
 // [d, d] row-major.
 std::vector<double> query_moment_scores(const std::vector<double>& m, const float* keys, int64_t n, size_t stride,
                                         int d);
+// qgauss scores: (μᵀk)/√d + ½ kᵀΣk/d with Σ [d, d] row-major.
+std::vector<double> query_gaussian_scores(const std::vector<double>& mean, const std::vector<double>& cov,
+                                          const float* keys, int64_t n, size_t stride, int d);
 
 // Max-pool with window `width` (odd, centred; 1: unchanged).
 std::vector<double> max_pool(const std::vector<double>& x, int width);
