@@ -57,6 +57,7 @@ std::string to_json(const EvictionResult& r) {
   j["sink"] = r.sink;
   j["recent"] = r.recent;
   j["reference_nll"] = r.reference_nll;
+  if (r.epicache_routed_first >= 0) j["epicache_routed_to_first_passage"] = r.epicache_routed_first;
   j["seconds"] = r.seconds;
   for (const EvictionRow& row : r.rows)
     j["rows"].push_back({{"score", row.score},
@@ -70,17 +71,21 @@ std::string to_json(const EvictionResult& r) {
   return j.dump(2) + "\n";
 }
 
+std::vector<std::string> score_names() {
+  std::vector<std::string> names;
+  for (EvictionScore s : all_eviction_scores()) names.push_back(eviction_score_name(s));
+  return names;
+}
+
 int run_eviction_command(Args& a) {
   KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "eviction needs --data TEXT or --ids FILE");
   require_output_is_not_input(a.json_path, {a.model_path, a.stats_path, a.artifact_path, a.data.data_path,
                                             a.data.ids_path, a.data.tokenizer_path});
-  const std::map<std::string, EvictionScore> names = {
-      {"window", EvictionScore::Window},        {"h2o", EvictionScore::H2O},
-      {"snapkv", EvictionScore::SnapKV},        {"qmoment", EvictionScore::QueryMoment},
-      {"qgauss", EvictionScore::QueryGaussian}, {"keynorm", EvictionScore::KeyNorm}};
   if (!a.scores.empty()) {
     a.options.scores.clear();
-    for (const std::string& s : a.scores) a.options.scores.push_back(names.at(s));
+    for (const std::string& name : a.scores)
+      for (EvictionScore s : all_eviction_scores())
+        if (name == eviction_score_name(s)) a.options.scores.push_back(s);
   }
   const ModelFile model = ModelFile::open(a.model_path);
   std::optional<Stats> stats;
@@ -112,6 +117,9 @@ int run_eviction_command(Args& a) {
   r.stats = a.stats_path;
   r.artifact = a.artifact_path;
   std::cout << table(r);
+  if (r.epicache_routed_first >= 0)
+    std::printf("epicache: %d of %d continuations routed to an episode whose medoid is in the first passage\n",
+                r.epicache_routed_first, r.conversations);
   std::printf("(%.1f s)\n", r.seconds);
   if (!a.json_path.empty()) write_bytes_atomically(a.json_path, to_json(r));
   return 0;
@@ -131,7 +139,10 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "Scores: window (StreamingLLM: sink + newest), h2o (accumulated attention), snapkv\n"
                   "(attention of the last --observation history queries, max-pooled over --pool),\n"
                   "qmoment (k^T E[q q^T] k from --stats: no attention matrix), qgauss (log E[exp(q.k/sqrt d)]\n"
-                  "for a Gaussian query fitted to --stats), keynorm (|k|^2).\n"
+                  "for a Gaussian query fitted to --stats), keynorm (|k|^2), epicache (EpiCache: the\n"
+                  "history's --block-token blocks clustered into --episodes episodes; per episode a\n"
+                  "cache scored by its medoid block appended after the history; the continuation\n"
+                  "routed by its first --route tokens).\n"
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
                   "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n\n"
                   "Example:\n"
@@ -159,7 +170,7 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   ->capture_default_str();
               sub.add_option("--scores", a->scores, "scores to run (default: all; qmoment and qgauss need --stats)")
                   ->delimiter(',')
-                  ->check(CLI::IsMember({"window", "h2o", "snapkv", "qmoment", "qgauss", "keynorm"}));
+                  ->check(CLI::IsMember(score_names()));
               sub.add_option("--sink", a->options.sink, "first tokens always kept")
                   ->transform(whole_number(0, 2147483647))
                   ->capture_default_str();
@@ -173,6 +184,15 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   ->transform(whole_number(1, 1023))
                   ->capture_default_str();
               sub.add_option("--conversations", a->options.conversations, "conversations at most")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--episodes", a->options.episodes, "epicache: episodes")
+                  ->transform(whole_number(1, 1024))
+                  ->capture_default_str();
+              sub.add_option("--block", a->options.block, "epicache: tokens per history block")
+                  ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--route", a->options.route, "epicache: continuation tokens that route it")
                   ->transform(whole_number(1, 2147483647))
                   ->capture_default_str();
               sub.add_option("--json", a->json_path, "write the rows as JSON");

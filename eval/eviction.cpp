@@ -37,13 +37,15 @@ const char* eviction_score_name(EvictionScore score) {
       return "qgauss";
     case EvictionScore::KeyNorm:
       return "keynorm";
+    case EvictionScore::EpiCache:
+      return "epicache";
   }
   return "?";
 }
 
 std::vector<EvictionScore> all_eviction_scores() {
-  return {EvictionScore::Window,      EvictionScore::H2O,           EvictionScore::SnapKV,
-          EvictionScore::QueryMoment, EvictionScore::QueryGaussian, EvictionScore::KeyNorm};
+  return {EvictionScore::Window,        EvictionScore::H2O,     EvictionScore::SnapKV,  EvictionScore::QueryMoment,
+          EvictionScore::QueryGaussian, EvictionScore::KeyNorm, EvictionScore::EpiCache};
 }
 
 std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, int64_t budget, int sink, int recent) {
@@ -102,6 +104,67 @@ std::vector<double> query_gaussian_scores(const std::vector<double>& mean, const
     double mk = 0;
     for (int a = 0; a < d; ++a) mk += mean[size_t(a)] * double(keys[size_t(j) * stride + a]);
     out[size_t(j)] = mk * s + 0.5 * out[size_t(j)] * s * s;
+  }
+  return out;
+}
+
+Clusters cosine_kmeans(const std::vector<double>& rows, int n, int dim, int k) {
+  KVCC_REQUIRE(n >= 1 && dim >= 1 && k >= 1 && rows.size() == size_t(n) * dim, "cosine_kmeans: shapes");
+  k = std::min(k, n);
+  std::vector<double> unit(rows);
+  for (int i = 0; i < n; ++i) {
+    double s = 0;
+    for (int a = 0; a < dim; ++a) s += unit[size_t(i) * dim + a] * unit[size_t(i) * dim + a];
+    const double inv = s > 0 ? 1.0 / std::sqrt(s) : 0.0;
+    for (int a = 0; a < dim; ++a) unit[size_t(i) * dim + a] *= inv;
+  }
+  auto dot = [&](const double* a, const double* b) {
+    double s = 0;
+    for (int i = 0; i < dim; ++i) s += a[i] * b[i];
+    return s;
+  };
+  Clusters out;
+  out.k = k;
+  out.centroids.assign(size_t(k) * dim, 0.0);
+  // Farthest point: each next centre is the row least similar to every centre so far.
+  std::vector<int> centre = {0};
+  while (int(centre.size()) < k) {
+    int best = 0;
+    double best_sim = 2;
+    for (int i = 0; i < n; ++i) {
+      double sim = -2;
+      for (int c : centre) sim = std::max(sim, dot(&unit[size_t(i) * dim], &unit[size_t(c) * dim]));
+      if (sim < best_sim) best_sim = sim, best = i;
+    }
+    centre.push_back(best);
+  }
+  for (int c = 0; c < k; ++c) std::copy_n(&unit[size_t(centre[size_t(c)]) * dim], dim, &out.centroids[size_t(c) * dim]);
+  out.assignment.assign(size_t(n), -1);
+  for (int it = 0; it < 100; ++it) {
+    bool moved = false;
+    for (int i = 0; i < n; ++i) {
+      int best = 0;
+      double best_sim = -3;
+      for (int c = 0; c < k; ++c) {
+        const double sim = dot(&unit[size_t(i) * dim], &out.centroids[size_t(c) * dim]);
+        if (sim > best_sim) best_sim = sim, best = c;
+      }
+      moved |= out.assignment[size_t(i)] != best;
+      out.assignment[size_t(i)] = best;
+    }
+    if (!moved) break;
+    std::fill(out.centroids.begin(), out.centroids.end(), 0.0);
+    for (int i = 0; i < n; ++i)
+      for (int a = 0; a < dim; ++a)
+        out.centroids[size_t(out.assignment[size_t(i)]) * dim + a] += unit[size_t(i) * dim + a];
+    for (int c = 0; c < k; ++c) {
+      double s = 0;
+      for (int a = 0; a < dim; ++a) s += out.centroids[size_t(c) * dim + a] * out.centroids[size_t(c) * dim + a];
+      // An empty cluster keeps its previous centre's direction (the farthest point's row).
+      if (s == 0) std::copy_n(&unit[size_t(centre[size_t(c)]) * dim], dim, &out.centroids[size_t(c) * dim]);
+      else
+        for (int a = 0; a < dim; ++a) out.centroids[size_t(c) * dim + a] /= std::sqrt(s);
+    }
   }
   return out;
 }
@@ -261,6 +324,10 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
                cat("eviction: history + continuation (", H + C, ") exceed the model's context of ", c.max_position));
   KVCC_REQUIRE(o.observation >= 1 && o.observation <= H,
                cat("eviction: the observation window must be in [1, ", H, "], got ", o.observation));
+  KVCC_REQUIRE(o.episodes >= 1 && o.block >= 1 && o.block <= H && o.route >= 1 && o.route <= C,
+               cat("eviction: epicache needs episodes >= 1, a block in [1, history] and route tokens in [1, "
+                   "continuation], got ",
+                   o.episodes, ", ", o.block, ", ", o.route));
   for (double r : o.ratios) KVCC_REQUIRE(std::isfinite(r) && r >= 1, cat("eviction: ratios must be >= 1, got ", r));
   if (stats) {
     KVCC_REQUIRE(
@@ -313,6 +380,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   }
   std::vector<Sums> sums(variants.size());
   std::vector<double> ref_nll;
+  int routed_first = 0;
 
   std::vector<float> x, q, k, v, attn, logits;
   std::vector<double> lp_ref, lp;
@@ -325,6 +393,80 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     x.resize(size_t(H) * c.hidden);
     embed(model, conv.data(), H, x.data());
     for (int l = 0; l < c.n_layers; ++l) layer_forward(c, weights[size_t(l)], l, 0, x.data(), H, &obs);
+
+    // EpiCache: the routed episode's patched-prompt scores, [layer][KV head] [H].
+    std::vector<std::vector<std::vector<double>>> epi;
+    if (std::find(scores.begin(), scores.end(), EvictionScore::EpiCache) != scores.end()) {
+      const int B = o.block, blocks = H / B;
+      // A segment's embedding: the mean final hidden state of the segment run alone.
+      auto embed_alone = [&](const int32_t* ids, int T) {
+        std::vector<float> h(size_t(T) * c.hidden);
+        embed(model, ids, T, h.data());
+        for (int l = 0; l < c.n_layers; ++l) layer_forward(c, weights[size_t(l)], l, 0, h.data(), T);
+        std::vector<double> e(size_t(c.hidden), 0.0);
+        for (int t = 0; t < T; ++t)
+          for (int a = 0; a < c.hidden; ++a) e[size_t(a)] += h[size_t(t) * c.hidden + a];
+        return e;
+      };
+      std::vector<double> rows;
+      for (int b = 0; b < blocks; ++b) {
+        const std::vector<double> e = embed_alone(conv.data() + size_t(b) * B, B);
+        rows.insert(rows.end(), e.begin(), e.end());
+      }
+      const Clusters cl = cosine_kmeans(rows, blocks, c.hidden, o.episodes);
+      auto cosine = [&](const double* a, const double* b) {
+        double ab = 0, aa = 0, bb = 0;
+        for (int i = 0; i < c.hidden; ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+        return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : -1.0;
+      };
+      const std::vector<double> query = embed_alone(conv.data() + H, o.route);
+      int routed = 0;
+      for (int e = 1; e < cl.k; ++e)
+        if (cosine(query.data(), &cl.centroids[size_t(e) * c.hidden]) >
+            cosine(query.data(), &cl.centroids[size_t(routed) * c.hidden]))
+          routed = e;
+      int medoid = -1;
+      for (int b = 0; b < blocks; ++b)
+        if (cl.assignment[size_t(b)] == routed &&
+            (medoid < 0 || cosine(&rows[size_t(b) * c.hidden], &cl.centroids[size_t(routed) * c.hidden]) >
+                               cosine(&rows[size_t(medoid) * c.hidden], &cl.centroids[size_t(routed) * c.hidden])))
+          medoid = b;
+      routed_first += int64_t(medoid) * B < H / o.passages;
+      // The medoid block appended after the history: its queries' attention on every history key.
+      epi.assign(size_t(c.n_layers),
+                 std::vector<std::vector<double>>(size_t(c.n_kv_heads), std::vector<double>(size_t(H), 0.0)));
+      std::vector<float> px(size_t(B) * c.hidden), pq(size_t(B) * qdim), pk(size_t(B) * kvdim), pv(size_t(B) * kvdim),
+          pa(size_t(B) * qdim);
+      std::vector<std::vector<int32_t>> everything(size_t(c.n_kv_heads), std::vector<int32_t>(size_t(H)));
+      for (auto& e : everything) std::iota(e.begin(), e.end(), 0);
+      embed(model, conv.data() + size_t(medoid) * B, B, px.data());
+      const double scale = 1.0 / std::sqrt(double(d));
+      std::vector<double> w(size_t(H + B));
+      for (int l = 0; l < c.n_layers; ++l) {
+        attention_qkv(c, weights[size_t(l)], px.data(), B, H, pq.data(), nullptr, pk.data(), pv.data());
+        const float* hk = obs.keys[size_t(l)].data();
+        for (int h = 0; h < c.n_heads; ++h) {
+          const int g = h / c.group();
+          for (int i = 0; i < B; ++i) {
+            const float* qi = pq.data() + size_t(i) * qdim + size_t(h) * d;
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < H + i + 1; ++j) {
+              const float* kj =
+                  j < H ? hk + size_t(j) * kvdim + size_t(g) * d : pk.data() + size_t(j - H) * kvdim + size_t(g) * d;
+              double dot = 0;
+              for (int a = 0; a < d; ++a) dot += double(qi[a]) * kj[a];
+              w[size_t(j)] = dot * scale;
+              mx = std::max(mx, w[size_t(j)]);
+            }
+            for (int j = 0; j < H + i + 1; ++j) sum += (w[size_t(j)] = std::exp(w[size_t(j)] - mx));
+            for (int j = 0; j < H; ++j) epi[size_t(l)][size_t(g)][size_t(j)] += w[size_t(j)] / sum;
+          }
+        }
+        attention_over_kept(c, H, B, pq.data(), obs.keys[size_t(l)].data(), obs.values[size_t(l)].data(), everything,
+                            pk.data(), pv.data(), pa.data());
+        attention_output_and_mlp(c, weights[size_t(l)], pa.data(), B, px.data());
+      }
+    }
 
     // Kept sets of one score and budget, per layer and KV head.
     auto kept_sets = [&](const std::string& score, double ratio) {
@@ -341,6 +483,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
           else if (score == "qgauss") {
             const size_t i = size_t(l) * c.n_kv_heads + g;
             sc = query_gaussian_scores(q_mean[i], q_cov[i], keys, H, kvdim, d);
+          } else if (score == "epicache") {
+            sc = max_pool(epi[size_t(l)][size_t(g)], o.pool);
           } else if (score == "keynorm") {
             sc.resize(size_t(H));
             for (int j = 0; j < H; ++j) {
@@ -429,6 +573,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   const std::vector<double> w(conversations.size(), 1.0);
   auto mean = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / double(x.size()); };
   res.reference_nll = mean(ref_nll);
+  if (std::find(scores.begin(), scores.end(), EvictionScore::EpiCache) != scores.end())
+    res.epicache_routed_first = routed_first;
   for (size_t vi = 0; vi < variants.size(); ++vi) {
     EvictionRow row;
     row.score = variants[vi].score;

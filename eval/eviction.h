@@ -24,6 +24,14 @@
 //                the log of the key's expected unnormalised attention weight (μ: the mean of the
 //                stats' reservoir queries, Σ = E[q qᵀ] − μμᵀ)
 //   keynorm    : ‖kⱼ‖² (the same without the query statistics)
+//   epicache   : EpiCache (Kim et al. 2025), one cache per episode: the history in blocks of
+//                `block` tokens, each embedded as the mean final hidden state of the block run
+//                alone; k-means (cosine) into `episodes` episodes; per episode, the SnapKV score
+//                of its medoid block appended after the history (the "patched prompt": its
+//                queries' attention on every history key, max-pooled); the continuation is
+//                routed to the episode whose centroid is nearest the embedding of its first
+//                `route` tokens (run alone, as a new user turn would be) and runs over that
+//                episode's cache. Every episode's cache holds the same budget.
 // With an artifact, "+int2" rows also quantise the history as the artifact's cache would hold it
 // (pages past the sink and before the ring, eval/scheme.h) before evicting; the continuation's
 // own rows stay full precision (they are in the recent ring).
@@ -39,8 +47,8 @@
 
 namespace kvcc {
 
-enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, QueryGaussian, KeyNorm };
-const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | qgauss | keynorm
+enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, QueryGaussian, KeyNorm, EpiCache };
+const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | qgauss | keynorm | epicache
 std::vector<EvictionScore> all_eviction_scores();
 
 // The positions kept from n history tokens: the first `sink`, the last `recent`, then the
@@ -55,6 +63,16 @@ std::vector<double> query_moment_scores(const std::vector<double>& m, const floa
 // qgauss scores: (μᵀk)/√d + ½ kᵀΣk/d with Σ [d, d] row-major.
 std::vector<double> query_gaussian_scores(const std::vector<double>& mean, const std::vector<double>& cov,
                                           const float* keys, int64_t n, size_t stride, int d);
+
+// k-means on unit vectors (cosine), rows [n, dim]: assignments [n] in [0, k) and unit centroids
+// [k, dim]. Deterministic: farthest-point initialisation from row 0, then Lloyd iterations until
+// nothing moves (at most 100). k is capped at n.
+struct Clusters {
+  std::vector<int> assignment;
+  std::vector<double> centroids;
+  int k = 0;
+};
+Clusters cosine_kmeans(const std::vector<double>& rows, int n, int dim, int k);
 
 // Max-pool with window `width` (odd, centred; 1: unchanged).
 std::vector<double> max_pool(const std::vector<double>& x, int width);
@@ -73,9 +91,10 @@ struct EvictionOptions {
   int passages = 3;        // m
   std::vector<double> ratios = {2, 4, 6};
   std::vector<EvictionScore> scores = all_eviction_scores();
-  int sink = 4, recent = 32;       // always kept
-  int observation = 32, pool = 7;  // snapkv
-  int conversations = 8;           // at most this many
+  int sink = 4, recent = 32;                 // always kept
+  int observation = 32, pool = 7;            // snapkv
+  int conversations = 8;                     // at most this many
+  int episodes = 4, block = 64, route = 16;  // epicache
 };
 
 struct EvictionRow {
@@ -89,6 +108,9 @@ struct EvictionResult {
   std::string model, artifact, stats;
   int history = 0, continuation = 0, passages = 0, conversations = 0, sink = 0, recent = 0;
   double reference_nll = 0;  // mean NLL of the continuation over the full history
+  // epicache: conversations whose routed episode's medoid block lies in the first passage (the
+  // one the continuation continues); -1 without epicache.
+  int epicache_routed_first = -1;
   std::vector<EvictionRow> rows;
   double seconds = 0;
 };

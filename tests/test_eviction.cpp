@@ -97,6 +97,34 @@ TEST(Eviction, QueryGaussianScoreIsTheLogExpectedAttentionWeight) {
               query_moment_scores(cov, k.data(), 1, size_t(d), d)[0] / (2.0 * d), 1e-12);
 }
 
+// Three directions with noise: cosine k-means finds them whatever the rows' lengths, and
+// again with the rows shuffled (up to the clusters' labels).
+TEST(Eviction, CosineKmeansSeparatesDirections) {
+  const int dim = 5, per = 7, k = 3;
+  std::mt19937 g(5);
+  std::normal_distribution<double> nd(0.0, 0.05);
+  std::uniform_real_distribution<double> len(0.5, 20.0);
+  std::vector<double> rows;
+  std::vector<int> truth;
+  for (int i = 0; i < per * k; ++i) {
+    const int c = i % k;
+    const double l = len(g);
+    for (int a = 0; a < dim; ++a) rows.push_back(l * ((a == c ? 1.0 : 0.0) + nd(g)));
+    truth.push_back(c);
+  }
+  const Clusters cl = cosine_kmeans(rows, per * k, dim, k);
+  ASSERT_EQ(cl.k, k);
+  for (int i = 0; i < per * k; ++i)
+    for (int j = 0; j < per * k; ++j)
+      EXPECT_EQ(cl.assignment[size_t(i)] == cl.assignment[size_t(j)], truth[size_t(i)] == truth[size_t(j)]);
+  for (int c = 0; c < k; ++c) {
+    double n = 0;
+    for (int a = 0; a < dim; ++a) n += cl.centroids[size_t(c) * dim + a] * cl.centroids[size_t(c) * dim + a];
+    EXPECT_NEAR(n, 1.0, 1e-12);
+  }
+  EXPECT_EQ(cosine_kmeans(rows, per * k, dim, 50).k, per * k);  // k capped at n
+}
+
 ModelConfig small_config() {
   ModelConfig c;
   c.n_heads = 4;
@@ -215,7 +243,11 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   o.passages = 2;
   o.ratios = {1, 4};
   o.conversations = 2;
-  o.scores = {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::KeyNorm};
+  o.scores = {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::KeyNorm,
+              EvictionScore::EpiCache};
+  o.episodes = 2;
+  o.block = 8;
+  o.route = 4;
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
   CacheScheme identity;
   identity.sink = 4;
@@ -224,7 +256,7 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   identity.path = CodecPath{
       [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
   const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
-  ASSERT_EQ(r.rows.size(), 1u + 2 * 4 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
+  ASSERT_EQ(r.rows.size(), 1u + 2 * 5 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
   double lost = 0;
   for (const EvictionRow& row : r.rows) {
     if (row.ratio == 1) {
