@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
+#include "formats/artifact_safetensors.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
@@ -284,7 +285,7 @@ Command reg{
           "  kvcc inspect gutenberg-27m.oscar.kvcc.h5\n"
           "  kvcc inspect stats.h5 --json | jq .provenance");
       return [path, as_json]() {
-        const std::string format = h5::detect_format(*path);
+        const std::string format = detect_kvcc_format(*path);
         if (format == kArtifactFormat) return inspect_artifact(*path, *as_json);
         if (format == kStatsFormat) return inspect_stats(*path, *as_json);
         throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " + kStatsFormat +

@@ -6,6 +6,7 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
+#include "formats/artifact_safetensors.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
 #include "formats/method.h"
@@ -82,7 +83,7 @@ Command reg{
           "Example:\n"
           "  kvcc verify gutenberg-27m.oscar.kvcc.h5 && kvcc verify stats.h5");
       return [path, tol]() {
-        const std::string format = h5::detect_format(*path);
+        const std::string format = detect_kvcc_format(*path);
         if (format == kArtifactFormat) return verify_artifact_cmd(*path, *tol);
         if (format == kStatsFormat) return verify_stats_cmd(*path);
         throw Error(*path + ": unknown format \"" + format + "\" (expected " + kArtifactFormat + " or " + kStatsFormat +

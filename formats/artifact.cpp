@@ -3,10 +3,12 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <set>
 
+#include "formats/artifact_safetensors.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/h5.h"
@@ -255,6 +257,97 @@ std::string field_value(const ModelFingerprint& fp, const std::string& name) {
 
 }  // namespace
 
+namespace {
+
+bool same_bits(double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; }
+
+std::string vector_difference(const std::vector<double>& x, const std::vector<double>& y) {
+  if (x.size() != y.size()) return std::to_string(x.size()) + " vs " + std::to_string(y.size()) + " values";
+  for (size_t i = 0; i < x.size(); ++i)
+    if (!same_bits(x[i], y[i])) return "element " + std::to_string(i) + " differs";
+  return "";
+}
+
+std::string side_difference(const SideArtifact& x, const SideArtifact& y, const std::string& at) {
+  if (!same_bits(x.clip_ratio, y.clip_ratio)) return at + ": clip_ratio differs";
+  const std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>> fields[] = {
+      {"rotation", {&x.rotation, &y.rotation}},
+      {"eigenvalues", {&x.eigenvalues, &y.eigenvalues}},
+      {"levels", {&x.levels, &y.levels}}};
+  for (const auto& [name, v] : fields)
+    if (std::string d = vector_difference(*v.first, *v.second); !d.empty()) return at + "/" + name + ": " + d;
+  if (x.extras.size() != y.extras.size())
+    return at + "/extras: " + std::to_string(x.extras.size()) + " vs " + std::to_string(y.extras.size()) + " arrays";
+  for (size_t i = 0; i < x.extras.size(); ++i) {
+    const NamedArray &p = x.extras[i], &q = y.extras[i];
+    if (p.name != q.name) return at + "/extras: array " + std::to_string(i) + " is " + p.name + " vs " + q.name;
+    const std::string where = at + "/extras/" + p.name;
+    if (p.integer != q.integer) return where + ": integer vs float";
+    if (p.shape != q.shape) return where + ": shape " + h5::shape_string(p.shape) + " vs " + h5::shape_string(q.shape);
+    if (std::string d = vector_difference(p.data, q.data); !d.empty()) return where + ": " + d;
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string artifact_difference(const Artifact& a, const Artifact& b) {
+  const std::pair<const char*, std::pair<const std::string*, const std::string*>> strings[] = {
+      {"format_version", {&a.format_version, &b.format_version}},
+      {"producer", {&a.producer, &b.producer}},
+      {"created", {&a.created, &b.created}},
+      {"command", {&a.command, &b.command}},
+      {"model_id", {&a.model_id, &b.model_id}},
+      {"fingerprint id", {&a.fingerprint.id, &b.fingerprint.id}},
+      {"fingerprint weights_sha256", {&a.fingerprint.weights_sha256, &b.fingerprint.weights_sha256}},
+      {"provenance data_sha256", {&a.provenance.data_sha256, &b.provenance.data_sha256}},
+      {"provenance stats_sha256", {&a.provenance.stats_sha256, &b.provenance.stats_sha256}},
+      {"provenance source", {&a.provenance.source, &b.provenance.source}},
+      {"recipe method", {&a.recipe.method, &b.recipe.method}},
+      {"recipe value_target", {&a.recipe.value_target, &b.recipe.value_target}},
+      {"recipe granularity", {&a.recipe.granularity, &b.recipe.granularity}},
+      {"recipe composition", {&a.recipe.composition, &b.recipe.composition}}};
+  for (const auto& [name, v] : strings)
+    if (*v.first != *v.second) return std::string(name) + ": \"" + *v.first + "\" vs \"" + *v.second + "\"";
+  if (a.fingerprint.fields != b.fingerprint.fields) return "fingerprint fields differ";
+  const std::pair<const char*, std::pair<int64_t, int64_t>> ints[] = {
+      {"n_layers", {a.n_layers, b.n_layers}},
+      {"n_heads", {a.n_heads, b.n_heads}},
+      {"n_kv_heads", {a.n_kv_heads, b.n_kv_heads}},
+      {"head_dim", {a.head_dim, b.head_dim}},
+      {"rope_style", {int64_t(a.rope_style), int64_t(b.rope_style)}},
+      {"recipe group", {a.recipe.group, b.recipe.group}},
+      {"recipe sink", {a.recipe.sink, b.recipe.sink}},
+      {"recipe recent", {a.recipe.recent, b.recipe.recent}},
+      {"recipe page_size", {a.recipe.page_size, b.recipe.page_size}}};
+  for (const auto& [name, v] : ints)
+    if (v.first != v.second)
+      return std::string(name) + ": " + std::to_string(v.first) + " vs " + std::to_string(v.second);
+  const std::pair<const char*, std::pair<uint64_t, uint64_t>> uints[] = {
+      {"provenance tokens", {a.provenance.tokens, b.provenance.tokens}},
+      {"provenance sequences", {a.provenance.sequences, b.provenance.sequences}},
+      {"provenance seed", {a.provenance.seed, b.provenance.seed}},
+      {"recipe seed", {a.recipe.seed, b.recipe.seed}}};
+  for (const auto& [name, v] : uints)
+    if (v.first != v.second)
+      return std::string(name) + ": " + std::to_string(v.first) + " vs " + std::to_string(v.second);
+  if (!same_bits(a.recipe.key_bits, b.recipe.key_bits)) return "recipe key_bits differs";
+  if (!same_bits(a.recipe.value_bits, b.recipe.value_bits)) return "recipe value_bits differs";
+  if (a.recipe.params != b.recipe.params) return "recipe params differ";
+  if (a.heads.size() != b.heads.size())
+    return std::to_string(a.heads.size()) + " vs " + std::to_string(b.heads.size()) + " head entries";
+  for (size_t i = 0; i < a.heads.size(); ++i) {
+    const int l = a.n_kv_heads > 0 ? int(i) / a.n_kv_heads : 0, h = a.n_kv_heads > 0 ? int(i) % a.n_kv_heads : 0;
+    for (const char* side : {"key", "value"}) {
+      const bool k = side[0] == 'k';
+      const std::string d = side_difference(k ? a.heads[i].key : a.heads[i].value,
+                                            k ? b.heads[i].key : b.heads[i].value, side_path(l, h, side));
+      if (!d.empty()) return d;
+    }
+  }
+  return "";
+}
+
 double max_orthogonality_error(const std::vector<double>& rotation, int d) {
   KVCC_REQUIRE(rotation.size() == size_t(d) * size_t(d), "max_orthogonality_error: not a d x d matrix");
   Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> r(rotation.data(), d, d);
@@ -369,8 +462,20 @@ void write_artifact(const Artifact& a, const std::string& path) {
   });
 }
 
+namespace {
+// Either container, told apart by the first bytes; a file that cannot be probed goes to the HDF5
+// reader, whose errors name what is wrong (missing file, not HDF5, truncated).
+Artifact read_any_container(const std::string& path, std::vector<std::string>* problems) {
+  bool safetensors = false;
+  try {
+    safetensors = artifact_container(path) == ArtifactContainer::Safetensors;
+  } catch (const Error&) {}
+  return safetensors ? read_artifact_safetensors(path, problems) : read_artifact_impl(path, problems);
+}
+}  // namespace
+
 Artifact read_artifact(const std::string& path) {
-  Artifact a = read_artifact_impl(path, nullptr);
+  Artifact a = read_any_container(path, nullptr);
   const std::vector<std::string> problems = verify_artifact(a);
   if (!problems.empty())
     throw Error(path + ": " + problems.front() +
@@ -380,7 +485,7 @@ Artifact read_artifact(const std::string& path) {
 
 std::vector<std::string> verify_artifact_file(const std::string& path, double tol) {
   std::vector<std::string> problems;
-  Artifact a = read_artifact_impl(path, &problems);
+  Artifact a = read_any_container(path, &problems);
   for (std::string& p : verify_artifact(a, tol)) problems.push_back(path + ": " + p);
   return problems;
 }

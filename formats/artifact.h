@@ -85,7 +85,14 @@ struct Artifact {
 // sha256 attribute of its bytes, checked on read.
 void write_artifact(const Artifact&, const std::string& path);
 // Reads and validates shapes, dtypes, checksums and finiteness; refuses an unknown major version.
+// PATH may be the HDF5 artifact or its safetensors form (formats/artifact_safetensors.h), told
+// apart by the file's first bytes; verify_artifact_file below reads either too.
 Artifact read_artifact(const std::string& path);
+
+// "" when the two artifacts are equal in every field, numbers compared bit for bit (so -0.0 and
+// 0.0 differ); otherwise the first difference ("/layers/2/kv1/key/rotation: element 17 differs").
+// What `kvcc export` checks its output against.
+std::string artifact_difference(const Artifact& a, const Artifact& b);
 
 // max |RᵀR − I| of a row-major [d, d] matrix (the orthogonality measure verify reports).
 double max_orthogonality_error(const std::vector<double>& rotation, int d);

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -163,20 +164,24 @@ json entry_to_json(const ZooEntry& e) {
   json files = json::array();
   for (const auto& f : e.files)
     files.push_back({{"role", f.role}, {"path", f.path}, {"sha256", f.sha256}, {"size", f.size}});
-  return {{"id", e.id},
-          {"model_id", e.model_id},
-          {"recipe_tag", e.recipe_tag},
-          {"fingerprint", fingerprint_to_json(e.fingerprint)},
-          {"fingerprint_source", e.fingerprint_source},
-          {"artifact_format_version", e.artifact_format_version},
-          {"published", e.published},
-          {"notes", e.notes},
-          {"recipe", e.recipe},
-          {"shape", e.shape},
-          {"provenance", e.provenance},
-          {"bits", e.bits},
-          {"validation", e.validation},
-          {"files", files}};
+  json j = {{"id", e.id},
+            {"model_id", e.model_id},
+            {"recipe_tag", e.recipe_tag},
+            {"fingerprint", fingerprint_to_json(e.fingerprint)},
+            {"fingerprint_source", e.fingerprint_source},
+            {"artifact_format_version", e.artifact_format_version},
+            {"published", e.published},
+            {"notes", e.notes},
+            {"recipe", e.recipe},
+            {"shape", e.shape},
+            {"provenance", e.provenance},
+            {"bits", e.bits},
+            {"validation", e.validation},
+            {"files", files}};
+  // Only when set, so indexes of entries without them stay as they were.
+  if (!e.base_model.empty()) j["base_model"] = e.base_model;
+  if (!e.license.empty()) j["license"] = e.license;
+  return j;
 }
 
 ZooEntry entry_from_json(const json& j) {
@@ -190,6 +195,8 @@ ZooEntry entry_from_json(const json& j) {
     e.artifact_format_version = j.at("artifact_format_version").get<std::string>();
     e.published = j.value("published", "");
     e.notes = j.value("notes", "");
+    e.base_model = j.value("base_model", "");
+    e.license = j.value("license", "");
     e.recipe = j.value("recipe", json::object());
     e.shape = j.value("shape", json::object());
     e.provenance = j.value("provenance", json::object());
@@ -326,6 +333,150 @@ std::string render_card(const ZooEntry& e, const Artifact& a) {
   return s.str();
 }
 
+namespace {
+
+// A JSON number as text, or "" when absent or not a number.
+std::string json_number(const json& j, const char* key, const char* fmt = "%.4g") {
+  if (!j.is_object() || !j.contains(key) || !j[key].is_number()) return "";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, fmt, j[key].get<double>());
+  return buf;
+}
+
+std::string json_text(const json& j, const char* key) {
+  if (!j.is_object() || !j.contains(key)) return "";
+  const json& v = j[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number()) return v.dump();
+  return "";
+}
+
+// A YAML scalar in double quotes (JSON string escaping is valid YAML).
+std::string yaml_string(const std::string& s) { return json(s).dump(); }
+
+// The measured-quality section from an attached `kvcc validate` report: its schemes of this
+// entry's method. Nothing is computed or filled in here; absent numbers are left out.
+std::string quality_section(const ZooEntry& e) {
+  std::ostringstream s;
+  const json& v = e.validation;
+  const std::string method = json_text(e.recipe, "method");
+  if (v.is_null()) {
+    s << "No measured quality: this entry was published without a validation report. Measure it with\n"
+         "`kvcc validate --model MODEL --artifact FILE --data HELDOUT.txt --json val.json` and re-publish\n"
+         "with `--validation val.json`.\n";
+    return s.str();
+  }
+  std::vector<const json*> schemes;
+  if (v.is_object() && v.contains("schemes") && v["schemes"].is_array())
+    for (const json& sc : v["schemes"])
+      if (sc.is_object() && json_text(sc, "method") == method) schemes.push_back(&sc);
+  if (schemes.empty()) {
+    s << "A validation report is attached (in the entry's card file), but it holds no result for method `" << method
+      << "`, so no quality is stated here.\n";
+    return s.str();
+  }
+  s << "From the attached `kvcc validate` report (" << (json_text(v, "mode").empty() ? "?" : json_text(v, "mode"))
+    << ", " << (json_text(v, "tokens").empty() ? "?" : json_text(v, "tokens")) << " tokens in "
+    << (json_text(v, "documents").empty() ? "?" : json_text(v, "documents"))
+    << " documents; ± is one standard error across documents). The run's windows may differ from the artifact's\n"
+       "defaults above; its effective bits are those of the run.\n\n";
+  const std::string ref_ppl = v.contains("reference") ? json_number(v["reference"], "perplexity", "%.4f") : "";
+  s << "| scheme | cache | perplexity (BF16 reference " << (ref_ppl.empty() ? "?" : ref_ppl)
+    << ") | Δppl (relative) | KL (nats/token) | top-1 agreement | effective bits |\n";
+  s << "|---|---|---|---|---|---|---|\n";
+  for (const json* sc : schemes) {
+    auto pm = [&](const char* key, const char* err, const char* fmt) {
+      const std::string x = json_number(*sc, key, fmt), dx = json_number(*sc, err, fmt);
+      return x.empty() ? std::string("–") : x + (dx.empty() ? "" : " ± " + dx);
+    };
+    auto one = [&](const char* key, const char* fmt) {
+      const std::string x = json_number(*sc, key, fmt);
+      return x.empty() ? std::string("–") : x;
+    };
+    s << "| " << json_text(*sc, "name") << " | " << json_text(*sc, "cache") << " | " << one("perplexity", "%.4f")
+      << " | " << pm("ppl_rel_change", "ppl_rel_change_stderr", "%.5f") << " | " << pm("kl", "kl_stderr", "%.5f")
+      << " | " << one("top1_agreement", "%.4f") << " | " << one("effective_bits", "%.3f") << " |\n";
+  }
+  return s.str();
+}
+
+}  // namespace
+
+std::string model_card_path(const ZooEntry& e) { return e.model_id + "/" + e.recipe_tag + "/" + kModelCardName; }
+
+std::string render_model_card(const ZooEntry& e) {
+  const json& r = e.recipe;
+  const std::string method = json_text(r, "method");
+  auto num = [&](const char* key) {
+    return r.contains(key) && r[key].is_number() ? number_text(r[key].get<double>()) : std::string();
+  };
+  const std::string kb = num("key_bits"), vb = num("value_bits");
+  std::ostringstream s;
+  s << "---\n";
+  s << "base_model: " << yaml_string(e.base_model.empty() ? e.model_id : e.base_model) << "\n";
+  s << "library_name: kvcc\n";
+  if (!e.license.empty()) s << "license: " << yaml_string(e.license) << "\n";
+  s << "tags:\n- kvcc\n- kv-cache\n- kv-cache-quantization\n- " << yaml_string(method) << "\n";
+  if (kb == vb && !kb.empty()) s << "- " << yaml_string("int" + kb) << "\n";
+  s << "---\n\n";
+  s << "# " << e.model_id << " · " << e.recipe_tag << "\n\n";
+  s << "A kvcc KV-cache artifact for `" << e.model_id
+    << "`: per layer and KV head the key and value rotations and fitted quantizer parameters that hold the model's "
+       "KV cache at about "
+    << (kb.empty() ? "?" : kb) << " bits per element. It matches the model with fingerprint `"
+    << e.fingerprint.id.substr(0, 12) << "`"
+    << (e.fingerprint_source == "shapes" ? " (built from shapes only: it matches no real model)" : "")
+    << " (`kvcc zoo find --model DIR` checks a model against it).\n\n";
+  const json& sh = e.shape;
+  const json& b = e.bits;
+  auto bits = [&](const json& j, const char* key) {
+    const std::string x = json_number(j, key, "%.3f");
+    return x.empty() ? std::string("?") : x;
+  };
+  s << "| | |\n|---|---|\n";
+  s << "| method | " << method;
+  std::vector<std::string> details;
+  if (!json_text(r, "value_target").empty()) details.push_back("value target " + json_text(r, "value_target"));
+  if (!json_text(r, "composition").empty()) details.push_back("composition " + json_text(r, "composition"));
+  if (!json_text(r, "granularity").empty()) details.push_back("rotations per " + json_text(r, "granularity"));
+  if (r.contains("params") && r["params"].is_object())
+    for (const auto& [k, v] : r["params"].items())
+      if (v.is_string()) details.push_back(k + " " + v.get<std::string>());
+  if (!details.empty()) s << " (" << join(details, ", ") << ")";
+  s << " |\n";
+  s << "| key / value bits | " << (kb.empty() ? "?" : kb) << " / " << (vb.empty() ? "?" : vb) << " (nominal "
+    << bits(b, "nominal") << ") |\n";
+  s << "| quantised history, bits per element | key " << bits(b, "history_key") << ", value "
+    << bits(b, "history_value") << " (codes + fp16 scales, zeros, norms) |\n";
+  std::vector<std::string> eff;
+  if (b.contains("effective") && b["effective"].is_object())
+    for (const char* ctx : {"4096", "32768", "131072"})
+      if (b["effective"].contains(ctx)) eff.push_back(std::string(ctx) + " tokens: " + bits(b["effective"], ctx));
+  s << "| effective bits (with the BF16 windows) | " << (eff.empty() ? "?" : join(eff, "; ")) << " |\n";
+  s << "| windows | BF16 sink " << json_text(r, "sink") << " tokens, BF16 recent " << json_text(r, "recent")
+    << " tokens |\n";
+  s << "| page size | " << json_text(r, "page_size") << " tokens |\n";
+  s << "| group | " << json_text(r, "group") << " |\n";
+  s << "| model shape | " << json_text(sh, "n_layers") << " layers, " << json_text(sh, "n_heads") << " query / "
+    << json_text(sh, "n_kv_heads") << " KV heads, head_dim " << json_text(sh, "head_dim") << ", RoPE "
+    << json_text(sh, "rope_style") << " |\n";
+  const json& p = e.provenance;
+  s << "| calibration | " << (json_text(p, "source").empty() ? "unknown" : json_text(p, "source"));
+  if (json_number(p, "tokens", "%.0f") != "" && json_number(p, "tokens", "%.0f") != "0")
+    s << ", " << json_text(p, "tokens") << " tokens in " << json_text(p, "sequences") << " sequences";
+  s << " |\n";
+  s << "| artifact format | kvcc-artifact " << e.artifact_format_version << " |\n\n";
+  s << "## Measured quality\n\n" << quality_section(e) << "\n";
+  s << "## Files\n\n";
+  for (const ZooFile& f : e.files)
+    s << "- `" << fs::path(f.path).filename().string() << "` (" << f.role << ", " << f.size << " bytes, sha256 `"
+      << f.sha256 << "`)\n";
+  s << "\nThe artifact is HDF5; `kvcc export ARTIFACT --format safetensors -o model.kvcc.safetensors` writes the same "
+       "tensors and recipe as safetensors for engines without HDF5 (either form loads in kvcc). The card file holds "
+       "the full record (fingerprint fields, provenance, notes); `kvcc zoo verify` checks every file.\n";
+  return s.str();
+}
+
 // An exclusive flock on <zoo>/.kvcc-zoo.lock (a hidden file, so `zoo verify` does not list it),
 // held from reading the index to replacing it: concurrent publishers into one zoo take turns, so
 // none of them writes an index that misses another's entry.
@@ -377,6 +528,20 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
   KVCC_REQUIRE(safe_component(art.model_id), "artifact model id '" + art.model_id +
                                                  "' cannot name a zoo folder (use letters, digits, '.', '_', '-')");
 
+  // Hub metadata goes into YAML front matter: hub-style ids only ("owner/name", SPDX licence ids).
+  auto hub_id = [](const std::string& v, bool slash) {
+    return std::all_of(v.begin(), v.end(),
+                       [&](char c) {
+                         return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ||
+                                c == '+' || (slash && c == '/');
+                       }) &&
+           v.size() <= 200 && std::count(v.begin(), v.end(), '/') <= 1 && v.front() != '/' && v.back() != '/';
+  };
+  KVCC_REQUIRE(options.base_model.empty() || hub_id(options.base_model, true),
+               "base model '" + options.base_model + "' is not a hub repository id (owner/name)");
+  KVCC_REQUIRE(options.license.empty() || hub_id(options.license, false),
+               "licence '" + options.license + "' is not an SPDX-style id (e.g. mit, apache-2.0)");
+
   fs::create_directories(zoo_dir);
   // Held until the index is replaced and the files it no longer lists are removed.
   const ZooLock lock(zoo_dir);
@@ -391,6 +556,8 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
   e.artifact_format_version = art.format_version;
   e.published = utc_now();
   e.notes = options.notes;
+  e.base_model = options.base_model;
+  e.license = options.license;
   e.recipe = recipe_summary(art);
   e.shape = {{"n_layers", art.n_layers},
              {"n_heads", art.n_heads},
@@ -411,6 +578,15 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
 
   // 2. Duplicates and conflicts.
   PublishResult result;
+  if (options.replace)
+    if (const ZooEntry* same = index.find(e.id); same && same->file("artifact")->sha256 == art_sha &&
+                                                 same->notes == e.notes && same->validation == e.validation &&
+                                                 same->base_model == e.base_model && same->license == e.license) {
+      write_text_file((fs::path(zoo_dir) / model_card_path(*same)).string(), render_model_card(*same));
+      result.entry = *same;
+      result.unchanged = true;
+      return result;
+    }
   std::vector<std::string> refusals;
   for (const auto& old : index.entries) {
     const ZooFile* old_art = old.file("artifact");
@@ -439,7 +615,9 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
   try {
     fs::create_directories(fs::path(zoo_dir) / folder);
     const std::string rev =
-        sha256_hex(art_sha + "\n" + e.published + "\n" + e.notes + "\n" + e.validation.dump()).substr(0, 12);
+        sha256_hex(art_sha + "\n" + e.published + "\n" + e.notes + "\n" + e.validation.dump() +
+                   (e.base_model.empty() && e.license.empty() ? "" : "\n" + e.base_model + "\n" + e.license))
+            .substr(0, 12);
     const std::string art_rel = folder + "/artifact." + rev + ".kvcc.h5";
     new_files.push_back(fs::path(zoo_dir) / art_rel);
     copy_verified(artifact_path, new_files.back().string(), art_sha);
@@ -472,12 +650,23 @@ PublishResult publish(const std::string& artifact_path, const std::string& zoo_d
     for (const auto& f : new_files) fs::remove(f, ec);
     throw;
   }
+  // The model card, from the index record just written (a crash before this leaves the old or no
+  // card, which `zoo verify` reports; re-publishing rewrites it).
+  write_text_file((fs::path(zoo_dir) / model_card_path(e)).string(), render_model_card(e));
   stage("index_written");
 
-  // 5. Old files no entry refers to any more.
+  // 5. Old files no entry refers to any more (and the cards of folders no entry uses).
   std::set<std::string> referenced;
-  for (const auto& k : kept)
+  for (const auto& k : kept) {
     for (const auto& f : k.files) referenced.insert(f.path);
+    referenced.insert(model_card_path(k));
+  }
+  for (const auto& old : index.entries)
+    if (std::find(result.replaced.begin(), result.replaced.end(), old.id) != result.replaced.end() &&
+        !referenced.count(model_card_path(old))) {
+      std::error_code ec;
+      fs::remove(fs::path(zoo_dir) / model_card_path(old), ec);
+    }
   for (const auto& old : index.entries) {
     if (std::find(result.replaced.begin(), result.replaced.end(), old.id) == result.replaced.end()) continue;
     for (const auto& f : old.files) {
@@ -502,6 +691,16 @@ VerifyReport verify_zoo(const std::string& zoo_dir) {
   report.entries = index.entries.size();
   std::set<std::string> listed;
   for (const auto& e : index.entries) {
+    // The model card: present and the one this index record renders.
+    const std::string card = model_card_path(e);
+    listed.insert(fs::path(card).lexically_normal().generic_string());
+    if (!fs::is_regular_file(fs::path(zoo_dir) / card)) {
+      report.missing.push_back(card + " (" + e.id + "): model card");
+    } else if (read_text((fs::path(zoo_dir) / card).string()) != render_model_card(e)) {
+      report.corrupt.push_back(card + " (" + e.id +
+                               "): stale model card (not what the index renders; re-publish the entry with "
+                               "--replace to rewrite it)");
+    }
     for (const auto& f : e.files) {
       listed.insert(fs::path(f.path).lexically_normal().generic_string());
       const fs::path p = fs::path(zoo_dir) / f.path;

@@ -6,12 +6,17 @@
 //   <zoo>/<model_id>/<recipe_tag>/card.<rev>.md       model, fingerprint, recipe, calibration, bits,
 //                                                     validation results
 //
+//   <zoo>/<model_id>/<recipe_tag>/README.md          the model card a model hub shows: YAML front
+//                                                     matter + method, bits, windows, measured quality
+//
 // Entry ids are "<model_id>/<recipe_tag>". File names carry a revision (the first 12 hex digits
 // of the sha256 of the entry's content) so that publishing a replacement never overwrites a file
 // the current index refers to: files are written first, then the index is replaced atomically
 // (temp + rename), then files no entry refers to any more are removed. An interrupted publish
 // therefore leaves the old index valid and every existing entry intact (at worst unreferenced
-// files, which `zoo verify` reports as extra).
+// files, which `zoo verify` reports as extra). README.md has the fixed name hubs look for, so it
+// is not in the index: it is rendered from the entry's index record alone (render_model_card),
+// written atomically after the index, and `zoo verify` re-renders it to find a missing or stale one.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -45,6 +50,10 @@ struct ZooEntry {
   std::string artifact_format_version;
   std::string published;  // UTC, ISO 8601
   std::string notes;
+  // The model card's hub metadata: the base model's hub repository id and the artifact's licence
+  // (an SPDX id such as "mit"); empty: not known (the card then names model_id and no licence).
+  // In the index only when set.
+  std::string base_model, license;
   nlohmann::json recipe;      // method, bits, group, sink, recent, value_target, granularity, ...
   nlohmann::json shape;       // n_layers, n_heads, n_kv_heads, head_dim, rope_style
   nlohmann::json provenance;  // source, tokens, sequences, data/stats sha256, producer, command
@@ -71,8 +80,19 @@ std::string recipe_tag(const Artifact& artifact);
 // The card text (markdown) for an entry.
 std::string render_card(const ZooEntry& entry, const Artifact& artifact);
 
+// The model card file of every entry folder.
+inline constexpr const char* kModelCardName = "README.md";
+// Its text: YAML front matter (base_model, library_name: kvcc, tags) and a body with the method,
+// key/value bits, effective bits, windows, page size and the measured quality of the attached
+// validation report (or a statement that there is none). A function of the index record only.
+std::string render_model_card(const ZooEntry& entry);
+// "<model_id>/<recipe_tag>/README.md" (relative to the zoo).
+std::string model_card_path(const ZooEntry& entry);
+
 struct PublishOptions {
   std::string notes;          // appended to the card
+  std::string base_model;     // hub repository id of the base model ("karpathy/tinyllamas"); "" unknown
+  std::string license;        // licence of the artifact (SPDX id); "" unknown
   bool replace = false;       // replace a duplicate or conflicting entry instead of refusing
   nlohmann::json validation;  // attached results (a `kvcc validate` JSON report); null: none
   // Called after each step ("files_written", "index_temp_written", "index_written"); tests throw
@@ -84,6 +104,10 @@ struct PublishResult {
   ZooEntry entry;
   std::vector<std::string> replaced;       // ids of entries the new one replaced
   std::vector<std::string> removed_files;  // old files no entry refers to any more
+  // With `replace`, an entry identical to the request (same id, artifact bytes, notes,
+  // validation, base model and licence) is kept as it is (its files, publication time and index record) and only its
+  // model card is rewritten: re-publishing regenerates cards without touching artifacts.
+  bool unchanged = false;
 };
 
 // Verifies the artifact (every problem verify finds is reported) before touching the zoo; refuses
@@ -92,10 +116,10 @@ struct PublishResult {
 PublishResult publish(const std::string& artifact_path, const std::string& zoo_dir, const PublishOptions& options);
 
 struct VerifyReport {
-  size_t entries = 0, files_checked = 0;
-  std::vector<std::string> missing;  // "path (entry id)"
-  std::vector<std::string> corrupt;  // "path (entry id): size/sha256 differ"
-  std::vector<std::string> extra;    // files in the zoo no entry refers to
+  size_t entries = 0, files_checked = 0;  // files the index lists (model cards not counted)
+  std::vector<std::string> missing;       // "path (entry id)", model cards included
+  std::vector<std::string> corrupt;       // "path (entry id): size/sha256 differ" or a stale model card
+  std::vector<std::string> extra;         // files in the zoo no entry refers to
   bool ok() const { return missing.empty() && corrupt.empty() && extra.empty(); }
 };
 // Re-hashes every file the index lists and walks the directory for files it does not list.
