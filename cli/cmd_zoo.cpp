@@ -65,7 +65,8 @@ static Command reg{
           "  kvcc zoo export-oscar q.kvcc.h5 -o rotations/");
 
       struct Options {
-        std::string zoo_dir, artifact, notes, validation, entry, model, model_id, key_pt, value_pt, out;
+        std::string zoo_dir, artifact, notes, validation, base_model, license, entry, model, model_id, key_pt, value_pt,
+            out;
         bool replace = false, json_out = false, card = false;
         int format_version = 0, n_heads = 0, n_kv_heads = 0;
         double key_clip = 0.96, value_clip = 0.92;
@@ -77,6 +78,9 @@ static Command reg{
       publish->add_option("artifact", o->artifact, "Artifact to publish (.kvcc.h5)")->required();
       publish->add_option("--zoo", o->zoo_dir, "Zoo directory (created when absent)")->required();
       publish->add_option("--card-notes", o->notes, "Text appended to the entry's card");
+      publish->add_option("--base-model", o->base_model,
+                          "Hub id of the base model for the model card (e.g. karpathy/tinyllamas)");
+      publish->add_option("--license", o->license, "Licence of the artifact for the model card (SPDX id, e.g. mit)");
       publish->add_option("--validation", o->validation, "A `kvcc validate` JSON report to attach");
       publish->add_flag("--replace", o->replace, "Replace a duplicate or conflicting entry instead of refusing");
 
@@ -120,6 +124,8 @@ static Command reg{
         if (publish->parsed()) {
           zoo::PublishOptions po;
           po.notes = o->notes;
+          po.base_model = o->base_model;
+          po.license = o->license;
           po.replace = o->replace;
           if (!o->validation.empty()) {
             try {
@@ -130,7 +136,7 @@ static Command reg{
           }
           const zoo::PublishResult r = zoo::publish(o->artifact, o->zoo_dir, po);
           for (const auto& id : r.replaced) std::printf("replaced entry %s\n", id.c_str());
-          std::printf("published %s\n", r.entry.id.c_str());
+          std::printf(r.unchanged ? "unchanged %s (model card rewritten)\n" : "published %s\n", r.entry.id.c_str());
           for (const auto& f : r.entry.files)
             std::printf("  %s  %s  (%llu bytes)\n", f.sha256.c_str(), f.path.c_str(),
                         static_cast<unsigned long long>(f.size));
