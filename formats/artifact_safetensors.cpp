@@ -205,6 +205,8 @@ const char* artifact_container_name(ArtifactContainer c) {
 
 ArtifactContainer artifact_container(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // The HDF5 readers' wording for a missing file, so every command says it the same way.
+  KVCC_REQUIRE(fd >= 0 || errno != ENOENT, path + ": no such file");
   KVCC_REQUIRE(fd >= 0, path + ": cannot open (" + std::strerror(errno) + ")");
   struct stat st {};
   unsigned char head[9] = {};
