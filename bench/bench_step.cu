@@ -2,8 +2,12 @@
 // new token per sequence), then per layer append(layer) + decode(layer) on one stream, host work
 // included (wall time from the first call to the stream's end, over many steps). Only the public
 // API is used, so the same file times an older tree's Runtime (scripts/gpu_run.sh BEFORE_TREE).
+// With --modes: `plain` (no maxima declared), `fixed` (maxima declared: workspace and tables sized
+// at load, fixed grids) and `graph` (maxima declared, every layer's append + decode captured once
+// in a CUDA graph, then begin_append + one graph launch per step). Modes other than plain need a
+// Runtime with RuntimeOptions::max_context.
 //
-// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
+// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N] [--modes plain,fixed,graph]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -74,7 +78,27 @@ void begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& cou
   rt.begin_append(seqs, counts);
 }
 
-void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
+enum class Mode { Plain, Fixed, Graph };
+
+// New tokens per fill step: the declared max_step_tokens too (so the decode steps' append grids
+// are sized for a step of 8192 tokens, as an engine's that also prefills through this Runtime).
+constexpr int kChunk = 8192;
+
+// The maxima, where this tree's RuntimeOptions has them; false where it does not (an older tree:
+// plain mode only).
+template <class O>
+auto declare(O& o, int batch, int64_t context, int) -> decltype(o.max_context, bool()) {
+  o.max_batch = batch;
+  o.max_context = context;
+  o.max_step_tokens = kChunk;
+  return true;
+}
+template <class O>
+bool declare(O&, int, int64_t, long) {
+  return false;
+}
+
+void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) {
   const int d = 128;
   std::mt19937 rng(7);
   Artifact art;
@@ -95,13 +119,18 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
   o.max_pages = int64_t(batch) * ((ctx + steps + 64) / 64 + 1);
   o.max_sequences = batch;
   o.memory = PoolMemory::Device;
+  // Room for the warm-up, the timed steps and (graph) the captured one.
+  if (mode != Mode::Plain && !declare(o, batch, int64_t(ctx) + steps + 8, 0)) {
+    std::printf("step %d/%d b=%-3d ctx=%-7d: this Runtime has no declared maxima\n", hq, hkv, batch, ctx);
+    return;
+  }
   Runtime rt(art, e, o);
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   std::vector<int> seqs;
   for (int b = 0; b < batch; ++b) seqs.push_back(rt.cache().add_sequence());
   // Fill every sequence to ctx tokens, in chunks (random K/V rows).
-  const int chunk = 8192;
+  const int chunk = kChunk;
   float* kv = device_random(size_t(chunk) * hkv * d, rng);
   for (int b = 0; b < batch; ++b)
     for (int done = 0; done < ctx; done += chunk) {
@@ -123,14 +152,35 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
       rt.decode(l, seqs, q, out, s);
     }
   };
-  for (int i = 0; i < 3; ++i) step();  // warm-up
+  // Graph mode: the first step's layers captured once; each step is then begin_append (host plan,
+  // one upload) and a launch of the graph.
+  cudaGraphExec_t exec = nullptr;
+  auto graph_step = [&] {
+    begin_step(rt, seqs, ones, s, 0);
+    if (!exec) {
+      cudaGraph_t g;
+      ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+      for (int l = 0; l < layers; ++l) {
+        rt.append(l, k1, v1, s);
+        rt.decode(l, seqs, q, out, s);
+      }
+      ck(cudaStreamEndCapture(s, &g), "capture end");
+      ck(cudaGraphInstantiate(&exec, g, 0), "graph instantiate");
+      ck(cudaGraphDestroy(g), "graph destroy");
+    }
+    ck(cudaGraphLaunch(exec, s), "graph launch");
+  };
+  auto one = [&] { mode == Mode::Graph ? graph_step() : step(); };
+  for (int i = 0; i < 3; ++i) one();  // warm-up
   ck(cudaStreamSynchronize(s), "warm-up");
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < steps; ++i) step();
+  for (int i = 0; i < steps; ++i) one();
   ck(cudaStreamSynchronize(s), "steps");
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included)\n", hq,
-              hkv, batch, ctx, layers, us / steps / layers);
+  const char* name = mode == Mode::Plain ? "" : mode == Mode::Fixed ? " [fixed]" : " [graph]";
+  std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included)%s\n", hq,
+              hkv, batch, ctx, layers, us / steps / layers, name);
+  if (exec) cudaGraphExecDestroy(exec);
   for (float* p : {kv, k1, v1, q, out}) cudaFree(p);
   cudaStreamDestroy(s);
 }
@@ -140,8 +190,10 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps) {
 int main(int argc, char** argv) {
   std::string configs = "32:8:1:32768,32:8:8:131072,32:8:64:32768";
   int layers = 4, steps = 50;
+  std::string modes = "plain";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
+    if (!std::strcmp(argv[i], "--modes")) modes = argv[i + 1];
     if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
   }
@@ -154,7 +206,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     try {
-      run(hq, hkv, batch, ctx, layers, steps);
+      std::stringstream ms(modes);
+      std::string m;
+      while (std::getline(ms, m, ',')) {
+        if (m != "plain" && m != "fixed" && m != "graph") {
+          std::fprintf(stderr, "bad mode %s (plain, fixed or graph)\n", m.c_str());
+          return 1;
+        }
+        run(hq, hkv, batch, ctx, layers, steps, m == "plain" ? Mode::Plain : m == "fixed" ? Mode::Fixed : Mode::Graph);
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s: %s\n", item.c_str(), e.what());
       return 1;

@@ -70,7 +70,9 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 // One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
 // rotate and stage, quantise the moves, write the windows; no host work, no copies. codecs: device
-// [n_kv] of this layer; staging: at least append_staging_bytes(g, plan.rows).
+// [n_kv] of this layer; staging: at least append_staging_bytes(g, plan.rows). With plan.counts
+// (the step's counts on the device) the launches are the same for every step within the
+// capacities, so they can be captured in a CUDA graph and replayed.
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
                        void* staging, size_t staging_bytes, cudaStream_t stream);

@@ -62,7 +62,13 @@ struct Runtime::DeviceState {
   DeviceBuffer<HeadCodec> codecs;  // [layers, n_kv], uploaded once
   DeviceBuffer<int32_t> batch;     // prefill's page table, and a decode batch outside a step
   DeviceBuffer<uint8_t> step;      // the step's plan: append moves | window writes | decode batch
-  DeviceBuffer<uint8_t> ws;        // append staging and decode workspace (stream order)
+  DeviceBuffer<uint8_t> ws;        // the step's append staging and decode workspace (stream order)
+  DeviceBuffer<uint8_t> other_ws;  // prefill, and decode outside the step: never the step's buffers
+  // Maxima declared: `step` and `ws` are sized at load for `cap` and never reallocated (a captured
+  // graph holds their addresses), and decode's split plan is the one for cap.hist_pages.
+  bool fixed = false;
+  StepCapacity cap;
+  std::vector<uint8_t> packed;  // host image of the step's tables (reused: no allocation per step)
   // The step planned by begin_append (valid until the next one): its sequences, the append plan
   // and the decode batch of those sequences, all in `step`.
   std::vector<int> step_seqs;
@@ -99,6 +105,7 @@ struct Runtime::DeviceState {
   }
   // r from element off on (a layer's rotations), or null when the artifact has none.
   static const float* at(const DeviceBuffer<float>& r, size_t off) { return r.empty() ? nullptr : r.data() + off; }
+  void upload_fixed(const AppendMoves& m, const std::vector<int32_t>& ints, int n_seqs, cudaStream_t stream);
   // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
   int32_t* upload_batch(const std::vector<int32_t>& host, cudaStream_t s) {
     if (host.empty()) return batch.data();
@@ -171,6 +178,13 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   KVCC_REQUIRE(whole || e.n_heads % e.n_kv_heads == 0,
                "runtime: a KV-head slice needs query heads (" + std::to_string(e.n_heads) +
                    ") to be a multiple of KV heads (" + std::to_string(e.n_kv_heads) + ")");
+  KVCC_REQUIRE(o.max_batch >= 0 && o.max_context >= 0 && o.max_step_tokens >= 0,
+               "runtime: max_batch, max_context and max_step_tokens must not be negative");
+  KVCC_REQUIRE(o.max_context > 0 || (o.max_batch == 0 && o.max_step_tokens == 0),
+               "runtime: max_batch or max_step_tokens given without max_context (max_context > 0 declares the "
+               "maxima)");
+  KVCC_REQUIRE(o.max_batch <= o.max_sequences, "runtime: max_batch " + std::to_string(o.max_batch) +
+                                                   " above max_sequences " + std::to_string(o.max_sequences));
   kv_begin_ = o.kv_begin;
   n_heads_ = whole ? e.n_heads : e.n_heads / e.n_kv_heads * (kv_end - o.kv_begin);
   KvGeometry g;
@@ -198,6 +212,13 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
 #endif
   }
   cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
+  StepCapacity cap;
+  if (o.max_context > 0) {
+    limits_.max_batch = o.max_batch > 0 ? o.max_batch : o.max_sequences;
+    limits_.max_context = o.max_context;
+    limits_.max_step_tokens = o.max_step_tokens > 0 ? o.max_step_tokens : limits_.max_batch;
+    cap = step_capacity(g, limits_);  // checks the limits
+  }
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   // Over the whole model, so that a slice rotates (or not) exactly as the whole-model Runtime does.
@@ -237,6 +258,22 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     dev_->rot_v_t = DeviceBuffer<float>(rvt);
   }
   if (o.memory == PoolMemory::Device) dev_->codecs = DeviceBuffer<HeadCodec>(codecs_);
+  if (o.memory == PoolMemory::Device && limits_.max_context > 0) {
+    // Everything a step within the maxima needs, now: the tables, and a workspace for the largest
+    // append staging and the largest decode of any batch size up to max_batch (the split plan,
+    // hence the workspace, depends on the batch).
+    DeviceState& d = *dev_;
+    d.fixed = true;
+    d.cap = cap;
+    d.step = DeviceBuffer<uint8_t>(cap.bytes);
+    d.packed.assign(cap.bytes, 0);
+    size_t ws = append_staging_bytes(g, cap.rows);
+    for (int b = 1; b <= limits_.max_batch; ++b)
+      ws = std::max(ws, decode_workspace_bytes(g, b, n_heads_, int(cap.hist_pages)));
+    d.ws = DeviceBuffer<uint8_t>(ws);
+  }
+#else
+  (void)cap;
 #endif
 }
 
@@ -260,9 +297,26 @@ const float* Runtime::rot_v(int layer) const {
 void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream) {
   KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: one count per sequence");
   std::vector<int64_t> old, add;
+  int64_t tokens = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
+    KVCC_REQUIRE(counts[i] >= 0, "runtime: negative token count for sequence " + std::to_string(seqs[i]));
     old.push_back(cache_->length(seqs[i]));
     add.push_back(counts[i]);
+    tokens += counts[i];
+  }
+  if (limits_.max_context > 0) {
+    // Before the cache grows: a refused step changes nothing.
+    KVCC_REQUIRE(int64_t(seqs.size()) <= limits_.max_batch, "runtime: a step of " + std::to_string(seqs.size()) +
+                                                                " sequences, above the declared max_batch " +
+                                                                std::to_string(limits_.max_batch));
+    KVCC_REQUIRE(tokens <= limits_.max_step_tokens, "runtime: a step of " + std::to_string(tokens) +
+                                                        " new tokens, above the declared max_step_tokens " +
+                                                        std::to_string(limits_.max_step_tokens));
+    for (size_t i = 0; i < seqs.size(); ++i)
+      KVCC_REQUIRE(old[i] + counts[i] <= limits_.max_context, "runtime: sequence " + std::to_string(seqs[i]) +
+                                                                  " would hold " + std::to_string(old[i] + counts[i]) +
+                                                                  " tokens, above the declared max_context " +
+                                                                  std::to_string(limits_.max_context));
   }
   cache_->grow_batch(seqs, add);
   pending_seqs_ = seqs;
@@ -275,6 +329,37 @@ void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>&
 }
 
 #if defined(KVCC_HAVE_CUDA)
+// Maxima declared: the step's tables into `step` (header | decode ints at a fixed place | moves |
+// writes, packed: step_packing), the device plans pointing there with capacities for the grids,
+// so that every step's append and decode launches are the same. One copy of what the step has.
+void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<int32_t>& ints, int n_seqs,
+                                        cudaStream_t stream) {
+  DeviceState& d = *this;
+  const StepCapacity& c = d.cap;
+  KVCC_REQUIRE(int64_t(m.moves.size()) <= c.moves && int64_t(m.writes.size()) <= c.writes && m.rows <= c.rows &&
+                   int64_t(ints.size()) <= c.ints,
+               "runtime: a step's tables above their capacities (a bug: begin_append checks the maxima)");
+  const StepPacking at = step_packing(c, int64_t(ints.size()), int64_t(m.moves.size()), int64_t(m.writes.size()));
+  const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()), int32_t(m.writes.size()), int32_t(m.rows),
+                                           int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at)};
+  uint8_t* h = d.packed.data();
+  std::memcpy(h + c.counts_at, header, sizeof(header));
+  std::memcpy(h + c.ints_at, ints.data(), ints.size() * sizeof(int32_t));
+  std::memcpy(h + at.moves_at, m.moves.data(), m.moves.size() * sizeof(AppendMove));
+  std::memcpy(h + at.writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
+  // Pageable memory, as the undeclared path: staged before the call returns, so `packed` is free
+  // for the next step at once.
+  check_cuda(cudaMemcpyAsync(d.step.data(), h, at.bytes, cudaMemcpyHostToDevice, stream), "runtime: step upload");
+  uint8_t* base = d.step.data();
+  d.append.moves = nullptr;  // at the header's offsets
+  d.append.writes = nullptr;
+  d.append.n_moves = int(c.moves);
+  d.append.n_writes = int(c.writes);
+  d.append.rows = c.rows;
+  d.append.counts = reinterpret_cast<const int32_t*>(base + c.counts_at);
+  d.decode = device_batch(reinterpret_cast<const int32_t*>(base + c.ints_at), n_seqs, int(c.hist_pages));
+}
+
 // The step's plan, once for all layers: the append moves and window writes (plan_append_moves)
 // and the decode batch of the step's sequences at their new lengths, uploaded in one copy; the
 // workspace sized for the step's append and decode. Layers then only launch kernels.
@@ -287,6 +372,18 @@ void Runtime::plan_step(void* stream_ptr) {
   const AppendMoves m = plan_append_moves(g, host_plan);
   int max_pages = 0;
   const std::vector<int32_t> ints = decode_batch_ints(*cache_, pending_seqs_, max_pages);
+  DeviceState& d = *dev_;
+  d.make_events();
+  if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(stream, d.used, 0), "runtime: stream wait");
+  d.used_elsewhere = false;
+  if (d.fixed) {
+    d.upload_fixed(m, ints, int(pending_seqs_.size()), stream);
+    check_cuda(cudaEventRecord(d.uploaded, stream), "runtime: event record");
+    d.step_stream = stream;
+    d.step_seqs = pending_seqs_;
+    d.step_version = cache_->version();
+    return;
+  }
   const size_t moves_at = 0, writes_at = align256(m.moves.size() * sizeof(AppendMove)),
                ints_at = writes_at + align256(m.writes.size() * sizeof(AppendWindowWrite)),
                bytes = ints_at + ints.size() * sizeof(int32_t);
@@ -294,10 +391,6 @@ void Runtime::plan_step(void* stream_ptr) {
   std::memcpy(packed.data() + moves_at, m.moves.data(), m.moves.size() * sizeof(AppendMove));
   std::memcpy(packed.data() + writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
   std::memcpy(packed.data() + ints_at, ints.data(), ints.size() * sizeof(int32_t));
-  DeviceState& d = *dev_;
-  d.make_events();
-  if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(stream, d.used, 0), "runtime: stream wait");
-  d.used_elsewhere = false;
   d.step.reserve(bytes);  // grows only here, between steps
   d.step.upload(packed.data(), bytes, stream);
   check_cuda(cudaEventRecord(d.uploaded, stream), "runtime: event record");
@@ -356,13 +449,13 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
     int max_pages = 0;
     const std::vector<int32_t> host = decode_batch_ints(*cache_, seqs, max_pages);
     db = device_batch(dev_->upload_batch(host, s), int(seqs.size()), max_pages);
-    dev_->ws.reserve(decode_workspace_bytes(g, db.batch, n_heads_, max_pages));
+    dev_->other_ws.reserve(decode_workspace_bytes(g, db.batch, n_heads_, max_pages));
   }
+  const DeviceBuffer<uint8_t>& ws = planned ? dev_->ws : dev_->other_ws;
   DecodeShape shape{n_heads_, options_.sm_scale, 0};
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
-              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
-              dev_->ws.bytes(), s);
+              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, ws.data(), ws.bytes(), s);
   if (planned) dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
@@ -401,11 +494,11 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
   const std::vector<int32_t> hist(pt.begin(), pt.begin() + history_pages(g, length));
   const int32_t* table = dev_->upload_batch(hist, s);
   const PrefillShape shape{n_heads_, options_.sm_scale};
-  dev_->ws.reserve(prefill_workspace_bytes(g, length, T, shape));
+  dev_->other_ws.reserve(prefill_workspace_bytes(g, length, T, shape));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,
                k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
-               DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(), dev_->ws.bytes(), s);
+               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -31,6 +31,7 @@
 #include "formats/artifact.h"
 #include "formats/kv_layout.h"
 #include "runtime/kv_cache.h"
+#include "runtime/plan.h"
 
 namespace kvcc {
 
@@ -47,6 +48,18 @@ struct RuntimeOptions {
   // The model's KV heads this Runtime serves, [kv_begin, kv_end); kv_end = 0: all of them
   // (kv_begin must then be 0). A proper slice needs n_heads a multiple of n_kv_heads.
   int kv_begin = 0, kv_end = 0;
+  // Declared maxima (engine mode; max_context > 0 declares them): the largest step the engine
+  // will open, sequences in it (0: max_sequences), tokens of a sequence after it, and new tokens
+  // of all its sequences together (0: max_batch, one per sequence). A device Runtime then sizes
+  // its step tables and workspace once, at load, never reallocates them, plans decode's split-K
+  // grid for max_context (every step launches the same grids, so a decode step captured in a CUDA
+  // graph replays for later steps), and begin_append refuses a step beyond them (Error, the cache
+  // unchanged; the host pool refuses the same steps). Undeclared (0), the device workspace is
+  // sized in begin_append for each step (between steps, never inside one) and decode's split
+  // plan follows the step's longest sequence; nothing may then be captured.
+  int max_batch = 0;
+  int64_t max_context = 0;
+  int max_step_tokens = 0;
 };
 
 // Rank `rank` of `ranks` tensor-parallel ranks: contiguous equal slices of the KV heads,
@@ -87,7 +100,21 @@ class Runtime {
   // kernels. decode of other sequences than the step's plans its batch per call. Pass the stream
   // append and decode run on (one stream per Runtime); calls on another stream are ordered after
   // the upload, and the next step's upload after them, by events.
+  //
+  // CUDA graphs (device pool, maxima declared): everything a step changes (lengths, page moves,
+  // page tables, the counts the append grids stride over) is written by begin_append's upload
+  // into device tables at fixed addresses, and append(layer) / decode(layer) launch fixed grids
+  // over them. So an engine calls begin_append(seqs, counts, stream) outside the capture, captures
+  // append(l) + decode(l, seqs) for every layer on `stream` once, and for each later step calls
+  // begin_append (same number of sequences; any ids, lengths and counts within the maxima) and
+  // replays the graph on the same stream. The graph reads the k, v, q and out addresses it was
+  // captured with. prefill and decode of other sequences than the step's never touch the step's
+  // tables or workspace.
   void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream = nullptr);
+  // The declared maxima (all 0 when undeclared; max_batch and max_step_tokens resolved).
+  int max_batch() const { return limits_.max_batch; }
+  int64_t max_context() const { return limits_.max_context; }
+  int max_step_tokens() const { return limits_.max_step_tokens; }
   void append(int layer, const float* k, const float* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
   void prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
@@ -102,6 +129,7 @@ class Runtime {
   std::unique_ptr<KvCache> cache_;
   std::vector<HeadCodec> codecs_;     // [layers * n_kv]
   std::vector<float> rot_k_, rot_v_;  // [layers * n_kv * d * d], empty: identity
+  StepLimits limits_;                 // all 0: undeclared
   std::vector<int> pending_seqs_, pending_counts_;
   std::vector<int64_t> pending_old_;
   std::vector<char> appended_;  // [layers]: append(layer) done in the current step

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "formats/error.h"
@@ -207,6 +208,34 @@ AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_
   w.codecs = w.writes + align256(size_t(rows) * sizeof(AppendWindowWrite));
   w.bytes = w.codecs + align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));
   return w;
+}
+
+StepCapacity step_capacity(const KvGeometry& g, const StepLimits& l) {
+  KVCC_REQUIRE(l.max_batch > 0 && l.max_context > 0 && l.max_step_tokens > 0,
+               "step limits: max_batch, max_context and max_step_tokens must be positive (got " +
+                   std::to_string(l.max_batch) + ", " + std::to_string(l.max_context) + ", " +
+                   std::to_string(l.max_step_tokens) + ")");
+  KVCC_REQUIRE(l.max_context <= INT32_MAX && l.max_step_tokens <= int64_t(l.max_batch) * l.max_context,
+               "step limits: max_context above 2^31 - 1 tokens, or max_step_tokens above max_batch x max_context");
+  StepCapacity c;
+  c.moves = int64_t(l.max_step_tokens) + int64_t(l.max_batch) * (g.page_tokens - 1);
+  c.writes = l.max_step_tokens;
+  c.rows = l.max_step_tokens;
+  c.hist_pages = history_pages(g, l.max_context);
+  c.ints = 3 * int64_t(l.max_batch) + int64_t(l.max_batch) * c.hist_pages;
+  c.counts_at = 0;
+  c.ints_at = align256(kStepHeaderInts * sizeof(int32_t));
+  c.bytes = step_packing(c, c.ints, c.moves, c.writes).bytes;
+  return c;
+}
+
+StepPacking step_packing(const StepCapacity& c, int64_t ints, int64_t n_moves, int64_t n_writes) {
+  const auto align16 = [](size_t x) { return (x + 15) / 16 * 16; };
+  StepPacking p;
+  p.moves_at = align16(c.ints_at + size_t(ints) * sizeof(int32_t));
+  p.writes_at = align16(p.moves_at + size_t(n_moves) * sizeof(AppendMove));
+  p.bytes = p.writes_at + size_t(n_writes) * sizeof(AppendWindowWrite);
+  return p;
 }
 
 }  // namespace kvcc

@@ -143,7 +143,46 @@ struct DeviceAppendPlan {
   const AppendWindowWrite* writes = nullptr;
   int n_moves = 0, n_writes = 0;
   int64_t rows = 0;
+  // Null: the fields above are the step's. Otherwise the step's own live on the device, in a header
+  // the step's upload writes: int32 [n_moves, n_writes, rows, byte offset of the moves, byte offset
+  // of the window writes] (offsets from the header; moves and writes above are then unused), and
+  // n_moves, n_writes and rows above are capacities: they size the grids and the staging (rows is
+  // its stride), so launches captured in a CUDA graph stay valid for every later step within them.
+  const int32_t* counts = nullptr;
 };
+
+// ---------------------------------------------------------------------------------------------
+// A step within declared maxima (RuntimeOptions::max_batch, max_context, max_step_tokens): the
+// device tables and workspace are sized once, at load, from these bounds.
+
+struct StepLimits {
+  int max_batch = 0;        // sequences in a step
+  int64_t max_context = 0;  // tokens of a sequence after the step
+  int max_step_tokens = 0;  // new tokens of a step, all sequences together
+};
+// Capacities of one step's tables and the layout of its device table: the header
+// (DeviceAppendPlan::counts), the decode batch ints at a fixed place (decode's launches hold their
+// address), then the step's moves and window writes packed after the ints it has (their offsets
+// in the header; step_packing), so that one copy uploads a step.
+struct StepCapacity {
+  int64_t moves = 0;                             // AppendMoves::moves of any step within the limits, at most
+  int64_t writes = 0;                            // AppendMoves::writes, at most
+  int64_t rows = 0;                              // staging rows (= max_step_tokens)
+  int64_t hist_pages = 0;                        // history pages of a max_context sequence (fixes decode's split plan)
+  int64_t ints = 0;                              // decode batch ints: seq_slot | seq_len | page_offset | page tables
+  size_t counts_at = 0, ints_at = 0, bytes = 0;  // bytes: for the largest step
+};
+constexpr int kStepHeaderInts = 5;
+// Where a step's moves and window writes go (byte offsets from the header, 16-byte aligned), and
+// the bytes up to their end, for a step of `ints` decode ints, n_moves moves and n_writes writes.
+struct StepPacking {
+  size_t moves_at, writes_at, bytes;
+};
+StepPacking step_packing(const StepCapacity& c, int64_t ints, int64_t n_moves, int64_t n_writes);
+// Throws Error for non-positive limits. History grows by whole pages, so a sequence given c
+// tokens moves at most page_tokens·ceil(c / page_tokens) <= c + page_tokens - 1 tokens into
+// history; each new token is at most one window write.
+StepCapacity step_capacity(const KvGeometry& g, const StepLimits& limits);
 // Bytes of the BF16 staging of `rows` K and V rows (the first part of append's workspace).
 size_t append_staging_bytes(const KvGeometry& g, int64_t rows);
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One GPU run: build the CUDA targets, run the GPU tests (decode/append, prefill and the
-# validation's device pool, plus compute-sanitizer on a subset), run the decode/append and
+# One GPU run: build the CUDA targets, run the GPU tests (decode/append, prefill, graph replay and
+# the validation's device pool, plus compute-sanitizer on a subset), run the decode/append and
 # prefill benchmarks and PyTorch SDPA on the decode shapes, and write gpu_results.json and
 # gpu_results.md (scripts/gpu_report.py) into the output directory, and everything in one
 # gpu_out.tgz there (for machines that copy back only a few files).
 # BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same run
 # (scripts/gpu_perf.sh) and adds its column and ratios to the report; BEFORE_TREE=dir does the
 # same with a whole older source tree (its own CMake build), for changes beyond decode.cu.
+# `graph` runs only the decode-step path: the CUDA-graph replay test, the append/decode and prefill
+# GPU tests, the validation's device pool, memcheck on the graph test, and bench_step in its plain, fixed and graph modes (with
+# BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
 # usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
-#        scripts/gpu_run.sh [quick]
+#        scripts/gpu_run.sh [quick | graph]
 set -u -o pipefail
 source "$(dirname "$0")/gpu_common.sh"
 BUILD=${BUILD:-$GPU_BUILD}
@@ -17,12 +20,45 @@ LOG=$OUT/gpu_log.txt
 exec > >(tee -a "$LOG") 2>&1
 gpu_provenance
 
+if [ "${1:-}" = graph ]; then
+  t0=$(date +%s)
+  if [ -n "${BEFORE_TREE:-}" ]; then
+    [ -e "$BEFORE_TREE/bench/bench_step.cu" ] || cp bench/bench_step.cu "$BEFORE_TREE/bench/"
+    (cd "$BEFORE_TREE" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+      cmake --build build-before --target bench_step -j"$(( JOBS / 2 ))" >"$OUT/before_build.txt" 2>&1) &
+    before_pid=$!
+  fi
+  [ -n "${BEFORE_TREE:-}" ] && JOBS=$(( JOBS / 2 ))
+  gpu_cmake_build gpu_test_graph gpu_test_cache gpu_test_prefill test_validate bench_step || { echo "BUILD FAILED"; exit 1; }
+  [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+  for t in gpu_test_graph gpu_test_cache gpu_test_prefill; do
+    "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 | grep -E '^\[  (FAILED|PASSED) |graph replay|Failure|error|Expected|Which is' | head -20
+    echo "$t exit: ${PIPESTATUS[0]}"
+  done
+  "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' 2>&1 | grep -E '^\[  (FAILED|PASSED) '
+  echo "gpu validate test exit: ${PIPESTATUS[0]}"
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 120 compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer.txt" "$BUILD/tests/gpu_test_graph" >/dev/null
+    echo "memcheck exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer.txt" 2>/dev/null) clean summaries)"
+  fi
+  STEP_CONFIGS=${STEP_CONFIGS:-32:8:1:32768,32:8:8:131072,32:8:64:32768}
+  "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,fixed,graph | tee "$OUT/bench_step.txt"
+  echo "bench_step exit: $?"
+  if [ -n "${BEFORE_TREE:-}" ]; then
+    "$BEFORE_TREE/build-before/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" | sed "s/^/before /" | tee "$OUT/bench_step_before.txt"
+    "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,graph | sed "s/^/again /" | tee -a "$OUT/bench_step.txt"
+  fi
+  echo "total: $(( $(date +%s) - t0 )) s"
+  exit 0
+fi
+
 # Build through CMake (only the targets needed).
 TEST=$BUILD/tests/gpu_test_cache
 PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
-gpu_cmake_build gpu_test_cache gpu_test_prefill test_validate bench_decode bench_prefill bench_step ||
+gpu_cmake_build gpu_test_cache gpu_test_prefill gpu_test_graph test_validate bench_decode bench_prefill bench_step ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
@@ -30,6 +66,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 echo "gpu tests exit: $?"
 "$PREFILL_TEST" --gtest_output=xml:"$OUT/gpu_tests_prefill.xml"
 echo "gpu prefill tests exit: $?"
+# A decode step captured in a CUDA graph and replayed against the uncaptured Runtime.
+"$BUILD/tests/gpu_test_graph" --gtest_output=xml:"$OUT/gpu_tests_graph.xml"
+echo "gpu graph test exit: $?"
 # kvcc validate through the device pool (its CPU tests run in CI; this one needs the GPU).
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' --gtest_output=xml:"$OUT/gpu_tests_validate.xml"
 echo "gpu validate test exit: $?"
