@@ -1,10 +1,17 @@
 #include "runtime/kvcc_c.h"
 
+#include <algorithm>
 #include <exception>
+#include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "formats/artifact.h"
+#include "formats/error.h"
+#include "formats/kv_layout.h"
+#include "formats/model_file.h"
 #include "runtime/kvcc_runtime.h"
 
 struct kvcc_runtime {
@@ -13,6 +20,71 @@ struct kvcc_runtime {
 
 namespace {
 thread_local std::string last_error;
+thread_local std::string described;      // kvcc_artifact_describe's result
+thread_local std::string fingerprinted;  // kvcc_model_fingerprint's result
+
+nlohmann::json fingerprint_json(const kvcc::ModelFingerprint& f) {
+  nlohmann::json fields = nlohmann::json::array();
+  for (const auto& [name, value] : f.fields) fields.push_back({name, value});
+  return {{"id", f.id}, {"weights_sha256", f.weights_sha256}, {"fields", fields}};
+}
+
+// [min, max] of one side's clip ratio over all heads, and the heads that use a level table.
+nlohmann::json side_summary(const kvcc::Artifact& a, bool key) {
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  int tables = 0;
+  for (const kvcc::HeadArtifact& h : a.heads) {
+    const kvcc::SideArtifact& s = key ? h.key : h.value;
+    lo = std::min(lo, s.clip_ratio);
+    hi = std::max(hi, s.clip_ratio);
+    tables += s.levels.empty() ? 0 : 1;
+  }
+  if (a.heads.empty()) return {{"clip_ratio", nullptr}, {"level_tables", 0}};
+  return {{"clip_ratio", {lo, hi}}, {"level_tables", tables}};
+}
+
+std::string describe(const kvcc::Artifact& a) {
+  const kvcc::Recipe& r = a.recipe;
+  const nlohmann::json k = side_summary(a, true), v = side_summary(a, false);
+  const nlohmann::json j = {
+      {"format_version", a.format_version},
+      {"producer", a.producer},
+      {"created", a.created},
+      {"command", a.command},
+      {"model_id", a.model_id},
+      {"n_layers", a.n_layers},
+      {"n_heads", a.n_heads},
+      {"n_kv_heads", a.n_kv_heads},
+      {"head_dim", a.head_dim},
+      {"rope_style", kvcc::rope_style_name(a.rope_style)},
+      {"fingerprint", fingerprint_json(a.fingerprint)},
+      {"recipe",
+       {{"method", r.method},
+        {"key_bits", r.key_bits},
+        {"value_bits", r.value_bits},
+        {"group", r.group},
+        {"sink", r.sink},
+        {"recent", r.recent},
+        {"page_size", r.page_size},
+        {"value_target", r.value_target},
+        {"granularity", r.granularity},
+        {"composition", r.composition},
+        {"seed", r.seed},
+        {"params", r.params}}},
+      {"clip_ratio", {{"key", k["clip_ratio"]}, {"value", v["clip_ratio"]}}},
+      {"level_tables", {{"key", k["level_tables"]}, {"value", v["level_tables"]}}},
+      {"provenance",
+       {{"source", a.provenance.source},
+        {"tokens", a.provenance.tokens},
+        {"sequences", a.provenance.sequences},
+        {"seed", a.provenance.seed},
+        {"data_sha256", a.provenance.data_sha256},
+        {"stats_sha256", a.provenance.stats_sha256}}},
+  };
+  // Replacement of invalid UTF-8 (free text fields) rather than a throw: a description never fails
+  // on a byte the artifact was allowed to hold.
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 template <class F>
 int guarded(F&& f) {
@@ -48,12 +120,22 @@ int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int 
 
 int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                            int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out) {
+  return kvcc_runtime_load_limits(artifact_path, n_layers, n_heads, n_kv_heads, head_dim, max_pages, max_sequences,
+                                  memory, rank, ranks, 0, 0, 0, out);
+}
+
+int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
+                             int64_t max_context, int max_step_tokens, kvcc_runtime** out) {
   if (bad(artifact_path, "artifact_path") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
   return guarded([&] {
     kvcc::RuntimeOptions o;
     o.max_pages = max_pages;
     o.max_sequences = max_sequences;
     o.memory = memory ? kvcc::PoolMemory::Device : kvcc::PoolMemory::Host;
+    o.max_batch = max_batch;
+    o.max_context = max_context;
+    o.max_step_tokens = max_step_tokens;
     if (rank != 0 || ranks != 1) {  // one rank: the whole model (its shape is checked by the load)
       const kvcc::KvHeadRange slice = kvcc::kv_head_slice(n_kv_heads, rank, ranks);
       o.kv_begin = slice.begin;
@@ -88,6 +170,12 @@ int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* 
   return guarded(
       [&] { rt->rt->begin_append(std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs)); });
 }
+int kvcc_begin_append_stream(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts, void* stream) {
+  if (bad(rt, "runtime") || (n_seqs > 0 && (bad(seqs, "seqs") || bad(counts, "counts")))) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    rt->rt->begin_append(std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs), stream);
+  });
+}
 int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream) {
   if (bad(rt, "runtime") || bad(k, "k") || bad(v, "v")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->append(layer, k, v, stream); });
@@ -108,5 +196,39 @@ int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes) {
   return guarded([&] { *bytes = int64_t(rt->rt->cache().bytes_in_use()); });
 }
 const char* kvcc_last_error(void) { return last_error.c_str(); }
+
+const char* kvcc_version(void) { return KVCC_VERSION; }
+
+int kvcc_artifact_describe(const char* artifact_path, const char** json) {
+  if (bad(artifact_path, "artifact_path") || bad(json, "json")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    described = describe(kvcc::read_artifact(artifact_path));
+    *json = described.c_str();
+  });
+}
+
+int kvcc_model_fingerprint(const char* model_path, const char** json) {
+  if (bad(model_path, "model_path") || bad(json, "json")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    fingerprinted = fingerprint_json(kvcc::ModelFile::open(model_path).fingerprint())
+                        .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    *json = fingerprinted.c_str();
+  });
+}
+
+int kvcc_history_pages(int sink, int recent, int page_size, int64_t tokens, int64_t* pages) {
+  if (bad(pages, "pages")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    KVCC_REQUIRE(page_size > 0 && sink >= 0 && recent >= page_size && tokens >= 0,
+                 "kvcc_history_pages: need page_size > 0, sink >= 0, recent >= page_size and tokens >= 0 (got sink " +
+                     std::to_string(sink) + ", recent " + std::to_string(recent) + ", page_size " +
+                     std::to_string(page_size) + ", tokens " + std::to_string(tokens) + ")");
+    kvcc::KvGeometry g;
+    g.sink = sink;
+    g.recent = recent;
+    g.page_tokens = page_size;
+    *pages = kvcc::history_pages(g, tokens);
+  });
+}
 
 }  // extern "C"

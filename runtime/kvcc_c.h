@@ -22,6 +22,12 @@ int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int 
  * (kvcc_runtime.h). ranks must divide n_kv_heads. rank 0 of 1 is kvcc_runtime_load. */
 int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                            int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out);
+/* The same with the declared maxima of kvcc_runtime.h's RuntimeOptions (engine mode, needed to
+ * capture a step in a CUDA graph): max_context > 0 declares them; max_batch (0: max_sequences)
+ * and max_step_tokens (0: max_batch) bound every later step. All 0 is kvcc_runtime_load_rank. */
+int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
+                             int64_t max_context, int max_step_tokens, kvcc_runtime** out);
 void kvcc_runtime_free(kvcc_runtime* rt);
 
 int kvcc_add_sequence(kvcc_runtime* rt, int* seq);
@@ -30,6 +36,9 @@ int kvcc_free_sequence(kvcc_runtime* rt, int seq);
 int kvcc_sequence_length(kvcc_runtime* rt, int seq, int64_t* length);
 
 int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts);
+/* The same, with the stream append and decode will run on (a device pool plans the step there;
+ * kvcc_begin_append plans it on the default stream). */
+int kvcc_begin_append_stream(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts, void* stream);
 int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream);
 int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const float* q, float* out, void* stream);
 /* T new tokens of one sequence attend to its cache and causally to themselves (see kvcc_runtime.h):
@@ -40,6 +49,25 @@ int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, co
 
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
 const char* kvcc_last_error(void);
+
+/* The library's version, "major.minor.patch" (the CMake project version). */
+const char* kvcc_version(void);
+/* Reads and validates the artifact at path (as a Runtime load does, without the engine's shape)
+ * and sets *json to a JSON object describing it: format_version, producer, created, command,
+ * model_id, n_layers, n_heads, n_kv_heads, head_dim, rope_style, fingerprint {id, weights_sha256,
+ * fields}, recipe {method, key_bits, value_bits, group, sink, recent, page_size, value_target,
+ * granularity, composition, seed, params}, clip_ratio {key, value: [min, max]}, level_tables
+ * {key, value: heads with a 4-level table}, provenance {...}. The string stays valid until this
+ * thread's next kvcc_artifact_describe call. */
+int kvcc_artifact_describe(const char* artifact_path, const char** json);
+/* The fingerprint of the model at model_path (a Hugging Face directory or a llama2.c .bin), as
+ * artifacts and the zoo record it: {"id", "weights_sha256", "fields": [[name, value], ...]}. The
+ * string stays valid until this thread's next kvcc_model_fingerprint call. */
+int kvcc_model_fingerprint(const char* model_path, const char** json);
+/* INT2 history pages one sequence of `tokens` tokens holds with these windows (kv_layout.h's
+ * tiers: sink tokens first, then whole pages, the last tokens in the recent ring), i.e. what
+ * max_pages must cover per sequence. */
+int kvcc_history_pages(int sink, int recent, int page_size, int64_t tokens, int64_t* pages);
 
 #ifdef __cplusplus
 }

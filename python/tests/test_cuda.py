@@ -1,0 +1,151 @@
+"""The runtime and ops on CUDA tensors (a device pool: the CUDA kernels, Hopper GPUs only). The
+identity tests against SDPA run on CUDA too (test_runtime.py, device=cuda); here: the device pool
+against the host pool on the same inputs, tensors on the wrong device, the ops under
+torch.compile and inside a captured CUDA graph. Skipped without a Hopper GPU."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvcc  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs a Hopper GPU (sm_90) for the CUDA kernels")
+
+REPO = Path(__file__).resolve().parents[2]
+GUT = sorted(glob.glob(str(REPO / "zoo" / "published" / "gutenberg-27m" / "oscar-*" / "artifact.*.kvcc.h5")))[0]
+
+
+def _pair(pages: int = 16):
+    host = kvcc.Runtime(GUT, max_pages=pages, max_sequences=2, device="cpu")
+    dev = kvcc.Runtime(GUT, max_pages=pages, max_sequences=2, device="cuda")
+    return host, dev
+
+
+def test_device_pool_follows_host_pool_with_history():
+    """Device and host pools given the same tokens (into INT2 history) decode alike. The device's
+    own rotation GEMM may round a stored element to the other BF16 / INT2 neighbour, so the bound
+    is relative: the existing GPU tests' 1e-2 of the output norm per head (runtime/decode.cu's
+    BF16 P and split-q MMAs, tests/gpu_test_cache.cu)."""
+    host, dev = _pair(pages=32)
+    gen = torch.Generator().manual_seed(11)
+    sh, sd = host.add_sequence(), dev.add_sequence()
+    worst = 0.0
+    for count in (300, 1, 150, 7):
+        host.begin_append([sh], [count])
+        dev.begin_append([sd], [count])
+        for L in range(host.n_layers):
+            k = torch.randn(count, host.n_kv_heads, host.head_dim, generator=gen)
+            v = torch.randn(count, host.n_kv_heads, host.head_dim, generator=gen)
+            host.append(L, k, v)
+            dev.append(L, k.cuda(), v.cuda())
+            q = torch.randn(1, host.n_heads, host.head_dim, generator=gen)
+            a = host.decode(L, [sh], q)
+            b = dev.decode(L, [sd], q.cuda()).cpu()
+            rel = float((a - b).norm(dim=-1).max() / a.norm(dim=-1).min())
+            worst = max(worst, rel)
+            assert rel < 1e-2, f"layer {L} after +{count}: relative {rel:.3g}"
+    assert host.length(sh) == dev.length(sd) == 458
+    print(f"device vs host, history of {458 - 320} tokens: worst relative {worst:.2e}")
+
+
+def test_wrong_device_tensors_are_refused():
+    rt = kvcc.Runtime(GUT, max_pages=2, max_sequences=1, device="cuda")
+    s = rt.add_sequence()
+    rt.begin_append([s], [3])
+    k = torch.zeros(3, rt.n_kv_heads, rt.head_dim)
+    with pytest.raises(kvcc.KvccError, match="is on cpu"):
+        rt.append(0, k, k)
+    cpu_rt = kvcc.Runtime(GUT, max_pages=2, max_sequences=1, device="cpu")
+    c = cpu_rt.add_sequence()
+    cpu_rt.begin_append([c], [3])
+    with pytest.raises(kvcc.KvccError, match="is on cuda"):
+        cpu_rt.append(0, k.cuda(), k.cuda())
+
+
+def test_cuda_ops_under_torch_compile_equal_eager():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(12)
+    rts = [kvcc.Runtime(GUT, max_pages=4, max_sequences=1, device="cuda") for _ in range(2)]
+    seqs = [rt.add_sequence() for rt in rts]
+    H, Hq, d = rts[0].n_kv_heads, rts[0].n_heads, rts[0].head_dim
+    n = 40
+
+    def step(rt, seq, ks, vs, qs):
+        outs = []
+        for L in range(rt.n_layers):
+            rt.append(L, ks[L], vs[L])
+            outs.append(rt.decode(L, [seq], qs[L]))
+        return torch.stack(outs)
+
+    ks = [torch.randn(n, H, d, generator=gen).cuda() for _ in range(rts[0].n_layers)]
+    vs = [torch.randn(n, H, d, generator=gen).cuda() for _ in range(rts[0].n_layers)]
+    qs = [torch.randn(1, Hq, d, generator=gen).cuda().bfloat16() for _ in range(rts[0].n_layers)]
+    for rt, s in zip(rts, seqs):
+        rt.begin_append([s], [n])
+    want = step(rts[0], seqs[0], ks, vs, qs)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(rts[1], seqs[1], ks, vs, qs)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    for rt in rts:
+        rt.close()
+
+
+def test_decode_step_in_a_cuda_graph_replays_later_steps():
+    """The engine pattern of kvcc_runtime.h: maxima declared, begin_append outside the graph, the
+    step's append + decode of every layer captured once and replayed for each later step (new
+    inputs copied into the captured buffers). A runtime with the same maxima run eagerly on the
+    same inputs plans the same grids, so the outputs must be equal bit for bit."""
+    kw = dict(max_pages=16, max_sequences=2, device="cuda", max_batch=2, max_context=1024, max_step_tokens=600)
+    eager, graphed = kvcc.Runtime(GUT, **kw), kvcc.Runtime(GUT, **kw)
+    H, Hq, d, layers = eager.n_kv_heads, eager.n_heads, eager.head_dim, eager.n_layers
+    gen = torch.Generator().manual_seed(13)
+    se = [eager.add_sequence(), eager.add_sequence()]
+    sg = [graphed.add_sequence(), graphed.add_sequence()]
+    # a prompt step (eager on both): into INT2 history for the first sequence
+    counts = [400, 150]
+    eager.begin_append(se, counts)
+    graphed.begin_append(sg, counts)
+    for L in range(layers):
+        k = torch.randn(sum(counts), H, d, generator=gen).cuda()
+        v = torch.randn(sum(counts), H, d, generator=gen).cuda()
+        eager.append(L, k, v)
+        graphed.append(L, k, v)
+    kb = torch.zeros(layers, 2, H, d, device="cuda")
+    vb = torch.zeros_like(kb)
+    qb = torch.zeros(layers, 2, Hq, d, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    for step in range(4):
+        kn = torch.randn(layers, 2, H, d, generator=gen)
+        vn = torch.randn(layers, 2, H, d, generator=gen)
+        qn = torch.randn(layers, 2, Hq, d, generator=gen)
+        eager.begin_append(se, [1, 1])
+        want = torch.stack([_append_decode(eager, L, se, kn[L].cuda(), vn[L].cuda(), qn[L].cuda())
+                            for L in range(layers)])
+        with torch.cuda.stream(stream):
+            graphed.begin_append(sg, [1, 1])
+            kb.copy_(kn)
+            vb.copy_(vn)
+            qb.copy_(qn)
+            if out is None:
+                with torch.cuda.graph(graph, stream=stream):
+                    out = torch.stack([_append_decode(graphed, L, sg, kb[L], vb[L], qb[L]) for L in range(layers)])
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"step {step}: max |graph - eager| {float((out - want).abs().max()):.3g}"
+    assert [graphed.length(s) for s in sg] == [eager.length(s) for s in se] == [404, 154]
+    eager.close()
+    graphed.close()
+
+
+def _append_decode(rt, layer, seqs, k, v, q):
+    rt.append(layer, k, v)
+    return rt.decode(layer, seqs, q)

@@ -1,0 +1,122 @@
+"""python -m kvcc.generate (and a CPU smoke run of python -m kvcc.bench_generate's parts)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("KVCC_SHARED", REPO.parent / "shared"))
+MODEL = SHARED / "models" / "gutenberg-27m"
+PROMPT = "It was a dark and stormy night, and the wind"
+
+
+def _artifact(model: str) -> str:
+    found = sorted(glob.glob(str(REPO / "zoo" / "published" / model / "oscar-*" / "artifact.*.kvcc.h5")))
+    if not found:
+        pytest.skip(f"no published oscar artifact for {model}")
+    return found[0]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # The same kvcc package this process imports (installed, or the source tree on PYTHONPATH).
+    import kvcc
+
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kvcc.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "kvcc.generate", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"{MODEL} is absent")
+
+
+def test_help_explains_the_command():
+    r = _run("--help")
+    assert r.returncode == 0
+    for words in ("--artifact", "--max-new-tokens", "greedily", "INT2", "transformers' own cache", "examples:"):
+        assert words in r.stdout
+
+
+def test_negative_token_count_is_refused():
+    r = _run("--model", str(MODEL), "--prompt", "x", "--max-new-tokens", "-3")
+    assert r.returncode == 2 and "must be >= 0, got -3" in r.stderr
+
+
+def test_missing_model_dir_is_refused(tmp_path):
+    r = _run("--model", str(tmp_path / "nope"), "--prompt", "x", "--max-new-tokens", "3")
+    assert r.returncode == 1 and "no such model directory" in r.stderr
+
+
+@needs_model
+def test_artifact_for_another_model_is_refused():
+    r = _run("--model", str(MODEL), "--artifact", _artifact("tinystories-656k"), "--prompt", "x",
+             "--max-new-tokens", "3")
+    assert r.returncode == 1 and "compiled for another model" in r.stderr
+
+
+@needs_model
+def test_continuation_is_the_kvcc_greedy_one():
+    import kvcc.hf as khf
+    from transformers import AutoTokenizer
+
+    artifact = _artifact("gutenberg-27m")
+    r = _run("--model", str(MODEL), "--artifact", artifact, "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "12 generated" in r.stderr and "kvcc INT2" in r.stderr
+    # The same greedy run in this process, through the library.
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    model = khf.from_pretrained(MODEL, artifact=artifact)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert r.stdout == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+
+
+@needs_model
+def test_bench_generate_cpu_smoke(tmp_path):
+    """python -m kvcc.bench_generate's measuring loop on the CPU (the GPU run is the real one)."""
+    import json
+
+    artifact = _artifact("gutenberg-27m")
+    out = tmp_path / "bench.json"
+    env = dict(os.environ)
+    import kvcc
+
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kvcc.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "kvcc.bench_generate", "--device", "cpu", "--models", "gutenberg",
+                        "--gutenberg", str(MODEL), "--gutenberg-artifact", artifact, "--gutenberg-context", "100",
+                        "--decode-steps", "2", "--no-capacity", "--json", str(out)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    runs = {run["cache"]: run for run in res["runs"]}
+    assert set(runs) == {"bf16", "int2"}
+    info = kvcc.load_artifact(artifact)
+    for run in runs.values():
+        assert "error" not in run
+        assert run["ttft_s"] > 0 and run["tpot_s"] > 0 and run["fill"] == "prefill"
+        assert run["length_after"] == 100 + 2  # the prompt and both decode steps (the first step's token too)
+        assert run["tokens_per_s"] == pytest.approx(1 / run["tpot_s"])
+    heads = info.n_layers * info.n_kv_heads
+    # 102 tokens: all in the BF16 windows, so the INT2 pool holds one window slot per row and no page.
+    assert runs["int2"]["cache_bytes_in_use"] == heads * (info.sink + info.recent) * info.head_dim * 2 * 2
+    assert runs["bf16"]["cache_bytes_in_use"] == heads * 102 * info.head_dim * 2 * 2
+    assert "| gutenberg-27m | int2 | 100 | 1 | prefill |" in r.stdout
+
+
+@needs_model
+def test_zoo_artifact_by_fingerprint():
+    r = _run("--model", str(MODEL), "--artifact", "zoo", "--prompt", PROMPT, "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert f"kvcc INT2 ({os.path.basename(_artifact('gutenberg-27m'))})" in r.stderr
+    r = _run("--model", str(MODEL), "--artifact", "zoo:no-such-method", "--prompt", "x", "--max-new-tokens", "2")
+    assert r.returncode == 1 and "has no no-such-method artifact" in r.stderr

@@ -1,0 +1,397 @@
+"""kvcc.Runtime and the torch.ops.kvcc ops on CPU tensors (host pool, the CPU reference kernels),
+checked against values computed another way:
+
+- windows covering the whole sequence hold every token in BF16, so decode / prefill must equal
+  torch's SDPA over bf16(x·R)·Rᵀ (an identity: R is the runtime's float32 rotation, so only the
+  float32 rounding of the output separates them);
+- with INT2 history, a torch re-implementation of the page codec and the attention
+  (kvcc_reference.py, written from the spec, parameters read with h5py) gives the same values;
+- torch.library.opcheck on each op, and the ops under torch.compile(backend="aot_eager").
+
+CUDA variants of the identity tests run when a Hopper GPU is visible.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("h5py")
+
+import kvcc  # noqa: E402
+import kvcc_reference as ref  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ZOO = REPO / "zoo" / "published"
+
+
+def zoo_artifact(model: str, method: str) -> str:
+    found = sorted(glob.glob(str(ZOO / model / f"{method}-*" / "artifact.*.kvcc.h5")))
+    assert found, f"no {method} artifact for {model} in {ZOO} (tracked in the repository)"
+    return found[0]
+
+
+# gutenberg-27m oscar: head_dim 128, 4 query heads on 2 KV heads, real rotations (the GPU shape).
+GUT = zoo_artifact("gutenberg-27m", "oscar")
+# stories260k oscar: head_dim 8, uniform grid (level tables: the oscar_lm fixture).
+UNIFORM = zoo_artifact("stories260k", "oscar")
+CLI = Path(os.environ.get("KVCC_CLI", REPO / "build" / "cli" / "kvcc"))
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+DEVICES = ["cpu"] + (["cuda"] if HOPPER else [])
+
+
+def out_tol(v_stored: torch.Tensor) -> float:
+    """Bound on |runtime - float64 reference| per output element: the runtime accumulates in
+    float64 and rounds the output to float32 (half an ulp, 2^-24 relative). An output is a convex
+    combination of stored value rows rotated back, so |out| <= max ||v_row||_2; twice the rounding
+    bound covers the float64 sums on both sides."""
+    return 2.0 ** -23 * float(v_stored.double().norm(dim=-1).max()) + 1e-12
+
+
+class Sequences:
+    """Drives a Runtime step by step and keeps every token it was given, per sequence and layer."""
+
+    def __init__(self, rt: kvcc.Runtime, seed: int = 0, scale: float = 1.0):
+        self.rt = rt
+        self.gen = torch.Generator().manual_seed(seed)
+        self.k: dict[int, list[list[torch.Tensor]]] = {}
+        self.v: dict[int, list[list[torch.Tensor]]] = {}
+        self.scale = scale
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * self.scale
+
+    def add(self, seq: int | None = None, parent: int | None = None) -> int:
+        if parent is not None:
+            s = self.rt.fork(parent)
+            self.k[s] = [list(x) for x in self.k[parent]]
+            self.v[s] = [list(x) for x in self.v[parent]]
+            return s
+        s = self.rt.add_sequence()
+        self.k[s] = [[] for _ in range(self.rt.n_layers)]
+        self.v[s] = [[] for _ in range(self.rt.n_layers)]
+        return s
+
+    def step(self, counts: dict[int, int], check=None) -> None:
+        """One step: begin_append, then per layer append (rows of the sequences in order) and
+        check(layer, seqs) if given."""
+        rt = self.rt
+        seqs = list(counts)
+        rt.begin_append(seqs, [counts[s] for s in seqs])
+        for layer in range(rt.n_layers):
+            ks, vs = [], []
+            for s in seqs:
+                k = self.randn(counts[s], rt.n_kv_heads, rt.head_dim)
+                v = self.randn(counts[s], rt.n_kv_heads, rt.head_dim)
+                self.k[s][layer].append(k)
+                self.v[s][layer].append(v)
+                ks.append(k)
+                vs.append(v)
+            dev = rt.device
+            rt.append(layer, torch.cat(ks).to(dev), torch.cat(vs).to(dev))
+            if check:
+                check(layer, seqs)
+
+    def tokens(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.k[seq][layer]), torch.cat(self.v[seq][layer])
+
+
+# --------------------------------------------------------------------------------------------
+# (a) the identity: windows hold everything in BF16
+
+
+def sdpa_over_windows(art: ref.ArtifactRef, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      causal_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch SDPA (float64) over bf16(x·R)·Rᵀ; returns (out [T, n_heads, d], stored values for the tolerance)."""
+    kk, vv, vst = [], [], []
+    for h in range(art.n_kv):
+        rk, rv = art.key[layer][h].rot, art.value[layer][h].rot
+        kr, vr = ref.rotate_round(k[:, h], rk), ref.rotate_round(v[:, h], rv)
+        kk.append(kr.double() @ rk.double().T if rk is not None else kr.double())
+        vv.append(vr.double() @ rv.double().T if rv is not None else vr.double())
+        vst.append(vr)
+    K = torch.stack(kk, 0).unsqueeze(0)  # [1, n_kv, n, d]
+    V = torch.stack(vv, 0).unsqueeze(0)
+    Q = q.double().transpose(0, 1).unsqueeze(0)  # [1, n_heads, T, d]
+    T, n = q.shape[0], k.shape[0]
+    mask = None
+    if causal_from is not None:
+        mask = torch.arange(n)[None, :] <= (causal_from + torch.arange(T))[:, None]
+    r = q.shape[1] // art.n_kv
+    K, V = K.repeat_interleave(r, dim=1), V.repeat_interleave(r, dim=1)
+    sm = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(q.shape[-1])).sqrt())
+    out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=sm)
+    return out[0].transpose(0, 1).float(), torch.stack(vst, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windows_only_decode_and_prefill_equal_sdpa(device):
+    art = ref.read_artifact(GUT)
+    assert art.sink + art.recent >= 300  # the test's sequences stay inside the windows
+    with kvcc.Runtime(GUT, max_pages=4, max_sequences=3, device=device) as rt:
+        assert (rt.n_heads, rt.n_kv_heads, rt.head_dim) == (4, 2, 128)
+        S = Sequences(rt, seed=1)
+        a, b = S.add(), S.add()
+        worst = [0.0]
+
+        def check(layer, seqs):
+            q = S.randn(len(seqs), rt.n_heads, rt.head_dim)
+            out = rt.decode(layer, seqs, q.to(device)).cpu()
+            for i, s in enumerate(seqs):
+                k, v = S.tokens(s, layer)
+                want, vst = sdpa_over_windows(art, layer, q[i:i + 1], k, v)
+                tol = out_tol(vst) if device == "cpu" else gpu_tol(q[i:i + 1], k, vst)
+                err = float((out[i] - want[0]).abs().max())
+                worst[0] = max(worst[0], err / tol)
+                assert err <= tol, f"layer {layer} seq {s}: |decode - SDPA| = {err:.3g} > {tol:.3g}"
+
+        S.step({a: 57, b: 1}, check)  # a: sink and ring; b: one token
+        S.step({a: 1, b: 130}, check)
+        S.step({b: 1, a: 200}, check)  # order of sequences differs from their ids
+        assert rt.length(a) == 258 and rt.length(b) == 132
+        assert rt.bytes_in_use() > 0
+
+        # prefill of T tokens before begin_append and between begin_append and append: both read
+        # the cache as it was, plus the new tokens causally.
+        T = 9
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randn(T, rt.n_heads, rt.head_dim, generator=gen)
+        kn = torch.randn(T, rt.n_kv_heads, rt.head_dim, generator=gen)
+        vn = torch.randn(T, rt.n_kv_heads, rt.head_dim, generator=gen)
+        before = [rt.prefill(L, b, q.to(device), kn.to(device), vn.to(device)).cpu() for L in range(rt.n_layers)]
+        rt.begin_append([b], [T])
+        for L in range(rt.n_layers):
+            k, v = S.tokens(b, L)
+            want, vst = sdpa_over_windows(art, L, q, torch.cat([k, kn]), torch.cat([v, vn]), causal_from=k.shape[0])
+            tol = out_tol(vst) if device == "cpu" else gpu_tol(q, torch.cat([k, kn]), vst)
+            err = float((before[L] - want).abs().max())
+            assert err <= tol, f"prefill layer {L}: {err:.3g} > {tol:.3g}"
+            inside = rt.prefill(L, b, q.to(device), kn.to(device), vn.to(device)).cpu()
+            assert torch.equal(inside, before[L])  # the same kernel over the same cache
+            rt.append(L, kn.to(device), vn.to(device))
+        assert rt.length(b) == 132 + T
+    print(f"windows-only {device}: worst error / tolerance {worst[0]:.2e}")
+
+
+def gpu_tol(q: torch.Tensor, k: torch.Tensor, v_stored: torch.Tensor) -> float:
+    """Bound on |CUDA runtime - SDPA| per output element. The device rotates K/V with its own fp32
+    GEMM, so a stored BF16 element may round to the other neighbour (|Δk_j| <= 2^-8·||k_j||, the
+    same for v); the query enters the MMA as two BF16 halves (hi + lo, fp32-like: 2^-16); the
+    probabilities are rounded to BF16 before P·V (2^-9 relative). A score then moves by at most
+    Δs = sm·||q||·max||k||·(2^-8 + 2^-16), the softmax by exp(2Δs) - 1 in L1, so
+    |Δout| <= (exp(2Δs) - 1 + 2^-9 + 2^-8)·max||v||, plus the float32 output rounding."""
+    sm = 1.0 / math.sqrt(q.shape[-1])
+    ds = sm * float(q.double().norm(dim=-1).max()) * float(k.double().norm(dim=-1).max()) * (2.0 ** -8 + 2.0 ** -16)
+    vmax = float(v_stored.double().norm(dim=-1).max())
+    return (math.expm1(2.0 * ds) + 2.0 ** -9 + 2.0 ** -8) * vmax + out_tol(v_stored)
+
+
+# --------------------------------------------------------------------------------------------
+# (b) INT2 history: the page codec re-implemented in torch
+
+
+@pytest.fixture(scope="module")
+def oscar_lm(tmp_path_factory) -> str:
+    """An oscar-lm artifact (4-level tables on both sides) of the repository's stories260k model,
+    compiled by the CLI from a small calibration (the zoo publishes none)."""
+    if not CLI.is_file():
+        pytest.skip(f"the kvcc CLI ({CLI}; set KVCC_CLI) is needed to compile an oscar-lm artifact")
+    d = tmp_path_factory.mktemp("oscar_lm")
+    ids = d / "ids.txt"
+    ids.write_text("\n".join(" ".join(str((7 * i + 13 * j) % 500 + 3) for j in range(60)) for i in range(8)) + "\n")
+    model = REPO / "cli" / "demo" / "stories260k" / "stories260K.bin"
+    run = lambda *a: subprocess.run([str(CLI), *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
+    run("calibrate-model", "--model", model, "--ids", ids, "-o", d / "stats.h5")
+    run("compile", d / "stats.h5", "--method", "oscar-lm", "--key-bits", "2", "--value-bits", "2", "-o", d / "lm.kvcc.h5")
+    return str(d / "lm.kvcc.h5")
+
+
+@pytest.mark.parametrize("kind", ["uniform", "level_table"])
+def test_int2_history_matches_torch_codec_reference(kind, request):
+    path = UNIFORM if kind == "uniform" else request.getfixturevalue("oscar_lm")
+    art = ref.read_artifact(path)
+    info = kvcc.load_artifact(path)
+    if kind == "level_table":
+        # the level-table path is what this case tests
+        assert all(s.levels is not None for side in (art.key, art.value) for row in side for s in row)
+    else:
+        assert all(s.levels is None for row in art.key for s in row)
+    n_max = art.sink + art.recent + 3 * art.page + 20
+    pages = 2 * kvcc.pages_for_tokens(info, n_max) + kvcc.pages_for_tokens(info, n_max - 150)
+    with kvcc.Runtime(path, max_pages=pages, max_sequences=3) as rt:
+        S = Sequences(rt, seed=2, scale=2.0)
+        a, b = S.add(), S.add()
+        stats = {"checked": 0, "int2_effect": 0.0, "worst": 0.0}
+
+        def check(layer, seqs):
+            q = S.randn(len(seqs), rt.n_heads, rt.head_dim)
+            out = rt.decode(layer, seqs, q)
+            for i, s in enumerate(seqs):
+                k, v = S.tokens(s, layer)
+                ks, vs = ref.stored(art, layer, k, v)
+                want = ref.attend(art, layer, q[i:i + 1], ks, vs)
+                tol = out_tol(vs)
+                err = float((out[i] - want[0]).abs().max())
+                assert err <= tol, f"layer {layer} seq {s} len {k.shape[0]}: {err:.3g} > {tol:.3g}"
+                stats["worst"] = max(stats["worst"], err / tol)
+                if ref.tiers(art, k.shape[0])[1]:
+                    bf16_only, _ = sdpa_over_windows(art, layer, q[i:i + 1], k, v)
+                    stats["int2_effect"] = max(stats["int2_effect"], float((bf16_only - want).abs().max()) / tol)
+                stats["checked"] += 1
+
+        S.step({a: 300, b: 5}, check)
+        S.step({a: 1, b: 1}, check)
+        S.step({a: 150, b: 200}, check)  # both flush ring tokens into pages
+        c = S.add(parent=a)  # shares a's pages, copies its windows
+        S.step({c: 90, a: 2}, check)
+        S.step({a: n_max - rt.length(a), b: 3, c: 1}, check)
+        for s in (a, b, c):
+            assert rt.length(s) == sum(x.shape[0] for x in S.k[s][0])
+        assert ref.tiers(art, rt.length(a))[1] >= 3 * art.page
+
+        # prefill over a cache with history, before and inside a step
+        T = 6
+        q = S.randn(T, rt.n_heads, rt.head_dim)
+        kn = S.randn(T, rt.n_kv_heads, rt.head_dim)
+        vn = S.randn(T, rt.n_kv_heads, rt.head_dim)
+        for L in range(rt.n_layers):
+            k, v = S.tokens(c, L)
+            ks, vs = ref.stored(art, L, k, v)
+            kr, vr = ref.stored(art, L, kn, vn)  # the new tokens as BF16 rows (fewer than the sink)
+            want = ref.attend(art, L, q, torch.cat([ks, kr]), torch.cat([vs, vr]), causal_from=k.shape[0])
+            got = rt.prefill(L, c, q, kn, vn)
+            tol = out_tol(torch.cat([vs, vr]))
+            assert float((got - want).abs().max()) <= tol
+        rt.free(b)
+        rt.free(c)
+    # the INT2 tier changes the output far beyond the tolerance: the history was really exercised
+    assert stats["int2_effect"] > 100, stats
+    print(f"{Path(path).parent.name}: {stats['checked']} decodes, worst error / tolerance {stats['worst']:.2e}; "
+          f"INT2 vs BF16-only / tolerance up to {stats['int2_effect']:.0f}")
+
+
+def test_pages_for_tokens_is_what_a_sequence_needs():
+    info = kvcc.load_artifact(UNIFORM)
+    art = ref.read_artifact(UNIFORM)
+    for n in [0, 1, 63, 64, 319, 320, 321, 384, 385, 1000, 10 ** 9]:
+        assert kvcc.pages_for_tokens(info, n) == ref.tiers(art, n)[1] // art.page, n
+    n = 600
+    need = kvcc.pages_for_tokens(info, n)
+    assert need > 0
+    with kvcc.Runtime(UNIFORM, max_pages=need, max_sequences=1) as rt:
+        assert kvcc.pages_for_tokens(rt, n) == need
+        s = rt.add_sequence()
+        rt.begin_append([s], [n])  # exactly enough
+        grow = next(m for m in range(1, 200) if kvcc.pages_for_tokens(info, n + m) > need)
+        with pytest.raises(kvcc.CacheFull):
+            rt.begin_append([s], [grow])
+        assert rt.length(s) == n  # all or nothing
+        rt.begin_append([s], [grow - 1])  # still fits
+
+
+def test_bf16_inputs_convert_through_float32():
+    with kvcc.Runtime(UNIFORM, max_pages=0, max_sequences=1) as rt:
+        s = rt.add_sequence()
+        gen = torch.Generator().manual_seed(3)
+        rt.begin_append([s], [10])
+        for L in range(rt.n_layers):
+            k = torch.randn(10, rt.n_kv_heads, rt.head_dim, generator=gen).bfloat16()
+            rt.append(L, k, k)
+            q = torch.randn(1, rt.n_heads, rt.head_dim, generator=gen).bfloat16()
+            out = rt.decode(L, [s], q)
+            assert out.dtype == torch.bfloat16 and out.shape == q.shape
+            assert torch.equal(out, rt.decode(L, [s], q.float()).bfloat16())
+            # a non-contiguous query view gives the same as its contiguous copy
+            qt = q.float().transpose(0, 1).contiguous().transpose(0, 1)
+            assert torch.equal(rt.decode(L, [s], qt), rt.decode(L, [s], q.float()))
+
+
+# --------------------------------------------------------------------------------------------
+# (c), (d): the custom ops
+
+
+def _fresh(path=UNIFORM, n=12):
+    rt = kvcc.Runtime(path, max_pages=0, max_sequences=2)
+    s = rt.add_sequence()
+    rt.begin_append([s], [n])
+    return rt, s
+
+
+def test_opcheck_each_op():
+    from torch.library import opcheck
+
+    rt, s = _fresh()
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(12, rt.n_kv_heads, rt.head_dim, generator=gen)
+    # Within the windows (no page flush) appending the same rows again rewrites the same slots,
+    # so opcheck may run append as often as it likes.
+    opcheck(torch.ops.kvcc.append.default, (rt.handle, rt.state, 0, k, k.clone()))
+    q = torch.randn(1, rt.n_heads, rt.head_dim, generator=gen)
+    opcheck(torch.ops.kvcc.decode.default, (rt.handle, rt.state, 0, [s], q))
+    T = 12  # inside the step: the sequence's count; layer 1 has not been appended yet
+    qp = torch.randn(T, rt.n_heads, rt.head_dim, generator=gen)
+    kp = torch.randn(T, rt.n_kv_heads, rt.head_dim, generator=gen)
+    opcheck(torch.ops.kvcc.prefill.default, (rt.handle, rt.state, 1, s, qp, kp, kp.clone()))
+    rt.close()
+
+
+def test_ops_under_torch_compile_equal_eager():
+    torch._dynamo.reset()
+    eager, se = _fresh(n=5)
+    comp, sc = _fresh(n=5)
+    assert se == sc
+
+    def layer_step(rt, layer, seq, k, v, q, qp, kp, vp):
+        pre = rt.prefill(layer, seq, qp, kp, vp)
+        rt.append(layer, k, v)
+        return rt.decode(layer, [seq], q) * 2.0, pre
+
+    compiled = torch.compile(layer_step, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    for L in range(eager.n_layers):
+        args = [torch.randn(5, eager.n_kv_heads, eager.head_dim, generator=gen) for _ in range(2)]
+        args.append(torch.randn(1, eager.n_heads, eager.head_dim, generator=gen))
+        args.append(torch.randn(5, eager.n_heads, eager.head_dim, generator=gen))
+        args += [torch.randn(5, eager.n_kv_heads, eager.head_dim, generator=gen) for _ in range(2)]
+        want = layer_step(eager, L, se, *args)
+        got = compiled(comp, L, sc, *args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # every append ran (none eliminated): both runtimes counted all layers
+    assert int(comp.state) == int(eager.state) == eager.n_layers
+    # and the compiled appends reached the cache: a later eager decode agrees
+    q = torch.randn(1, eager.n_heads, eager.head_dim, generator=gen)
+    assert torch.equal(eager.decode(0, [se], q), comp.decode(0, [sc], q))
+    eager.close()
+    comp.close()
+
+
+def test_tensor_parallel_ranks_concatenate_to_the_whole_model():
+    """Rank r of 2 serves KV head r and its query heads; kvcc_runtime.h: the ranks' outputs
+    concatenated along the heads are the whole model's bit for bit (the same code per head)."""
+    whole = kvcc.Runtime(GUT, max_pages=8, max_sequences=1)
+    ranks = [kvcc.Runtime(GUT, max_pages=8, max_sequences=1, rank=r, ranks=2) for r in range(2)]
+    assert [(r.n_heads, r.n_kv_heads) for r in ranks] == [(2, 1), (2, 1)]
+    gen = torch.Generator().manual_seed(9)
+    n = 400  # into INT2 history
+    seqs = [rt.add_sequence() for rt in [whole, *ranks]]
+    for rt, s in zip([whole, *ranks], seqs):
+        rt.begin_append([s], [n])
+    for L in range(whole.n_layers):
+        k = torch.randn(n, 2, 128, generator=gen)
+        v = torch.randn(n, 2, 128, generator=gen)
+        q = torch.randn(1, 4, 128, generator=gen)
+        whole.append(L, k, v)
+        want = whole.decode(L, [seqs[0]], q)
+        parts = []
+        for r, (rt, s) in enumerate(zip(ranks, seqs[1:])):
+            rt.append(L, k[:, r:r + 1].contiguous(), v[:, r:r + 1].contiguous())
+            parts.append(rt.decode(L, [s], q[:, 2 * r:2 * r + 2].contiguous()))
+        assert torch.equal(torch.cat(parts, dim=1), want)
