@@ -29,7 +29,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libeigen3-dev libopenblas-dev liblapacke-dev libhdf5-dev
   libcli11-dev libgtest-dev libgmock-dev nlohmann-json3-dev libpcre2-dev libicu-dev
-  libopenmpi-dev openmpi-bin clang-format
+  libopenmpi-dev openmpi-bin clang-format clang libclang-rt-dev
 )
 ((with_python)) && packages+=(python3 python3-venv)
 missing=()

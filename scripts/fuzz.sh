@@ -38,7 +38,11 @@ for target in "${TARGETS[@]}"; do
   mkdir -p "$seeds" "$corpus" "$artifacts"
   case "$target" in
     # The small published artifacts (the 4 MB ones run at a tenth of the speed and fill the corpus).
-    fuzz_artifact) find zoo/published -name 'artifact.*.kvcc.h5' -size -1024k -exec cp {} "$seeds/" \; ;;
+    fuzz_artifact)
+      find zoo/published -name 'artifact.*.kvcc.h5' -size -1024k -exec cp {} "$seeds/" \;
+      # The same artifacts in the safetensors container (read_artifact takes both).
+      for a in "$seeds"/*.kvcc.h5; do "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" --safetensors "$a" "${a%.h5}.safetensors"; done
+      ;;
     fuzz_stats) "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" "$seeds/stats.h5" ;;
   esac
   find "$REGRESSIONS" -maxdepth 1 -type f -name '*.h5' -size -1024k -exec cp {} "$seeds/" \;

@@ -1,14 +1,23 @@
 // Writes the stats seed for fuzz_stats (a small, fully populated stats file made by the project's
-// own writer): make_seeds OUT.h5. The artifact seeds are the published artifacts.
+// own writer): make_seeds OUT.h5. The artifact seeds are the published artifacts, and their
+// safetensors form for the other container: make_seeds --safetensors ARTIFACT OUT.safetensors.
 #include <cstdio>
 #include <random>
 
+#include <string>
+
+#include "formats/artifact.h"
+#include "formats/artifact_safetensors.h"
 #include "formats/stats.h"
 
 int main(int argc, char** argv) {
   using namespace kvcc;
+  if (argc == 4 && std::string(argv[1]) == "--safetensors") {
+    write_artifact_safetensors(read_artifact(argv[2]), argv[3]);
+    return 0;
+  }
   if (argc != 2) {
-    std::fprintf(stderr, "usage: %s OUT.h5\n", argv[0]);
+    std::fprintf(stderr, "usage: %s OUT.h5 | --safetensors ARTIFACT OUT.safetensors\n", argv[0]);
     return 2;
   }
   ModelConfig c;
