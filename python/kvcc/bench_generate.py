@@ -102,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=float, default=6.0, help="memory kept free for activations and "
                    "workspaces when computing the largest batch (default 6 GiB)")
     p.add_argument("--bf16-cache", choices=["prealloc", "dynamic"], default="prealloc")
+    p.add_argument("--allow-cudnn-sdpa", action="store_true",
+                   help="let SDPA pick its cuDNN backend for the BF16 cache (off by default: cuDNN builds an "
+                        "execution plan per new KV length, ~50 ms per decode step of every new length, which "
+                        "no serving engine pays; flash / memory-efficient attention are used instead)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--narrow-8b", action="store_true", help="smoke runs only: the 8B attention shape with hidden "
                    "256, intermediate 256, vocab 256 (what --make-artifact-8b calibrates), not the 8B model")
@@ -442,7 +446,8 @@ def _fmt_s(s, scale=1e3, unit="ms") -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvcc end-to-end generation ({result['device']}, {result['date']})", "",
              f"torch {result['torch']}, transformers {result['transformers']}, kvcc {result['kvcc']}; "
-             f"BF16 cache: {result['bf16_cache']}; decode steps timed: {result['decode_steps']} (median).",
+             f"BF16 cache: {result['bf16_cache']} (SDPA's cuDNN backend {'allowed' if result.get('cudnn_sdpa') else 'off'}); "
+             f"decode steps timed: {result['decode_steps']} (median).",
              "Rows marked prefix+synthetic: each sequence's first tokens are a real prefill, the rest synthetic "
              "K/V appended to the cache; decode runs the real model over all of it.", "",
              "| model | cache | context | batch | fill | TTFT | TPOT | tokens/s | peak memory | device used | largest |",
@@ -513,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--decode-steps must be >= 2 (the first step is a warm-up)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu for a smoke run)")
+    if args.device == "cuda" and not args.allow_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.device == "cpu" and not args.no_capacity:
         raise SystemExit("the largest-batch search measures GPU memory: pass --no-capacity with --device cpu")
     if "gutenberg" in models and not (args.gutenberg and args.gutenberg_artifact):
@@ -579,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(device=torch.cuda.get_device_name() if bench.cuda else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
                   transformers=transformers.__version__, kvcc=kvcc.__version__, bf16_cache=args.bf16_cache,
+                  cudnn_sdpa=bool(args.allow_cudnn_sdpa),
                   decode_steps=args.decode_steps - 1, narrow_8b=args.narrow_8b, prefix_tokens=args.prefix, reserve_gib=args.reserve_gib,
                   command=" ".join([sys.executable, "-m", "kvcc.bench_generate"] + (argv or sys.argv[1:])),
                   runs=runs)
