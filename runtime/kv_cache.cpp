@@ -1,5 +1,6 @@
 #include "runtime/kv_cache.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -173,6 +174,116 @@ std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& se
 }
 
 std::vector<int32_t> KvCache::grow(int seq, int64_t new_tokens) { return grow_batch({seq}, {new_tokens})[0]; }
+
+namespace {
+struct RowAt {
+  int32_t page, row;
+  bool operator==(const RowAt& o) const { return page == o.page && row == o.row; }
+};
+// Where logical position pos of a sequence with tiers t and page table `pages` is stored.
+RowAt row_at(const KvGeometry& g, const KvTiers& t, const std::vector<int32_t>& pages, int64_t pos) {
+  if (pos < t.sink_count) return {kCompactWindow, int32_t(pos)};
+  const int64_t post = pos - t.sink_count;
+  if (post < t.hist_tokens) return {pages[size_t(post / g.page_tokens)], int32_t(post % g.page_tokens)};
+  return {kCompactWindow, int32_t(g.sink + ring_slot(g, post))};
+}
+}  // namespace
+
+CompactionPlan KvCache::plan_compaction(int seq, const std::vector<int64_t>& kept) const {
+  const Sequence& s = seq_at(seq);
+  const KvGeometry& g = config_.geometry;
+  for (size_t j = 0; j < kept.size(); ++j) {
+    KVCC_REQUIRE(kept[j] >= 0 && kept[j] < s.length, "kv cache: kept token " + std::to_string(kept[j]) +
+                                                         " outside sequence " + std::to_string(seq) + " of length " +
+                                                         std::to_string(s.length));
+    KVCC_REQUIRE(j == 0 || kept[j] > kept[j - 1], "kv cache: kept tokens must be strictly increasing; " +
+                                                      std::to_string(kept[j]) + " follows " +
+                                                      std::to_string(kept[j - 1]));
+  }
+  CompactionPlan plan;
+  plan.seq = seq;
+  plan.version = version_;
+  plan.old_length = s.length;
+  plan.new_length = int64_t(kept.size());
+  plan.kept = kept;
+  const KvTiers t0 = tiers_of(g, plan.old_length), t1 = tiers_of(g, plan.new_length);
+  const int64_t n_new_pages = t1.hist_tokens / g.page_tokens;
+  const int P = g.page_tokens;
+
+  // New pages made of exactly one old page's P rows, in order, keep that page (shared or not).
+  plan.new_pages.assign(size_t(n_new_pages), -1);
+  plan.reused.assign(size_t(n_new_pages), 0);
+  std::vector<char> old_kept(s.pages.size(), 0);  // old page stays in the table
+  for (int64_t k = 0; k < n_new_pages; ++k) {
+    const int64_t j0 = t1.sink_count + k * P;
+    const int64_t i0 = kept[size_t(j0)], i1 = kept[size_t(j0 + P - 1)];
+    const int64_t post = i0 - t0.sink_count;
+    if (i1 - i0 != P - 1 || post < 0 || post >= t0.hist_tokens || post % P != 0) continue;
+    const size_t q = size_t(post / P);
+    plan.new_pages[size_t(k)] = s.pages[q];
+    plan.reused[size_t(k)] = 1;
+    old_kept[q] = 1;
+  }
+  // The others: pages this sequence alone holds and drops (their rows are read before any
+  // write), then fresh ones from the top of the free stack (the ones grow would take).
+  std::vector<int32_t> spare;
+  for (size_t q = 0; q < s.pages.size(); ++q)
+    if (!old_kept[q] && refcount_[size_t(s.pages[q])] == 1) spare.push_back(s.pages[q]);
+  size_t next_spare = 0;
+  for (int64_t k = 0; k < n_new_pages; ++k) {
+    if (plan.reused[size_t(k)]) continue;
+    if (next_spare < spare.size()) {
+      plan.new_pages[size_t(k)] = spare[next_spare++];
+      continue;
+    }
+    const size_t f = plan.fresh_pages.size();
+    if (f >= free_pages_.size())
+      throw CacheFull("kv cache: compaction of sequence " + std::to_string(seq) + " needs " +
+                      std::to_string(n_new_pages - k + int64_t(f)) + " fresh pages (its pages are shared), " +
+                      std::to_string(free_pages_.size()) + " free; free a sequence first");
+    const int32_t page = free_pages_[free_pages_.size() - 1 - f];
+    plan.fresh_pages.push_back(page);
+    plan.new_pages[size_t(k)] = page;
+  }
+  for (size_t q = 0; q < s.pages.size(); ++q) {
+    const int32_t page = s.pages[q];
+    if (refcount_[size_t(page)] == 1 &&
+        std::find(plan.new_pages.begin(), plan.new_pages.end(), page) == plan.new_pages.end())
+      ++plan.pages_released;
+  }
+  for (int64_t j = 0; j < plan.new_length; ++j) {
+    const RowAt src = row_at(g, t0, s.pages, kept[size_t(j)]);
+    const RowAt dst = row_at(g, t1, plan.new_pages, j);
+    if (src == dst) continue;  // in place (a reused page's rows always are)
+    plan.moves.push_back({src.page, src.row, dst.page, dst.row});
+  }
+  return plan;
+}
+
+void KvCache::commit_compaction(const CompactionPlan& plan) {
+  KVCC_REQUIRE(plan.version == version_, "kv cache: a compaction plan made before the cache changed");
+  Sequence& s = seq_at(plan.seq);
+  KVCC_REQUIRE(s.length == plan.old_length, "kv cache: a compaction plan for another length");
+  for (size_t f = 0; f < plan.fresh_pages.size(); ++f)
+    KVCC_REQUIRE(free_pages_[free_pages_.size() - 1 - f] == plan.fresh_pages[f],
+                 "kv cache: a compaction plan's fresh pages are no longer free");
+  ++version_;
+  free_pages_.resize(free_pages_.size() - plan.fresh_pages.size());
+  for (int32_t page : plan.fresh_pages) {
+    refcount_[size_t(page)] = 1;
+    ++pages_in_use_;
+  }
+  // Old pages the new table keeps (reused or rewritten) keep their reference; the rest drop it.
+  for (int32_t page : s.pages) {
+    if (std::find(plan.new_pages.begin(), plan.new_pages.end(), page) != plan.new_pages.end()) continue;
+    if (--refcount_[size_t(page)] == 0) {
+      free_pages_.push_back(page);
+      --pages_in_use_;
+    }
+  }
+  s.pages = plan.new_pages;
+  s.length = plan.new_length;
+}
 
 bool KvCache::live(int seq) const { return seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live; }
 int64_t KvCache::length(int seq) const { return seq_at(seq).length; }

@@ -9,6 +9,10 @@
 //
 // Out of memory (no free page or no free window slot) throws kvcc::Error and leaves the cache as
 // it was: the caller can free sequences and retry.
+//
+// Token eviction (plan_compaction / commit_compaction; the data moves are runtime/compact_ref's)
+// is the one operation that rewrites pages: it writes only pages this sequence holds alone
+// (reference count 1) or fresh ones, never a page shared with a fork.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -23,6 +27,35 @@ enum class PoolMemory { Host, Device };
 // Thrown when the pool has no free page or window slot; the cache is unchanged.
 struct CacheFull : Error {
   using Error::Error;
+};
+
+// One row moved by a compaction, in every layer and KV head. page kCompactWindow is the
+// sequence's window slot, whose row r < S is sink row r and row S + s ring slot s; any other page
+// is a page id, row the token's row in it.
+constexpr int32_t kCompactWindow = -1;
+struct CompactRowMove {
+  int32_t src_page = 0, src_row = 0;
+  int32_t dst_page = 0, dst_row = 0;
+};
+
+// What evicting all but `kept` tokens of a sequence does (KvCache::plan_compaction). The kept
+// tokens are re-tiered as if the sequence had been built from them alone: with m kept tokens the
+// layout is tiers_of(m), kept token j taking logical position j. Rows move between tiers:
+//   BF16 -> BF16: copied; INT2 -> INT2: codes and params copied (every row is self-contained);
+//   BF16 -> INT2: quantised exactly as append does (from the BF16 row);
+//   INT2 -> BF16: dequantised and rounded to BF16 (the one lossy move: the original BF16 row is
+//   gone; such a row is re-quantised from the rounded values if it later returns to history).
+// Positions (RoPE) live in the stored keys, so the kept rows attend exactly as before.
+struct CompactionPlan {
+  int seq = -1;
+  uint64_t version = 0;  // the cache version the plan was made at
+  int64_t old_length = 0, new_length = 0;
+  std::vector<int64_t> kept;          // old positions kept, increasing
+  std::vector<int32_t> new_pages;     // the page table after the compaction
+  std::vector<int32_t> fresh_pages;   // ids taken from the free pool (shared pages are never written)
+  std::vector<char> reused;           // [new pages]: 1 when the page is an old page whose rows all stay in place
+  std::vector<CompactRowMove> moves;  // rows that change place (all sources are read before any write)
+  int64_t pages_released = 0;         // pages that return to the pool on commit
 };
 
 struct KvCacheConfig {
@@ -58,6 +91,17 @@ class KvCache {
   // Grows several sequences at once, all or nothing across the batch.
   std::vector<std::vector<int32_t>> grow_batch(const std::vector<int>& seqs, const std::vector<int64_t>& new_tokens);
 
+  // Plans the eviction of every token of `seq` except `kept` (strictly increasing positions in
+  // [0, length)); changes nothing. A new page whose P tokens are exactly one old page's keeps that
+  // page; the others are written into pages the sequence holds alone and will drop, then into
+  // fresh pages. Throws Error on a bad list, CacheFull when fresh pages run out (only possible
+  // when the sequence shares pages with a fork).
+  CompactionPlan plan_compaction(int seq, const std::vector<int64_t>& kept) const;
+  // Applies a plan's bookkeeping once its rows have been moved: the new page table and length,
+  // fresh pages taken, dropped pages released. Throws Error (changing nothing) when the cache
+  // changed since the plan was made.
+  void commit_compaction(const CompactionPlan& plan);
+
   bool live(int seq) const;
   int64_t length(int seq) const;
   const std::vector<int32_t>& page_table(int seq) const;
@@ -65,7 +109,7 @@ class KvCache {
   int64_t pages_in_use() const { return pages_in_use_; }
   int64_t pages_free() const { return int64_t(free_pages_.size()); }
   int sequences_live() const { return sequences_live_; }
-  // Counts every change of sequences, lengths or page tables (add, fork, free, grow): a plan made
+  // Counts every change of sequences, lengths or page tables (add, fork, free, grow, compaction): a plan made
   // from the tables is current while this is unchanged.
   uint64_t version() const { return version_; }
   int page_refcount(int32_t page) const { return refcount_[size_t(page)]; }

@@ -8,6 +8,7 @@
 #include "formats/error.h"
 #include "formats/method.h"
 #include "runtime/append_ref.h"
+#include "runtime/compact_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/served.h"
 
@@ -16,6 +17,7 @@
 
 #include "runtime/cuda_util.cuh"
 #include "runtime/device_buffer.h"
+#include "runtime/compact.h"
 #include "runtime/kv_kernels.h"
 #endif
 
@@ -500,6 +502,18 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
                k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
                DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s);
 #else
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
+int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream) {
+  const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
+  KVCC_REQUIRE(!step_open, "runtime: evict_tokens inside an open step (finish every layer's append first)");
+  if (cache_->memory() == PoolMemory::Host) return compact_ref(*cache_, seq, kept, codecs_.data());
+#if defined(KVCC_HAVE_CUDA)
+  return compact_device(*cache_, seq, kept, dev_->codecs.data(), stream);
+#else
+  (void)stream;
   throw Error("runtime: built without CUDA");
 #endif
 }

@@ -120,6 +120,16 @@ class Runtime {
   void prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
                void* stream = nullptr);
 
+  // Token eviction: keeps only the tokens at positions `kept` (strictly increasing, < length) of
+  // `seq`, in every layer and KV head, and compacts them into whole pages so that freed pages
+  // return to the pool (CompactionPlan in kv_cache.h has the rules; the sequence then has
+  // kept.size() tokens, later appends continue after them with their own RoPE positions). Pages
+  // shared with a fork are never written. All or nothing: a bad list (Error) or too few free pages
+  // (CacheFull, only when pages are shared) changes nothing. Not inside an open step (between
+  // begin_append and the last layer's append). Returns the pages released. A device pool queues the
+  // moves on `stream` (runtime/compact.h) and needs no synchronisation before the next call on it.
+  int64_t evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream = nullptr);
+
  private:
   struct DeviceState;
   EngineShape engine_;
