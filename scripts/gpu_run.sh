@@ -29,10 +29,11 @@ if [ "${1:-}" = graph ]; then
     before_pid=$!
   fi
   [ -n "${BEFORE_TREE:-}" ] && JOBS=$(( JOBS / 2 ))
-  gpu_cmake_build gpu_test_graph gpu_test_cache gpu_test_prefill test_validate bench_step || { echo "BUILD FAILED"; exit 1; }
+  gpu_cmake_build gpu_test_graph gpu_test_cache gpu_test_prefill gpu_test_compaction test_validate bench_step ||
+    { echo "BUILD FAILED"; exit 1; }
   [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  for t in gpu_test_graph gpu_test_cache gpu_test_prefill; do
+  for t in gpu_test_graph gpu_test_cache gpu_test_prefill gpu_test_compaction; do
     "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 | grep -E '^\[  (FAILED|PASSED) |graph replay|Failure|error|Expected|Which is' | head -20
     echo "$t exit: ${PIPESTATUS[0]}"
   done
@@ -58,7 +59,8 @@ TEST=$BUILD/tests/gpu_test_cache
 PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
-gpu_cmake_build gpu_test_cache gpu_test_prefill gpu_test_graph test_validate bench_decode bench_prefill bench_step ||
+gpu_cmake_build gpu_test_cache gpu_test_prefill gpu_test_graph gpu_test_compaction test_validate bench_decode bench_prefill \
+  bench_step ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
@@ -69,6 +71,9 @@ echo "gpu prefill tests exit: $?"
 # A decode step captured in a CUDA graph and replayed against the uncaptured Runtime.
 "$BUILD/tests/gpu_test_graph" --gtest_output=xml:"$OUT/gpu_tests_graph.xml"
 echo "gpu graph test exit: $?"
+# Token eviction's page compaction on the device pool against the host reference's bytes.
+"$BUILD/tests/gpu_test_compaction" --gtest_output=xml:"$OUT/gpu_tests_compaction.xml"
+echo "gpu compaction test exit: $?"
 # kvcc validate through the device pool (its CPU tests run in CI; this one needs the GPU).
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' --gtest_output=xml:"$OUT/gpu_tests_validate.xml"
 echo "gpu validate test exit: $?"
