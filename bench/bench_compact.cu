@@ -1,0 +1,158 @@
+// Token eviction's page compaction (Runtime::evict_tokens on a device pool) against one decode
+// step at the same length, both through the public Runtime API with host work included: a
+// sequence filled to ctx tokens, then (a) the mean of `steps` decode steps (begin_append of one
+// token, per layer append + decode), and (b) evict_tokens keeping a random `keep` fraction of the
+// positions (the first compaction of fresh copies of the same sequence: a fork per repetition,
+// so every run moves the same rows), wall time to the stream's end. The issue's goal: (b) < (a).
+//
+// usage: bench_compact [--ctx N] [--layers L] [--hq H] [--hkv H] [--keep F] [--reps R]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "formats/artifact.h"
+#include "runtime/kv_cache.h"
+#include "runtime/kvcc_runtime.h"
+
+using namespace kvcc;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+float* device_random(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> n01;
+  std::vector<float> h(n);
+  for (float& x : h) x = n01(rng);
+  float* d = nullptr;
+  ck(cudaMalloc(&d, n * sizeof(float)), "cudaMalloc");
+  ck(cudaMemcpy(d, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return d;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int ctx = 32768, layers = 32, hq = 32, hkv = 8, reps = 5, steps = 20;
+  double keep = 0.1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--ctx")) ctx = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--hq")) hq = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--hkv")) hkv = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--keep")) keep = std::atof(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  }
+  const int d = 128;
+  std::mt19937 rng(11);
+  // Identity rotations (compaction moves stored rows and never rotates; the step pays its
+  // rotations either way).
+  Artifact art;
+  art.n_layers = layers;
+  art.n_heads = hq;
+  art.n_kv_heads = hkv;
+  art.head_dim = d;
+  art.recipe.method = "oscar";
+  std::vector<double> eye(size_t(d) * d, 0.0);
+  for (int i = 0; i < d; ++i) eye[size_t(i) * d + i] = 1.0;
+  for (int i = 0; i < layers * hkv; ++i) {
+    HeadArtifact h;
+    h.key.rotation = h.value.rotation = eye;
+    h.key.clip_ratio = h.value.clip_ratio = 0.95;
+    art.heads.push_back(h);
+  }
+  RuntimeOptions o;
+  const int64_t pages_per_seq = (ctx + steps + 64) / 64 + 2;
+  o.max_pages = pages_per_seq * (reps + 2);
+  o.max_sequences = reps + 2;
+  o.memory = PoolMemory::Device;
+  Runtime rt(art, EngineShape{layers, hq, hkv, d}, o);
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  const int seq = rt.cache().add_sequence();
+  const int chunk = 8192;
+  float* kv = device_random(size_t(chunk) * hkv * d, rng);
+  for (int done = 0; done < ctx; done += chunk) {
+    const int n = std::min(chunk, ctx - done);
+    rt.begin_append({seq}, {n}, s);
+    for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
+  }
+  ck(cudaStreamSynchronize(s), "fill");
+
+  // (b) first, on forks of the filled sequence (a decode step would change its length).
+  std::vector<int64_t> kept;
+  for (int64_t t = 0; t < ctx; ++t)
+    if (std::uniform_real_distribution<double>(0, 1)(rng) < keep) kept.push_back(t);
+  const int64_t pages_before = rt.cache().pages_in_use();
+  double compact_s = 0;
+  int64_t released = 0;
+  for (int r = 0; r < reps; ++r) {
+    // A fork shares every page, so its compaction writes fresh pages (the shared-page path, as
+    // for an engine's forked prefix) and leaves the parent intact for the next repetition.
+    const int f = rt.cache().fork(seq, s);
+    ck(cudaStreamSynchronize(s), "fork");
+    const auto t0 = std::chrono::steady_clock::now();
+    released = rt.evict_tokens(f, kept, s);
+    ck(cudaStreamSynchronize(s), "evict");
+    compact_s += seconds_since(t0);
+    rt.cache().free_sequence(f);
+  }
+  // (b') without sharing: the sequence itself (once; it is then compacted).
+  const auto t1 = std::chrono::steady_clock::now();
+  const int64_t released_own = rt.evict_tokens(seq, kept, s);
+  ck(cudaStreamSynchronize(s), "evict own");
+  const double own_s = seconds_since(t1);
+  const int64_t pages_after = rt.cache().pages_in_use();
+
+  // (a) decode steps on a fresh sequence of the same length.
+  const int seq2 = rt.cache().add_sequence();
+  for (int done = 0; done < ctx; done += chunk) {
+    const int n = std::min(chunk, ctx - done);
+    rt.begin_append({seq2}, {n}, s);
+    for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
+  }
+  float* q = device_random(size_t(hq) * d, rng);
+  float* k1 = device_random(size_t(hkv) * d, rng);
+  float* out = nullptr;
+  ck(cudaMalloc(&out, size_t(hq) * d * sizeof(float)), "cudaMalloc");
+  auto step = [&] {
+    rt.begin_append({seq2}, {1}, s);
+    for (int l = 0; l < layers; ++l) {
+      rt.append(l, k1, k1, s);
+      rt.decode(l, {seq2}, q, out, s);
+    }
+  };
+  for (int i = 0; i < 3; ++i) step();
+  ck(cudaStreamSynchronize(s), "warm-up");
+  const auto t2 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  ck(cudaStreamSynchronize(s), "steps");
+  const double step_s = seconds_since(t2) / steps;
+
+  std::printf(
+      "compact %d/%d heads, %d layers, ctx %d, keep %.2f (%zu tokens): evict_tokens %.1f us on a fork "
+      "(shared pages; returned %lld), %.1f us on the sequence itself (%lld pages released of %lld in use); "
+      "one decode step at ctx %d: %.1f us; ratio own/step %.2f\n",
+      hq, hkv, layers, ctx, keep, kept.size(), compact_s / reps * 1e6, static_cast<long long>(released), own_s * 1e6,
+      static_cast<long long>(released_own), static_cast<long long>(pages_before), ctx, step_s * 1e6, own_s / step_s);
+  (void)pages_after;
+  for (float* p : {kv, q, k1, out}) cudaFree(p);
+  cudaStreamDestroy(s);
+  return 0;
+}
