@@ -195,6 +195,17 @@ int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes) {
   if (bad(rt, "runtime") || bad(bytes, "bytes")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { *bytes = int64_t(rt->rt->cache().bytes_in_use()); });
 }
+int kvcc_evict_tokens(kvcc_runtime* rt, int seq, int64_t n_kept, const int64_t* kept, void* stream, int64_t* released) {
+  if (bad(rt, "runtime") || (n_kept > 0 && bad(kept, "kept"))) return KVCC_BAD_ARGUMENT;
+  if (n_kept < 0) {
+    last_error = "negative count of kept tokens: " + std::to_string(n_kept);
+    return KVCC_BAD_ARGUMENT;
+  }
+  return guarded([&] {
+    const int64_t n = rt->rt->evict_tokens(seq, std::vector<int64_t>(kept, kept + n_kept), stream);
+    if (released) *released = n;
+  });
+}
 const char* kvcc_last_error(void) { return last_error.c_str(); }
 
 const char* kvcc_version(void) { return KVCC_VERSION; }

@@ -48,6 +48,10 @@ int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, co
                  float* out, void* stream);
 
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
+/* Token eviction (kvcc_runtime.h Runtime::evict_tokens): keeps the n_kept token positions kept[]
+ * (ascending, distinct, each < the sequence's length) of seq and compacts the survivors into whole
+ * pages; *released (may be NULL) = pages returned to the pool. Not inside an open step. */
+int kvcc_evict_tokens(kvcc_runtime* rt, int seq, int64_t n_kept, const int64_t* kept, void* stream, int64_t* released);
 const char* kvcc_last_error(void);
 
 /* The library's version, "major.minor.patch" (the CMake project version). */

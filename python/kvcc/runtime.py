@@ -193,6 +193,18 @@ class Runtime:
         _lib.check(_lib.lib().kvcc_sequence_length(self._p(), self._check_seq(seq), ctypes.byref(out)))
         return int(out.value)
 
+    def evict(self, seq: int, kept: Sequence[int]) -> int:
+        """Keeps only the token positions `kept` (ascending, distinct, < length) of `seq` and compacts
+        them into whole pages (Runtime::evict_tokens: re-tiered as if appended alone; rows leaving
+        INT2 history for a BF16 window are dequantised). Returns the pages returned to the pool.
+        Not inside an open step."""
+        ks = [int(t) for t in kept]
+        n = len(ks)
+        out = ctypes.c_int64()
+        _lib.check(_lib.lib().kvcc_evict_tokens(self._p(), self._check_seq(seq), n, (ctypes.c_int64 * max(n, 1))(*ks),
+                                                self._stream(), ctypes.byref(out)))
+        return int(out.value)
+
     def bytes_in_use(self) -> int:
         out = ctypes.c_int64()
         _lib.check(_lib.lib().kvcc_bytes_in_use(self._p(), ctypes.byref(out)))

@@ -181,6 +181,58 @@ def test_windows_only_decode_and_prefill_equal_sdpa(device):
     print(f"windows-only {device}: worst error / tolerance {worst[0]:.2e}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_evict_to_bf16_rows_equals_sdpa_over_the_kept_rows(device):
+    """Runtime.evict through the C ABI: a sequence with INT2 history pages keeps only its sink and
+    some ring tokens — rows that stay BF16 (re-tiered into the new sink and ring) — so decode must
+    then equal SDPA over exactly those rows (the windows-only identity above), the history pages
+    must all come back, and appends after the eviction must extend the kept rows."""
+    art = ref.read_artifact(GUT)
+    S_, W, P = art.sink, art.recent, kvcc.load_artifact(GUT).page_size
+    n = S_ + 4 * P + W  # four history pages between the sink and the ring
+    with kvcc.Runtime(GUT, max_pages=8, max_sequences=2, device=device) as rt:
+        S = Sequences(rt, seed=3)
+        a = S.add()
+        S.step({a: n})
+        assert rt.length(a) == n
+        before = rt.bytes_in_use()
+        ring = list(range(n - 100, n))  # in the ring (BF16), as is the sink
+        kept = list(range(S_)) + ring
+        released = rt.evict(a, kept)
+        assert released == 4  # every history page
+        assert rt.length(a) == len(kept)
+        assert rt.bytes_in_use() < before
+        with kvcc.Runtime(GUT, max_pages=8, max_sequences=2, device=device) as fresh:
+            f = fresh.add_sequence()
+            fresh.begin_append([f], [len(kept)])
+            z = torch.zeros(len(kept), rt.n_kv_heads, rt.head_dim, device=device)
+            for layer in range(rt.n_layers):
+                fresh.append(layer, z, z)
+            assert rt.bytes_in_use() == fresh.bytes_in_use()  # what a sequence of the kept length holds
+        idx = torch.tensor(kept)
+        for layer in range(rt.n_layers):
+            S.k[a][layer] = [torch.cat(S.k[a][layer])[idx]]
+            S.v[a][layer] = [torch.cat(S.v[a][layer])[idx]]
+
+        def check(layer, seqs):
+            q = S.randn(len(seqs), rt.n_heads, rt.head_dim)
+            out = rt.decode(layer, seqs, q.to(device)).cpu()
+            k, v = S.tokens(a, layer)
+            want, vst = sdpa_over_windows(art, layer, q, k, v)
+            tol = out_tol(vst) if device == "cpu" else gpu_tol(q, k, vst)
+            err = float((out[0] - want[0]).abs().max())
+            assert err <= tol, f"layer {layer}: |decode - SDPA| after eviction = {err:.3g} > {tol:.3g}"
+
+        S.step({a: 1}, check)
+        S.step({a: 20}, check)
+        assert rt.length(a) == len(kept) + 21
+        with pytest.raises(kvcc.KvccError):
+            rt.evict(a, [5, 3])  # not ascending
+        with pytest.raises(kvcc.KvccError):
+            rt.evict(a, [rt.length(a)])  # past the end
+        assert rt.length(a) == len(kept) + 21  # refusals change nothing
+
+
 def gpu_tol(q: torch.Tensor, k: torch.Tensor, v_stored: torch.Tensor) -> float:
     """Bound on |CUDA runtime - SDPA| per output element. The device rotates K/V with its own fp32
     GEMM, so a stored BF16 element may round to the other neighbour (|Δk_j| <= 2^-8·||k_j||, the
