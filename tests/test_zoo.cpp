@@ -311,6 +311,14 @@ TEST_F(ZooFixture, IndexSchemaErrors) {
   EXPECT_THROW(zoo::read_index(zoo.string()), Error);
   write_bytes(zoo / "index.json", R"({"format": "kvcc-zoo", "format_version": 99, "entries": []})");
   EXPECT_THROW(zoo::read_index(zoo.string()), Error);
+  // Mistyped fields and a number no double holds are kvcc::Error, not a JSON library exception
+  // (found by fuzz_zoo_index).
+  write_bytes(zoo / "index.json", R"({"format": 1, "format_version": 1, "entries": []})");
+  EXPECT_THROW(zoo::read_index(zoo.string()), Error);
+  write_bytes(zoo / "index.json", R"({"format": "kvcc-zoo", "format_version": "1", "entries": []})");
+  EXPECT_THROW(zoo::read_index(zoo.string()), Error);
+  write_bytes(zoo / "index.json", R"({"format": "kvcc-zoo", "format_version": 1e999, "entries": []})");
+  EXPECT_THROW(zoo::read_index(zoo.string()), Error);
   // A file path that leaves the zoo.
   zoo::publish(write(small_artifact("tiny", cfg, fp, "oscar", 11.0), "a1.kvcc.h5"), (dir / "z2").string(), {});
   std::string idx = read_bytes(dir / "z2" / "index.json");

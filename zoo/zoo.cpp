@@ -234,15 +234,16 @@ Index read_index(const std::string& zoo_dir, bool allow_missing) {
   json j;
   try {
     j = json::parse(read_text(path.string()));
-  } catch (const json::parse_error& ex) {
+  } catch (const json::exception& ex) {  // parse_error, and out_of_range for a number too large
     throw Error(path.string() + " is not valid JSON (" + std::string(ex.what()) + ")");
   }
-  KVCC_REQUIRE(j.is_object() && j.value("format", "") == kIndexFormat,
+  // Types checked before reading: json::value throws type_error on a mistyped field.
+  KVCC_REQUIRE(j.is_object() && j.contains("format") && j["format"].is_string() && j["format"] == kIndexFormat,
                path.string() + " is not a kvcc zoo index (format is not \"" + kIndexFormat + "\")");
-  const int version = j.value("format_version", 0);
-  KVCC_REQUIRE(version == kIndexVersion, path.string() + ": zoo index format_version " + std::to_string(version) +
-                                             " is not supported (this kvcc reads " + std::to_string(kIndexVersion) +
-                                             ")");
+  const json version = j.value("format_version", json(0));
+  KVCC_REQUIRE(version.is_number_integer() && version == kIndexVersion,
+               path.string() + ": zoo index format_version " + version.dump() + " is not supported (this kvcc reads " +
+                   std::to_string(kIndexVersion) + ")");
   KVCC_REQUIRE(j.contains("entries") && j["entries"].is_array(), path.string() + ": 'entries' is missing");
   std::set<std::string> ids;
   for (const auto& ej : j["entries"]) {
@@ -694,7 +695,9 @@ VerifyReport verify_zoo(const std::string& zoo_dir) {
     // The model card: present and the one this index record renders.
     const std::string card = model_card_path(e);
     listed.insert(fs::path(card).lexically_normal().generic_string());
-    if (!fs::is_regular_file(fs::path(zoo_dir) / card)) {
+    // error_code forms: a name the file system refuses (too long) is reported missing, not thrown.
+    std::error_code ec;
+    if (!fs::is_regular_file(fs::path(zoo_dir) / card, ec)) {
       report.missing.push_back(card + " (" + e.id + "): model card");
     } else if (read_text((fs::path(zoo_dir) / card).string()) != render_model_card(e)) {
       report.corrupt.push_back(card + " (" + e.id +
@@ -705,7 +708,7 @@ VerifyReport verify_zoo(const std::string& zoo_dir) {
       listed.insert(fs::path(f.path).lexically_normal().generic_string());
       const fs::path p = fs::path(zoo_dir) / f.path;
       ++report.files_checked;
-      if (!fs::is_regular_file(p)) {
+      if (!fs::is_regular_file(p, ec)) {
         report.missing.push_back(f.path + " (" + e.id + ")");
         continue;
       }
