@@ -9,9 +9,9 @@ cd "$(dirname "$0")/../.."
 wheels=${1:-.device/py/wheels}
 OUT=${OUT:-$PWD/gpu_py_out}
 mkdir -p "$OUT"
-# pip installs into the Python that has torch when it is a virtual environment (the GPU image's
-# /opt/torch/.venv); a system Python is externally managed (PEP 668), so then into a venv that
-# sees its packages.
+# pip installs into the Python that has torch when it is a virtual environment (as on a GPU image
+# that ships torch in a venv); a system Python is externally managed (PEP 668), so then into a venv
+# that sees its packages.
 py=${PYTHON:-python3}
 if ! "$py" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
   "$py" -m venv --system-site-packages /tmp/kvcc-venv
