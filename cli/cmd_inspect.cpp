@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "formats/artifact.h"
+#include "formats/artifact_json.h"
 #include "formats/artifact_safetensors.h"
 #include "formats/error.h"
 #include "formats/h5.h"
@@ -108,18 +109,7 @@ int inspect_artifact(const std::string& path, bool as_json) {
     j["provenance"] = {{"source", a.provenance.source}, {"data_sha256", a.provenance.data_sha256},
                        {"tokens", a.provenance.tokens}, {"sequences", a.provenance.sequences},
                        {"seed", a.provenance.seed},     {"stats_sha256", a.provenance.stats_sha256}};
-    j["recipe"] = {{"method", r.method},
-                   {"key_bits", r.key_bits},
-                   {"value_bits", r.value_bits},
-                   {"group", r.group},
-                   {"sink", r.sink},
-                   {"recent", r.recent},
-                   {"page_size", r.page_size},
-                   {"value_target", r.value_target},
-                   {"granularity", r.granularity},
-                   {"composition", r.composition},
-                   {"seed", r.seed},
-                   {"params", r.params}};
+    j["recipe"] = recipe_json<json>(r);
     j["extras"] = {{"key", extras_json(first.key)}, {"value", extras_json(first.value)}};
     json lj = json::array();
     for (int l = 0; l < a.n_layers; ++l) {

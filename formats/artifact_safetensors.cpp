@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "formats/atomic_file.h"
+#include "formats/artifact_json.h"
 #include "formats/error.h"
 #include "formats/h5.h"
 #include "formats/h5_common.h"
@@ -280,20 +281,7 @@ void write_artifact_safetensors(const Artifact& a, const std::string& path) {
                             {"sequences", a.provenance.sequences},       {"seed", a.provenance.seed},
                             {"stats_sha256", a.provenance.stats_sha256}, {"source", a.provenance.source}};
   const Recipe& r = a.recipe;
-  ojson params = ojson::object();
-  for (const auto& [k, v] : r.params) params[k] = v;
-  doc["recipe"] = ojson{{"method", r.method},
-                        {"key_bits", r.key_bits},
-                        {"value_bits", r.value_bits},
-                        {"group", r.group},
-                        {"sink", r.sink},
-                        {"recent", r.recent},
-                        {"page_size", r.page_size},
-                        {"value_target", r.value_target},
-                        {"granularity", r.granularity},
-                        {"composition", r.composition},
-                        {"seed", r.seed},
-                        {"params", params}};
+  doc["recipe"] = recipe_json<ojson>(r);
   ojson listed = ojson::array();
   for (const OutTensor& t : tensors)
     listed.push_back(ojson{{"name", t.name}, {"sha256", sha256_hex(t.bytes.data(), t.bytes.size())}});

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "formats/artifact.h"
+#include "formats/artifact_json.h"
 #include "formats/error.h"
 #include "formats/kv_layout.h"
 #include "formats/model_file.h"
@@ -58,19 +59,7 @@ std::string describe(const kvcc::Artifact& a) {
       {"head_dim", a.head_dim},
       {"rope_style", kvcc::rope_style_name(a.rope_style)},
       {"fingerprint", fingerprint_json(a.fingerprint)},
-      {"recipe",
-       {{"method", r.method},
-        {"key_bits", r.key_bits},
-        {"value_bits", r.value_bits},
-        {"group", r.group},
-        {"sink", r.sink},
-        {"recent", r.recent},
-        {"page_size", r.page_size},
-        {"value_target", r.value_target},
-        {"granularity", r.granularity},
-        {"composition", r.composition},
-        {"seed", r.seed},
-        {"params", r.params}}},
+      {"recipe", kvcc::recipe_json<nlohmann::json>(r)},
       {"clip_ratio", {{"key", k["clip_ratio"]}, {"value", v["clip_ratio"]}}},
       {"level_tables", {{"key", k["level_tables"]}, {"value", v["level_tables"]}}},
       {"provenance",
