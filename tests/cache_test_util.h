@@ -7,9 +7,12 @@
 #include <cmath>
 #include <cstddef>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "formats/artifact.h"
 #include "formats/kv_layout.h"
+#include "formats/model_config.h"
 #include "formats_test_util.h"
 
 namespace kvcc::testing {
@@ -59,6 +62,40 @@ inline KvGeometry test_geometry(int layers, int heads) {
   g.sink = 64;
   g.recent = 256;
   return g;
+}
+
+// A small oscar artifact for Runtime tests: `layers` x `kv` heads of random rotations (seed 42),
+// clip ratios 0.9 + 0.02·i (keys) and 0.95 (values), sink 8, recent 32, pages of 16.
+inline Artifact small_runtime_artifact(int layers, int heads, int kv, int d) {
+  std::mt19937 rng(42);
+  Artifact a;
+  a.producer = "test";
+  a.model_id = "tiny";
+  a.n_layers = layers;
+  a.n_heads = heads;
+  a.n_kv_heads = kv;
+  a.head_dim = d;
+  ModelConfig cfg;
+  cfg.architecture = "llama";
+  cfg.n_layers = layers;
+  cfg.n_heads = heads;
+  cfg.n_kv_heads = kv;
+  cfg.head_dim = d;
+  cfg.hidden = heads * d;
+  a.fingerprint = make_fingerprint(cfg, std::string(64, '0'));
+  a.recipe.method = "oscar";
+  a.recipe.sink = 8;
+  a.recipe.recent = 32;
+  a.recipe.page_size = 16;
+  for (int i = 0; i < layers * kv; ++i) {
+    HeadArtifact h;
+    h.key.rotation = random_orthogonal(1, d, rng);
+    h.value.rotation = random_orthogonal(1, d, rng);
+    h.key.clip_ratio = 0.9 + 0.02 * i;
+    h.value.clip_ratio = 0.95;
+    a.heads.push_back(h);
+  }
+  return a;
 }
 
 }  // namespace kvcc::testing

@@ -24,37 +24,7 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 4, kKv = 2, kD = 32;
 
-Artifact make_artifact(int d = kD) {
-  std::mt19937 rng(42);
-  Artifact a;
-  a.producer = "test";
-  a.model_id = "tiny";
-  a.n_layers = kLayers;
-  a.n_heads = kHeads;
-  a.n_kv_heads = kKv;
-  a.head_dim = d;
-  ModelConfig cfg;
-  cfg.architecture = "llama";
-  cfg.n_layers = kLayers;
-  cfg.n_heads = kHeads;
-  cfg.n_kv_heads = kKv;
-  cfg.head_dim = d;
-  cfg.hidden = kHeads * d;
-  a.fingerprint = make_fingerprint(cfg, std::string(64, '0'));
-  a.recipe.method = "oscar";
-  a.recipe.sink = 8;
-  a.recipe.recent = 32;
-  a.recipe.page_size = 16;
-  for (int i = 0; i < kLayers * kKv; ++i) {
-    HeadArtifact h;
-    h.key.rotation = testing::random_orthogonal(1, d, rng);
-    h.value.rotation = testing::random_orthogonal(1, d, rng);
-    h.key.clip_ratio = 0.9 + 0.02 * i;
-    h.value.clip_ratio = 0.95;
-    a.heads.push_back(h);
-  }
-  return a;
-}
+Artifact make_artifact(int d = kD) { return testing::small_runtime_artifact(kLayers, kHeads, kKv, d); }
 
 std::string artifact_path() {
   static const std::string path = [] {
