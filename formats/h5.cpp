@@ -28,6 +28,9 @@ struct FileInfo {
   // messages were checked (check_attribute_messages).
   const unsigned char* bytes = nullptr;
   mutable std::set<uint64_t> checked_headers;
+  // The superblock's K values for old-style groups (version 0 and 1 superblocks; 0: not stored,
+  // node sizes are then bounded by the file alone): a B-tree node holds at most 2K children.
+  unsigned group_leaf_k = 0, group_internal_k = 0;
   FileInfo() = default;
   FileInfo(const FileInfo&) = delete;
   FileInfo& operator=(const FileInfo&) = delete;
@@ -233,6 +236,37 @@ void Object::fail(const std::string& message) const { throw Error(file_name_ + "
 
 std::string Object::child_path(const std::string& name) const { return join_path(path_, name); }
 
+// A datatype message (an attribute's type, or a dataset's message 3) must be one kvcc reads:
+// fixed-point or IEEE float numbers, and for attributes also fixed-length strings and
+// variable-length strings of bytes. libhdf5 decodes any class when it loads the message: an
+// enumeration's member names are copied with strdup, as many as the type claims (a flipped class
+// byte made it read past the header: heap overflow, found by CI's fuzzing); compound, array and
+// reference types carry nested types and counts of their own. Returns "" or what is wrong.
+std::string check_datatype(const unsigned char* t, uint64_t length, bool attribute) {
+  if (length < 8) return "datatype message too short";
+  const unsigned type_class = t[0] & 0x0f, version = t[0] >> 4;
+  const uint64_t size = le_bytes(t + 4, 4);
+  if (version < 1 || version > 3) return "datatype version " + std::to_string(version);
+  switch (type_class) {
+    case 0:  // fixed-point: bit offset, precision
+      if (size != 1 && size != 2 && size != 4 && size != 8) return "integer type of " + std::to_string(size) + " bytes";
+      return length < 12 ? "datatype message too short" : "";
+    case 1:  // floating-point: bit offset, precision, exponent and mantissa fields, bias
+      if (size != 4 && size != 8) return "float type of " + std::to_string(size) + " bytes";
+      return length < 20 ? "datatype message too short" : "";
+    case 3:  // fixed-length string
+      if (attribute && size >= 1) return "";
+      break;
+    case 9:  // variable-length: sequence or string, then the base type (a datatype message itself)
+      if (attribute && (t[1] & 0x0f) == 1 && size == 16 && length >= 20 && (t[8] & 0x0f) == 0)
+        return check_datatype(t + 8, length - 8, false);
+      break;
+    default:
+      break;
+  }
+  return "unsupported datatype (class " + std::to_string(type_class) + ", " + std::to_string(size) + " bytes)";
+}
+
 // libhdf5 1.10 decodes every attribute message of an object header on the first attribute
 // access (H5Aexists, H5Aopen, H5Aiterate2) and copies `points x element size` bytes of value out
 // of the message without checking that the message holds them: a corrupt dataspace or type made
@@ -250,11 +284,11 @@ std::string check_attribute_message(const unsigned char* m, size_t size) {
   if (data_at > size || dt < 8 || ds < 4) return "attribute message fields overrun it";
   // libhdf5 copies the name with strdup: it must end inside its field.
   if (name == 0 || !std::memchr(m + (version == 3 ? 9 : 8), 0, size_t(name))) return "attribute name is not terminated";
-  if (version >= 2 && (m[1] & 3)) return "";  // shared type or dataspace: stored elsewhere, decoded by libhdf5
+  // A shared type or dataspace lives in another object header, which libhdf5 decodes unchecked.
+  if (version >= 2 && (m[1] & 3)) return "shared attribute types and dataspaces are not supported";
   const unsigned char* t = m + dt_at;
-  const unsigned type_class = t[0] & 0x0f;
+  if (std::string problem = check_datatype(t, dt, true); !problem.empty()) return "attribute: " + problem;
   const uint64_t element = le_bytes(t + 4, 4);  // libhdf5 copies points x this many bytes
-  if (type_class == 9 && element != 16) return "variable-length attribute type has size " + std::to_string(element);
   const unsigned char* d = m + ds_at;
   const unsigned ds_version = d[0], rank = d[1];
   if (ds_version < 1 || ds_version > 2 || rank > 32) return "attribute dataspace is invalid";
@@ -270,9 +304,95 @@ std::string check_attribute_message(const unsigned char* m, size_t size) {
   return "";
 }
 
+// Old-style groups: a symbol table message names a version 1 B-tree whose leaves (symbol table
+// nodes) hold the links, each name an offset into the group's local heap. libhdf5 1.10 loads the
+// heap and the nodes at the message's addresses unchecked: an undefined heap address made its
+// metadata accumulator copy from NULL, and a heap claiming a 12.9 GB data segment was allocated
+// before being read (both found by scripts/fuzz.sh). So the heap (its data segment and free list),
+// every B-tree node and every symbol table node must lie in the file, hold no more entries than
+// the superblock's K allows, and every name offset (keys and links) must end inside the heap's
+// data. Returns "" or what is wrong.
+std::string check_symbol_table(const unsigned char* f, uint64_t size, uint64_t btree, uint64_t heap,
+                               const FileInfo& info) {
+  constexpr uint64_t kUndef = ~uint64_t(0);
+  // The local heap: "HEAP", version 0, 3 reserved bytes, data size, free list head, data address.
+  if (heap > size || size - heap < 32 || std::memcmp(f + heap, "HEAP", 4) != 0 || f[heap + 4] != 0)
+    return "symbol table: no local heap at " + std::to_string(heap);
+  const uint64_t dsize = le_bytes(f + heap + 8, 8), free_head = le_bytes(f + heap + 16, 8),
+                 daddr = le_bytes(f + heap + 24, 8);
+  if (dsize == 0 || dsize > size || daddr > size - dsize)
+    return "symbol table: local heap data (" + std::to_string(dsize) + " bytes) outside the file";
+  const unsigned char* data = f + daddr;
+  // The free list: blocks of (next offset, size), each inside the data, none visited twice.
+  std::set<uint64_t> free_blocks;
+  for (uint64_t b = free_head; b != 1 && b != kUndef;) {  // 1: H5HL_FREE_NULL, the end of the list
+    if (b > dsize || dsize - b < 16 || !free_blocks.insert(b).second)
+      return "symbol table: corrupt local heap free list";
+    const uint64_t next = le_bytes(data + b, 8), length = le_bytes(data + b + 8, 8);
+    if (length < 16 || length > dsize - b) return "symbol table: corrupt local heap free list";
+    b = next;
+  }
+  auto name_ok = [&](uint64_t offset) {
+    return offset < dsize && std::memchr(data + offset, 0, size_t(dsize - offset));
+  };
+  const uint64_t leaf_k = info.group_leaf_k, internal_k = info.group_internal_k;
+  // The B-tree, depth first; every node once.
+  std::vector<std::pair<uint64_t, int>> todo{{btree, -1}};  // (address, level expected; -1 the root's)
+  std::set<uint64_t> seen;
+  while (!todo.empty()) {
+    const auto [at, level_wanted] = todo.back();
+    todo.pop_back();
+    if (!seen.insert(at).second) return "symbol table: a B-tree node is reached twice";
+    if (at > size || size - at < 24 || std::memcmp(f + at, "TREE", 4) != 0 || f[at + 4] != 0)
+      return "symbol table: no group B-tree node at " + std::to_string(at);
+    const unsigned level = f[at + 5];
+    const uint64_t entries = le_bytes(f + at + 6, 2);
+    if (level > 32 || (level_wanted >= 0 && int(level) != level_wanted))
+      return "symbol table: B-tree node at " + std::to_string(at) + " has level " + std::to_string(level);
+    for (uint64_t sibling : {le_bytes(f + at + 8, 8), le_bytes(f + at + 16, 8)})
+      if (sibling != kUndef && sibling >= size) return "symbol table: B-tree sibling outside the file";
+    // libhdf5 reads the node whole, sized for 2K children (and 2K + 1 keys).
+    const uint64_t k = internal_k ? internal_k : entries;
+    if ((internal_k && entries > 2 * k) || 24 + (4 * k + 1) * 8 > size - at)
+      return "symbol table: B-tree node at " + std::to_string(at) + " overruns the file or its K";
+    for (uint64_t e = 0; e <= entries; ++e)
+      if (!name_ok(le_bytes(f + at + 24 + 16 * e, 8))) return "symbol table: a B-tree key is not in the local heap";
+    for (uint64_t e = 0; e < entries; ++e) {
+      const uint64_t child = le_bytes(f + at + 32 + 16 * e, 8);
+      if (level > 0) {
+        todo.push_back({child, int(level) - 1});
+        continue;
+      }
+      // A symbol table node: "SNOD", version 1, reserved, count, then 40-byte entries; libhdf5 reads
+      // it whole, sized for 2 x leaf K entries.
+      if (child > size || size - child < 8 || std::memcmp(f + child, "SNOD", 4) != 0 || f[child + 4] != 1)
+        return "symbol table: no symbol table node at " + std::to_string(child);
+      const uint64_t symbols = le_bytes(f + child + 6, 2), capacity = leaf_k ? 2 * leaf_k : symbols;
+      if (symbols > capacity || 8 + 40 * capacity > size - child)
+        return "symbol table: symbol table node at " + std::to_string(child) + " overruns the file or its K";
+      if (!seen.insert(child).second) return "symbol table: a symbol table node is reached twice";
+      for (uint64_t i = 0; i < symbols; ++i) {
+        const unsigned char* entry = f + child + 8 + 40 * i;
+        if (!name_ok(le_bytes(entry, 8))) return "symbol table: a link name is not in the local heap";
+        const uint64_t cache = le_bytes(entry + 16, 4);
+        if (cache > 2) return "symbol table: a link has cache type " + std::to_string(cache);
+        if (cache == 2) {  // a soft link (refused by name when followed): its value is a heap offset
+          if (!name_ok(le_bytes(entry + 24, 4))) return "symbol table: a soft link's value is not in the local heap";
+          continue;
+        }
+        if (le_bytes(entry + 8, 8) >= size) return "symbol table: a link's object header is outside the file";
+        if (cache == 1)  // a cached symbol table: its addresses too
+          for (int j = 0; j < 2; ++j)
+            if (le_bytes(entry + 24 + 8 * j, 8) >= size) return "symbol table: a cached address is outside the file";
+      }
+    }
+  }
+  return "";
+}
+
 // Walks the messages of the object header at `addr` (following continuation messages, each chunk
-// once), checking attribute messages (type 12).
-std::string check_object_header(const unsigned char* f, uint64_t file_size, uint64_t addr) {
+// once), checking attribute messages (type 12) and symbol tables (type 17).
+std::string check_object_header(const unsigned char* f, uint64_t file_size, uint64_t addr, const FileInfo& info) {
   struct Chunk {
     uint64_t at, length;
     bool first;
@@ -312,8 +432,20 @@ std::string check_object_header(const unsigned char* f, uint64_t file_size, uint
       const uint64_t size = le_bytes(f + p + (v2 ? 1 : 2), 2);
       const uint64_t data = p + header;
       if (size > end - data) return "object header message overruns its chunk";
+      // A message flagged shared (bit 1) holds a reference to another header's message instead.
+      if ((type == 0x0c || type == 0x03) && (f[p + (v2 ? 3 : 4)] & 0x02))
+        return "shared datatype or attribute messages are not supported";
       if (type == 0x0c)
         if (std::string problem = check_attribute_message(f + data, size_t(size)); !problem.empty()) return problem;
+      if (type == 0x03)
+        if (std::string problem = check_datatype(f + data, size, false); !problem.empty()) return "dataset: " + problem;
+      if (type == 0x11) {  // symbol table: B-tree and local heap addresses
+        if (size < 16) return "symbol table message too short";
+        if (std::string problem =
+                check_symbol_table(f, file_size, le_bytes(f + data, 8), le_bytes(f + data + 8, 8), info);
+            !problem.empty())
+          return problem;
+      }
       if (type == 0x10) {  // continuation: offset and length
         if (size < 16) return "object header continuation too short";
         todo.push_back({le_bytes(f + data, 8), le_bytes(f + data + 8, 8), false});
@@ -327,7 +459,7 @@ std::string check_object_header(const unsigned char* f, uint64_t file_size, uint
 // Checks the object header at `addr` (once per file opened read-only); "" or what is wrong.
 std::string check_header_once(const FileInfo& info, uint64_t addr) {
   if (info.checked_headers.count(addr)) return "";
-  std::string problem = check_object_header(info.bytes, info.size, addr);
+  std::string problem = check_object_header(info.bytes, info.size, addr, info);
   if (problem.empty()) info.checked_headers.insert(addr);
   return problem;
 }
@@ -799,8 +931,19 @@ std::string read_file_info(const std::string& path, FileInfo& info) {
   uint64_t base = 0, root = 0;
   if (version <= 1) {
     const size_t at = version == 0 ? 24 : 28;
+    info.group_leaf_k = unsigned(le_bytes(f + 16, 2));
+    info.group_internal_k = unsigned(le_bytes(f + 18, 2));
+    if (info.group_leaf_k == 0 || info.group_internal_k == 0) return "superblock: group K of 0";
     base = le_bytes(f + at, 8);
-    root = le_bytes(f + at + 32 + 8, 8);  // base, free space, EOF, driver info; then the root entry
+    // base, free space, EOF, driver info; then the root's symbol table entry: name offset, object
+    // header, cache type, reserved, scratch pad (the root group's B-tree and heap when cached).
+    const size_t entry = at + 32;
+    root = le_bytes(f + entry + 8, 8);
+    if (base == 0 && le_bytes(f + entry + 16, 4) == 1)
+      if (std::string problem =
+              check_symbol_table(f, info.size, le_bytes(f + entry + 24, 8), le_bytes(f + entry + 32, 8), info);
+          !problem.empty())
+        return "root group: " + problem;
   } else if (version <= 3) {
     base = le_bytes(f + 12, 8);
     root = le_bytes(f + 36, 8);
