@@ -98,7 +98,11 @@ def quantize_dequantize(rows: torch.Tensor, side: SideRef, group: int) -> torch.
         ss = torch.zeros(x.shape[:2], dtype=torch.float32)
         for i in range(group):  # sequential float32 sum, as the C++ loop adds
             ss = ss + x[..., i] * x[..., i]
-        s = _f16(torch.sqrt(ss / float(group)))
+        # The correctly rounded float32 sqrt, as C++ std::sqrt gives: through float64 (exact enough
+        # for any float32 input). torch's float32 sqrt on CPU may go through a vector library
+        # accurate to about half an ulp, not exactly rounded (seen on AVX-512: one ulp off, which
+        # moved a scale sitting on an fp16 rounding tie).
+        s = _f16(torch.sqrt((ss / float(group)).double()).float())
         s = torch.where((s > 0) & torch.isfinite(s), s, torch.ones_like(s)).unsqueeze(-1)
         lv = side.levels
         xn = x / s
