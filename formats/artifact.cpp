@@ -293,7 +293,6 @@ std::string side_difference(const SideArtifact& x, const SideArtifact& y, const 
 
 std::string artifact_difference(const Artifact& a, const Artifact& b) {
   const std::pair<const char*, std::pair<const std::string*, const std::string*>> strings[] = {
-      {"format_version", {&a.format_version, &b.format_version}},
       {"producer", {&a.producer, &b.producer}},
       {"created", {&a.created, &b.created}},
       {"command", {&a.command, &b.command}},
@@ -458,6 +457,7 @@ void write_artifact(const Artifact& a, const std::string& path) {
         }
       }
     }
+    h5::seal_attributes(file);
     file.close();
   });
 }

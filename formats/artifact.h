@@ -13,7 +13,7 @@ namespace kvcc {
 
 inline constexpr const char* kArtifactFormat = "kvcc-artifact";
 inline constexpr int kArtifactMajor = 1;
-inline constexpr int kArtifactMinor = 0;
+inline constexpr int kArtifactMinor = 1;
 
 // A method-specific array stored beside the standard ones (e.g. CommVQ codebooks, TurboQuant
 // outlier channels). Integer arrays are written as int64 datasets.
@@ -91,7 +91,8 @@ Artifact read_artifact(const std::string& path);
 
 // "" when the two artifacts are equal in every field, numbers compared bit for bit (so -0.0 and
 // 0.0 differ); otherwise the first difference ("/layers/2/kv1/key/rotation: element 17 differs").
-// What `kvcc export` checks its output against.
+// What `kvcc export` checks its output against. format_version is the file's, not the artifact's
+// (a writer always writes its own), so it is not compared.
 std::string artifact_difference(const Artifact& a, const Artifact& b);
 
 // max |RᵀR − I| of a row-major [d, d] matrix (the orthogonality measure verify reports).

@@ -75,7 +75,7 @@ json parse_header(const MappedFile& file) {
 
 // The artifact's JSON document from a parsed header; a clear Error when the file is some other
 // safetensors file (a model's weights, say).
-json artifact_document(const json& header, const std::string& path) {
+json artifact_document(const json& header, const std::string& path, bool* has_checksum = nullptr) {
   const auto meta = header.find("__metadata__");
   if (meta == header.end() || !meta->is_object() || !meta->contains(kArtifactMetadataKey))
     throw Error(path + ": a safetensors file but not a kvcc artifact (its __metadata__ has no \"" +
@@ -89,6 +89,12 @@ json artifact_document(const json& header, const std::string& path) {
     throw Error(path + ": __metadata__." + kArtifactMetadataKey + " is not valid JSON (" + e.what() + ")");
   }
   KVCC_REQUIRE(doc.is_object(), path + ": __metadata__." + kArtifactMetadataKey + " is not a JSON object");
+  const auto sum = meta->find(kArtifactChecksumKey);
+  if (has_checksum) *has_checksum = sum != meta->end();
+  if (sum != meta->end())
+    KVCC_REQUIRE(sum->is_string() && sum->get<std::string>() == sha256_hex(text.get<std::string>()),
+                 path + ": __metadata__." + kArtifactMetadataKey + " edited or corrupt (" + kArtifactChecksumKey +
+                     " does not match)");
   return doc;
 }
 
@@ -290,7 +296,8 @@ void write_artifact_safetensors(const Artifact& a, const std::string& path) {
   ojson header = ojson::object();
   std::string text;
   try {
-    header["__metadata__"] = ojson{{kArtifactMetadataKey, doc.dump()}};
+    const std::string doc_text = doc.dump();
+    header["__metadata__"] = ojson{{kArtifactMetadataKey, doc_text}, {kArtifactChecksumKey, sha256_hex(doc_text)}};
     uint64_t offset = 0;
     for (const OutTensor& t : tensors) {
       header[t.name] =
@@ -321,7 +328,8 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
   const std::shared_ptr<const MappedFile> file =
       tensors.empty() ? MappedFile::open(path) : tensors.begin()->second.file;
   const json header = parse_header(*file);
-  const json doc_json = artifact_document(header, path);
+  bool has_checksum = false;
+  const json doc_json = artifact_document(header, path, &has_checksum);
   const Doc doc(doc_json, path, "");
 
   Artifact a;
@@ -335,6 +343,9 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
   KVCC_REQUIRE(major == kArtifactMajor, path + ": " + kArtifactFormat + " format_version " + a.format_version +
                                             " is not supported (this kvcc reads " + std::to_string(kArtifactMajor) +
                                             ".x)");
+  KVCC_REQUIRE(
+      has_checksum || minor < h5::kSealedFromMinor,
+      path + ": __metadata__." + kArtifactMetadataKey + " carries no checksum (" + kArtifactChecksumKey + " missing)");
   a.producer = doc.str("producer");
   a.created = doc.str("created");
   a.command = doc.str("command");

@@ -18,8 +18,11 @@
 
 namespace kvcc {
 
-// The __metadata__ key whose value is the artifact's JSON document.
+// The __metadata__ key whose value is the artifact's JSON document, and (format 1.1 on) the key
+// of that text's sha256, which covers everything the document holds: the recipe, the model,
+// provenance, and the sha256 of every tensor (clip ratios and rotations included).
 inline constexpr const char* kArtifactMetadataKey = "kvcc_artifact";
+inline constexpr const char* kArtifactChecksumKey = "kvcc_artifact_sha256";
 
 enum class ArtifactContainer {
   Hdf5,         // starts with the HDF5 signature "\x89HDF\r\n\x1a\n"

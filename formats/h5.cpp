@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -12,6 +14,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "formats/sha256.h"
 
 namespace kvcc::h5 {
 
@@ -28,6 +31,10 @@ struct FileInfo {
   // messages were checked (check_attribute_messages).
   const unsigned char* bytes = nullptr;
   mutable std::set<uint64_t> checked_headers;
+  // Attribute checksums required (File::require_sealed_attributes), and the objects (by path)
+  // whose checksum matched or is being checked.
+  mutable bool sealed = false;
+  mutable std::set<std::string> sealed_ok;
   // The superblock's K values for old-style groups (version 0 and 1 superblocks; 0: not stored,
   // node sizes are then bounded by the file alone): a B-tree node holds at most 2K children.
   unsigned group_leaf_k = 0, group_internal_k = 0;
@@ -492,25 +499,54 @@ void check_attributes_decodable(const Object& obj) {
 #endif
 }
 
+namespace {
+// Every attribute name, the checksum's included.
+std::vector<std::string> attr_names_raw(const Object& obj) {
+  // A name no attribute has makes H5Aexists decode every attribute message, so a corrupt one is
+  // refused here before H5Aiterate2 could crash on it (see has_attr).
+  check_attributes_decodable(obj);
+  if (H5Aexists(obj.id(), "\x01kvcc-probe") < 0) obj.fail("cannot read attributes (corrupt object header)");
+  std::vector<std::string> names;
+  hsize_t index = 0;
+  if (H5Aiterate2(obj.id(), H5_INDEX_NAME, H5_ITER_INC, &index, collect_attr_name, &names) < 0)
+    obj.fail("cannot list attributes");
+  return names;
+}
+
+// In a sealed file, an object's attributes are read only after its checksum matched. The object
+// counts as checked while its checksum is computed, so the reads that computes pass through.
+void check_seal(const Object& obj) {
+  const FileInfo& info = obj.file_info();
+  if (!info.sealed || !info.sealed_ok.insert(obj.path()).second) return;
+  try {
+    const std::vector<std::string> names = attr_names_raw(obj);
+    if (names.empty()) return;
+    if (std::find(names.begin(), names.end(), kAttributesChecksum) == names.end())
+      obj.fail("attributes carry no checksum (" + std::string(kAttributesChecksum) + " missing)");
+    if (obj.attr_string(kAttributesChecksum) != obj.attributes_digest())
+      obj.fail("attributes edited or corrupt (" + std::string(kAttributesChecksum) + " does not match)");
+  } catch (...) {
+    info.sealed_ok.erase(obj.path());
+    throw;
+  }
+}
+}  // namespace
+
 // H5Aexists, not H5Aiterate2: on an attribute message that fails to decode, libhdf5 1.10's
 // iteration frees a half-built table of attributes and crashes (H5A__attr_release_table ->
 // H5A__close, found by tests/test_formats_mutations.cpp), while H5Aexists reports an error.
 bool Object::has_attr(const std::string& name) const {
   check_attributes_decodable(*this);
+  check_seal(*this);
   const htri_t exists = H5Aexists(id(), name.c_str());
   if (exists < 0) fail("cannot read attributes (corrupt object header)");
   return exists > 0;
 }
 
 std::vector<std::string> Object::attr_names() const {
-  // A name no attribute has makes H5Aexists decode every attribute message, so a corrupt one is
-  // refused here before H5Aiterate2 could crash on it (see has_attr).
-  check_attributes_decodable(*this);
-  if (H5Aexists(id(), "\x01kvcc-probe") < 0) fail("cannot read attributes (corrupt object header)");
-  std::vector<std::string> names;
-  hsize_t index = 0;
-  if (H5Aiterate2(id(), H5_INDEX_NAME, H5_ITER_INC, &index, collect_attr_name, &names) < 0)
-    fail("cannot list attributes");
+  check_seal(*this);
+  std::vector<std::string> names = attr_names_raw(*this);
+  names.erase(std::remove(names.begin(), names.end(), kAttributesChecksum), names.end());
   return names;
 }
 
@@ -698,6 +734,42 @@ double Object::attr_double(const std::string& name) const {
   double v = 0;
   if (H5Aread(attr.get(), H5T_NATIVE_DOUBLE, &v) < 0) fail("cannot read attribute " + name);
   return v;
+}
+
+std::string Object::attributes_digest() const {
+  std::vector<std::string> names = attr_names_raw(*this);
+  std::sort(names.begin(), names.end());  // byte order, whatever order the file keeps
+  std::string text;
+  for (const std::string& name : names) {
+    if (name == kAttributesChecksum) continue;
+    // Each attribute as `len:name` then `len:` and its kind and value: s + the string, i / u + the
+    // integer in decimal, f + the float's 64 bits in 16 lowercase hex digits.
+    Handle attr = open_attr(*this, name);
+    Handle ftype(H5Aget_type(attr.get()), H5Tclose);
+    std::string value;
+    switch (H5Tget_class(ftype.get())) {
+      case H5T_STRING:
+        value = "s" + read_string_attr(*this, name, attr.get());
+        break;
+      case H5T_INTEGER:
+        value = H5Tget_sign(ftype.get()) == H5T_SGN_2 ? "i" + std::to_string(attr_int(name))
+                                                      : "u" + std::to_string(attr_uint(name));
+        break;
+      case H5T_FLOAT: {
+        const double v = attr_double(name);
+        uint64_t bits = 0;
+        std::memcpy(&bits, &v, sizeof bits);
+        char hex[17];
+        std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(bits));
+        value = std::string("f") + hex;
+        break;
+      }
+      default:
+        fail("attribute " + name + " has a type kvcc does not store");
+    }
+    text += std::to_string(name.size()) + ":" + name + std::to_string(value.size()) + ":" + value;
+  }
+  return sha256_hex(text.data(), text.size());
 }
 
 // ---------------------------------------------------------------- Dataset
@@ -929,6 +1001,11 @@ std::string read_file_info(const std::string& path, FileInfo& info) {
     return "no superblock at offset 0 (user blocks are not supported)";
   const unsigned version = f[8];
   uint64_t base = 0, root = 0;
+  // The end-of-file address the writer recorded: a shorter file was cut (a copy or download that
+  // stopped), the commonest corruption, named as such.
+  const uint64_t eof = le_bytes(f + (version <= 1 ? (version == 0 ? 40 : 44) : 28), 8);
+  if (version <= 3 && eof != ~uint64_t(0) && eof > info.size)
+    return "truncated HDF5 file (" + std::to_string(info.size) + " of its " + std::to_string(eof) + " bytes)";
   if (version <= 1) {
     const size_t at = version == 0 ? 24 : 28;
     info.group_leaf_k = unsigned(le_bytes(f + 16, 2));
@@ -971,7 +1048,7 @@ hid_t open_checked(const std::string& path, const std::string& name, unsigned fl
 #endif
   if (is_hdf5 <= 0) throw Error(name + ": not an HDF5 file (or truncated)");
   if (const std::string problem = read_file_info(path, info); !problem.empty())
-    throw Error(name + ": corrupt HDF5 file (" + problem + ")");
+    throw Error(name + (problem.rfind("truncated", 0) == 0 ? ": " + problem : ": corrupt HDF5 file (" + problem + ")"));
   hid_t f = H5Fopen(path.c_str(), flags, fapl.get());
   if (f < 0) throw Error(name + ": not an HDF5 file (or truncated)");
   // Variable-length string references are parsed here assuming HDF5's default 8-byte addresses
@@ -1002,6 +1079,31 @@ File File::open_rw(const std::string& path, const std::string& display_name) {
   // Written to after opening: its size no longer bounds what it holds, and strings written now
   // live in heaps parsed before; it is read as kvcc's own output (tests that edit files).
   return File(std::make_shared<Handle>(f, H5Fclose), name, "/", std::make_shared<FileInfo>());
+}
+
+void File::require_sealed_attributes() const {
+  info_->sealed = true;
+  check_seal(*this);
+}
+
+void seal_attributes(const Group& g) {
+  for (const std::string& name : g.children()) {
+#if H5_VERSION_GE(1, 12, 0)
+    H5O_info2_t oinfo{};
+    const herr_t got = H5Oget_info_by_name3(g.id(), name.c_str(), &oinfo, H5O_INFO_BASIC, H5P_DEFAULT);
+#else
+    H5O_info_t oinfo{};
+    const herr_t got = H5Oget_info_by_name2(g.id(), name.c_str(), &oinfo, H5O_INFO_BASIC, H5P_DEFAULT);
+#endif
+    if (got < 0) g.fail("cannot read the object " + name);
+    if (oinfo.type == H5O_TYPE_GROUP) {
+      seal_attributes(g.group(name));
+    } else {
+      const Dataset ds = g.dataset(name);
+      if (!ds.attr_names().empty()) ds.set_attr(kAttributesChecksum, ds.attributes_digest());
+    }
+  }
+  if (!g.attr_names().empty()) g.set_attr(kAttributesChecksum, g.attributes_digest());
 }
 
 void File::close() {

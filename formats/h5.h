@@ -96,6 +96,9 @@ inline constexpr size_t kMaxStringBytes = size_t(1) << 20;
 // (where variable-length strings live), parsed and checked (h5.cpp).
 struct FileInfo;
 
+// The attribute holding the sha256 of an object's other attributes (Object::attributes_digest).
+inline constexpr const char* kAttributesChecksum = "attributes_sha256";
+
 // A group, a dataset or a file's root: something attributes hang on.
 class Object {
  public:
@@ -125,6 +128,13 @@ class Object {
   uint64_t attr_uint(const std::string& name) const;
   double attr_double(const std::string& name) const;  // accepts integer attributes too
   bool attr_bool(const std::string& name) const { return attr_int(name) != 0; }
+
+  // Attribute checksums (formats from version 1.1; docs/formats.md): each object's attributes are
+  // covered by its attribute kAttributesChecksum, the sha256 of attributes_digest_text. In a file
+  // whose seal was required (File::require_sealed_attributes), every attribute read checks its
+  // object's checksum first (once per object): an edited, added, removed or corrupt attribute is
+  // an Error naming the object.
+  std::string attributes_digest() const;
 
   // "FILE: PATH: message" as an Error, for callers validating contents.
   [[noreturn]] void fail(const std::string& message) const;
@@ -205,10 +215,17 @@ class File : public Group {
   static File open_rw(const std::string& path, const std::string& display_name = "");
   // Flushes and closes, turning a failed flush into an Error (destructors cannot report it).
   void close();
+  // From now on every object's attributes must carry a matching checksum (kAttributesChecksum);
+  // the root's are checked at once. Readers call it for files of a format version that has them.
+  void require_sealed_attributes() const;
 
  private:
   using Group::Group;
 };
+
+// Writes kAttributesChecksum on every object under `g` (g included) that has attributes, for a
+// file being written (or edited by a test): the last step of a writer before File::close.
+void seal_attributes(const Group& g);
 
 // Silences HDF5's automatic error stack printing (idempotent; File::open/create call it).
 void silence_hdf5_errors();

@@ -73,10 +73,10 @@ std::string check_root_header(const File& file, const std::string& format, int m
   if (found != format) throw Error(file.file_name() + ": is a " + found + " file, expected " + format);
   const std::string version = file.attr_string("format_version");
   const auto [file_major, file_minor] = parse_version(version, file.file_name());
-  (void)file_minor;
   if (file_major != major)
     throw Error(file.file_name() + ": " + format + " format_version " + version +
                 " is not supported (this kvcc reads " + std::to_string(major) + ".x)");
+  if (file_minor >= kSealedFromMinor) file.require_sealed_attributes();
   return version;
 }
 

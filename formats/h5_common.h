@@ -26,7 +26,9 @@ void write_root_header(const File& file, const std::string& format, int major, i
                        const std::string& created, const std::string& command);
 // Checks the root `format` attribute equals `format` (naming what was found instead) and that
 // the major version is `major`; returns the version string. A newer minor is accepted: readers
-// ignore what they do not know.
+// ignore what they do not know. From minor kSealedFromMinor on, files carry attribute checksums
+// (Object::attributes_digest), and every attribute read afterwards checks its object's.
+inline constexpr int kSealedFromMinor = 1;
 std::string check_root_header(const File& file, const std::string& format, int major);
 
 // Group `fingerprint` under `parent`: attributes id, weights_sha256, fields (the names, comma

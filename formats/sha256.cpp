@@ -68,6 +68,7 @@ void Sha256::compress(const uint8_t block[64]) {
 }
 
 Sha256& Sha256::update(const void* data, size_t size) {
+  if (size == 0) return *this;  // data may then be null (an empty vector's), which memcpy must not see
   const auto* bytes = static_cast<const uint8_t*>(data);
   total_bytes_ += size;
   if (buffered_ > 0) {

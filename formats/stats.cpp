@@ -332,6 +332,7 @@ void write_stats(const Stats& s, const std::string& path) {
         }
       }
     }
+    h5::seal_attributes(file);
     file.close();
   });
 }

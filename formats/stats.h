@@ -12,7 +12,7 @@ namespace kvcc {
 
 inline constexpr const char* kStatsFormat = "kvcc-stats";
 inline constexpr int kStatsMajor = 1;
-inline constexpr int kStatsMinor = 0;
+inline constexpr int kStatsMinor = 1;
 
 // Sums over the calibration set for one (layer, KV head). d = head_dim; matrices are row-major
 // [d, d]. All keys and queries are post-RoPE.

@@ -5,12 +5,13 @@
 # stats, safetensors weights and index, config.json, llama2.c model and tokenizer, tokenizer.json,
 # torch .pt files and their pickles, the zoo index, token-id files), replays the regression inputs
 # of tests/fuzz/regressions through the targets they belong to (the HDF5 ones through both HDF5
-# targets), then fuzzes each target for SECONDS (default 20) from its seeds. A sanitizer report,
-# crash, timeout or allocation past the limit on a regression input fails it (exit 1). What the
-# short random exploration finds is reported (FINDING, with the input kept under BUILD_DIR/crashes)
-# but does not fail it: the libhdf5 defects in tests/fuzz/open/ are reachable by it, so failing
-# would fail CI at random; a finding goes to tests/fuzz/regressions/ once fixed, tests/fuzz/open/
-# until then. Without clang or its fuzzer runtime it reports skipped (exit 77).
+# targets), then fuzzes each target for SECONDS (default 20) from its seeds, and last runs the
+# file formats' unit tests built with the same sanitizers (tests/fuzz/CMakeLists.txt). A sanitizer
+# report, crash, timeout or allocation past the limit on a regression input, or a failing unit
+# test, fails it (exit 1). What the short random exploration finds is reported (FINDING, with the
+# input kept under BUILD_DIR/crashes) but does not fail it: a new defect found at random would
+# fail CI at random; a finding goes to tests/fuzz/regressions/ once fixed, tests/fuzz/open/ until
+# then. Without clang or its fuzzer runtime it reports skipped (exit 77).
 #   scripts/sanitize_check.sh [SECONDS]        (BUILD_DIR default build/sanitize)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,10 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     { cat "$BUILD_DIR.configure.log"; exit 1; }
 fi
 source tests/fuzz/seeds.sh
-cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target "${FUZZ_TARGETS[@]}" fuzz_make_seeds >"$BUILD_DIR.build.log" 2>&1 ||
+SANITIZED_TESTS=(test_formats_h5 test_formats_sha256 test_formats_model_config test_formats_artifact test_formats_stats
+  test_formats_mutations test_artifact_safetensors test_model_file)
+cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target "${FUZZ_TARGETS[@]}" fuzz_make_seeds \
+  "${SANITIZED_TESTS[@]/#/sanitized_}" >"$BUILD_DIR.build.log" 2>&1 ||
   { tail -30 "$BUILD_DIR.build.log"; exit 1; }
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:allocator_may_return_null=1}
@@ -56,6 +60,14 @@ for target in "${FUZZ_TARGETS[@]}"; do
   else
     echo "$target: FINDING while fuzzing (input in $BUILD_DIR/crashes/$target/; not failing: see the header)"
     grep -m1 -E "ERROR: |SUMMARY: " "$BUILD_DIR/$target.fuzz.log"
+  fi
+done
+# The formats' own unit tests, built with the same sanitizers: any failure or report fails.
+for t in "${SANITIZED_TESTS[@]}"; do
+  if OPENBLAS_NUM_THREADS=1 "$BUILD_DIR/tests/fuzz/sanitized_$t" >"$BUILD_DIR/$t.log" 2>&1; then
+    echo "$t under ASan + UBSan: $(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$BUILD_DIR/$t.log")"
+  else
+    echo "$t under ASan + UBSan: FAILED"; grep -E "ERROR: |runtime error|FAILED|Failure" "$BUILD_DIR/$t.log" | head -20; status=1
   fi
 done
 exit $status

@@ -4,9 +4,11 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -255,5 +257,21 @@ inline Artifact random_artifact(const ModelConfig& c, const ModelFingerprint& fp
   }
   return a;
 }
+
+#ifdef KVCC_SOURCE_DIR
+// The project zoo's published HDF5 artifacts (format 1.0), sorted.
+inline std::vector<std::string> published_artifacts() {
+  std::vector<std::string> out;
+  for (const auto& e :
+       std::filesystem::recursive_directory_iterator(std::filesystem::path(KVCC_SOURCE_DIR) / "zoo" / "published")) {
+    const std::string name = e.path().filename().string();
+    if (e.is_regular_file() && name.rfind("artifact.", 0) == 0 && name.size() > 9 &&
+        name.compare(name.size() - 8, 8, ".kvcc.h5") == 0)
+      out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+#endif
 
 }  // namespace kvcc::testing

@@ -39,14 +39,6 @@ using testing::read_bytes;
 using testing::ScratchDir;
 using testing::write_bytes;
 
-std::vector<std::string> published_artifacts() {
-  std::vector<std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(fs::path(KVCC_SOURCE_DIR) / "zoo" / "published"))
-    if (e.path().string().size() > 8 && e.path().string().ends_with(".kvcc.h5")) out.push_back(e.path().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 // An attribute as text, tagged with the first typed getter that accepts it, so that two files
 // compare equal only when every attribute has the same type class and value.
 std::string attr_repr(const h5::Object& o, const std::string& name) {
@@ -113,8 +105,12 @@ void check_round_trip(const std::string& h5_path, const ScratchDir& dir, const s
   EXPECT_EQ(artifact_difference(original, from_st), "") << tag;
   EXPECT_TRUE(verify_artifact_file(st).empty()) << tag;
   write_artifact(from_st, back);
-  const auto before = hdf5_contents(h5_path), after = hdf5_contents(back);
+  auto before = hdf5_contents(h5_path), after = hdf5_contents(back);
   EXPECT_GT(before.size(), 20u);
+  // The writer writes its own format version (1.1: attribute checksums, which attr_names hides).
+  EXPECT_EQ(after["/@format_version"], "s:" + std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor));
+  before.erase("/@format_version");
+  after.erase("/@format_version");
   EXPECT_EQ(first_difference(before, after), "") << tag;
 
   // Each tensor's listed sha256 is the one the HDF5 dataset carries (the same bytes).
@@ -143,7 +139,7 @@ void check_round_trip(const std::string& h5_path, const ScratchDir& dir, const s
 
 TEST(ArtifactSafetensors, PublishedArtifactsRoundTripBitForBit) {
   ScratchDir dir;
-  const std::vector<std::string> paths = published_artifacts();
+  const std::vector<std::string> paths = testing::published_artifacts();
   ASSERT_GE(paths.size(), 6u);
   for (const std::string& p : paths)
     check_round_trip(p, dir,
@@ -224,7 +220,7 @@ TEST(ArtifactSafetensors, LayoutIsPlainSafetensors) {
   const json header = json::parse(bytes.substr(8, len));
   const json doc = json::parse(header["__metadata__"][kArtifactMetadataKey].get<std::string>());
   EXPECT_EQ(doc["format"], "kvcc-artifact");
-  EXPECT_EQ(doc["format_version"], "1.0");
+  EXPECT_EQ(doc["format_version"], std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor));
   EXPECT_EQ(doc["recipe"]["method"], a.recipe.method);
   EXPECT_EQ(doc["model"]["head_dim"], 8);
   EXPECT_EQ(doc["tensors"].size(), tensors.size());
@@ -232,16 +228,20 @@ TEST(ArtifactSafetensors, LayoutIsPlainSafetensors) {
 }
 
 // Rewrites a safetensors file's header (and the JSON document inside it) through `edit`,
-// keeping the data section.
+// keeping the data section; the document re-signed (its sha256 updated) unless `sign` is false.
 void rewrite(const std::string& src, const std::string& dst, const std::function<void(json& header, json& doc)>& edit,
-             const std::string& append = "") {
+             const std::string& append = "", bool sign = true) {
   const std::string bytes = read_bytes(src);
   uint64_t len = 0;
   std::memcpy(&len, bytes.data(), 8);
   json header = json::parse(bytes.substr(8, len));
   json doc = json::parse(header["__metadata__"][kArtifactMetadataKey].get<std::string>());
   edit(header, doc);
-  if (!doc.is_null()) header["__metadata__"][kArtifactMetadataKey] = doc.dump();
+  if (!doc.is_null()) {
+    header["__metadata__"][kArtifactMetadataKey] = doc.dump();
+    if (sign && header["__metadata__"].contains(kArtifactChecksumKey))
+      header["__metadata__"][kArtifactChecksumKey] = sha256_hex(doc.dump());
+  }
   const std::string text = header.dump();
   const uint64_t n = text.size();
   write_bytes(dst, std::string(reinterpret_cast<const char*>(&n), 8) + text + bytes.substr(8 + len) + append);
@@ -314,6 +314,29 @@ TEST_F(BadFiles, ForeignAndInconsistentFilesAreRefusedByName) {
                   "is not valid JSON");
   // Bytes the header does not account for.
   EXPECT_CONTAINS(read_error([](json&, json&) {}, "trailing"), "data bytes after the last tensor");
+}
+
+// Format 1.1: the document's sha256 sits beside it in __metadata__, so an edit of the recipe, the
+// model, the provenance or a tensor's listed sha256 that is not re-signed is refused; a 1.0
+// document (no checksum) still reads, a 1.1 one without it does not.
+TEST_F(BadFiles, UnsignedEditsOfTheDocumentAreRefused) {
+  const std::string mismatch = "__metadata__." + std::string(kArtifactMetadataKey) + " edited or corrupt (" +
+                               kArtifactChecksumKey + " does not match)";
+  for (const auto& edit : std::vector<std::function<void(json&, json&)>>{
+           [](json&, json& d) { d["recipe"]["method"] = "hadamard"; }, [](json&, json& d) { d["recipe"]["sink"] = 16; },
+           [](json&, json& d) { d["provenance"]["tokens"] = 7; },
+           [](json&, json& d) { d["tensors"][3]["sha256"] = std::string(64, '0'); }}) {
+    rewrite(good, bad, edit, "", /*sign=*/false);
+    EXPECT_CONTAINS(error_of([&] { read_artifact(bad); }), mismatch);
+    EXPECT_CONTAINS(error_of([&] { verify_artifact_file(bad); }), mismatch);
+  }
+  EXPECT_CONTAINS(read_error([](json& h, json&) { h["__metadata__"].erase(kArtifactChecksumKey); }),
+                  std::string(kArtifactChecksumKey) + " missing");
+  EXPECT_EQ(read_error([](json& h, json& d) {
+              h["__metadata__"].erase(kArtifactChecksumKey);
+              d["format_version"] = "1.0";
+            }),
+            "(no error)");
 }
 
 TEST_F(BadFiles, HugeClaimsAreRefusedBeforeAllocation) {
@@ -443,7 +466,7 @@ TEST(ArtifactSafetensors, ContainerDetection) {
 TEST(ArtifactSafetensors, RuntimeFromEitherFileDecodesIdentically) {
   ScratchDir dir;
   size_t served = 0;
-  for (const std::string& path : published_artifacts()) {
+  for (const std::string& path : testing::published_artifacts()) {
     const Artifact art = read_artifact(path);
     if (!served_by_runtime(art.recipe.method)) continue;
     const std::string st = dir.file("rt.safetensors");

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "formats/artifact.h"
 #include "formats/error.h"
@@ -33,7 +34,7 @@ void expect_equal_sides(const SideArtifact& a, const SideArtifact& b) {
 }
 
 void expect_equal_artifacts(const Artifact& a, const Artifact& b) {
-  EXPECT_EQ(b.format_version, "1.0");
+  EXPECT_EQ(b.format_version, std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor));
   EXPECT_EQ(a.command, b.command);
   EXPECT_EQ(a.model_id, b.model_id);
   EXPECT_EQ(a.fingerprint.id, b.fingerprint.id);
@@ -134,6 +135,7 @@ std::string damaged(const testing::ScratchDir& dir, F&& damage) {
   {
     h5::File file = h5::File::open_rw(path);
     damage(file);
+    h5::seal_attributes(file);
     file.close();
   }
   return path;
@@ -204,8 +206,62 @@ TEST(ArtifactFormat, BadInputGivesClearErrors) {
   write_artifact(testing::random_artifact(f.config, f.fp, 6), good);
   const std::string bytes = testing::read_bytes(good);
   testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() - 100));
-  EXPECT_EQ(error_of([&] { read_artifact(dir.file("cut.h5")); }),
-            dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_CONTAINS(error_of([&] { read_artifact(dir.file("cut.h5")); }),
+                  dir.file("cut.h5") + ": truncated HDF5 file (" + std::to_string(bytes.size() - 100) + " of its ");
+}
+
+// Format 1.1: attributes (clip ratios, the recipe and its parameters, provenance, the model) carry
+// checksums, so an edit that is not re-signed is refused by every reader, naming the object; a
+// 1.0 file, which has none, is still read.
+TEST(ArtifactFormat, EditedAttributesAreRefused) {
+  testing::ScratchDir dir;
+  Fixture f;
+  const std::string good = dir.file("good.h5");
+  write_artifact(testing::random_artifact(f.config, f.fp, 6), good);
+  ASSERT_EQ(read_artifact(good).format_version, "1.1");
+  struct Edit {
+    std::string object;
+    std::function<void(h5::File&)> apply;
+  };
+  const std::vector<Edit> edits = {
+      {"/layers/1/kv0/key",
+       [](h5::File& file) { file.group("layers").group("1").group("kv0").group("key").set_attr("clip_ratio", 0.5); }},
+      {"/recipe", [](h5::File& file) { file.group("recipe").set_attr("method", std::string("hadamard")); }},
+      {"/recipe", [](h5::File& file) { H5Adelete(file.group("recipe").id(), "sink"); }},
+      {"/recipe/params",
+       [](h5::File& file) { file.group("recipe").group("params").set_attr("extra", std::string("1")); }},
+      {"/provenance", [](h5::File& file) { file.group("provenance").set_attr("tokens", uint64_t(7)); }},
+      {"/", [](h5::File& file) { file.set_attr("command", std::string("kvcc compile elsewhere")); }},
+  };
+  for (const Edit& e : edits) {
+    const std::string path = dir.file("edited.h5");
+    testing::write_bytes(path, testing::read_bytes(good));
+    {
+      h5::File file = h5::File::open_rw(path);
+      e.apply(file);
+      file.close();  // not re-signed
+    }
+    const std::string expected =
+        path + ": " + e.object + ": attributes edited or corrupt (attributes_sha256 does not match)";
+    EXPECT_EQ(error_of([&] { read_artifact(path); }), expected);
+    EXPECT_EQ(error_of([&] { verify_artifact_file(path); }), expected);
+  }
+  // A 1.1 file whose checksums were stripped.
+  const std::string path = dir.file("stripped.h5");
+  testing::write_bytes(path, testing::read_bytes(good));
+  {
+    h5::File file = h5::File::open_rw(path);
+    H5Adelete(file.group("provenance").id(), h5::kAttributesChecksum);
+    file.close();
+  }
+  EXPECT_EQ(error_of([&] { read_artifact(path); }),
+            path + ": /provenance: attributes carry no checksum (attributes_sha256 missing)");
+  // Re-signed edits reach the content checks (BadInputGivesClearErrors), and a 1.0 file reads.
+  for (const std::string& published : testing::published_artifacts()) {
+    const Artifact a = read_artifact(published);
+    EXPECT_EQ(a.format_version, "1.0") << published;
+    EXPECT_EQ(a.recipe.params.count(h5::kAttributesChecksum), 0u);
+  }
 }
 
 TEST(ArtifactFormat, VerifyListsEveryProblemAndWriterRefuses) {

@@ -120,8 +120,9 @@ TEST(H5, MissingNonHdf5AndTruncatedFiles) {
   }
   const std::string bytes = testing::read_bytes(full);
   testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() / 2));
-  EXPECT_EQ(error_of([&] { h5::File::open(dir.file("cut.h5")); }),
-            dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_EQ(error_of([&] { h5::File::open(dir.file("cut.h5")); }), dir.file("cut.h5") + ": truncated HDF5 file (" +
+                                                                       std::to_string(bytes.size() / 2) + " of its " +
+                                                                       std::to_string(bytes.size()) + " bytes)");
 }
 
 TEST(H5, VersionParsing) {

@@ -202,18 +202,6 @@ std::string mutate(const Source& src, std::mt19937_64& rng) {
   return b;
 }
 
-std::vector<std::string> published_artifacts() {
-  std::vector<std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(fs::path(KVCC_SOURCE_DIR) / "zoo" / "published")) {
-    const std::string name = e.path().filename().string();
-    if (e.is_regular_file() && name.rfind("artifact.", 0) == 0 && name.size() > 9 &&
-        name.compare(name.size() - 8, 8, ".kvcc.h5") == 0)
-      out.push_back(e.path().string());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 std::string small_stats_file(const testing::ScratchDir& dir) {
   SyntheticSpec spec;
   spec.n_layers = 2;
@@ -261,13 +249,13 @@ std::string join(const std::vector<std::string>& lines) {
 
 TEST(FormatsMutations, UnmodifiedFilesReadInTheChild) {
   testing::ScratchDir dir;
-  for (const std::string& path : published_artifacts()) EXPECT_EQ(read_in_child(path), "") << path;
+  for (const std::string& path : testing::published_artifacts()) EXPECT_EQ(read_in_child(path), "") << path;
   EXPECT_EQ(read_in_child(small_stats_file(dir)), "");
 }
 
 TEST(FormatsMutations, ArtifactMutantsNeverCrashHangOrExhaustMemory) {
   testing::ScratchDir dir;
-  const std::vector<std::string> artifacts = published_artifacts();
+  const std::vector<std::string> artifacts = testing::published_artifacts();
   ASSERT_FALSE(artifacts.empty());
   std::vector<std::string> failures;
   uint64_t seed = 1;
@@ -394,6 +382,7 @@ TEST(FormatsUntrusted, ReservoirRowsBeyondTheFileAreRefusedBeforeAllocating) {
   {
     h5::File f = h5::File::open_rw(path);
     f.group("layers").group("1").group("kv0").group("reservoir").set_attr("capacity", int64_t(2147483647));
+    h5::seal_attributes(f);
     f.close();
   }
   declare_unwritten_dataset(path, "/layers/1/kv0/reservoir", "position", {2147483647}, H5T_STD_I32LE);
@@ -411,6 +400,7 @@ TEST(FormatsUntrusted, CountsAreCheckedNotNarrowed) {
   {
     h5::File f = h5::File::open_rw(path);
     f.group("layers").group("0").group("kv1").group("reservoir").set_attr("capacity", (int64_t(1) << 32) + 160);
+    h5::seal_attributes(f);
     f.close();
   }
   EXPECT_CONTAINS(outcome_in_child([&] { read_stats(path); }),
@@ -420,6 +410,7 @@ TEST(FormatsUntrusted, CountsAreCheckedNotNarrowed) {
   {
     h5::File f = h5::File::open_rw(art);
     f.group("recipe").set_attr("page_size", (int64_t(1) << 32) + 64);
+    h5::seal_attributes(f);
     f.close();
   }
   EXPECT_CONTAINS(outcome_in_child([&] { read_artifact(art); }),
@@ -433,6 +424,7 @@ TEST(FormatsUntrusted, ArtifactArraysBeyondTheFileAreRefusedBeforeAllocating) {
   {
     h5::File f = h5::File::open_rw(art);
     f.group("layers").group("0").group("kv0").group("key").create_group("extras", true);
+    h5::seal_attributes(f);
     f.close();
   }
   declare_unwritten_dataset(art, "/layers/0/kv0/key/extras", "codebook", {1u << 28}, H5T_IEEE_F64LE);
@@ -453,6 +445,7 @@ TEST(FormatsUntrusted, ExternalStorageIsRefused) {
   {
     h5::File f = h5::File::open_rw(art);
     f.group("layers").group("0").group("kv0").group("key").create_group("extras", true);
+    h5::seal_attributes(f);
     f.close();
   }
   const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
@@ -509,7 +502,7 @@ void collect_strings(const h5::Group& g, std::vector<std::string>& out) {
 
 TEST(FormatsUntrusted, StringsReadFromTheCheckedHeapsAreThoseLibhdf5Reads) {
   testing::ScratchDir dir;
-  for (const std::string& path : published_artifacts()) {
+  for (const std::string& path : testing::published_artifacts()) {
     if (testing::read_bytes(path).size() > (1u << 20)) continue;
     const std::string copy = copy_of(dir, path, "a.h5");
     std::vector<std::string> checked, trusted;
@@ -672,6 +665,7 @@ TEST(FormatsUntrusted, HugeLayerCountWithAConsistentFingerprintIsRefusedWithoutA
     H5Ldelete(model.id(), "fingerprint", H5P_DEFAULT);
     h5::write_fingerprint(model, fp);
     model.set_attr("n_layers", int64_t(1) << 30);
+    h5::seal_attributes(f);
     f.close();
   }
   EXPECT_CONTAINS(outcome_in_child([&] { read_artifact(art); }), "missing group /layers/");

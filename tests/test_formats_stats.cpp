@@ -232,6 +232,7 @@ std::string damaged(const testing::ScratchDir& dir, F&& damage) {
   {
     h5::File f = h5::File::open_rw(path);
     damage(f);
+    h5::seal_attributes(f);
     f.close();
   }
   return path;
@@ -247,8 +248,8 @@ TEST(StatsFormat, BadInputGivesClearErrors) {
   // Truncated and not-HDF5.
   const std::string bytes = testing::read_bytes(good);
   testing::write_bytes(dir.file("cut.h5"), bytes.substr(0, bytes.size() * 2 / 3));
-  EXPECT_EQ(error_of([&] { read_stats(dir.file("cut.h5")); }),
-            dir.file("cut.h5") + ": not an HDF5 file (or truncated)");
+  EXPECT_CONTAINS(error_of([&] { read_stats(dir.file("cut.h5")); }),
+                  dir.file("cut.h5") + ": truncated HDF5 file (" + std::to_string(bytes.size() * 2 / 3) + " of its ");
   testing::write_bytes(dir.file("notes.txt"), "q k v\n");
   EXPECT_EQ(error_of([&] { read_stats(dir.file("notes.txt")); }),
             dir.file("notes.txt") + ": not an HDF5 file (or truncated)");

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 STATS_FORMAT = "kvcc-stats"
-STATS_VERSION = "1.0"
+STATS_VERSION = "1.1"  # 1.1: attribute checksums (attributes_digest)
+ATTRIBUTES_CHECKSUM = "attributes_sha256"
 
 # HF architectures the C++ reader knows (formats/hf_config.cpp kArchitectures): (class, model_type, name).
 _ARCHITECTURES = (
@@ -456,9 +457,51 @@ def _i64(x) -> np.int64:
     return np.int64(int(x))
 
 
+def attributes_digest(obj) -> str:
+    """sha256 hex of an HDF5 object's attributes but ATTRIBUTES_CHECKSUM, as formats/h5.cpp's
+    Object::attributes_digest: by name (byte order), each `len:name` then `len:` and its kind and
+    value (s + the UTF-8 string, i / u + the integer in decimal, f + the float64's bits in 16
+    lowercase hex digits)."""
+    text = b""
+    for name in sorted(obj.attrs.keys(), key=lambda n: n.encode()):
+        if name == ATTRIBUTES_CHECKSUM:
+            continue
+        v = obj.attrs[name]
+        if isinstance(v, bytes):
+            value = b"s" + v
+        elif isinstance(v, str):
+            value = b"s" + v.encode()
+        elif isinstance(v, (float, np.floating)):
+            value = b"f" + format(struct.unpack("<Q", struct.pack("<d", float(v)))[0], "016x").encode()
+        elif isinstance(v, np.unsignedinteger):
+            value = b"u" + str(int(v)).encode()
+        elif isinstance(v, (int, np.signedinteger)):
+            value = b"i" + str(int(v)).encode()
+        else:
+            raise KvccError(f"attribute {name} of {obj.name} has a type kvcc does not store ({type(v).__name__})")
+        key = name.encode()
+        text += str(len(key)).encode() + b":" + key + str(len(value)).encode() + b":" + value
+    return hashlib.sha256(text).hexdigest()
+
+
+def seal_attributes(group) -> None:
+    """Writes ATTRIBUTES_CHECKSUM on every object under an h5py group (itself included) that has
+    attributes: a writer's last step (formats/h5.h seal_attributes)."""
+    import h5py
+
+    for name in group:
+        x = group[name]
+        if isinstance(x, h5py.Group):
+            seal_attributes(x)
+        elif len(x.attrs):
+            x.attrs[ATTRIBUTES_CHECKSUM] = attributes_digest(x)
+    if any(k != ATTRIBUTES_CHECKSUM for k in group.attrs.keys()):
+        group.attrs[ATTRIBUTES_CHECKSUM] = attributes_digest(group)
+
+
 def write_stats(path: str, *, producer: str, command: str, config: ModelConfig, fingerprint: Fingerprint,
                 provenance: dict, heads: list[list[dict]], reservoirs: list[list[dict]], capacity: int) -> None:
-    """Writes the kvcc-stats v1 file atomically (PATH.tmp-XXXXXX in the same directory, renamed over
+    """Writes the kvcc-stats 1.1 file atomically (PATH.tmp-XXXXXX in the same directory, renamed over
     PATH; removed on any error). heads[l][h]: query_m2, output_m2, p2_m2, key_m2, value_m2 ([d, d]
     float64, symmetric), key_min/key_max/value_min/value_max ([d] float64), query_count,
     output_count, kv_count (int), p2_weight (float). reservoirs[l][h]: q [n, r, d], key_pre, key,
@@ -529,6 +572,7 @@ def write_stats(path: str, *, producer: str, command: str, config: ModelConfig, 
                     rg.create_dataset("doc", data=np.asarray(res["doc"], dtype="<u4").reshape(n))
                     rg.create_dataset("priority", data=np.asarray(res["priority"], dtype="<u8").reshape(n))
                     rg.create_dataset("heldout", data=np.asarray(res["heldout"], dtype="u1").reshape(n))
+            seal_attributes(f)
             f.flush()
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
