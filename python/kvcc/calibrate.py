@@ -31,8 +31,9 @@ import time
 
 import numpy as np
 
-from kvcc._stats_h5 import (KvccError, ModelConfig, make_fingerprint, read_model_config, require, weight_headers,
-                            weights_sha256, write_stats)
+from kvcc._quantized import QuantizedCheckpoint, pair_weight_scales, read_quantization
+from kvcc._stats_h5 import (KvccError, ModelConfig, make_fingerprint, read_model_config, require, weight_entries,
+                            weight_headers, weights_sha256, write_stats)
 
 DEFAULT_SEPARATOR = "<|endoftext|>"
 ATTN_NAME = "kvcc_calibrate"
@@ -458,11 +459,33 @@ def load_model(model_dir: str, config: ModelConfig, device: str, dtype_name: str
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    quantization = read_quantization(model_dir)
+    checkpoint = None
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME,
-                                                           output_loading_info=True)
+        if quantization.method:
+            # FP8 weights: dequantized by kvcc (kvcc/_quantized.py says why) into the state dict of
+            # the same model without its quantization_config.
+            from transformers import AutoConfig
+
+            checkpoint = QuantizedCheckpoint(model_dir, quantization)
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            del hf_config.quantization_config
+            model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+            model, info = model_class.from_pretrained(None, config=hf_config, state_dict=checkpoint.state_dict,
+                                                      dtype=dtype, attn_implementation=ATTN_NAME,
+                                                      output_loading_info=True)
+        else:
+            # FP8 tensors without a quantization_config are refused, not loaded as they are.
+            pair_weight_scales(quantization, weight_entries(model_dir), model_dir, read_tensor=None)
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME,
+                                                               output_loading_info=True)
+    except KvccError:
+        raise
     except Exception as e:
         raise KvccError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
     missing = [k for k in info.get("missing_keys", []) if not (config.tied_embeddings and k == "lm_head.weight")]
     require(not missing, f"{model_dir}: the checkpoint lacks tensors the model needs: {', '.join(sorted(missing)[:5])}"
             + (" ..." if len(missing) > 5 else ""))
