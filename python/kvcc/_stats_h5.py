@@ -271,9 +271,9 @@ def read_model_config(model_dir: str, allow_unknown: bool = True) -> ModelConfig
             require(not _optional_bool(config, "attention_bias", False, where),
                     f"{where}: attention_bias (with an o_proj bias) is not supported for {cfg.architecture}")
         cfg.qk_norm = cfg.architecture == "qwen3"
-        if cfg.architecture in ("qwen2", "qwen3"):
-            require(not _optional_bool(config, "use_sliding_window", False, where),
-                    f"{where}: use_sliding_window is not supported")
+        # Qwen's use_sliding_window, which the C++ reader refuses, is read: the producer applies each
+        # layer's window as the model does.
+        _optional_bool(config, "use_sliding_window", False, where)
     else:
         cfg.qkv_bias = bool(config.get("attention_bias", False))
     cfg.bos_id = _token_id(config, "bos_token_id", where)
