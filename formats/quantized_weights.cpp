@@ -231,14 +231,26 @@ void dequantize_to_f32(const TensorView& weight, const WeightScale& scale, size_
     return t;
   }();
   const size_t cols = size_t(weight.shape[1]), end = first + count;
-  for (size_t e = first; e < end;) {  // row by row: one row of the scale grid each
+  for (size_t e = first; e < end;) {  // row by row, one scale block of the row at a time
     const size_t i = e / cols, j0 = e % cols, j1 = std::min(cols, j0 + (end - e));
     const float* scales = scale.values.data() + size_t(int64_t(i) / scale.block_rows * scale.grid_cols);
-    for (size_t j = j0; j < j1; ++j, ++e) {
-      const uint8_t byte = weight.data[e];
-      KVCC_REQUIRE((byte & 0x7f) != 0x7f,
-                   "tensor " + weight.name + " holds an FP8 NaN at element " + std::to_string(e));
-      out[e - first] = table[byte] * scales[int64_t(j) / scale.block_cols];
+    for (size_t j = j0; j < j1;) {
+      const size_t block = size_t(int64_t(j) / scale.block_cols);
+      const size_t n = std::min(j1, (block + 1) * size_t(scale.block_cols)) - j;
+      const float s = scales[block];
+      const uint8_t* bytes = weight.data + e;
+      float* dst = out + (e - first);
+      bool nan = false;
+      for (size_t k = 0; k < n; ++k) {
+        nan |= (bytes[k] & 0x7f) == 0x7f;
+        dst[k] = table[bytes[k]] * s;
+      }
+      if (nan) [[unlikely]]
+        for (size_t k = 0; k < n; ++k)
+          KVCC_REQUIRE((bytes[k] & 0x7f) != 0x7f,
+                       "tensor " + weight.name + " holds an FP8 NaN at element " + std::to_string(e + k));
+      j += n;
+      e += n;
     }
   }
 }
