@@ -719,7 +719,8 @@ def _run(args, argv, job: _Distributed, shard_index: int, shard_count: int) -> d
     # priorities of the union, as merging the ranks' own would give), each rank gathering its part.
     pool = everything if job.world > 1 else local
     all_sampled = select_reservoir(set_, pool, args.seed, args.reservoir)
-    sampled = {s: v for s, v in all_sampled.items() if s in set(local)}
+    local_set = set(local)
+    sampled = {s: v for s, v in all_sampled.items() if s in local_set}
 
     tty = sys.stderr.isatty() and lead
     collector = None
