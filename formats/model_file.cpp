@@ -10,6 +10,7 @@
 #include "formats/error.h"
 #include "formats/hf_config.h"
 #include "formats/llama2c.h"
+#include "formats/quantized_weights.h"
 #include "formats/safetensors.h"
 #include "formats/sha256.h"
 
@@ -22,11 +23,18 @@ struct ModelFile::Impl {
   ModelConfig config;
   ModelFingerprint fingerprint;
   std::map<std::string, TensorView> tensors;
+  std::map<std::string, WeightScale> scales;  // F8_E4M3 tensors (formats/quantized_weights.h)
 
   const TensorView& find(const std::string& name) const {
     auto it = tensors.find(name);
     KVCC_REQUIRE(it != tensors.end(), path + ": missing tensor " + name);
     return it->second;
+  }
+  // Elements of a tensor as float32: dequantized when it is a scaled F8_E4M3 weight.
+  void convert(const TensorView& view, size_t first, size_t count, float* out) const {
+    auto scale = scales.find(view.name);
+    if (scale != scales.end()) dequantize_to_f32(view, scale->second, first, count, out);
+    else tensor_to_f32(view, first, count, out);
   }
 };
 
@@ -119,6 +127,20 @@ std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
   return read_safetensors(single_path.string());
 }
 
+// config.json's quantization_config (read_hf_config has already checked that the file parses).
+WeightQuantization read_weight_quantization(const fs::path& dir) {
+  const fs::path path = dir / "config.json";
+  std::ifstream in(path);
+  KVCC_REQUIRE(bool(in), path.string() + ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return parse_weight_quantization(nlohmann::json::parse(text.str()), path.string());
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
 std::string weights_header_sha256(const std::map<std::string, TensorView>& tensors) {
   Sha256 hash;  // std::map iterates in sorted name order
   for (const auto& [name, view] : tensors) {
@@ -143,6 +165,7 @@ ModelFile ModelFile::open(const std::string& path) {
   if (fs::is_directory(status)) {
     impl->config = read_hf_config(path);
     impl->tensors = read_hf_weights(path);
+    impl->scales = pair_weight_scales(read_weight_quantization(path), impl->tensors, path);
   } else {
     KVCC_REQUIRE(fs::path(path).extension() == ".bin",
                  path + ": not a model (expected a Hugging Face directory or a llama2.c .bin)");
@@ -159,8 +182,11 @@ ModelFile ModelFile::open(const std::string& path) {
         TensorView embedding = head->second;
         embedding.name = "model.embed_tokens.weight";
         impl->tensors.emplace(embedding.name, std::move(embedding));
+        auto scale = impl->scales.find("lm_head.weight");
+        if (scale != impl->scales.end()) impl->scales.emplace("model.embed_tokens.weight", scale->second);
       }
       impl->tensors.erase("lm_head.weight");
+      impl->scales.erase("lm_head.weight");
     }
   }
   for (const auto& [name, shape] : expected_tensors(impl->config)) {
@@ -168,7 +194,7 @@ ModelFile ModelFile::open(const std::string& path) {
     KVCC_REQUIRE(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
                                           " but the config implies " + shape_text(shape));
     KVCC_REQUIRE(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 || view.dtype == TensorDType::BF16 ||
-                     view.dtype == TensorDType::F64,
+                     view.dtype == TensorDType::F64 || impl->scales.count(name),
                  path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
   }
   impl->fingerprint = make_fingerprint(impl->config, weights_sha256);
@@ -201,7 +227,7 @@ std::vector<std::string> ModelFile::tensor_names() const {
 std::vector<float> ModelFile::tensor_f32(const std::string& name) const {
   const TensorView& view = impl_->find(name);
   std::vector<float> out(size_t(view.numel()));
-  tensor_to_f32(view, 0, out.size(), out.data());
+  impl_->convert(view, 0, out.size(), out.data());
   return out;
 }
 
@@ -212,7 +238,7 @@ void ModelFile::tensor_rows_f32(const std::string& name, int64_t row0, int64_t n
                impl_->path + ": rows [" + std::to_string(row0) + ", " + std::to_string(row0 + n_rows) +
                    ") out of range for tensor " + name + " with " + std::to_string(view.shape[0]) + " rows");
   const size_t cols = size_t(view.shape[1]);
-  tensor_to_f32(view, size_t(row0) * cols, size_t(n_rows) * cols, out);
+  impl_->convert(view, size_t(row0) * cols, size_t(n_rows) * cols, out);
 }
 
 }  // namespace kvcc

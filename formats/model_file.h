@@ -1,7 +1,8 @@
 // A model on disk: a Hugging Face directory (config.json + model.safetensors, or a sharded set
-// with model.safetensors.index.json; f32/f16/bf16) or a llama2.c checkpoint (.bin). Weights are
-// memory-mapped and converted to float32 one tensor at a time, so a caller holds at most what it
-// asks for (calibration: one layer).
+// with model.safetensors.index.json; f32/f16/bf16, or FP8 E4M3 with scales as FP8 and
+// compressed-tensors checkpoints store them: formats/quantized_weights.h) or a llama2.c checkpoint
+// (.bin). Weights are memory-mapped and converted to float32 (dequantized) one tensor at a time, so
+// a caller holds at most what it asks for (calibration: one layer).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -34,7 +35,8 @@ class ModelFile {
   // Rows [row0, row0 + n_rows) of a 2-D tensor as float32 into out [n_rows, cols], so embedding
   // lookups and a chunked LM head never convert the whole matrix.
   void tensor_rows_f32(const std::string& name, int64_t row0, int64_t n_rows, float* out) const;
-  // Storage dtype as safetensors spells it ("F32", "BF16", ...; "F32" for llama2.c).
+  // Storage dtype as safetensors spells it ("F32", "BF16", "F8_E4M3", ...; "F32" for llama2.c).
+  // tensor_f32 and tensor_rows_f32 return an F8_E4M3 weight multiplied by its scales.
   std::string tensor_dtype(const std::string& name) const;
   // Names of all tensors the model file holds, sorted.
   std::vector<std::string> tensor_names() const;

@@ -353,6 +353,12 @@ TEST(CacheAppend, SmallHeadDimsPackExactlyTheCodecCodes) {
   check_packs_codec_codes(small_geometry(12, 4));
 }
 
+// head_dim 64 and 256 (models outside the GPU kernels' 128), one group per row.
+TEST(CacheAppend, HeadDims64And256PackExactlyTheCodecCodes) {
+  check_packs_codec_codes(small_geometry(64, 64));
+  check_packs_codec_codes(small_geometry(256, 256));
+}
+
 TEST(CacheAppend, GroupsAndLevelTable) {
   World w(small_geometry(64, 16));
   for (auto& c : w.codecs) {
@@ -413,6 +419,11 @@ TEST(CacheDecode, SmallHeadDimsMatchFloat64OnMixedLengths) {
   check_decode_mixed_lengths(small_geometry(8, 4));
 }
 
+TEST(CacheDecode, HeadDims64And256MatchFloat64OnMixedLengths) {
+  check_decode_mixed_lengths(small_geometry(64, 64));
+  check_decode_mixed_lengths(small_geometry(256, 256));
+}
+
 TEST(CacheDecode, GroupsAndLevelTableAndWideGroups) {
   World w(small_geometry(64, 32));
   for (auto& c : w.codecs) {
@@ -464,6 +475,11 @@ TEST(CachePrefill, MatchesFloat64Causal) { check_prefill_causal(small_geometry()
 TEST(CachePrefill, SmallHeadDimsMatchFloat64Causal) {
   check_prefill_causal(small_geometry(8, 8));
   check_prefill_causal(small_geometry(8, 4));
+}
+
+TEST(CachePrefill, HeadDims64And256MatchFloat64Causal) {
+  check_prefill_causal(small_geometry(64, 64));
+  check_prefill_causal(small_geometry(256, 256));
 }
 
 }  // namespace

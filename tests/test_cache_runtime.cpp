@@ -162,16 +162,17 @@ TEST_F(RuntimeAndReference, UsesTheArtifactsRotationsAndClipRatios) {
   }
 }
 
-// A host pool serves head_dim 8 (llama2.c's stories260K: `kvcc demo`'s model; the layout needs a
-// multiple of 4): the Runtime's pages are byte for byte the reference kernels' and its decode and
-// prefill are theirs (tests/test_cache.cpp checks those against float64 at head_dim 8). A device
-// pool refuses it by name before any device memory.
-TEST(CacheRuntime, HostPoolServesHeadDim8) {
-  constexpr int d = 8;
+// A host pool serves any head_dim its layout holds: 8 (llama2.c's stories260K: `kvcc demo`'s
+// model; the layout needs a multiple of 4), 64 and 256 (models outside the GPU kernels' 128): the
+// Runtime's pages are byte for byte the reference kernels' and its decode and prefill are theirs
+// (tests/test_cache.cpp checks those against float64 at these head_dims). A device pool refuses
+// them by name before any device memory.
+void check_host_pool_serves(int d) {
+  SCOPED_TRACE("head_dim " + std::to_string(d));
   const Artifact art = make_artifact(d);
   Runtime rt(art, EngineShape{kLayers, kHeads, kKv, d}, host_options());
   ASSERT_EQ(rt.geometry().head_dim, d);
-  ASSERT_EQ(rt.geometry().code_row_bytes(), 2u);
+  ASSERT_EQ(rt.geometry().code_row_bytes(), size_t(d / 4));
   KvCache ref{KvCacheConfig{rt.geometry(), 32, 4, PoolMemory::Host}};
   std::vector<float> rk(size_t(kLayers) * kKv * d * d), rv(rk.size());
   std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
@@ -241,10 +242,16 @@ TEST(CacheRuntime, HostPoolServesHeadDim8) {
   device.memory = PoolMemory::Device;
   try {
     Runtime(art, EngineShape{kLayers, kHeads, kKv, d}, device);
-    ADD_FAILURE() << "a device pool accepted head_dim 8";
+    ADD_FAILURE() << "a device pool accepted head_dim " << d;
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("head_dim 8"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("head_dim " + std::to_string(d)), std::string::npos) << e.what();
   }
+}
+
+TEST(CacheRuntime, HostPoolServesHeadDim8) { check_host_pool_serves(8); }
+TEST(CacheRuntime, HostPoolServesHeadDims64And256) {
+  check_host_pool_serves(64);
+  check_host_pool_serves(256);
 }
 
 // The cache's own head_dim rule, by pool: a host pool takes any multiple of 4 (4 codes a byte), a

@@ -34,7 +34,7 @@ void expect_matches_transformers(const std::string& model_path, const std::strin
 
 // Tiny random models saved by transformers: llama3 rope scaling at head_dim 64 (transformers-4
 // style config) and 128 (transformers-5 style, sharded), Qwen3 q/k norms at 64 (tied) and 128,
-// Qwen2 q/k/v biases.
+// a plain Llama at head_dim 256 (BF16 weights), Qwen2 q/k/v biases.
 class TinyModel : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(TinyModel, LogitsMatchTransformers) {
@@ -73,7 +73,8 @@ TEST_P(TinyModel, DoubleForwardMatchesTransformersAndFloat) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Forward, TinyModel,
-                         ::testing::Values("llama31-hd64", "llama31-hd128", "qwen3-hd64", "qwen3-hd128", "qwen2-bias"));
+                         ::testing::Values("llama31-hd64", "llama31-hd128", "llama-hd256", "qwen3-hd64", "qwen3-hd128",
+                                           "qwen2-bias"));
 
 TEST(Forward, Llama3ScalingChangesOnlyLowFrequencies) {
   const ModelFile model = ModelFile::open(data_models_dir() + "/llama31-hd64");

@@ -25,6 +25,9 @@ namespace kvcc {
 namespace {
 
 std::string tiny_model_path() { return testing::data_models_dir() + "/llama31-hd64"; }
+// The runtime path at both head_dims outside the GPU kernels' 128.
+const std::string kRuntimeModels[] = {testing::data_models_dir() + "/llama31-hd64",
+                                      testing::data_models_dir() + "/llama-hd256"};
 
 std::vector<std::vector<int32_t>> random_documents(int vocab, const std::vector<int>& lengths) {
   std::mt19937 rng(7);
@@ -418,31 +421,34 @@ std::vector<float> bf16_window_logits(const ModelFile& model, const Artifact& ar
 // reference run's K/V, which this forward pass does not compute (with one block per document there is no cache, and
 // static equals it too: checked at block 256).
 TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
-  const ModelFile model = ModelFile::open(tiny_model_path());
-  const ModelConfig& c = model.config();
-  const auto docs = random_documents(c.vocab, {150, 37, 2});
-  const Artifact art = hadamard_artifact(model, 256, 16, 16);
-  const double bf16_ref =
-      mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
-  const double plain = plain_forward_nll(model, docs);
-  // The effect under test is the BF16 rounding of the windows: the runtime must sit four times
-  // closer to the BF16-window forward than that rounding moves the NLL (~4e-5 relative), so a
-  // runtime that kept float windows fails. Per-block and whole-document GEMMs sum in different
-  // orders, and one K/V element whose BF16 rounding flips moves the NLL ~5e-6 relative (seen on
-  // one machine): the tolerance leaves room for a couple of such flips.
-  const double bf16_effect = std::abs(bf16_ref - plain);
-  ASSERT_GT(bf16_effect, 1e-5 * plain) << "BF16 rounding must be visible for this test to mean anything";
-  const double tol = 0.25 * bf16_effect;
-  for (int block : {1, 32, 256})
-    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-      if (mode == ValidateMode::Static && block < 256) continue;
-      const ValidationResult r =
-          validate_schemes(model, docs, {runtime_scheme_from_artifact(art, "rt", c, ValidateDevice::Cpu)}, mode, block);
-      EXPECT_EQ(r.schemes[0].cache, "runtime/cpu");
-      EXPECT_NEAR(r.schemes[0].nll, bf16_ref, tol) << "block " << block << ", " << r.mode;
-      std::printf("  block %d, %s: |runtime − bf16 forward| / nll = %.1e (BF16 rounding itself: %.1e)\n", block,
-                  r.mode.c_str(), std::abs(r.schemes[0].nll - bf16_ref) / plain, std::abs(bf16_ref - plain) / plain);
-    }
+  for (const std::string& path : kRuntimeModels) {
+    SCOPED_TRACE(path);
+    const ModelFile model = ModelFile::open(path);
+    const ModelConfig& c = model.config();
+    const auto docs = random_documents(c.vocab, {150, 37, 2});
+    const Artifact art = hadamard_artifact(model, 256, 16, 16);
+    const double bf16_ref =
+        mean_nll<float>(c.vocab, docs, [&](const auto& doc) { return bf16_window_logits(model, art, doc); });
+    const double plain = plain_forward_nll(model, docs);
+    // The effect under test is the BF16 rounding of the windows: the runtime must sit four times
+    // closer to the BF16-window forward than that rounding moves the NLL (~4e-5 relative), so a
+    // runtime that kept float windows fails. Per-block and whole-document GEMMs sum in different
+    // orders, and one K/V element whose BF16 rounding flips moves the NLL ~5e-6 relative (seen on
+    // one machine): the tolerance leaves room for a couple of such flips.
+    const double bf16_effect = std::abs(bf16_ref - plain);
+    ASSERT_GT(bf16_effect, 1e-5 * plain) << "BF16 rounding must be visible for this test to mean anything";
+    const double tol = 0.25 * bf16_effect;
+    for (int block : {1, 32, 256})
+      for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+        if (mode == ValidateMode::Static && block < 256) continue;
+        const ValidationResult r = validate_schemes(
+            model, docs, {runtime_scheme_from_artifact(art, "rt", c, ValidateDevice::Cpu)}, mode, block);
+        EXPECT_EQ(r.schemes[0].cache, "runtime/cpu");
+        EXPECT_NEAR(r.schemes[0].nll, bf16_ref, tol) << "block " << block << ", " << r.mode;
+        std::printf("  block %d, %s: |runtime − bf16 forward| / nll = %.1e (BF16 rounding itself: %.1e)\n", block,
+                    r.mode.c_str(), std::abs(r.schemes[0].nll - bf16_ref) / plain, std::abs(bf16_ref - plain) / plain);
+      }
+  }
 }
 
 // (2) With 2-bit pages the runtime path and the codec path quantise the same pages with the same
@@ -450,29 +456,33 @@ TEST(ValidateRuntime, WindowsCoveringEveryTokenEqualBf16RoundedForward) {
 // the pages being quantised from BF16-rounded rows, and in fp16 scale/zero. So their KL against
 // the full-precision run agree within 10% (measured: 0.3–3.3%), and both are > 0.
 TEST(ValidateRuntime, TwoBitKlCloseToCodecPath) {
-  const ModelFile model = ModelFile::open(tiny_model_path());
-  const ModelConfig& c = model.config();
-  const auto docs = random_documents(c.vocab, {200, 120});
-  for (const Artifact& art : {identity_artifact(model, 16, 32, 16), hadamard_artifact(model, 16, 32, 16)}) {
-    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-      const ValidationResult r = validate_schemes(
-          model, docs,
-          {scheme_from_artifact(art, "codec", c), runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
-          mode, 32);
-      const SchemeMetrics &codec = r.schemes[0], &rt = r.schemes[1];
-      EXPECT_EQ(codec.cache, "codec");
-      EXPECT_EQ(rt.cache, "runtime/cpu");
-      EXPECT_GT(codec.kl, 1e-4);
-      EXPECT_GT(rt.kl, 1e-4);
-      EXPECT_NEAR(rt.kl, codec.kl, 0.1 * codec.kl) << art.recipe.method << ", " << r.mode;
-      EXPECT_NEAR(rt.top1_agreement, codec.top1_agreement, 0.05);
-      for (int l = 0; l < c.n_layers; ++l) EXPECT_GT(rt.layer_rel_error[size_t(l)], 0.0);
-      std::printf("  %s, %s: KL codec %.4e, runtime %.4e (%.1f%%); top-1 %.4f / %.4f\n", art.recipe.method.c_str(),
-                  r.mode.c_str(), codec.kl, rt.kl, 100.0 * (rt.kl / codec.kl - 1.0), codec.top1_agreement,
-                  rt.top1_agreement);
-      const nlohmann::json j = nlohmann::json::parse(to_json(r));
-      EXPECT_EQ(j["schemes"][1]["cache"], "runtime/cpu");
-      EXPECT_NE(format_table(r).find("runtime/cpu"), std::string::npos);
+  for (const std::string& path : kRuntimeModels) {
+    SCOPED_TRACE(path);
+    const ModelFile model = ModelFile::open(path);
+    const ModelConfig& c = model.config();
+    const auto docs = random_documents(c.vocab, {200, 120});
+    for (const Artifact& art : {identity_artifact(model, 16, 32, 16), hadamard_artifact(model, 16, 32, 16)}) {
+      for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+        const ValidationResult r =
+            validate_schemes(model, docs,
+                             {scheme_from_artifact(art, "codec", c),
+                              runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu)},
+                             mode, 32);
+        const SchemeMetrics &codec = r.schemes[0], &rt = r.schemes[1];
+        EXPECT_EQ(codec.cache, "codec");
+        EXPECT_EQ(rt.cache, "runtime/cpu");
+        EXPECT_GT(codec.kl, 1e-4);
+        EXPECT_GT(rt.kl, 1e-4);
+        EXPECT_NEAR(rt.kl, codec.kl, 0.1 * codec.kl) << art.recipe.method << ", " << r.mode;
+        EXPECT_NEAR(rt.top1_agreement, codec.top1_agreement, 0.05);
+        for (int l = 0; l < c.n_layers; ++l) EXPECT_GT(rt.layer_rel_error[size_t(l)], 0.0);
+        std::printf("  %s, %s: KL codec %.4e, runtime %.4e (%.1f%%); top-1 %.4f / %.4f\n", art.recipe.method.c_str(),
+                    r.mode.c_str(), codec.kl, rt.kl, 100.0 * (rt.kl / codec.kl - 1.0), codec.top1_agreement,
+                    rt.top1_agreement);
+        const nlohmann::json j = nlohmann::json::parse(to_json(r));
+        EXPECT_EQ(j["schemes"][1]["cache"], "runtime/cpu");
+        EXPECT_NE(format_table(r).find("runtime/cpu"), std::string::npos);
+      }
     }
   }
 }

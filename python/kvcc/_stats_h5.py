@@ -272,9 +272,9 @@ def read_model_config(model_dir: str, allow_unknown: bool = True) -> ModelConfig
             require(not _optional_bool(config, "attention_bias", False, where),
                     f"{where}: attention_bias (with an o_proj bias) is not supported for {cfg.architecture}")
         cfg.qk_norm = cfg.architecture == "qwen3"
-        if cfg.architecture in ("qwen2", "qwen3"):
-            require(not _optional_bool(config, "use_sliding_window", False, where),
-                    f"{where}: use_sliding_window is not supported")
+        # Qwen's use_sliding_window, which the C++ reader refuses, is read: the producer applies each
+        # layer's window as the model does.
+        _optional_bool(config, "use_sliding_window", False, where)
     else:
         cfg.qkv_bias = bool(config.get("attention_bias", False))
     cfg.bos_id = _token_id(config, "bos_token_id", where)
@@ -398,9 +398,14 @@ def _safetensors_header(path: str) -> dict:
 def weight_headers(model_dir: str) -> dict[str, tuple[str, list[int]]]:
     """name -> (dtype, shape) of the tensors the model directory declares, as ModelFile reads them:
     the index's weight_map when there is one (each tensor from its named shard), else model.safetensors."""
+    return {name: (dtype, shape) for name, (dtype, shape, _) in weight_entries(model_dir).items()}
+
+
+def weight_entries(model_dir: str) -> dict[str, tuple[str, list[int], str]]:
+    """name -> (dtype, shape, the safetensors file holding it), as weight_headers."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     single = os.path.join(model_dir, "model.safetensors")
-    out: dict[str, tuple[str, list[int]]] = {}
+    out: dict[str, tuple[str, list[int], str]] = {}
     if os.path.exists(index_path):
         index = _read_json(index_path)
         require(isinstance(index, dict) and isinstance(index.get("weight_map"), dict),
@@ -415,13 +420,13 @@ def weight_headers(model_dir: str) -> dict[str, tuple[str, list[int]]]:
                 shards[shard] = _safetensors_header(sp)
             entry = shards[shard].get(name)
             require(entry is not None, f"{index_path} places tensor {name} in {shard}, which lacks it")
-            out[name] = (entry["dtype"], list(entry["shape"]))
+            out[name] = (entry["dtype"], list(entry["shape"]), os.path.join(model_dir, shard))
         return out
     require(os.path.exists(single), f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     for name, entry in _safetensors_header(single).items():
         require(isinstance(entry, dict) and "dtype" in entry and "shape" in entry,
                 f"{single}: tensor {name} lacks dtype or shape")
-        out[name] = (entry["dtype"], list(entry["shape"]))
+        out[name] = (entry["dtype"], list(entry["shape"]), single)
     return out
 
 

@@ -31,8 +31,9 @@ import time
 
 import numpy as np
 
-from kvcc._stats_h5 import (KvccError, ModelConfig, make_fingerprint, read_model_config, require, weight_headers,
-                            weights_sha256, write_stats)
+from kvcc._quantized import QuantizedCheckpoint, pair_weight_scales, read_quantization
+from kvcc._stats_h5 import (KvccError, ModelConfig, make_fingerprint, read_model_config, require, weight_entries,
+                            weight_headers, weights_sha256, write_stats)
 
 DEFAULT_SEPARATOR = "<|endoftext|>"
 ATTN_NAME = "kvcc_calibrate"
@@ -458,11 +459,33 @@ def load_model(model_dir: str, config: ModelConfig, device: str, dtype_name: str
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    quantization = read_quantization(model_dir)
+    checkpoint = None
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME,
-                                                           output_loading_info=True)
+        if quantization.method:
+            # FP8 weights: dequantized by kvcc (kvcc/_quantized.py says why) into the state dict of
+            # the same model without its quantization_config.
+            from transformers import AutoConfig
+
+            checkpoint = QuantizedCheckpoint(model_dir, quantization)
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            del hf_config.quantization_config
+            model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+            model, info = model_class.from_pretrained(None, config=hf_config, state_dict=checkpoint.state_dict,
+                                                      dtype=dtype, attn_implementation=ATTN_NAME,
+                                                      output_loading_info=True)
+        else:
+            # FP8 tensors without a quantization_config are refused, not loaded as they are.
+            pair_weight_scales(quantization, weight_entries(model_dir), model_dir, read_tensor=None)
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME,
+                                                               output_loading_info=True)
+    except KvccError:
+        raise
     except Exception as e:
         raise KvccError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
     missing = [k for k in info.get("missing_keys", []) if not (config.tied_embeddings and k == "lm_head.weight")]
     require(not missing, f"{model_dir}: the checkpoint lacks tensors the model needs: {', '.join(sorted(missing)[:5])}"
             + (" ..." if len(missing) > 5 else ""))
@@ -519,11 +542,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Hooks the model's attention (post-RoPE queries and keys, values, the attention probabilities\n"
                "computed blockwise) and accumulates in float64 on --device the query second moment, the value\n"
                "targets, key/value moments and ranges, and a reservoir of sampled rows (documents with\n"
-               "index %% 5 == 4 held out), as `kvcc calibrate-model` does over the same tokens.\n\n"
-               "Example:\n"
+               "index % 5 == 4 held out), as `kvcc calibrate-model` does over the same tokens.\n\n"
+               "Under torchrun (torch.distributed, NCCL on GPUs, gloo on CPUs) rank R takes the documents with\n"
+               "index % WORLD_SIZE == R on cuda:LOCAL_RANK (--device cuda) or the CPU; rank 0 adds up every\n"
+               "rank's sums and reservoir rows, as `kvcc merge-stats` would, and writes the file.\n\n"
+               "Examples:\n"
                "  python -m kvcc.calibrate --model ../shared/models/tinystories-656k \\\n"
                "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
-               "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5")
+               "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
+               "  torchrun --standalone --nproc-per-node 8 -m kvcc.calibrate --model MODEL_DIR --data calib.txt \\\n"
+               "      --tokens 65536 --device cuda -o stats.h5")
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, *.safetensors, "
                    "tokenizer.json)")
     src = p.add_mutually_exclusive_group()
@@ -547,7 +575,107 @@ def build_parser() -> argparse.ArgumentParser:
                         "statistics are float64 whatever this is")
     p.add_argument("--block-mib", type=whole(1), default=256,
                    help="Memory for one block of attention probabilities (default 256 MiB)")
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
+                   help="Under torchrun: the torch.distributed backend (auto: nccl with --device cuda, else gloo)")
     return p
+
+
+class _Distributed:
+    """The torch.distributed job this process belongs to (torchrun's WORLD_SIZE / RANK / LOCAL_RANK),
+    or a single process (world 1). Rank R calibrates documents with index % world == R; rank 0
+    receives the reduced sums and the gathered reservoir rows and writes the file."""
+
+    def __init__(self, backend_name: str, device_name: str):
+        env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        try:
+            self.world = int(env["WORLD_SIZE"] or 1)
+            self.rank = int(env["RANK"] or 0)
+            self.local_rank = int(env["LOCAL_RANK"] or 0)
+        except ValueError:
+            raise KvccError(f"WORLD_SIZE / RANK / LOCAL_RANK are not integers ({env})") from None
+        require(self.world >= 1 and 0 <= self.rank < self.world,
+                f"RANK {self.rank} is not within WORLD_SIZE {self.world}")
+        self.dist = None
+        self.backend = ""
+        if self.world == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        cuda = device_name.startswith("cuda")
+        require(not cuda or device_name == "cuda", f"--device {device_name} under torchrun: give --device cuda, "
+                "each rank then takes cuda:LOCAL_RANK")
+        self.backend = backend_name if backend_name != "auto" else ("nccl" if cuda else "gloo")
+        require(self.backend != "nccl" or cuda, "--dist-backend nccl needs --device cuda (NCCL reduces GPU tensors)")
+        require(dist.is_available(), "this torch build has no torch.distributed")
+        if cuda:
+            require(torch.cuda.is_available() and self.local_rank < torch.cuda.device_count(),
+                    f"rank {self.rank}: no CUDA device {self.local_rank} (LOCAL_RANK) is available")
+            torch.cuda.set_device(self.local_rank)
+        try:
+            dist.init_process_group(self.backend, init_method="env://")
+        except Exception as e:  # torch raises several types for a bad rendezvous
+            raise KvccError(f"rank {self.rank}: torch.distributed ({self.backend}) did not start "
+                            f"({type(e).__name__}: {e})") from None
+        self.dist = dist
+
+    def device(self, name: str):
+        import torch
+
+        return torch.device(f"cuda:{self.local_rank}") if self.dist is not None and name == "cuda" \
+            else torch.device(name)
+
+    def any_failed(self, failed: bool, device) -> bool:
+        """Whether any rank failed, agreed by all before any collective that a failed rank would not join."""
+        if self.dist is None:
+            return failed
+        import torch
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32,
+                            device=device if self.backend == "nccl" else "cpu")
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def reduce(self, t, op: str) -> None:
+        """In place on rank 0: the sum, minimum or maximum of t over the ranks."""
+        ops = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}
+        src = t.cpu() if self.backend == "gloo" and t.is_cuda else t  # gloo reduces host tensors
+        self.dist.reduce(src, dst=0, op=ops[op])
+        if src is not t:
+            t.copy_(src)
+
+    def gather(self, obj) -> list:
+        """obj of every rank, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.world if self.rank == 0 else None
+        self.dist.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self):
+        if self.dist is not None:
+            self.dist.destroy_process_group()
+            self.dist = None
+
+
+def _reduce_to_rank0(job: _Distributed, collector: StatsCollector, all_sampled: dict) -> None:
+    """Sums, ranges, counts and reservoir rows of every rank into rank 0's collector (merge-stats'
+    addition: the reservoir is the union of the ranks' rows, which were chosen globally)."""
+    torch = collector.torch
+    for m in collector.m2.values():
+        job.reduce(m, "sum")
+    for m in collector.mins.values():
+        job.reduce(m, "min")
+    for m in collector.maxs.values():
+        job.reduce(m, "max")
+    job.reduce(collector.p2_weight, "sum")
+    counts = torch.tensor(collector.kv_count, dtype=torch.int64, device=collector.p2_weight.device)
+    job.reduce(counts, "sum")
+    collector.kv_count = [int(c) for c in counts.cpu().tolist()]
+    rows = [[(s, *(t.numpy() for t in parts)) for s, *parts in layer] for layer in collector.rows]
+    gathered = job.gather(rows)
+    if job.rank == 0:
+        collector.rows = [[(s, *(torch.from_numpy(a) for a in arrays)) for rank_rows in gathered
+                           for s, *arrays in rank_rows[layer]] for layer in range(len(rows))]
+        collector.sampled = all_sampled
 
 
 def run(argv=None) -> dict:
@@ -562,59 +690,97 @@ def run(argv=None) -> dict:
     out_dir = os.path.dirname(args.output) or "."
     require(os.path.isdir(out_dir), f"output directory '{out_dir}' does not exist")
     shard_index, shard_count = _parse_shard(args.shard) if args.shard else (0, 1)
+    job = _Distributed(args.dist_backend, args.device)
+    try:
+        return _run(args, argv, job, shard_index, shard_count)
+    finally:
+        job.close()
 
+
+def _run(args, argv, job: _Distributed, shard_index: int, shard_count: int) -> dict:
     import torch
 
-    device = torch.device(args.device)
+    if job.world > 1:
+        require(not args.shard, "--shard under torchrun: the ranks split the documents themselves (index % "
+                "WORLD_SIZE == RANK); run without --shard")
+        shard_index, shard_count = job.rank, job.world
+    lead = job.rank == 0
+    device = job.device(args.device)
     if device.type == "cuda":
         require(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
     t_start = time.perf_counter()
     config = read_model_config(args.model)
     headers = weight_headers(args.model)
     set_ = prepare_calibration_set(args, config, lambda: DocumentEncoder(args.model, args.tokenizer, config))
-    local = [s for s in range(len(set_["sequences"])) if set_["doc_index"][s] % shard_count == shard_index]
+    everything = list(range(len(set_["sequences"])))
+    local = [s for s in everything if set_["doc_index"][s] % shard_count == shard_index]
     local_tokens = sum(len(set_["sequences"][s]) for s in local)
+    # Under torchrun the reservoir is chosen over all documents on every rank (the smallest
+    # priorities of the union, as merging the ranks' own would give), each rank gathering its part.
+    pool = everything if job.world > 1 else local
+    all_sampled = select_reservoir(set_, pool, args.seed, args.reservoir)
+    local_set = set(local)
+    sampled = {s: v for s, v in all_sampled.items() if s in local_set}
 
-    _register_attention()
-    model = load_model(args.model, config, str(device), args.dtype)
-    fingerprint = make_fingerprint(config, weights_sha256(headers))
-    sampled = select_reservoir(set_, local, args.seed, args.reservoir)
-    collector = StatsCollector(config, device, sampled, args.block_mib << 20)
-    _ACTIVE.append(collector)
-    patched = _hook_rope(model, collector)
-    tty = sys.stderr.isatty()
-    print(f"calibrating on {local_tokens} tokens, {config.n_layers} layers, device {device}", file=sys.stderr)
-    done = 0
-    last = time.perf_counter()
-    t0 = last
+    tty = sys.stderr.isatty() and lead
+    collector = None
+    failure = None
+    t0 = time.perf_counter()
+    seconds_layers = 0.0
     try:
-        with torch.inference_mode():
-            for n_seq, s in enumerate(local):
-                ids = torch.tensor([set_["sequences"][s]], dtype=torch.long, device=device)
-                collector.seq = s
-                try:
-                    model(input_ids=ids, use_cache=False)
-                    raise KvccError("internal: the forward pass ended before the last layer's attention")
-                except _StopForward:
-                    pass
-                done += ids.shape[1]
-                now = time.perf_counter()
-                if now - last >= (0.2 if tty else 10.0) or n_seq + 1 == len(local):
-                    last = now
-                    rate = done / max(now - t0, 1e-9)
-                    eta = (local_tokens - done) / rate if rate > 0 else 0.0
-                    msg = (f"{done}/{local_tokens} tokens ({100.0 * done / max(local_tokens, 1):.0f}%), "
-                           f"{rate:.0f} tok/s, ETA {eta:.0f} s")
-                    print(("\r\033[K" + msg) if tty else msg, end="" if tty else "\n", file=sys.stderr, flush=True)
-        if tty:
-            print(file=sys.stderr)
-    finally:
-        _ACTIVE.remove(collector)
-        for mod, fn in patched:
-            setattr(mod, "apply_rotary_pos_emb", fn)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds_layers = time.perf_counter() - t0
+        _register_attention()
+        model = load_model(args.model, config, str(device), args.dtype)
+        collector = StatsCollector(config, device, sampled, args.block_mib << 20)
+        _ACTIVE.append(collector)
+        patched = _hook_rope(model, collector)
+        ranks = f", {job.world} ranks ({job.backend})" if job.world > 1 else ""
+        if lead:
+            print(f"calibrating on {local_tokens} tokens, {config.n_layers} layers, device {device}{ranks}",
+                  file=sys.stderr)
+        done = 0
+        last = time.perf_counter()
+        t0 = last
+        try:
+            with torch.inference_mode():
+                for n_seq, s in enumerate(local):
+                    ids = torch.tensor([set_["sequences"][s]], dtype=torch.long, device=device)
+                    collector.seq = s
+                    try:
+                        model(input_ids=ids, use_cache=False)
+                        raise KvccError("internal: the forward pass ended before the last layer's attention")
+                    except _StopForward:
+                        pass
+                    done += ids.shape[1]
+                    now = time.perf_counter()
+                    if lead and (now - last >= (0.2 if tty else 10.0) or n_seq + 1 == len(local)):
+                        last = now
+                        rate = done / max(now - t0, 1e-9)
+                        eta = (local_tokens - done) / rate if rate > 0 else 0.0
+                        msg = (f"{done}/{local_tokens} tokens ({100.0 * done / max(local_tokens, 1):.0f}%), "
+                               f"{rate:.0f} tok/s, ETA {eta:.0f} s")
+                        print(("\r\033[K" + msg) if tty else msg, end="" if tty else "\n", file=sys.stderr,
+                              flush=True)
+            if tty:
+                print(file=sys.stderr)
+        finally:
+            _ACTIVE.remove(collector)
+            for mod, fn in patched:
+                setattr(mod, "apply_rotary_pos_emb", fn)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds_layers = time.perf_counter() - t0
+    except Exception as e:  # raised again below, once every rank knows
+        failure = e
+    if job.any_failed(failure is not None, device):
+        if failure is not None:
+            raise failure
+        raise KvccError(f"rank {job.rank}: stopped because another rank failed (its error is above)")
+    tokens, sequences = local_tokens, len(local)
+    if job.world > 1:
+        _reduce_to_rank0(job, collector, all_sampled)
+        tokens, sequences = set_["tokens"], len(everything)
+        if not lead:
+            return {"tokens": local_tokens, "sequences": len(local), "seconds": time.perf_counter() - t_start}
 
     heads = collector.heads()
     for layer in range(config.n_layers):
@@ -623,20 +789,22 @@ def run(argv=None) -> dict:
                 require(np.isfinite(heads[layer][h][name]).all(), f"layer {layer} kv{h}: {name} is not finite "
                         "(the forward pass produced NaN or Inf)")
     reservoirs = collector.reservoirs(set_["doc_index"])
+    fingerprint = make_fingerprint(config, weights_sha256(headers))
     command = "python -m kvcc.calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                else sys.argv[1:]))
-    provenance = {"data_sha256": set_["data_sha256"], "tokens": local_tokens, "sequences": len(local),
+    provenance = {"data_sha256": set_["data_sha256"], "tokens": tokens, "sequences": sequences,
                   "seed": args.seed, "max_seq_len": set_["max_seq_len"], "tokenizer": set_["tokenizer"]}
     write_stats(args.output, producer=f"kvcc {_version()} (python -m kvcc.calibrate, torch {torch.__version__})",
                 command=command, config=config, fingerprint=fingerprint, provenance=provenance, heads=heads,
                 reservoirs=reservoirs, capacity=args.reservoir)
     total = time.perf_counter() - t_start
     stats_share = 100.0 * collector.stats_seconds / seconds_layers if seconds_layers > 0 else 0.0
-    print(f"calibrated {local_tokens} tokens in {len(local)} sequences in {total:.1f} s "
-          f"({local_tokens / max(total, 1e-9):.0f} tok/s); attention and statistics {collector.stats_seconds:.2f} s "
+    on = f" ({job.world} ranks; rank 0's share below)" if job.world > 1 else ""
+    print(f"calibrated {tokens} tokens in {sequences} sequences in {total:.1f} s "
+          f"({tokens / max(total, 1e-9):.0f} tok/s){on}; attention and statistics {collector.stats_seconds:.2f} s "
           f"of the layers' {seconds_layers:.2f} s ({stats_share:.0f}%)", file=sys.stderr)
     print(f"wrote {args.output}")
-    return {"tokens": local_tokens, "sequences": len(local), "seconds": total}
+    return {"tokens": tokens, "sequences": sequences, "seconds": total}
 
 
 def main(argv=None) -> int:

@@ -9,13 +9,14 @@ It writes into tests/data/models/:
   (b) tiny randomly initialised models saved by transformers (f32 safetensors), each with its own
       ref_logits.json: llama31-hd64 (llama3 rope scaling, transformers-4 style config rewritten by
       hand), llama31-hd128 (transformers-5 style, sharded), qwen3-hd64 (tied), qwen3-hd128,
-      qwen2-bias (q/k/v biases, tied);
+      qwen2-bias (q/k/v biases, tied); llama-hd256 (head_dim 256, BF16 weights);
   refs/tinystories-656k-long.json: the same for 500 tokens of tinystories_valid_100.txt;
   (c) refs/stories260k.json: the llama2.c checkpoint converted to an HF Llama (q/k rows permuted
       from interleaved RoPE pairs to rotate_half) and run by transformers, plus its greedy
       continuation of a short prompt.
 Each reference file holds the token ids, the positions checked and logits[position][vocab].
 """
+import copy
 import json
 import os
 import struct
@@ -163,6 +164,38 @@ def tiny_models():
         print(f"  {name}: {size} bytes in {sorted(os.listdir(path))}")
 
 
+def hd256_models():
+    # head_dim 256 on a GQA Llama, stored in BF16 to keep the file small; the reference is
+    # transformers' float32 run of the BF16 weights.
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=128,
+                  max_position_embeddings=1024, rms_norm_eps=1e-5, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=256, tie_word_embeddings=False)
+    specs = [
+        ("llama-hd256", LlamaForCausalLM,
+         LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)),
+    ]
+    for i, (name, cls, config) in enumerate(specs):
+        torch.manual_seed(100 + i)
+        model = cls(config).float()
+        randomize(model, 3000 + i)
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+        path = os.path.join(OUT, name)
+        os.makedirs(path, exist_ok=True)
+        for f in os.listdir(path):
+            os.remove(os.path.join(path, f))
+        # A BF16 copy is saved: converting the model itself would round its RoPE inv_freq buffer too.
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(path)
+        if os.path.exists(os.path.join(path, "generation_config.json")):
+            os.remove(os.path.join(path, "generation_config.json"))
+        g = torch.Generator().manual_seed(70 + i)
+        ids = [1] + torch.randint(3, config.vocab_size, (47,), generator=g).tolist()
+        write_json(os.path.join(path, "ref_logits.json"),
+                   logits_ref(model, ids, [0, 5, 17, 30, 40, 47], {"inv_freq": inv_freq_of(model)}))
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        print(f"  {name}: {size} bytes in {sorted(os.listdir(path))}")
+
+
 # ---------------------------------------------------------------- (c) stories260k via HF Llama
 def read_llama2c(path):
     with open(path, "rb") as f:
@@ -288,9 +321,11 @@ def long_sequence():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["real", "tiny", "stories", "long"]
+    what = sys.argv[1:] or ["real", "tiny", "hd256", "stories", "long"]
     if "tiny" in what:
         tiny_models()
+    if "hd256" in what:
+        hd256_models()
     if "stories" in what:
         stories260k()
     if "real" in what:
