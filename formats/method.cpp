@@ -157,7 +157,7 @@ const std::vector<MethodTraits>& table() {
        .codec = CodecFamily::KiviChannel,
        .rotation = RotationRule::Identity,
        .fit = Fit::None,
-       .served_by_runtime = false,
+       .served_by_runtime = true,
        .spans_heads = false,
        .whole_rows = false,
        .fractional_bits = false,

@@ -80,7 +80,8 @@ struct MethodTraits {
   CodecFamily codec;
   RotationRule rotation;
   Fit fit;
-  bool served_by_runtime;           // the paged INT2 runtime (per-token grid and 2-bit level table)
+  bool served_by_runtime;           // the paged INT2 runtime (per-token grids, the 2-bit level table, and
+                                    // kivi's per-channel key pages on the host pool: runtime/served.h)
   bool spans_heads;                 // a group above head_dim may span KV heads (kv_codec.h group_span)
   bool whole_rows;                  // codes whole head rows, tiles or vectors: --group must be head_dim
   bool fractional_bits;             // 2.5 / 3.5-bit budgets (turboquant's outlier split)

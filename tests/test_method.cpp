@@ -71,11 +71,13 @@ TEST(MethodTable, UnknownNamesAreRefusedWithTheList) {
 }
 
 TEST(MethodTable, TraitsTheRuntimeAndCompileUse) {
-  // The paged INT2 runtime serves the per-token grids and the level table of oscar-lm.
+  // The paged INT2 runtime serves the per-token grids, the level table of oscar-lm and kivi's
+  // per-channel key pages (the host pool: runtime/served.h).
   EXPECT_EQ(method_names([](const MethodTraits& t) { return t.served_by_runtime; }),
-            "oscar, oscar-lm, hadamard, identity or random");
+            "oscar, oscar-lm, hadamard, identity, random or kivi");
   EXPECT_TRUE(served_by_runtime("oscar-lm"));
-  EXPECT_FALSE(served_by_runtime("kivi"));
+  EXPECT_TRUE(served_by_runtime("kivi"));
+  EXPECT_FALSE(served_by_runtime("kvarn"));
   EXPECT_FALSE(served_by_runtime("bogus"));
   EXPECT_EQ(method_names([](const MethodTraits& t) { return t.spans_heads; }),
             "oscar, oscar-lm, hadamard, identity or random");

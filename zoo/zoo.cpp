@@ -266,6 +266,8 @@ std::string recipe_tag(const Artifact& a) {
   if (t.rotation == RotationRule::AttentionAware && !r.composition.empty() && r.composition != t.composition)
     tag += "-" + r.composition;
   if (auto it = r.params.find("variant"); it != r.params.end() && !it->second.empty()) tag += "-" + it->second;
+  // kivi's mixed recipe (rotated values) is another cache than plain kivi at the same group.
+  if (auto it = r.params.find("values"); it != r.params.end() && !it->second.empty()) tag += "-v" + it->second;
   for (char& c : tag)
     if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-')) c = '_';
   return tag;
