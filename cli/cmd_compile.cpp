@@ -186,6 +186,7 @@ void add_compile_options(CLI::App& sub, Args& a) {
 
 int run_compile(Args& a) {
   a.options.fit_clip = !a.no_fit_clip;
+  check_published_options(a.options);  // before the stats are read
   const bool tty = stderr_is_tty();
   std::cerr << "reading " << a.stats_path << "\n";
   const Stats stats = read_stats(a.stats_path);
@@ -223,7 +224,8 @@ int run_compile(Args& a) {
       vmin = std::min(vmin, h.value.clip_ratio);
       vmax = std::max(vmax, h.value.clip_ratio);
     }
-    std::printf("fitted clip ratios: keys %.3f..%.3f, values %.3f..%.3f\n", kmin, kmax, vmin, vmax);
+    std::printf("%s clip ratios: keys %.3f..%.3f, values %.3f..%.3f\n",
+                oscar_published(r) ? "fixed (OSCAR as published)" : "fitted", kmin, kmax, vmin, vmax);
   }
   return 0;
 }
@@ -242,6 +244,8 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
                   "\nExample:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
                   "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5\n"
+                  "  # OSCAR as published: its fixed clips 0.96 / 0.92 and value target logit2\n"
+                  "  kvcc compile stats.h5 -m oscar --param variant=published -o oscar-published.kvcc.h5\n"
                   "  kvcc compile stats.h5 --method commvq --bits 1 -o commvq1.kvcc.h5");
               sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
               sub.add_option("-o,--output", a->out_path, "artifact to write (.kvcc.h5)")->required();

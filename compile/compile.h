@@ -39,6 +39,11 @@ struct CompileOptions {
   std::function<void(int done, int total)> progress;  // per finished layer
 };
 
+// oscar --param variant=published fixes the value target (logit2) and the clip ratios (0.96 / 0.92):
+// throws Error for a --value-target or --no-fit-clip that would change them. Needs no stats, so
+// the CLI calls it before reading them; make_recipe calls it too.
+void check_published_options(const CompileOptions& options);
+
 // The recipe an options set resolves to (the method's defaults from its table row filled in,
 // parameters checked against it; a group above head_dim must span whole KV heads:
 // formats/kv_codec.h group_span).

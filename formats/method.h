@@ -21,6 +21,15 @@ struct Recipe;
 
 enum class Method { Oscar, OscarLm, Hadamard, Identity, Random, TurboQuant, Kivi, Kvarn, Commvq };
 
+// OSCAR as published (`-m oscar --param variant=published`): the serving clip ratios of its
+// reference runtime (SGLANG_OSCAR_K/V_CLIP_RATIO), fixed rather than fitted, and the value target
+// its released code fits (the score-weighted value moment kvcc calls logit2). docs/methods.md.
+inline constexpr double kOscarPublishedKeyClip = 0.96;
+inline constexpr double kOscarPublishedValueClip = 0.92;
+inline constexpr const char* kOscarPublishedValueTarget = "logit2";
+// Whether a recipe is oscar's published variant.
+bool oscar_published(const Recipe& recipe);
+
 // How a side's rotated rows are quantised (formats/kv_codec.h has the exact semantics).
 enum class CodecFamily {
   UniformGrid,      // per-token channel groups, fp16 scale + zero, stored clip ratio (codec_scalar.h)
