@@ -1,4 +1,5 @@
 #include "compile/compile.h"
+#include "compile/allocate.h"
 #include "compile/commvq.h"
 
 #include <cblas.h>
@@ -318,6 +319,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
 }
 
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
+  if (options.bits_budget > 0) return compile_with_budget(stats, options);  // compiles each width
   const ModelConfig& c = stats.config;
   KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
   const size_t n_heads = size_t(c.n_layers) * size_t(c.n_kv_heads);

@@ -34,6 +34,17 @@ double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::
   return bits / elements;
 }
 
+double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
+  double bits = 0, elements = 0;
+  for (int64_t n : lengths) {
+    if (n <= 0) continue;
+    bits += double(n) * effective_bits(artifact, n);
+    elements += double(n);
+  }
+  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
+  return bits / elements;
+}
+
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
   KVCC_REQUIRE(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
   const size_t D = values.size();
@@ -352,8 +363,8 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
       m.layer_rel_error.push_back(a.err_den[size_t(l)] > 0 ? a.err_num[size_t(l)] / a.err_den[size_t(l)] : 0.0);
     if (const Artifact* art = schemes[i].artifact.get()) {
       m.method = art->recipe.method;
-      m.nominal_bits = nominal_bits(art->recipe);
-      m.effective_bits = effective_bits_at_lengths(art->recipe, art->head_dim, result.doc_lengths);
+      m.nominal_bits = nominal_bits(*art);
+      m.effective_bits = effective_bits_at_lengths(*art, result.doc_lengths);
     }
     result.schemes.push_back(m);
   }

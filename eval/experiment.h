@@ -108,6 +108,8 @@ double clustered_standard_error(const std::vector<double>& values, const std::ve
 // Token-weighted effective bits over the evaluated documents: Σ_docs len·effective_bits(len) / Σ len,
 // i.e. the bits of every document's final cache over its elements.
 double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths);
+// The same for an artifact's own accounting (per-side widths counted at their bits).
+double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths);
 
 // The documents a validation runs on: text (split by `separator`, tokenized by the model's
 // tokenizer with its BOS policy) or a pre-tokenized id file; each truncated to max_seq_len

@@ -60,6 +60,14 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
                "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
                    method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
   KVCC_REQUIRE(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
+  for (size_t i = 0; i < a.heads.size(); ++i)
+    for (const SideArtifact* s : {&a.heads[i].key, &a.heads[i].value})
+      KVCC_REQUIRE(s->bits == 0 || s->bits == 2,
+                   "artifact: per-layer bit widths (layer " + std::to_string(i / size_t(a.n_kv_heads)) + " kv head " +
+                       std::to_string(i % size_t(a.n_kv_heads)) + " " + (s == &a.heads[i].key ? "key" : "value") +
+                       " at " + std::to_string(int(s->bits)) +
+                       " bits) are not served yet: the runtime's pages hold 2-bit codes (validate them with --cache "
+                       "codec)");
   const bool kivi = method_traits(method_of(a.recipe)).codec == CodecFamily::KiviChannel;
   if (kivi) {
     // Per-channel key pages hold whole key groups (kv_layout.h key_group_tokens).
