@@ -248,7 +248,9 @@ TEST(ValidateDump, CliWithoutArtifact) {
   EXPECT_EQ(file.at("reference/top_ids").shape, (std::vector<int64_t>{39 + 24, 3}));
   const ValidationResult r = validate_schemes(model, docs, {}, ValidateMode::PseudoDecode, 64);
   const nlohmann::json j = testing::read_json_file(dir.file("v.json"));
-  EXPECT_DOUBLE_EQ(j["reference"]["nll"].get<double>(), r.reference_nll);
+  // The CLI ran OpenBLAS on one thread, this process may use more: GEMM partitioning changes float
+  // summation order, ~1e-8 relative in the NLL.
+  EXPECT_NEAR(j["reference"]["nll"].get<double>(), r.reference_nll, 1e-6 * r.reference_nll);
   EXPECT_NE(std::system((base + " --dump-top-k 3 >" + dir.file("log2") + " 2>&1").c_str()), 0);
   EXPECT_CONTAINS(testing::read_bytes(dir.file("log2")), "--dump-top-k needs --dump-logits");
 }
