@@ -182,10 +182,24 @@ void add_compile_options(CLI::App& sub, Args& a) {
       ->capture_default_str()
       ->transform(whole_number(1, kIntMax));
   sub.add_option("--threads", o.threads, "worker threads (default: all cores)")->transform(whole_number(0, 4096));
+  sub.add_option("--bits-budget", o.bits_budget,
+                 "choose key and value widths (1-4 bits) per layer under this many bits per element, "
+                 "from the attention error each width gives on the held-out rows (uniform-grid methods and kivi)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--budget-context", o.budget_context,
+                 "with --bits-budget: the budget is effective bits at this context (BF16 windows counted); "
+                 "0: the quantised tier alone (the long-context limit)")
+      ->capture_default_str()
+      ->transform(whole_number(0, kIntMax));
+  sub.add_option("--bits-granularity", o.bits_granularity,
+                 "with --bits-budget: layer | head | auto (per KV head only when it lowers the predicted error "
+                 "by 5%)")
+      ->capture_default_str();
 }
 
 int run_compile(Args& a) {
   a.options.fit_clip = !a.no_fit_clip;
+  check_published_options(a.options);  // before the stats are read
   const bool tty = stderr_is_tty();
   std::cerr << "reading " << a.stats_path << "\n";
   const Stats stats = read_stats(a.stats_path);
@@ -210,9 +224,23 @@ int run_compile(Args& a) {
   std::printf(
       "bits/element: nominal %.3f; quantised tier K %.3f V %.3f; effective (with BF16 "
       "sink+recent) %.3f at 2048 tokens, %.3f at 32768, %.3f at 131072\n",
-      nominal_bits(r), history_bits(r, KvSide::Key, art.head_dim), history_bits(r, KvSide::Value, art.head_dim),
-      effective_bits(r, art.head_dim, 2048), effective_bits(r, art.head_dim, 32768),
-      effective_bits(r, art.head_dim, 131072));
+      nominal_bits(art), history_bits(art, KvSide::Key), history_bits(art, KvSide::Value), effective_bits(art, 2048),
+      effective_bits(art, 32768), effective_bits(art, 131072));
+  if (has_side_bits(art)) {  // --bits-budget: the widths chosen, per layer
+    std::printf("widths (%s, budget %s bits%s): K/V bits per layer", r.params.at("bits_granularity").c_str(),
+                r.params.at("bits_budget").c_str(),
+                a.options.budget_context > 0 ? (" at " + std::to_string(a.options.budget_context) + " tokens").c_str()
+                                             : " in the quantised tier");
+    for (int l = 0; l < art.n_layers; ++l) {
+      std::string k, v;
+      for (int h = 0; h < art.n_kv_heads; ++h) {
+        k += (h ? "," : "") + std::to_string(int(art.head(l, h).key.bits));
+        v += (h ? "," : "") + std::to_string(int(art.head(l, h).value.bits));
+      }
+      std::printf(" %d:%s/%s", l, k.c_str(), v.c_str());
+    }
+    std::printf("\n");
+  }
   // Either side on a clipped grid (a mixed kivi recipe: keys unclipped, values fitted).
   if (method_traits(method_of(side_recipe(r, KvSide::Key))).fit == Fit::ClipRatio ||
       method_traits(method_of(side_recipe(r, KvSide::Value))).fit == Fit::ClipRatio) {
@@ -223,7 +251,8 @@ int run_compile(Args& a) {
       vmin = std::min(vmin, h.value.clip_ratio);
       vmax = std::max(vmax, h.value.clip_ratio);
     }
-    std::printf("fitted clip ratios: keys %.3f..%.3f, values %.3f..%.3f\n", kmin, kmax, vmin, vmax);
+    std::printf("%s clip ratios: keys %.3f..%.3f, values %.3f..%.3f\n",
+                oscar_published(r) ? "fixed (OSCAR as published)" : "fitted", kmin, kmax, vmin, vmax);
   }
   return 0;
 }
@@ -242,6 +271,10 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
                   "\nExample:\n"
                   "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n"
                   "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5\n"
+                  "  # widths per layer (1-4 bits) chosen under 2.3 bits per element at 16K tokens\n"
+                  "  kvcc compile stats.h5 -m oscar --bits-budget 2.3 --budget-context 16384 -o b23.kvcc.h5\n"
+                  "  # OSCAR as published: its fixed clips 0.96 / 0.92 and value target logit2\n"
+                  "  kvcc compile stats.h5 -m oscar --param variant=published -o oscar-published.kvcc.h5\n"
                   "  kvcc compile stats.h5 --method commvq --bits 1 -o commvq1.kvcc.h5");
               sub.add_option("STATS", a->stats_path, "calibration statistics (.h5)")->required();
               sub.add_option("-o,--output", a->out_path, "artifact to write (.kvcc.h5)")->required();

@@ -131,7 +131,7 @@ void run_pipeline(const Pipeline& p, Clock::time_point t0) {
       try {
         schemes.push_back(runtime_scheme_from_artifact(artifacts[i], names[i], model.config(), ValidateDevice::Cpu));
         continue;
-      } catch (const Error& e) {  // e.g. kivi: says so and that the codec path evaluates it
+      } catch (const Error& e) {  // e.g. kvarn: says so and that the codec path evaluates it
         std::printf("%s %s\n", tag.c_str(), e.what());
       }
     }
@@ -331,8 +331,8 @@ Command reg{"demo", 5,
                   "     table's effective bits count them and the BF16 windows.\n"
                   "  4. validate all of them in one run over the held-out ids (pseudo-decode in blocks\n"
                   "     of 16): the methods the INT2 paged runtime serves (identity, hadamard, random,\n"
-                  "     oscar, oscar-lm) through its CPU path (cache column runtime/cpu), the others\n"
-                  "     (kivi, kvarn, ...) through the codec path (codec); against the full-precision\n"
+                  "     oscar, oscar-lm, kivi) through its CPU path (cache column runtime/cpu), the\n"
+                  "     others (kvarn, ...) through the codec path (codec); against the full-precision\n"
                   "     model: perplexity, KL, top-1 agreement, effective bits.\n"
                   "     -> the table, OUT/<model>-validation.{json,svg}.\n"
                   "--synthetic runs steps 2-4 on a synthetic model kvcc generates instead (random\n"

@@ -47,7 +47,7 @@ struct Range {
 };
 
 struct LayerSummary {
-  Range key_eig, value_eig, key_clip, value_clip;
+  Range key_eig, value_eig, key_clip, value_clip, key_bits, value_bits;
 };
 
 std::vector<LayerSummary> summarize_layers(const Artifact& a) {
@@ -66,6 +66,8 @@ std::vector<LayerSummary> summarize_layers(const Artifact& a) {
       }
       s.key_clip.add(ha.key.clip_ratio);
       s.value_clip.add(ha.value.clip_ratio);
+      s.key_bits.add(ha.key.bits != 0 ? ha.key.bits : a.recipe.key_bits);
+      s.value_bits.add(ha.value.bits != 0 ? ha.value.bits : a.recipe.value_bits);
     }
   return out;
 }
@@ -114,10 +116,15 @@ int inspect_artifact(const std::string& path, bool as_json) {
     json lj = json::array();
     for (int l = 0; l < a.n_layers; ++l) {
       const LayerSummary& s = layers[size_t(l)];
-      lj.push_back(
-          {{"layer", l},
-           {"key", {{"eigenvalue_range", s.key_eig.to_json()}, {"clip_ratio_range", s.key_clip.to_json()}}},
-           {"value", {{"eigenvalue_range", s.value_eig.to_json()}, {"clip_ratio_range", s.value_clip.to_json()}}}});
+      lj.push_back({{"layer", l},
+                    {"key",
+                     {{"eigenvalue_range", s.key_eig.to_json()},
+                      {"clip_ratio_range", s.key_clip.to_json()},
+                      {"bits_range", s.key_bits.to_json()}}},
+                    {"value",
+                     {{"eigenvalue_range", s.value_eig.to_json()},
+                      {"clip_ratio_range", s.value_clip.to_json()},
+                      {"bits_range", s.value_bits.to_json()}}}});
     }
     j["layers"] = lj;
     std::cout << j.dump(2) << "\n";
@@ -153,12 +160,13 @@ int inspect_artifact(const std::string& path, bool as_json) {
     for (const NamedArray& x : s.extras) std::printf(", %s %s", x.name.c_str(), shape_text(x.shape).c_str());
     std::printf("\n");
   }
-  std::printf("\n%5s  %-24s %-24s %-16s %-16s\n", "layer", "key eigenvalues", "value eigenvalues", "key clip",
-              "value clip");
+  std::printf("\n%5s  %-24s %-24s %-16s %-16s %-8s %-8s\n", "layer", "key eigenvalues", "value eigenvalues", "key clip",
+              "value clip", "K bits", "V bits");
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerSummary& s = layers[size_t(l)];
-    std::printf("%5d  %-24s %-24s %-16s %-16s\n", l, s.key_eig.text("%.3g").c_str(), s.value_eig.text("%.3g").c_str(),
-                s.key_clip.text("%.3f").c_str(), s.value_clip.text("%.3f").c_str());
+    std::printf("%5d  %-24s %-24s %-16s %-16s %-8s %-8s\n", l, s.key_eig.text("%.3g").c_str(),
+                s.value_eig.text("%.3g").c_str(), s.key_clip.text("%.3f").c_str(), s.value_clip.text("%.3f").c_str(),
+                s.key_bits.text("%g").c_str(), s.value_bits.text("%g").c_str());
   }
   return 0;
 }

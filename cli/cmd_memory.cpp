@@ -125,14 +125,7 @@ int run(const Args& a, const CLI::App& app) {
     for (const char* f : kShapeFlags)
       KVCC_REQUIRE(app.count(f) == 0, std::string("--artifact excludes ") + f +
                                           " (the artifact gives the model's shape and its recipe's windows)");
-    const Artifact art = read_artifact(a.artifact);
-    g.n_layers = art.n_layers;
-    g.n_kv_heads = art.n_kv_heads;
-    g.head_dim = art.head_dim;
-    g.group = art.recipe.group > 0 ? art.recipe.group : art.head_dim;
-    g.sink = art.recipe.sink;
-    g.recent = art.recipe.recent;
-    g.page_tokens = art.recipe.page_size;
+    g = cache_geometry(read_artifact(a.artifact));  // the runtime's own layout of the recipe
     source = a.artifact + ": ";
   } else {
     KVCC_REQUIRE(app.count("--layers") && app.count("--kv-heads") && app.count("--head-dim"),
@@ -152,8 +145,10 @@ int run(const Args& a, const CLI::App& app) {
   std::vector<SequenceMemory> rows;
   for (int64_t c : contexts) rows.push_back(sequence_memory(g, c, budget));  // checks the geometry
 
-  std::printf("%s%d layers x %d KV heads, head_dim %d, group %d; sink %d, recent %d, page %d tokens\n", source.c_str(),
-              g.n_layers, model_kv, g.head_dim, g.group, g.sink, g.recent, g.page_tokens);
+  const std::string keys =
+      g.per_channel_keys() ? "; keys per channel over " + std::to_string(g.key_group_tokens) + " tokens" : "";
+  std::printf("%s%d layers x %d KV heads, head_dim %d, group %d%s; sink %d, recent %d, page %d tokens\n",
+              source.c_str(), g.n_layers, model_kv, g.head_dim, g.group, keys.c_str(), g.sink, g.recent, g.page_tokens);
   if (ranks != 1)
     std::printf("per rank of %d (tensor parallel): %d KV heads each; the budget is one rank's\n", ranks, g.n_kv_heads);
   std::printf("budget %.2f GiB (%lld bytes)\n\n", double(budget) / double(int64_t(1) << 30),

@@ -67,6 +67,7 @@ std::vector<CompileOptions> parse_methods(const ReportArgs& a) {
         o.value_target = mod, given |= MethodOption::ValueTarget;
       else if (mod == "layer" || mod == "head") o.granularity = mod, given |= MethodOption::Granularity;
       else if (mod == "prod" || mod == "mse") o.params["variant"] = mod;
+      else if (mod == "published") o.params["variant"] = mod, o.value_target.clear();  // OSCAR's own target
       else if (mod == "noclip") o.fit_clip = false, given |= MethodOption::NoFitClip;
       else if (!mod.empty() && mod.find_first_not_of("0123456789.") == std::string::npos)
         o.key_bits = o.value_bits = std::stod(mod);
@@ -109,6 +110,7 @@ Command reg{
           "  output  ||PV - P^V^|| / ||PV||,  P = softmax(QK^T/sqrt(d)) over held-out keys\n"
           "  key, value: ||X - X^|| / ||X||\n"
           "Method modifiers: oscar:UH, oscar:U, oscar:logit2, oscar:p2, oscar:layer,\n"
+          "oscar:published (OSCAR as published: clips 0.96 / 0.92, value target logit2),\n"
           "turboquant:prod, hadamard:noclip, a number of bits (commvq:1 and commvq:2, its\n"
           "presets), gN (group N; above head_dim it spans KV heads, e.g. oscar:g64 on\n"
           "head_dim 16); a modifier the method ignores is refused.\n"

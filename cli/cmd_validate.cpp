@@ -18,6 +18,7 @@
 #include "formats/method.h"
 #include "formats/model_file.h"
 #include "eval/experiment.h"
+#include "eval/logits_dump.h"
 #include "eval/output.h"
 #include "eval/scheme.h"
 
@@ -27,7 +28,8 @@ namespace {
 enum class CachePath { Codec, Runtime };
 
 struct Args {
-  std::string model_path, json_path, svg_path;
+  std::string model_path, json_path, svg_path, dump_path;
+  int dump_top_k = 0;  // 0: full logits
   ValidateMode mode = ValidateMode::PseudoDecode;
   ValidatePrecision precision = ValidatePrecision::Float;
   CachePath cache = CachePath::Codec;
@@ -45,9 +47,10 @@ int run_validate(Args& a) {
                "--cache runtime runs in float only (the kernels take float32 activations); --precision double is "
                "the codec path's exact check");
   KVCC_REQUIRE(!a.data.data_path.empty() || !a.data.ids_path.empty(), "validate needs --data TEXT or --ids FILE");
+  KVCC_REQUIRE(a.dump_top_k == 0 || !a.dump_path.empty(), "--dump-top-k needs --dump-logits FILE");
   std::vector<std::string> inputs = a.artifact_paths;
   inputs.insert(inputs.end(), {a.model_path, a.data.data_path, a.data.ids_path, a.data.tokenizer_path});
-  for (const std::string* out : {&a.json_path, &a.svg_path}) require_output_is_not_input(*out, inputs);
+  for (const std::string* out : {&a.json_path, &a.svg_path, &a.dump_path}) require_output_is_not_input(*out, inputs);
   const ModelFile model = ModelFile::open(a.model_path);
   std::vector<CacheScheme> schemes;
   for (const std::string& path : a.artifact_paths) {
@@ -72,22 +75,42 @@ int run_validate(Args& a) {
   const bool tty = stderr_is_tty();
   // Without a terminal (a log file), a line at the start, each 5% of the tokens and the end.
   uint64_t next_line_tokens = 0;
-  const ValidationResult result = validate_schemes(
-      model, docs, schemes, a.mode, a.block,
-      [&](const ValidateProgress& p) {
-        if (!tty) {
-          if (p.tokens_done < next_line_tokens && p.tokens_done < p.tokens_total) return;
-          const uint64_t step = std::max<uint64_t>(1, (p.tokens_total + 19) / 20);
-          next_line_tokens = (p.tokens_done / step + 1) * step;
-        }
-        const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
-        std::fprintf(stderr,
-                     tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
-                         : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
-                     (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
-                     (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
-      },
-      a.precision);
+  const auto progress = [&](const ValidateProgress& p) {
+    if (!tty) {
+      if (p.tokens_done < next_line_tokens && p.tokens_done < p.tokens_total) return;
+      const uint64_t step = std::max<uint64_t>(1, (p.tokens_total + 19) / 20);
+      next_line_tokens = (p.tokens_done / step + 1) * step;
+    }
+    const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
+    std::fprintf(stderr,
+                 tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
+                     : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
+                 (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
+                 (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
+  };
+  ValidationResult result;
+  if (a.dump_path.empty()) {
+    result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision);
+  } else {
+    // Written as the run goes, into a temporary file renamed into place only when complete.
+    LogitsDumpSpec spec;
+    spec.runs.push_back("reference");
+    for (const CacheScheme& s : schemes) spec.runs.push_back(s.name);
+    spec.vocab = model.config().vocab;
+    spec.top_k = a.dump_top_k;
+    spec.metadata = {{"model", a.model_path},
+                     {"mode", validate_mode_name(a.mode)},
+                     {"block", std::to_string(a.block)},
+                     {"precision", validate_precision_name(a.precision)}};
+    write_file_atomically(a.dump_path, [&](const std::string& tmp) {
+      LogitsDump dump(tmp, spec, docs);
+      result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision,
+                                [&](size_t run, uint64_t row, const double* logits, const double* logprobs, int) {
+                                  dump.write_row(run, row, logits, logprobs);
+                                });
+      dump.finish();
+    });
+  }
   if (tty) std::fprintf(stderr, "\n");
   std::cout << format_table(result);
   std::printf("(%.1f s; per-layer relative attention-output errors in the JSON)\n", result.seconds);
@@ -129,6 +152,15 @@ Command reg{
           "run). A difference between methods within about 2 se is not established by this\n"
           "text: add documents. --json holds per-document metrics (for paired comparisons\n"
           "between methods); --svg plots KL vs effective bits with +-1 se bars.\n\n"
+          "Without --artifact it measures the model alone: the full-precision NLL and\n"
+          "perplexity of the text, with the standard error across documents.\n\n"
+          "--dump-logits FILE writes the logits of every scored position of every run (the\n"
+          "full-precision reference and each artifact) as safetensors: tensors reference/logits,\n"
+          "NAME/logits [positions, vocab] f32, with tokens, document_offsets and per row its\n"
+          "document, position and target (docs/validation.md has the format); --dump-top-k K\n"
+          "writes instead NAME/top_ids and NAME/top_logprobs [positions, K]. For comparing\n"
+          "with other implementations, e.g. transformers: with --block at least the longest\n"
+          "document the reference rows are the plain forward pass bit for bit.\n\n"
           "Progress goes to stderr: redrawn on a terminal, else a line per 5% of the tokens.\n\n"
           "Examples:\n"
           "  kvcc validate --model ../shared/models/gutenberg-27m --artifact oscar.kvcc.h5 \\\n"
@@ -138,9 +170,11 @@ Command reg{
           "  # slow exact-check mode: activations in double, numbers free of float32 GEMM noise\n"
           "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --tokens 4096 --precision double\n"
           "  # through the serving runtime (GPU kernels when a device is present)\n"
-          "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --cache runtime");
+          "  kvcc validate --model DIR -a oscar.kvcc.h5 --data heldout.txt --cache runtime\n"
+          "  # the model alone, with its logits for another implementation to compare\n"
+          "  kvcc validate --model DIR --data heldout.txt --tokens 4096 --block 2048 --dump-logits ref.safetensors");
       sub.add_option("--model", a->model_path, "HF model directory or llama2.c .bin")->required();
-      sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable)")->required();
+      sub.add_option("--artifact,-a", a->artifact_paths, "artifact(s) to evaluate (repeatable; none: the model alone)");
       sub.add_option("--data", a->data.data_path, "text, documents separated by --separator");
       sub.add_option("--ids", a->data.ids_path, "pre-tokenized documents (one line of ids each)");
       sub.add_option("--tokenizer", a->data.tokenizer_path, "explicit tokenizer file (llama2.c)");
@@ -174,6 +208,9 @@ Command reg{
       sub.add_option("--page-size", a->page_size, "override every artifact's page size")->check(CLI::PositiveNumber);
       sub.add_option("--json", a->json_path, "write the metrics as JSON");
       sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
+      sub.add_option("--dump-logits", a->dump_path, "write every scored position's logits (safetensors)");
+      sub.add_option("--dump-top-k", a->dump_top_k, "with --dump-logits: only the K most likely ids and log-probs")
+          ->check(CLI::PositiveNumber);
       return [a] { return run_validate(*a); };
     }};
 

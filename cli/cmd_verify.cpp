@@ -11,6 +11,7 @@
 #include "formats/h5_common.h"
 #include "formats/method.h"
 #include "formats/stats.h"
+#include "runtime/kvcc_runtime.h"
 
 namespace kvcc::cli {
 namespace {
@@ -45,6 +46,17 @@ int verify_artifact_cmd(const std::string& path, double tol) {
       "   sorted level tables, clip ratios, recipe%s\n",
       datasets, rotations, worst, tol,
       method_traits(method_of(a.recipe)).verify ? (", " + a.recipe.method + "'s own checks").c_str() : "");
+  // Whether the serving runtime takes it (the Runtime's own check), and where.
+  std::string served;
+  try {
+    check_artifact_for_engine(a, EngineShape{a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim});
+    const std::string gpu = device_scope_problem(cache_geometry(a), a.n_heads);
+    served = gpu.empty() ? "served (host pool and GPU kernels)"
+                         : "served by the host pool (CPU reference); the GPU kernels do not take " + gpu;
+  } catch (const Error& e) {
+    served = std::string("not served: ") + e.what();
+  }
+  std::printf("   runtime: %s\n", served.c_str());
   return 0;
 }
 

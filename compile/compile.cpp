@@ -1,4 +1,5 @@
 #include "compile/compile.h"
+#include "compile/allocate.h"
 #include "compile/commvq.h"
 
 #include <cblas.h>
@@ -27,6 +28,7 @@ bool attention_aware(const Recipe& r) { return traits(r).rotation == RotationRul
 // Whether a side coded by recipe `r` (a side_recipe) gets a fitted quantiser: clip ratios (uniform
 // grid) or a level table (oscar-lm).
 bool fits_quantiser(const Recipe& r, const CompileOptions& options) {
+  if (oscar_published(r)) return false;  // OSCAR's fixed clip ratios
   const Fit fit = traits(r).fit;
   return (fit == Fit::ClipRatio && options.fit_clip) || fit == Fit::LevelTable;
 }
@@ -227,6 +229,11 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
       }
     }
   }
+  if (oscar_published(recipe))
+    for (int h = 0; h < n_kv; ++h) {
+      art.head(layer, h).key.clip_ratio = kOscarPublishedKeyClip;
+      art.head(layer, h).value.clip_ratio = kOscarPublishedValueClip;
+    }
   // Clip ratios (uniform grid) and level tables (oscar-lm): one fit per quantiser group of heads,
   // i.e. per KV head unless recipe.group spans several.
   if (fits_quantiser(recipe, options) || fits_quantiser(value_recipe, options)) {
@@ -236,6 +243,17 @@ void compile_layer(const Stats& stats, const Recipe& recipe, const CompileOption
 }
 
 }  // namespace
+
+void check_published_options(const CompileOptions& o) {
+  const auto it = o.params.find("variant");
+  if (o.method != method_name(Method::Oscar) || it == o.params.end() || it->second != "published") return;
+  // As published: its value target and fixed clip ratios; options that would change them are refused.
+  KVCC_REQUIRE(o.value_target.empty() || o.value_target == kOscarPublishedValueTarget,
+               std::string("oscar variant=published fits OSCAR's own value target ") + kOscarPublishedValueTarget +
+                   " (its code's score-weighted value moment), not '" + o.value_target + "'");
+  KVCC_REQUIRE(o.fit_clip,
+               "oscar variant=published uses OSCAR's fixed clip ratios 0.96 / 0.92; --no-fit-clip does not apply");
+}
 
 Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   const Method method = method_from_name(o.method);  // lists the table's names when unknown
@@ -260,8 +278,12 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   const MethodTraits* aware = nullptr;
   for (KvSide s : {KvSide::Key, KvSide::Value})
     if (const MethodTraits& st = traits(side_recipe(r, s)); st.rotation == RotationRule::AttentionAware) aware = &st;
+  check_published_options(o);
+  if (oscar_published(r)) r.value_target = kOscarPublishedValueTarget;
   if (aware) {
-    r.value_target = o.value_target.empty() ? aware->value_target : o.value_target;
+    r.value_target = !r.value_target.empty()  ? r.value_target
+                     : o.value_target.empty() ? aware->value_target
+                                              : o.value_target;
     r.composition = o.composition.empty() ? aware->composition : o.composition;
     KVCC_REQUIRE(r.value_target == "output" || r.value_target == "p2" || r.value_target == "logit2",
                  "value target must be output, p2 or logit2, got '" + r.value_target + "'");
@@ -297,6 +319,7 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
 }
 
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
+  if (options.bits_budget > 0) return compile_with_budget(stats, options);  // compiles each width
   const ModelConfig& c = stats.config;
   KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
   const size_t n_heads = size_t(c.n_layers) * size_t(c.n_kv_heads);

@@ -36,8 +36,21 @@ struct CompileOptions {
   bool fit_clip = true;    // uniform-grid methods: fit clip ratios (false: 1.0 = no clipping)
   int max_fit_rows = 256;  // reservoir fitting tokens used per (layer, quantiser group of KV heads)
   int threads = 0;         // 0: all cores
+  // --bits-budget (compile/allocate.h): > 0 chooses key and value widths (1-4 bits) per layer or
+  // per KV head under this many bits per element, as effective bits at budget_context tokens (0:
+  // the quantised tier alone), measured on up to budget_rows held-out tokens per layer;
+  // bits_granularity layer | head | auto (per head only where it pays).
+  double bits_budget = 0;
+  int64_t budget_context = 0;
+  std::string bits_granularity = "auto";
+  int budget_rows = 256;
   std::function<void(int done, int total)> progress;  // per finished layer
 };
+
+// oscar --param variant=published fixes the value target (logit2) and the clip ratios (0.96 / 0.92):
+// throws Error for a --value-target or --no-fit-clip that would change them. Needs no stats, so
+// the CLI calls it before reading them; make_recipe calls it too.
+void check_published_options(const CompileOptions& options);
 
 // The recipe an options set resolves to (the method's defaults from its table row filled in,
 // parameters checked against it; a group above head_dim must span whole KV heads:

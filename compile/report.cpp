@@ -168,9 +168,9 @@ AttentionReport attention_report(const Stats& stats, const std::vector<CompileOp
     const Artifact art = compile_artifact(stats, opt);
     mr.compile_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     mr.recipe = art.recipe;
-    mr.nominal_bits = nominal_bits(art.recipe);
-    mr.effective_bits_32k = effective_bits(art.recipe, c.head_dim, 32768);
-    mr.effective_bits_2k = effective_bits(art.recipe, c.head_dim, 2048);
+    mr.nominal_bits = nominal_bits(art);
+    mr.effective_bits_32k = effective_bits(art, 32768);
+    mr.effective_bits_2k = effective_bits(art, 2048);
     for (int l = 0; l < c.n_layers; ++l) {
       if (t.codec != CodecFamily::CommvqCodebooks) {
         for (HeadMetrics& h : evaluate_layer(art, l, heldout[size_t(l)])) mr.heads.push_back(h);

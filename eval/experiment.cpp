@@ -34,6 +34,17 @@ double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::
   return bits / elements;
 }
 
+double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
+  double bits = 0, elements = 0;
+  for (int64_t n : lengths) {
+    if (n <= 0) continue;
+    bits += double(n) * effective_bits(artifact, n);
+    elements += double(n);
+  }
+  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
+  return bits / elements;
+}
+
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
   KVCC_REQUIRE(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
   const size_t D = values.size();
@@ -137,7 +148,8 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
                    const std::vector<const CacheScheme*>& runs, ValidateMode mode, int block,
                    const std::function<void(const ValidateProgress&)>& progress, ValidateProgress prog,
                    std::chrono::steady_clock::time_point t0, ValidationResult& result, std::vector<Accum>& acc,
-                   std::vector<std::vector<DocumentMetrics>>& per_doc, const std::vector<RuntimeRun*>& runtimes) {
+                   std::vector<std::vector<DocumentMetrics>>& per_doc, const std::vector<RuntimeRun*>& runtimes,
+                   const LogitsSink& sink) {
   const ModelConfig& c = model.config();
   std::vector<BasicLayerWeights<S>> weights;
   for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<S>(model, l));
@@ -147,7 +159,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
   std::vector<S> x, q, key, value, attn, logits, all_k, all_v;
   std::vector<std::vector<S>> ref_attn(size_t(c.n_layers)), ref_key(size_t(c.n_layers)), ref_value(size_t(c.n_layers));
   std::vector<S> ref_logits;
-  std::vector<double> lp_ref, lp_q;
+  std::vector<double> lp_ref, lp_q, row;
   for (const auto& doc : documents) {
     ++prog.documents_done;
     if (doc.size() < 2) continue;
@@ -221,6 +233,11 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
         for (int t = 0; t < predict; ++t) {
           const int target = doc[size_t(b0 + t + 1)];
           log_softmax(logits.data() + size_t(t) * V, V, lp_q);
+          if (sink) {
+            row.assign(logits.begin() + std::ptrdiff_t(size_t(t) * V),
+                       logits.begin() + std::ptrdiff_t(size_t(t + 1) * V));
+            sink(r, result.predictions + uint64_t(t), row.data(), lp_q.data(), V);
+          }
           a.nll -= lp_q[size_t(target)];
           a.doc_nll -= lp_q[size_t(target)];
           if (r == 0) continue;
@@ -261,7 +278,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
                                   const std::function<void(const ValidateProgress&)>& progress,
-                                  ValidatePrecision precision) {
+                                  ValidatePrecision precision, const LogitsSink& logits) {
   const auto t0 = std::chrono::steady_clock::now();
   const ModelConfig& c = model.config();
   KVCC_REQUIRE(block > 0, "validation block size must be positive");
@@ -311,14 +328,18 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   prog.documents_total = documents.size();
   prog.tokens_total = tokens_total;
   if (precision == ValidatePrecision::Double)
-    run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
-  else run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes);
+    run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes,
+                          logits);
+  else
+    run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes,
+                         logits);
 
   const double P = double(result.predictions);
   result.reference_nll = acc[0].nll / P;
   result.reference_perplexity = std::exp(result.reference_nll);
   std::vector<double> weights;  // predictions per document
   for (int64_t len : result.doc_lengths) weights.push_back(double(len - 1));
+  result.reference_nll_stderr = clustered_standard_error(result.reference_doc_nll, weights);
   for (size_t i = 0; i < S; ++i) {
     const Accum& a = acc[i + 1];
     SchemeMetrics m;
@@ -342,8 +363,8 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
       m.layer_rel_error.push_back(a.err_den[size_t(l)] > 0 ? a.err_num[size_t(l)] / a.err_den[size_t(l)] : 0.0);
     if (const Artifact* art = schemes[i].artifact.get()) {
       m.method = art->recipe.method;
-      m.nominal_bits = nominal_bits(art->recipe);
-      m.effective_bits = effective_bits_at_lengths(art->recipe, art->head_dim, result.doc_lengths);
+      m.nominal_bits = nominal_bits(*art);
+      m.effective_bits = effective_bits_at_lengths(*art, result.doc_lengths);
     }
     result.schemes.push_back(m);
   }

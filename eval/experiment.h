@@ -72,6 +72,7 @@ struct ValidationResult {
   std::vector<int64_t> doc_lengths;       // tokens of each evaluated document (predictions: length − 1)
   std::vector<double> reference_doc_nll;  // the reference's mean NLL per document
   double reference_nll = 0, reference_perplexity = 0;
+  double reference_nll_stderr = 0;  // clustered over documents (NaN with one)
   std::vector<SchemeMetrics> schemes;
   double seconds = 0;
 };
@@ -81,14 +82,22 @@ struct ValidateProgress {
   double elapsed_s = 0;
 };
 
+// Receives the logits of every scored position: run 0 is the full-precision reference, run i the
+// i-th scheme; row counts the predictions in document then position order (each run's rows arrive
+// in order); logits and logprobs (its log-softmax) are [vocab], in double whatever the precision.
+using LogitsSink =
+    std::function<void(size_t run, uint64_t row, const double* logits, const double* logprobs, int vocab)>;
+
 // Runs every scheme and the full-precision reference over the documents, block by block in
 // lockstep (one document's blocks at a time, so memory holds one block's logits per scheme).
-// documents: token ids; each needs at least 2 tokens. Throws Error on no usable document, and on a
-// runtime-path scheme with double precision.
+// With no schemes it measures the full-precision model alone (reference_nll and its se).
+// documents: token ids; documents of fewer than 2 tokens are skipped. Throws Error on no usable
+// document, and on a runtime-path scheme with double precision.
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
                                   const std::function<void(const ValidateProgress&)>& progress = {},
-                                  ValidatePrecision precision = ValidatePrecision::Float);
+                                  ValidatePrecision precision = ValidatePrecision::Float,
+                                  const LogitsSink& logits = {});
 
 // Standard error of the weighted mean μ = Σ wᵢxᵢ / Σ wᵢ of per-document values xᵢ (weights wᵢ:
 // the documents' prediction counts) with documents as independent clusters:
@@ -99,6 +108,8 @@ double clustered_standard_error(const std::vector<double>& values, const std::ve
 // Token-weighted effective bits over the evaluated documents: Σ_docs len·effective_bits(len) / Σ len,
 // i.e. the bits of every document's final cache over its elements.
 double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths);
+// The same for an artifact's own accounting (per-side widths counted at their bits).
+double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths);
 
 // The documents a validation runs on: text (split by `separator`, tokenized by the model's
 // tokenizer with its BOS policy) or a pre-tokenized id file; each truncated to max_seq_len

@@ -15,6 +15,14 @@ std::string format_table(const ValidationResult& r) {
                 r.model.c_str(), r.mode.c_str(), r.block, r.precision.c_str(), (unsigned long long)r.documents,
                 (unsigned long long)r.tokens, r.reference_perplexity);
   o << line;
+  if (r.schemes.empty()) {  // the model alone: its NLL with the error bar
+    char se[32] = "-";
+    if (!std::isnan(r.reference_nll_stderr)) std::snprintf(se, sizeof se, "%.5f", r.reference_nll_stderr);
+    std::snprintf(line, sizeof line, "full precision: NLL %.5f ± %s nats/token, perplexity %.4f (%llu predictions)\n",
+                  r.reference_nll, se, r.reference_perplexity, (unsigned long long)r.predictions);
+    o << line << "(±: standard error across documents)\n";
+    return o.str();
+  }
   std::snprintf(line, sizeof line, "%-28s %-10s %-11s %7s %7s %10s %9s %7s %10s %9s %7s %10s\n", "scheme", "method",
                 "cache", "nominal", "eff.", "ppl", "Δppl %", "±se", "KL", "±se", "top-1", "max layer");
   o << line;
@@ -51,8 +59,10 @@ std::string to_json(const ValidationResult& r) {
   j["tokens"] = r.tokens;
   j["predictions"] = r.predictions;
   j["doc_lengths"] = r.doc_lengths;
-  j["reference"] = {
-      {"nll", r.reference_nll}, {"perplexity", r.reference_perplexity}, {"per_document_nll", r.reference_doc_nll}};
+  j["reference"] = {{"nll", r.reference_nll},
+                    {"nll_stderr", num(r.reference_nll_stderr)},
+                    {"perplexity", r.reference_perplexity},
+                    {"per_document_nll", r.reference_doc_nll}};
   j["stderr"] =
       "across documents (clusters): kl_stderr of the token-weighted mean KL; ppl_rel_change_stderr "
       "from the per-document paired NLL differences against the reference (delta method)";

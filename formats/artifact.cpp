@@ -57,6 +57,7 @@ void write_side(const h5::Group& g, const SideArtifact& s, int d) {
   write_checked(g, "rotation", {rot_dim, rot_dim}, s.rotation);
   if (!s.eigenvalues.empty()) write_checked(g, "eigenvalues", {int64_t(s.eigenvalues.size())}, s.eigenvalues);
   if (!s.levels.empty()) write_checked(g, "levels", {int64_t(s.levels.size())}, s.levels);
+  if (s.bits != 0) write_checked(g, "bits", {1}, std::vector<double>{s.bits});
   if (s.extras.empty()) return;
   h5::Group extras = g.create_group("extras", /*track_order=*/true);
   for (const NamedArray& a : s.extras) {
@@ -85,6 +86,10 @@ SideArtifact read_side(const h5::Group& g, int d, std::vector<std::string>* prob
     shape = g.dataset("levels").shape();
     if (shape.size() != 1) throw Error(g.file_name() + ": " + g.child_path("levels") + " must be one-dimensional");
     s.levels = read_checked<double>(g, "levels", &shape, nullptr, problems);
+  }
+  if (g.has("bits")) {  // absent in artifacts without per-side widths
+    const h5::Shape one{1};
+    s.bits = read_checked<double>(g, "bits", &one, nullptr, problems)[0];
   }
   if (g.has("extras")) {
     h5::Group extras = g.group("extras");
@@ -231,6 +236,8 @@ void verify_side(const SideArtifact& s, int d, const std::string& where, double 
     else if (std::adjacent_find(s.levels.begin(), s.levels.end(), std::greater_equal<double>()) != s.levels.end())
       out.push_back(where + "/levels: not strictly ascending");
   }
+  if (s.bits != 0 && !(s.bits >= 1 && s.bits <= 8 && s.bits == std::floor(s.bits)))
+    out.push_back(where + ": bits " + std::to_string(s.bits) + " is not a whole number of bits in [1, 8]");
   std::set<std::string> names;
   for (const NamedArray& a : s.extras) {
     const std::string at = where + "/extras/" + a.name;
@@ -270,6 +277,7 @@ std::string vector_difference(const std::vector<double>& x, const std::vector<do
 
 std::string side_difference(const SideArtifact& x, const SideArtifact& y, const std::string& at) {
   if (!same_bits(x.clip_ratio, y.clip_ratio)) return at + ": clip_ratio differs";
+  if (!same_bits(x.bits, y.bits)) return at + ": bits differ";
   const std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>> fields[] = {
       {"rotation", {&x.rotation, &y.rotation}},
       {"eigenvalues", {&x.eigenvalues, &y.eigenvalues}},
@@ -413,6 +421,13 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
         out.push_back("/layers/" + std::to_string(l) + "/kv" + std::to_string(h) +
                       ": granularity is layer but its rotation differs from kv0's");
     }
+  // Per-side widths: only codecs whose grid takes any width (no fitted level table, split or
+  // codebook sized by the recipe's bits).
+  const bool any_bits = std::any_of(a.heads.begin(), a.heads.end(),
+                                    [](const HeadArtifact& h) { return h.key.bits != 0 || h.value.bits != 0; });
+  if (any_bits && method && method_traits(*method).codec != CodecFamily::UniformGrid &&
+      method_traits(*method).codec != CodecFamily::KiviChannel)
+    out.push_back("per-side bit widths are for the uniform-grid and kivi methods, not " + r.method);
   // Method-specific checks (e.g. codebook shapes against the recipe), owned by the method's codec
   // and reached through the method table.
   if (method && method_traits(*method).verify) {

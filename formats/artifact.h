@@ -31,6 +31,9 @@ struct SideArtifact {
   double clip_ratio = 1.0;          // uniform grid: clip threshold rank ratio (codec_scalar.h)
   std::vector<double> levels;       // level-table codecs: 2^bits ascending levels in RMS units; empty: uniform grid
   std::vector<NamedArray> extras;   // method-specific
+  // Code bits of this side when they differ from the recipe's (compile --bits-budget: per-layer or
+  // per-head widths); 0: the recipe's key_bits / value_bits. Optional dataset "bits" [1].
+  double bits = 0;
 
   const NamedArray* extra(const std::string& name) const;
 };

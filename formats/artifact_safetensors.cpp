@@ -249,6 +249,13 @@ void write_artifact_safetensors(const Artifact& a, const std::string& path) {
     for (const HeadArtifact& h : a.heads) clip.push_back(side[0] == 'k' ? h.key.clip_ratio : h.value.clip_ratio);
     tensors.push_back(f64_tensor(std::string("clip_ratio.") + side, {a.n_layers, a.n_kv_heads}, clip));
   }
+  // Per-side widths (compile --bits-budget), only when some side has one: 0 = the recipe's bits.
+  if (std::any_of(a.heads.begin(), a.heads.end(), [](const HeadArtifact& h) { return h.key.bits || h.value.bits; }))
+    for (const char* side : kSides) {
+      std::vector<double> bits;
+      for (const HeadArtifact& h : a.heads) bits.push_back(side[0] == 'k' ? h.key.bits : h.value.bits);
+      tensors.push_back(f64_tensor(std::string("bits.") + side, {a.n_layers, a.n_kv_heads}, bits));
+    }
   const int64_t d = a.head_dim;
   for (int l = 0; l < a.n_layers; ++l)
     for (int h = 0; h < a.n_kv_heads; ++h)
@@ -469,12 +476,20 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
     a.heads[i].key.clip_ratio = clip[0][i];
     a.heads[i].value.clip_ratio = clip[1][i];
   }
+  for (int s = 0; s < 2; ++s) {  // per-side widths, when written
+    const auto it = tensors.find(std::string("bits.") + kSides[s]);
+    if (it == tensors.end()) continue;
+    expect(it->second, TensorDType::F64, grid, "n_layers x n_kv_heads of the model");
+    const std::vector<double> bits = f64_values(it->second);
+    for (size_t i = 0; i < a.heads.size(); ++i) (s ? a.heads[i].value : a.heads[i].key).bits = bits[i];
+  }
 
   const int64_t d = a.head_dim;
   for (const auto& [view, sha] : order) {
     const TensorView& t = *view;
     checksum(t, sha);
-    if (t.name == "clip_ratio.key" || t.name == "clip_ratio.value") continue;
+    if (t.name == "clip_ratio.key" || t.name == "clip_ratio.value" || t.name == "bits.key" || t.name == "bits.value")
+      continue;
     SlotName slot;
     if (!parse_slot_name(t.name, slot)) {
       if (newer_minor) continue;

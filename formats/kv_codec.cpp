@@ -221,6 +221,13 @@ int side_code_bits(const Recipe& recipe, KvSide side) {
   return bits;
 }
 
+int side_code_bits(const Recipe& recipe, const SideArtifact& side, KvSide which) {
+  if (side.bits == 0) return side_code_bits(recipe, which);
+  KVCC_REQUIRE(side.bits >= 1 && side.bits <= 8 && side.bits == std::floor(side.bits),
+               "artifact: a side's bits must be a whole number in [1, 8], got " + std::to_string(side.bits));
+  return int(side.bits);
+}
+
 void rotate_rows(const std::vector<double>& rotation, int d, const float* rows, int n, float* out) {
   KVCC_REQUIRE(rotation.size() == size_t(d) * d, "artifact: rotation is not [head_dim, head_dim]");
   std::vector<double> acc(static_cast<size_t>(d));
@@ -254,7 +261,7 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
   const Method m = method_of(recipe);
   switch (method_traits(m).codec) {
     case CodecFamily::UniformGrid: {
-      const int bits = side_code_bits(recipe, which), g = channel_group(recipe, d);
+      const int bits = side_code_bits(recipe, side, which), g = channel_group(recipe, d);
       for (int t = 0; t < n; ++t)
         for (int g0 = 0; g0 < d; g0 += g)
           uniform_roundtrip_strided(y + size_t(t) * d + g0, g, 1, side.clip_ratio, bits, out + size_t(t) * d + g0);
@@ -270,7 +277,7 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
       return;
     }
     case CodecFamily::KiviChannel: {
-      const int bits = side_code_bits(recipe, which);
+      const int bits = side_code_bits(recipe, side, which);
       if (which == KvSide::Key) {
         const int gt = recipe.group > 0 ? recipe.group : n;
         for (int t0 = 0; t0 < n; t0 += gt) {
@@ -353,9 +360,9 @@ void roundtrip_layer_page(const Artifact& artifact, int layer, KvSide which, con
     for (int k = 0; k < span; ++k) {
       const SideArtifact& s = side_of(h0 + k);
       // One group has one clip ratio / level table: compile stores the joint fit in every head.
-      KVCC_REQUIRE(s.clip_ratio == first.clip_ratio && s.levels == first.levels,
+      KVCC_REQUIRE(s.clip_ratio == first.clip_ratio && s.levels == first.levels && s.bits == first.bits,
                    "artifact: layer " + std::to_string(layer) + " KV heads " + std::to_string(h0) + " and " +
-                       std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio or levels");
+                       std::to_string(h0 + k) + " share a quantiser group but differ in clip ratio, levels or bits");
       for (int t = 0; t < n; ++t) std::copy_n(rows + size_t(t) * width + size_t(h0 + k) * d, d, &x[size_t(t) * d]);
       rotate_rows(s.rotation, d, x.data(), n, head.data());
       for (int t = 0; t < n; ++t) std::copy_n(&head[size_t(t) * d], d, &y[size_t(t) * w + size_t(k) * d]);
@@ -495,6 +502,50 @@ std::vector<std::string> verify_turboquant(const Artifact& a) {
       }
   }
   return out;
+}
+
+namespace {
+// The recipe a side is accounted with: its own width in place of the recipe's.
+Recipe at_side_bits(const Recipe& recipe, const SideArtifact& side, KvSide which) {
+  Recipe r = recipe;
+  if (side.bits != 0) (which == KvSide::Key ? r.key_bits : r.value_bits) = side.bits;
+  return r;
+}
+}  // namespace
+
+bool has_side_bits(const Artifact& a) {
+  return std::any_of(a.heads.begin(), a.heads.end(),
+                     [](const HeadArtifact& h) { return h.key.bits != 0 || h.value.bits != 0; });
+}
+
+double history_bits(const Artifact& a, KvSide which) {
+  if (!has_side_bits(a) || a.heads.empty()) return history_bits(a.recipe, which, a.head_dim);
+  double sum = 0;
+  for (const HeadArtifact& h : a.heads) {
+    const SideArtifact& s = which == KvSide::Key ? h.key : h.value;
+    sum += history_bits(at_side_bits(a.recipe, s, which), which, a.head_dim);
+  }
+  return sum / double(a.heads.size());
+}
+
+double nominal_bits(const Artifact& a) {
+  if (!has_side_bits(a) || a.heads.empty()) return nominal_bits(a.recipe);
+  double sum = 0;
+  for (const HeadArtifact& h : a.heads)
+    sum += side_nominal_bits(at_side_bits(a.recipe, h.key, KvSide::Key), KvSide::Key) +
+           side_nominal_bits(at_side_bits(a.recipe, h.value, KvSide::Value), KvSide::Value);
+  return sum / double(2 * a.heads.size());
+}
+
+double effective_bits(const Artifact& a, int64_t context_len) {
+  KVCC_REQUIRE(context_len > 0, "effective bits need a positive context length");
+  const Recipe& r = a.recipe;
+  const double window = double(std::min<int64_t>(context_len, int64_t(r.sink) + r.recent));
+  const double quantised = double(context_len) - window;
+  double total = 0.0;
+  for (KvSide s : {KvSide::Key, KvSide::Value})
+    total += (window * 16.0 + quantised * history_bits(a, s)) / double(context_len);
+  return 0.5 * total;
 }
 
 double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {

@@ -55,6 +55,9 @@ Recipe side_recipe(const Recipe& recipe, KvSide side);
 
 // Integer bits of a side's codes (key_bits / value_bits; for a turboquant split, the floor).
 int side_code_bits(const Recipe& recipe, KvSide side);
+// The same for one (layer, KV head) side: its own width (SideArtifact::bits, compile
+// --bits-budget) when it has one, else the recipe's.
+int side_code_bits(const Recipe& recipe, const SideArtifact& side, KvSide which);
 double side_nominal_bits(const Recipe& recipe, KvSide side);
 
 // x·R and x·Rᵀ for n rows of width d (R row-major [d, d]).
@@ -106,5 +109,13 @@ double std_imbalance(const float* tile, int rows, int cols);
 double nominal_bits(const Recipe& recipe);
 double history_bits(const Recipe& recipe, KvSide which, int head_dim);  // quantised tier only
 double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len);
+// An artifact's own accounting: with per-side widths (SideArtifact::bits) each (layer, KV head)
+// side counts at its width, and these are means over them (every side holds the same number of
+// elements); without, they equal the recipe's.
+double nominal_bits(const Artifact& artifact);
+double history_bits(const Artifact& artifact, KvSide which);
+double effective_bits(const Artifact& artifact, int64_t context_len);
+// Whether any side has a width of its own.
+bool has_side_bits(const Artifact& artifact);
 
 }  // namespace kvcc

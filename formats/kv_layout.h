@@ -17,8 +17,12 @@
 //      page block (page, layer, head), page_head_bytes long:
 //        K codes  [P][d/4]      uint8, 4 codes per byte: channel c in byte c/4, bits 2·(c%4)
 //        V codes  [P][d/4]
-//        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels
+//        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels of a token;
+//                 or, with per-channel keys (key_group_tokens = T > 0, KIVI), [P/T][d]: one pair
+//                 per channel per group of T consecutive tokens of the page
 //        V params [P][groups]
+//    Per-channel key parameters depend on every token of their group, so they exist only once
+//    the page is full: pages are written once, whole, when the ring flushes them (as always).
 //  - A window slot (one per live sequence) holds for every (layer, KV head):
 //        K sink [S][d] bf16, V sink [S][d], K ring [W][d], V ring [W][d]
 //    It is the only mutable per-sequence state, so forking copies it and shares the pages.
@@ -34,22 +38,33 @@ struct KvGeometry {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
-  int group = 0;         // channels per (scale, zero); head_dim divisible by group
+  int group = 0;         // channels per (scale, zero) of a token row; head_dim divisible by group
   int page_tokens = 64;  // P
   int sink = 64;         // S
   int recent = 256;      // W (>= P)
+  // 0: keys per token like values (groups of `group` channels). T > 0 (dividing P): keys per
+  // channel over groups of T tokens of the page (KIVI's keys); `group` then applies to values only.
+  int key_group_tokens = 0;
 
+  KVCC_HD bool per_channel_keys() const { return key_group_tokens > 0; }
   KVCC_HD int groups() const { return head_dim / group; }
   KVCC_HD size_t code_row_bytes() const { return size_t(head_dim) / 4; }
   KVCC_HD size_t codes_bytes() const { return size_t(page_tokens) * code_row_bytes(); }
+  // Per-token (scale, zero) pairs of one side: [P][groups].
   KVCC_HD size_t params_bytes() const { return size_t(page_tokens) * size_t(groups()) * 4; }
-  KVCC_HD size_t page_head_bytes() const { return 2 * codes_bytes() + 2 * params_bytes(); }
+  // Key token groups of a page (per-channel keys): P / T.
+  KVCC_HD int key_token_groups() const { return per_channel_keys() ? page_tokens / key_group_tokens : 0; }
+  KVCC_HD size_t k_params_bytes() const {
+    return per_channel_keys() ? size_t(key_token_groups()) * size_t(head_dim) * 4 : params_bytes();
+  }
+  KVCC_HD size_t v_params_bytes() const { return params_bytes(); }
+  KVCC_HD size_t page_head_bytes() const { return 2 * codes_bytes() + k_params_bytes() + v_params_bytes(); }
   KVCC_HD size_t page_bytes() const { return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads); }
   // Offsets inside one page block.
   KVCC_HD size_t k_codes_offset() const { return 0; }
   KVCC_HD size_t v_codes_offset() const { return codes_bytes(); }
   KVCC_HD size_t k_params_offset() const { return 2 * codes_bytes(); }
-  KVCC_HD size_t v_params_offset() const { return 2 * codes_bytes() + params_bytes(); }
+  KVCC_HD size_t v_params_offset() const { return 2 * codes_bytes() + k_params_bytes(); }
   // Byte offset of the page block (page, layer, head) from the start of the pages region.
   KVCC_HD size_t page_block_offset(int64_t page, int layer, int head) const {
     return ((size_t(page) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) + size_t(head)) * page_head_bytes();

@@ -14,7 +14,27 @@ namespace {
 using enum MethodOption;
 
 constexpr unsigned kGridOptions = NoFitClip | FitRows;  // a fitted clip ratio on the fitting rows
+
 constexpr unsigned kOscarRotation = ValueTarget | Composition | Granularity;
+
+// The published variant holds exactly OSCAR's clip ratios and value target.
+std::vector<std::string> verify_oscar(const Artifact& a) {
+  std::vector<std::string> out;
+  if (!oscar_published(a.recipe)) return out;
+  if (a.recipe.value_target != kOscarPublishedValueTarget)
+    out.push_back("oscar variant=published: value target '" + a.recipe.value_target + "', expected " +
+                  kOscarPublishedValueTarget);
+  for (size_t i = 0; i < a.heads.size(); ++i)
+    if (a.heads[i].key.clip_ratio != kOscarPublishedKeyClip ||
+        a.heads[i].value.clip_ratio != kOscarPublishedValueClip) {
+      out.push_back("oscar variant=published: layer " + std::to_string(i / size_t(a.n_kv_heads)) + " kv head " +
+                    std::to_string(i % size_t(a.n_kv_heads)) + " clip ratios " +
+                    std::to_string(a.heads[i].key.clip_ratio) + " / " + std::to_string(a.heads[i].value.clip_ratio) +
+                    ", expected OSCAR's 0.96 / 0.92");
+      break;
+    }
+  return out;
+}
 
 // The table, in enum order. Defaults and semantics: docs/methods.md; each entry's codec is
 // formats/kv_codec.cpp (commvq: codec_commvq.cpp), its fitting compile/compile.cpp.
@@ -40,8 +60,9 @@ const std::vector<MethodTraits>& table() {
        .value_target = "p2",
        .composition = "UHP",
        .options = kOscarRotation | kGridOptions,
-       .params = {},
-       .verify = nullptr,
+       // published: OSCAR's fixed clip ratios and value target (kOscarPublished*); absent: fitted.
+       .params = {{"variant", nullptr, nullptr, {"fitted", "published"}}},
+       .verify = verify_oscar,
        .describe = nullptr},
       {.method = Method::OscarLm,
        .name = "oscar-lm",
@@ -157,7 +178,7 @@ const std::vector<MethodTraits>& table() {
        .codec = CodecFamily::KiviChannel,
        .rotation = RotationRule::Identity,
        .fit = Fit::None,
-       .served_by_runtime = false,
+       .served_by_runtime = true,
        .spans_heads = false,
        .whole_rows = false,
        .fractional_bits = false,
@@ -323,6 +344,11 @@ std::string method_names(bool (*keep)(const MethodTraits&), std::string_view sep
   for (const MethodTraits& t : table())
     if (!keep || keep(t)) names.push_back(t.name);
   return join(names, sep, last);
+}
+
+bool oscar_published(const Recipe& recipe) {
+  const auto it = recipe.params.find("variant");
+  return recipe.method == method_name(Method::Oscar) && it != recipe.params.end() && it->second == "published";
 }
 
 bool served_by_runtime(std::string_view method) {

@@ -21,6 +21,15 @@ struct Recipe;
 
 enum class Method { Oscar, OscarLm, Hadamard, Identity, Random, TurboQuant, Kivi, Kvarn, Commvq };
 
+// OSCAR as published (`-m oscar --param variant=published`): the serving clip ratios of its
+// reference runtime (SGLANG_OSCAR_K/V_CLIP_RATIO), fixed rather than fitted, and the value target
+// its released code fits (the score-weighted value moment kvcc calls logit2). docs/methods.md.
+inline constexpr double kOscarPublishedKeyClip = 0.96;
+inline constexpr double kOscarPublishedValueClip = 0.92;
+inline constexpr const char* kOscarPublishedValueTarget = "logit2";
+// Whether a recipe is oscar's published variant.
+bool oscar_published(const Recipe& recipe);
+
 // How a side's rotated rows are quantised (formats/kv_codec.h has the exact semantics).
 enum class CodecFamily {
   UniformGrid,      // per-token channel groups, fp16 scale + zero, stored clip ratio (codec_scalar.h)
@@ -80,7 +89,8 @@ struct MethodTraits {
   CodecFamily codec;
   RotationRule rotation;
   Fit fit;
-  bool served_by_runtime;           // the paged INT2 runtime (per-token grid and 2-bit level table)
+  bool served_by_runtime;           // the paged INT2 runtime (per-token grids, the 2-bit level table, and
+                                    // kivi's per-channel key pages on the host pool: runtime/served.h)
   bool spans_heads;                 // a group above head_dim may span KV heads (kv_codec.h group_span)
   bool whole_rows;                  // codes whole head rows, tiles or vectors: --group must be head_dim
   bool fractional_bits;             // 2.5 / 3.5-bit budgets (turboquant's outlier split)

@@ -1,5 +1,9 @@
 #include "formats/page_row_codec.h"
 
+#include <cmath>
+#include <string>
+#include <vector>
+
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
@@ -33,6 +37,46 @@ void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* 
     row[c] = codec.use_table ? table_dequant(code, s, codec.levels)
                              : uniform_dequant(code, s, float_from_f16(params[2 * grp + 1]));
   }
+}
+
+void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, const float* rows, uint8_t* block) {
+  const int d = g.head_dim, P = g.page_tokens;
+  uint8_t* codes = block + (key ? g.k_codes_offset() : g.v_codes_offset());
+  uint16_t* params = reinterpret_cast<uint16_t*>(block + (key ? g.k_params_offset() : g.v_params_offset()));
+  if (!key || !g.per_channel_keys()) {
+    for (int r = 0; r < P; ++r)
+      quantize_row(g, codec, rows + size_t(r) * size_t(d), codes + size_t(r) * g.code_row_bytes(),
+                   params + size_t(r) * 2 * size_t(g.groups()));
+    return;
+  }
+  KVCC_REQUIRE(!codec.use_table, "per-channel keys take the uniform grid, not a level table");
+  const int T = g.key_group_tokens;
+  KVCC_REQUIRE(T > 0 && P % T == 0, "per-channel key groups of " + std::to_string(T) +
+                                        " tokens must divide the page of " + std::to_string(P));
+  std::vector<float> x(static_cast<size_t>(T));
+  std::vector<uint8_t> c(static_cast<size_t>(T)), all(size_t(P) * size_t(d));  // all: [P][d] codes
+  for (int t0 = 0, grp = 0; t0 < P; t0 += T, ++grp)
+    for (int ch = 0; ch < d; ++ch) {
+      for (int i = 0; i < T; ++i) x[size_t(i)] = rows[size_t(t0 + i) * size_t(d) + size_t(ch)];
+      const GroupParams p = quantize_uniform(x.data(), T, INFINITY, 2, c.data());  // KIVI's keys: no clip
+      for (int i = 0; i < T; ++i) all[size_t(t0 + i) * size_t(d) + size_t(ch)] = c[size_t(i)];
+      params[(size_t(grp) * size_t(d) + size_t(ch)) * 2] = p.scale;
+      params[(size_t(grp) * size_t(d) + size_t(ch)) * 2 + 1] = p.zero;
+    }
+  for (int r = 0; r < P; ++r) pack_codes(&all[size_t(r) * size_t(d)], d, codes + size_t(r) * g.code_row_bytes());
+}
+
+void dequantize_page_row(const KvGeometry& g, const SideCodec& codec, bool key, const uint8_t* block, int row,
+                         float* out) {
+  const uint8_t* codes = block + (key ? g.k_codes_offset() : g.v_codes_offset()) + size_t(row) * g.code_row_bytes();
+  const uint16_t* params = reinterpret_cast<const uint16_t*>(block + (key ? g.k_params_offset() : g.v_params_offset()));
+  if (!key || !g.per_channel_keys()) {
+    dequantize_row(g, codec, codes, params + size_t(row) * 2 * size_t(g.groups()), out);
+    return;
+  }
+  const uint16_t* grp = params + size_t(row / g.key_group_tokens) * size_t(g.head_dim) * 2;
+  for (int c = 0; c < g.head_dim; ++c)
+    out[c] = uniform_dequant(unpack_code(codes, c), float_from_f16(grp[2 * c]), float_from_f16(grp[2 * c + 1]));
 }
 
 }  // namespace kvcc

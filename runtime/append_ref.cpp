@@ -1,5 +1,6 @@
 #include "runtime/append_ref.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -47,6 +48,7 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append: layer " + std::to_string(layer) + " out of range");
   const int d = g.head_dim, H = g.n_kv_heads;
   std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
+  std::vector<float> khist, vhist;  // the rows entering history, [moved tokens][d], page by page
   for (size_t bi = 0; bi < batch.seqs.size(); ++bi) {
     const int seq = batch.seqs[bi];
     const int64_t n0 = batch.old_lengths[bi], n1 = n0 + batch.counts[bi];
@@ -54,16 +56,15 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
                  "append: sequence " + std::to_string(seq) + " was not grown before appending");
     const KvTiers t0 = tiers_of(g, n0), t1 = tiers_of(g, n1);
     const std::vector<int32_t>& pages = cache.page_table(seq);
+    const size_t moved = size_t(t1.hist_tokens - t0.hist_tokens);
+    khist.resize(moved * size_t(d));
+    vhist.resize(moved * size_t(d));
     for (int h = 0; h < H; ++h) {
       uint16_t* win = cache.windows_base() + g.window_block_elem(seq, layer, h);
-      auto write_history = [&](int64_t post, const float* kr, const float* vr) {
-        const int32_t page = pages[size_t(post / g.page_tokens)];
-        const int row = int(post % g.page_tokens);
-        uint8_t* blk = cache.pages_base() + g.page_block_offset(page, layer, h);
-        quantize_row(g, codecs[h].key, kr, blk + g.k_codes_offset() + size_t(row) * g.code_row_bytes(),
-                     reinterpret_cast<uint16_t*>(blk + g.k_params_offset()) + size_t(row) * 2 * size_t(g.groups()));
-        quantize_row(g, codecs[h].value, vr, blk + g.v_codes_offset() + size_t(row) * g.code_row_bytes(),
-                     reinterpret_cast<uint16_t*>(blk + g.v_params_offset()) + size_t(row) * 2 * size_t(g.groups()));
+      auto stage = [&](int64_t post, const float* kr, const float* vr) {
+        const size_t at = size_t(post - t0.hist_tokens) * size_t(d);
+        std::copy(kr, kr + d, &khist[at]);
+        std::copy(vr, vr + d, &vhist[at]);
       };
       // 1. Old ring tokens that the new length pushes into history (read before any ring write).
       for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < n0 - t0.sink_count; ++post) {
@@ -72,7 +73,7 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
           krow[size_t(c)] = float_from_bf16(win[g.k_ring_elem() + slot * size_t(d) + size_t(c)]);
           vrow[size_t(c)] = float_from_bf16(win[g.v_ring_elem() + slot * size_t(d) + size_t(c)]);
         }
-        write_history(post, krow.data(), vrow.data());
+        stage(post, krow.data(), vrow.data());
       }
       // 2. The new tokens: sink, history or ring by their final tier.
       for (int j = 0; j < batch.counts[bi]; ++j) {
@@ -89,7 +90,7 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
           kdst = g.k_sink_elem() + size_t(pos) * size_t(d);
           vdst = g.v_sink_elem() + size_t(pos) * size_t(d);
         } else if (pos - g.sink < t1.hist_tokens) {
-          write_history(pos - g.sink, krow.data(), vrow.data());
+          stage(pos - g.sink, krow.data(), vrow.data());
           continue;
         } else {
           const size_t slot = size_t(ring_slot(g, pos - g.sink));
@@ -100,6 +101,13 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
           win[kdst + size_t(c)] = bf16_from_float(krow[size_t(c)]);
           win[vdst + size_t(c)] = bf16_from_float(vrow[size_t(c)]);
         }
+      }
+      // 3. Every page that became full, whole (per-channel keys need all of its tokens).
+      for (int64_t first = t0.hist_tokens; first < t1.hist_tokens; first += g.page_tokens) {
+        uint8_t* blk = cache.pages_base() + g.page_block_offset(pages[size_t(first / g.page_tokens)], layer, h);
+        const size_t at = size_t(first - t0.hist_tokens) * size_t(d);
+        quantize_page_side(g, codecs[h].key, true, &khist[at], blk);
+        quantize_page_side(g, codecs[h].value, false, &vhist[at], blk);
       }
     }
   }

@@ -1,8 +1,9 @@
 // CPU reference of the append kernel (same semantics as runtime/append.cu): rotate the new keys
-// and values (x·R), round to BF16, write sink and ring, and quantise every token that the new
-// length moves into history (clip + quantise + pack, codec_scalar.h) into its page. Tokens enter
-// history from their BF16-rounded rotated rows, so appending T tokens at once gives the same bytes
-// as appending them one by one.
+// and values (x·R), round to BF16, write sink and ring, and quantise every page that the new
+// length moves into history (clip + quantise + pack, codec_scalar.h; per-channel keys over the
+// page's tokens, formats/page_row_codec.h). Tokens enter history from their BF16-rounded rotated
+// rows, a page at a time when it is full, so appending T tokens at once gives the same bytes as
+// appending them one by one.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -33,13 +33,9 @@ void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* 
       } else if (pos - t.sink_count < t.hist_tokens) {
         const int64_t post = pos - t.sink_count;
         const uint8_t* blk = cache.pages_base() + g.page_block_offset(pages[size_t(post / g.page_tokens)], layer, h);
-        const size_t row = size_t(post % g.page_tokens);
-        const uint16_t* kp = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset());
-        const uint16_t* vp = reinterpret_cast<const uint16_t*>(blk + g.v_params_offset());
-        dequantize_row(g, codecs[h].key, blk + g.k_codes_offset() + row * g.code_row_bytes(),
-                       kp + row * 2 * size_t(g.groups()), kd);
-        dequantize_row(g, codecs[h].value, blk + g.v_codes_offset() + row * g.code_row_bytes(),
-                       vp + row * 2 * size_t(g.groups()), vd);
+        const int row = int(post % g.page_tokens);
+        dequantize_page_row(g, codecs[h].key, true, blk, row, kd);
+        dequantize_page_row(g, codecs[h].value, false, blk, row, vd);
         continue;
       } else {
         const size_t slot = size_t(ring_slot(g, pos - t.sink_count));

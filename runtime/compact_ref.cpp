@@ -12,6 +12,7 @@ namespace kvcc {
 void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCodec* codecs) {
   KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "compact_ref: needs a host pool");
   const KvGeometry& g = cache.geometry();
+  KVCC_REQUIRE(!g.per_channel_keys(), kPerChannelEvictionRefusal);
   const int d = g.head_dim, L = g.n_layers, H = g.n_kv_heads;
   const size_t n = plan.moves.size(), G2 = 2 * size_t(g.groups()), cb = g.code_row_bytes();
   // Staged sources of one (layer, head), both sides: BF16 rows or INT2 rows (codes + params).
@@ -84,6 +85,7 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
 int64_t compact_ref(KvCache& cache, int seq, const std::vector<int64_t>& kept, const HeadCodec* codecs) {
   KVCC_REQUIRE(cache.memory() == PoolMemory::Host, "compact_ref: needs a host pool");
   KVCC_REQUIRE(codecs != nullptr, "compact_ref: no codecs");
+  KVCC_REQUIRE(!cache.geometry().per_channel_keys(), kPerChannelEvictionRefusal);
   const CompactionPlan plan = cache.plan_compaction(seq, kept);  // throws before any write
   compact_rows_ref(cache, plan, codecs);
   cache.commit_compaction(plan);

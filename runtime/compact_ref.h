@@ -11,6 +11,12 @@
 
 namespace kvcc {
 
+// Per-channel key pages (KIVI keys) are not compacted: a page's key (scale, zero) pairs span its
+// tokens, so a row cannot move to another page without re-quantising both pages.
+inline constexpr const char* kPerChannelEvictionRefusal =
+    "token eviction: per-channel key pages (kivi keys) cannot be compacted (a page's key scales span its tokens, so "
+    "moving a row would re-quantise its page)";
+
 // Moves a plan's rows in a host pool: all sources are read before any write, BF16 rows entering
 // history are quantised by the append path's codec, INT2 rows entering a window are dequantised
 // and rounded to BF16. codecs: [n_layers * n_kv_heads] (every layer's, in order).

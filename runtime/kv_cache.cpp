@@ -30,6 +30,9 @@ void check_geometry(const KvGeometry& g, PoolMemory memory) {
                                                              " does not divide head_dim " + std::to_string(g.head_dim));
   KVCC_REQUIRE(g.page_tokens > 0 && g.page_tokens % 16 == 0,
                "kv cache: page size must be a positive multiple of 16, got " + std::to_string(g.page_tokens));
+  KVCC_REQUIRE(g.key_group_tokens >= 0 && (g.key_group_tokens == 0 || g.page_tokens % g.key_group_tokens == 0),
+               "kv cache: per-channel key groups of " + std::to_string(g.key_group_tokens) +
+                   " tokens must divide the page of " + std::to_string(g.page_tokens) + " tokens");
   KVCC_REQUIRE(g.sink >= 0, "kv cache: negative sink size");
   KVCC_REQUIRE(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
                                               ") must hold at least one page (" + std::to_string(g.page_tokens) + ")");

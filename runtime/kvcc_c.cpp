@@ -44,6 +44,26 @@ nlohmann::json side_summary(const kvcc::Artifact& a, bool key) {
   return {{"clip_ratio", {lo, hi}}, {"level_tables", tables}};
 }
 
+// How the runtime would hold the artifact: its cache layout, whether it serves it (and why not),
+// and whether the GPU kernels do.
+nlohmann::json cache_json(const kvcc::Artifact& a) {
+  std::string refusal;
+  try {
+    kvcc::check_artifact_for_engine(a, kvcc::EngineShape{a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim});
+  } catch (const kvcc::Error& e) {
+    refusal = e.what();
+  }
+  const kvcc::KvGeometry g = kvcc::cache_geometry(a);
+  return {{"served", refusal.empty()},
+          {"refusal", refusal},
+          {"gpu_refusal", refusal.empty() ? kvcc::device_scope_problem(g, a.n_heads) : refusal},
+          {"keys", g.per_channel_keys() ? "per_channel" : "per_token"},
+          {"key_group_tokens", g.key_group_tokens},
+          {"value_group", g.group},
+          {"page_bytes", g.page_bytes()},
+          {"slot_bytes", g.window_slot_bytes()}};
+}
+
 std::string describe(const kvcc::Artifact& a) {
   const kvcc::Recipe& r = a.recipe;
   const nlohmann::json k = side_summary(a, true), v = side_summary(a, false);
@@ -62,6 +82,7 @@ std::string describe(const kvcc::Artifact& a) {
       {"recipe", kvcc::recipe_json<nlohmann::json>(r)},
       {"clip_ratio", {{"key", k["clip_ratio"]}, {"value", v["clip_ratio"]}}},
       {"level_tables", {{"key", k["level_tables"]}, {"value", v["level_tables"]}}},
+      {"cache", cache_json(a)},
       {"provenance",
        {{"source", a.provenance.source},
         {"tokens", a.provenance.tokens},

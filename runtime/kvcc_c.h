@@ -61,8 +61,11 @@ const char* kvcc_version(void);
  * model_id, n_layers, n_heads, n_kv_heads, head_dim, rope_style, fingerprint {id, weights_sha256,
  * fields}, recipe {method, key_bits, value_bits, group, sink, recent, page_size, value_target,
  * granularity, composition, seed, params}, clip_ratio {key, value: [min, max]}, level_tables
- * {key, value: heads with a 4-level table}, provenance {...}. The string stays valid until this
- * thread's next kvcc_artifact_describe call. */
+ * {key, value: heads with a 4-level table}, provenance {...}, and cache {served (whether the
+ * runtime serves it), refusal (why not, else ""), gpu_refusal (why the CUDA kernels do not, else
+ * ""), keys ("per_token" | "per_channel"), key_group_tokens, value_group, page_bytes, slot_bytes}:
+ * the layout of kvcc::cache_geometry. The string stays valid until this thread's next
+ * kvcc_artifact_describe call. */
 int kvcc_artifact_describe(const char* artifact_path, const char** json);
 /* The fingerprint of the model at model_path (a Hugging Face directory or a llama2.c .bin), as
  * artifacts and the zoo record it: {"id", "weights_sha256", "fields": [[name, value], ...]}. The

@@ -30,6 +30,24 @@ std::string mismatch(const char* what, int artifact, int engine) {
 }
 }  // namespace
 
+KvGeometry cache_geometry(const Artifact& a) {
+  KvGeometry g;
+  g.n_layers = a.n_layers;
+  g.n_kv_heads = a.n_kv_heads;
+  g.head_dim = a.head_dim;
+  g.page_tokens = a.recipe.page_size;
+  g.sink = a.recipe.sink;
+  g.recent = a.recipe.recent;
+  g.group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
+  if (method_traits(method_of(a.recipe)).codec != CodecFamily::KiviChannel) return g;
+  // KIVI (formats/kv_codec.h): group = key tokens per channel group, never longer than the page;
+  // values per token over min(group, head_dim) channels, or head_dim for the mixed recipe.
+  const int G = a.recipe.group, d = a.head_dim;
+  g.key_group_tokens = G > 0 ? std::min(G, a.recipe.page_size) : a.recipe.page_size;
+  g.group = a.recipe.params.count("values") || G <= 0 || G >= d ? d : G;
+  return g;
+}
+
 void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
   KVCC_REQUIRE(a.n_layers == e.n_layers, mismatch("layer count", a.n_layers, e.n_layers));
   KVCC_REQUIRE(a.n_heads == e.n_heads, mismatch("query heads", a.n_heads, e.n_heads));
@@ -42,8 +60,28 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
                "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
                    method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
   KVCC_REQUIRE(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
-  // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there.
-  KVCC_REQUIRE(a.recipe.group <= a.head_dim,
+  for (size_t i = 0; i < a.heads.size(); ++i)
+    for (const SideArtifact* s : {&a.heads[i].key, &a.heads[i].value})
+      KVCC_REQUIRE(s->bits == 0 || s->bits == 2,
+                   "artifact: per-layer bit widths (layer " + std::to_string(i / size_t(a.n_kv_heads)) + " kv head " +
+                       std::to_string(i % size_t(a.n_kv_heads)) + " " + (s == &a.heads[i].key ? "key" : "value") +
+                       " at " + std::to_string(int(s->bits)) +
+                       " bits) are not served yet: the runtime's pages hold 2-bit codes (validate them with --cache "
+                       "codec)");
+  const bool kivi = method_traits(method_of(a.recipe)).codec == CodecFamily::KiviChannel;
+  if (kivi) {
+    // Per-channel key pages hold whole key groups (kv_layout.h key_group_tokens).
+    const KvGeometry g = cache_geometry(a);
+    KVCC_REQUIRE(a.recipe.page_size % g.key_group_tokens == 0,
+                 "artifact: kivi key groups of " + std::to_string(a.recipe.group) +
+                     " tokens do not divide the page of " + std::to_string(a.recipe.page_size) +
+                     " tokens; the paged runtime stores whole key groups per page (use --group dividing --page-size)");
+    KVCC_REQUIRE(a.head_dim % g.group == 0, "artifact: kivi value groups of " + std::to_string(g.group) +
+                                                " channels do not divide head_dim " + std::to_string(a.head_dim));
+  }
+  // The paged cache stores (scale, zero) per KV-head row; a group spanning heads has no slot there
+  // (kivi's group counts key tokens).
+  KVCC_REQUIRE(kivi || a.recipe.group <= a.head_dim,
                "artifact: group " + std::to_string(a.recipe.group) + " spans several KV heads (head_dim " +
                    std::to_string(a.head_dim) +
                    "); the paged runtime stores quantiser parameters per KV head, "
@@ -189,14 +227,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
                                                    " above max_sequences " + std::to_string(o.max_sequences));
   kv_begin_ = o.kv_begin;
   n_heads_ = whole ? e.n_heads : e.n_heads / e.n_kv_heads * (kv_end - o.kv_begin);
-  KvGeometry g;
-  g.n_layers = a.n_layers;
+  KvGeometry g = cache_geometry(a);
   g.n_kv_heads = kv_end - o.kv_begin;
-  g.head_dim = a.head_dim;
-  g.group = a.recipe.group > 0 ? a.recipe.group : a.head_dim;
-  g.page_tokens = a.recipe.page_size;
-  g.sink = a.recipe.sink;
-  g.recent = a.recipe.recent;
   if (o.memory == PoolMemory::Device) {
     // Everything the device pool's append, decode and prefill will check, checked now.
     bool table = false;  // some head of the slice has a level table
@@ -224,6 +256,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
   // Over the whole model, so that a slice rotates (or not) exactly as the whole-model Runtime does.
+  const bool kivi = g.per_channel_keys();
+  const bool unclipped[2] = {kivi, kivi && !a.recipe.params.count("values")};
   bool any_rotation = false;
   for (const HeadArtifact& h : a.heads)
     any_rotation = any_rotation || !h.key.rotation.empty() || !h.value.rotation.empty();
@@ -235,7 +269,9 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     for (int side = 0; side < 2; ++side) {
       const SideArtifact& s = side ? h.value : h.key;
       SideCodec& sc = side ? c.value : c.key;
-      sc.clip_ratio = float(s.clip_ratio);
+      // KIVI's keys, and its plain values, are never clipped (formats/kv_codec.h); the mixed
+      // recipe's values take their stored clip ratio.
+      sc.clip_ratio = unclipped[side] ? 1.0f : float(s.clip_ratio);
       sc.use_table = s.levels.empty() ? 0 : 1;
       for (size_t i = 0; i < s.levels.size(); ++i) sc.levels[i] = float(s.levels[i]);
       if (any_rotation) {
@@ -509,6 +545,7 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
 int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream) {
   const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
   KVCC_REQUIRE(!step_open, "runtime: evict_tokens inside an open step (finish every layer's append first)");
+  KVCC_REQUIRE(!geometry().per_channel_keys(), kPerChannelEvictionRefusal);
   if (cache_->memory() == PoolMemory::Host) return compact_ref(*cache_, seq, kept, codecs_.data());
 #if defined(KVCC_HAVE_CUDA)
   return compact_device(*cache_, seq, kept, dev_->codecs.data(), stream);

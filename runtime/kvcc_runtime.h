@@ -149,6 +149,13 @@ class Runtime {
   std::unique_ptr<DeviceState> dev_;
 };
 
+// The cache geometry an artifact's recipe gives (all of its KV heads): windows, page size and the
+// (scale, zero) layout. kivi: per-channel key pages over groups of min(group, page) tokens
+// (kv_layout.h key_group_tokens), values per token over min(group, head_dim) channels, or head_dim
+// for the mixed recipe (params "values"); every other served method: per-token groups of `group`
+// channels (0: head_dim) on both sides.
+KvGeometry cache_geometry(const Artifact& artifact);
+
 // Checks an artifact against the engine's shape and the runtime's scope; throws Error naming
 // the first mismatch.
 void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engine);

@@ -18,6 +18,9 @@ void check(const KvGeometry& g) {
   KVCC_REQUIRE(g.group > 0 && g.head_dim % g.group == 0,
                "memory: group " + std::to_string(g.group) + " does not divide head_dim " + std::to_string(g.head_dim));
   KVCC_REQUIRE(g.page_tokens > 0, "memory: page size must be positive, got " + std::to_string(g.page_tokens));
+  KVCC_REQUIRE(g.key_group_tokens >= 0 && (g.key_group_tokens == 0 || g.page_tokens % g.key_group_tokens == 0),
+               "memory: per-channel key groups of " + std::to_string(g.key_group_tokens) +
+                   " tokens do not divide the page of " + std::to_string(g.page_tokens));
   KVCC_REQUIRE(g.sink >= 0, "memory: negative sink size " + std::to_string(g.sink));
   KVCC_REQUIRE(g.recent >= g.page_tokens, "memory: the recent window (" + std::to_string(g.recent) +
                                               ") must hold at least one page (" + std::to_string(g.page_tokens) + ")");

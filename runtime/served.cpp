@@ -29,6 +29,8 @@ std::string query_heads_problem(int n_heads, int n_kv, bool decode) {
 
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops, bool level_table) {
   const bool prefill = ops & kGpuPrefill, decode = ops & kGpuDecode;
+  if (g.per_channel_keys())
+    return "per-channel key pages (kivi keys; the kernels read per-token key scales, the host pool serves them)";
   if (g.head_dim != kGpuHeadDim) return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
   if (g.group != g.head_dim) return "group " + str(g.group) + " (the kernels need group = head_dim)";
   if (!prefill && !decode) return "";  // append serves any pages, windows and heads

@@ -50,7 +50,8 @@ constexpr int kAnyQueryHeads = -1;
 // pages, <= 64 KV heads and query heads a multiple of the KV heads; decode the same pages and
 // query-head multiple, <= 8 query heads per KV head and sink and recent windows in multiples of
 // 16 tokens. A Runtime with a device pool asks this for all three when it is made, so that its
-// first decode or prefill never finds the shape unsupported.
+// first decode or prefill never finds the shape unsupported. Per-channel key pages (KIVI keys,
+// kv_layout.h key_group_tokens) are refused for every kernel: they read per-token key scales.
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops = kGpuAllOps,
                                    bool level_table = true);
 // The same for the BF16 baseline decode (decode_bf16_paged): its own pages of page_tokens tokens.

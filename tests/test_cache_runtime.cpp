@@ -90,9 +90,9 @@ TEST(CacheRuntime, RefusesMismatchedShapesByName) {
       EXPECT_NE(std::string(e.what()).find(c.field), std::string::npos) << e.what();
     }
   }
-  Artifact kivi = make_artifact();
-  kivi.recipe.method = "kivi";
-  EXPECT_THROW(Runtime(kivi, EngineShape{kLayers, kHeads, kKv, kD}, host_options()), Error);
+  Artifact kvarn = make_artifact();
+  kvarn.recipe.method = "kvarn";
+  EXPECT_THROW(Runtime(kvarn, EngineShape{kLayers, kHeads, kKv, kD}, host_options()), Error);
 }
 
 // The device pool's scope is checked when the Runtime is made (before any device memory), and
@@ -395,6 +395,98 @@ TEST(CacheRuntime, CAbiStatusCodesAndErrors) {
   EXPECT_EQ(kvcc_free_sequence(rt, s), KVCC_OK);
   EXPECT_EQ(kvcc_free_sequence(rt, s), KVCC_ERROR);
   kvcc_runtime_free(rt);
+}
+
+// A kivi artifact (per-channel key pages) written to disk and loaded: the Runtime's geometry and
+// codecs are kivi's semantics (keys per channel over min(group, page) tokens and never clipped;
+// mixed values with their stored clip ratio, plain kivi values per token over min(group, d)
+// channels, unclipped), and its append, prefill and decode are the reference kernels' given those
+// parameters directly, bit for bit. The device pool, token eviction and a group that does not tile
+// the page are refused by name; the C ABI describes the layout.
+TEST(CacheRuntime, KiviArtifactsOnTheHostPool) {
+  for (const bool mixed : {true, false}) {
+    Artifact art = make_artifact();
+    art.recipe.method = "kivi";
+    art.recipe.group = 8;  // two key groups per 16-token page; plain values in groups of 8 channels
+    if (mixed) art.recipe.params["values"] = "hadamard";
+    for (HeadArtifact& h : art.heads) h.key.rotation.clear();  // kivi keys: no rotation
+    const std::string path = ::testing::TempDir() + "kvcc_runtime_kivi.kvcc.h5";
+    write_artifact(art, path);
+    auto rt = Runtime::load(path, EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+    KvGeometry g = rt->geometry();
+    EXPECT_EQ(g.key_group_tokens, 8);
+    EXPECT_EQ(g.group, mixed ? kD : 8);
+    EXPECT_EQ(g.k_params_bytes(), size_t(2 * kD * 4));
+    std::vector<float> rk(size_t(kLayers) * kKv * kD * kD, 0.0f), rv(rk.size());
+    std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
+    for (size_t i = 0; i < art.heads.size(); ++i) {
+      for (int c = 0; c < kD; ++c) rk[i * kD * kD + size_t(c) * kD + size_t(c)] = 1.0f;
+      for (size_t e = 0; e < size_t(kD) * kD; ++e) rv[i * kD * kD + e] = float(art.heads[i].value.rotation[e]);
+      codecs[i].key.clip_ratio = 1.0f;  // the artifact's 0.9 + 0.02·i is not kivi's
+      codecs[i].value.clip_ratio = mixed ? float(art.heads[i].value.clip_ratio) : 1.0f;
+      EXPECT_EQ(rt->codecs(int(i) / kKv)[i % kKv].key.clip_ratio, codecs[i].key.clip_ratio);
+      EXPECT_EQ(rt->codecs(int(i) / kKv)[i % kKv].value.clip_ratio, codecs[i].value.clip_ratio);
+    }
+    KvCache ref{KvCacheConfig{g, 32, 4, PoolMemory::Host}};
+    const int a = rt->cache().add_sequence(), b = rt->cache().add_sequence();
+    ref.add_sequence();
+    ref.add_sequence();
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd;
+    const float scale = 1.0f / std::sqrt(float(kD));
+    for (const auto& counts : std::vector<std::vector<int>>{{20, 70}, {45, 1}, {1, 30}}) {
+      const int rows = counts[0] + counts[1];
+      const std::vector<int64_t> old = {ref.length(a), ref.length(b)};
+      rt->begin_append({a, b}, counts);
+      ref.grow_batch({a, b}, {counts[0], counts[1]});
+      const AppendBatch batch = make_append_batch({a, b}, old, counts);
+      for (int l = 0; l < kLayers; ++l) {
+        const size_t qn = size_t(counts[0]) * kHeads * kD;
+        std::vector<float> k(size_t(rows) * kKv * kD), v(k.size()), q(qn);
+        for (auto* x : {&k, &v, &q})
+          for (auto& e : *x) e = nd(rng);
+        const size_t off = size_t(l) * kKv * kD * kD;
+        std::vector<float> got(q.size()), want(q.size());
+        rt->prefill(l, a, counts[0], q.data(), k.data(), v.data(), got.data());
+        prefill_ref(ref, l, a, counts[0], q.data(), k.data(), v.data(), kHeads, rk.data() + off, rv.data() + off,
+                    codecs.data() + size_t(l) * kKv, scale, want.data(), old[0]);
+        for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(got[i], want[i]) << "prefill layer " << l << " " << i;
+        rt->append(l, k.data(), v.data());
+        append_ref(ref, l, batch, k.data(), v.data(), rk.data() + off, rv.data() + off,
+                   codecs.data() + size_t(l) * kKv);
+      }
+    }
+    ASSERT_GT(history_pages(g, rt->cache().length(b)), 2);
+    ASSERT_EQ(std::memcmp(rt->cache().pages_base(), ref.pages_base(), ref.pool_bytes()), 0);
+    std::vector<float> q(size_t(2) * kHeads * kD), got(q.size()), want(q.size());
+    for (auto& x : q) x = nd(rng);
+    for (int l = 0; l < kLayers; ++l) {
+      rt->decode(l, {a, b}, q.data(), got.data());
+      const size_t off = size_t(l) * kKv * kD * kD;
+      decode_ref(ref, l, {a, b}, q.data(), kHeads, rk.data() + off, rv.data() + off, codecs.data() + size_t(l) * kKv,
+                 scale, want.data());
+      for (size_t i = 0; i < q.size(); ++i) EXPECT_EQ(got[i], want[i]) << "layer " << l << " element " << i;
+    }
+    EXPECT_CONTAINS(testing::error_of([&] { rt->evict_tokens(a, {0, 1}); }), "per-channel key pages");
+    RuntimeOptions device = host_options();
+    device.memory = PoolMemory::Device;
+    EXPECT_CONTAINS(testing::error_of([&] {
+                      Runtime(art, EngineShape{kLayers, kHeads, kKv, kD}, device);
+                    }),
+                    "per-channel key pages");
+    const char* json = nullptr;
+    ASSERT_EQ(kvcc_artifact_describe(path.c_str(), &json), KVCC_OK);
+    const std::string described = json;
+    EXPECT_CONTAINS(described, "\"keys\":\"per_channel\"");
+    EXPECT_CONTAINS(described, "\"served\":true");
+    EXPECT_CONTAINS(described, "\"key_group_tokens\":8");
+    Artifact untiled = art;
+    untiled.recipe.group = 12;
+    EXPECT_CONTAINS(testing::error_of([&] {
+                      Runtime(untiled, EngineShape{kLayers, kHeads, kKv, kD}, host_options());
+                    }),
+                    "do not divide the page of 16 tokens");
+  }
 }
 
 }  // namespace

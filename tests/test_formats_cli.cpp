@@ -67,8 +67,10 @@ TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
                         "kivi values must be hadamard or oscar, got 'random'");
   expect_one_line_error(run_kvcc(dir, base + "-m kivi --values hadamard --composition UH"),
                         "--composition applies to oscar, oscar-lm and kivi --values oscar only, not kivi");
-  expect_one_line_error(run_kvcc(dir, base + "-m oscar --param variant=prod"),
-                        "--param variant applies to turboquant only, not oscar");
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --param variant=prod"),
+                        "--param variant applies to oscar and turboquant only, not hadamard");
+  expect_one_line_error(run_kvcc(dir, base + "-m oscar --param variant=published --value-target p2"),
+                        "oscar variant=published fits OSCAR's own value target logit2");
   expect_one_line_error(run_kvcc(dir, base + "-m oscar-lm --no-fit-clip"), "--no-fit-clip applies to oscar, ");
   expect_one_line_error(run_kvcc(dir, base + "-m kvarn --granularity layer"),
                         "--granularity applies to oscar, oscar-lm, random and kivi --values oscar only, not kvarn");

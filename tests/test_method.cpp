@@ -71,11 +71,13 @@ TEST(MethodTable, UnknownNamesAreRefusedWithTheList) {
 }
 
 TEST(MethodTable, TraitsTheRuntimeAndCompileUse) {
-  // The paged INT2 runtime serves the per-token grids and the level table of oscar-lm.
+  // The paged INT2 runtime serves the per-token grids, the level table of oscar-lm and kivi's
+  // per-channel key pages (the host pool: runtime/served.h).
   EXPECT_EQ(method_names([](const MethodTraits& t) { return t.served_by_runtime; }),
-            "oscar, oscar-lm, hadamard, identity or random");
+            "oscar, oscar-lm, hadamard, identity, random or kivi");
   EXPECT_TRUE(served_by_runtime("oscar-lm"));
-  EXPECT_FALSE(served_by_runtime("kivi"));
+  EXPECT_TRUE(served_by_runtime("kivi"));
+  EXPECT_FALSE(served_by_runtime("kvarn"));
   EXPECT_FALSE(served_by_runtime("bogus"));
   EXPECT_EQ(method_names([](const MethodTraits& t) { return t.spans_heads; }),
             "oscar, oscar-lm, hadamard, identity or random");
@@ -83,7 +85,8 @@ TEST(MethodTable, TraitsTheRuntimeAndCompileUse) {
   EXPECT_EQ(method_traits(Method::Commvq).verify, &verify_commvq);
   EXPECT_EQ(method_traits(Method::Commvq).describe, &describe_commvq);
   EXPECT_EQ(method_traits(Method::TurboQuant).verify, &verify_turboquant);
-  EXPECT_EQ(method_traits(Method::Oscar).verify, nullptr);
+  EXPECT_NE(method_traits(Method::Oscar).verify, nullptr);  // the published variant's clips
+  EXPECT_EQ(method_traits(Method::Hadamard).verify, nullptr);
   EXPECT_STREQ(method_traits(Method::Oscar).value_target, "p2");
   EXPECT_STREQ(method_traits(Method::Hadamard).value_target, "");
 }
@@ -138,10 +141,15 @@ TEST(MethodTable, OptionsAMethodIgnoresAreRefusedByOneRule) {
   EXPECT_EQ(options_error(Method::OscarLm, unsigned(NoFitClip), {}).rfind("--no-fit-clip applies to", 0), 0u);
   EXPECT_EQ(options_error(Method::Hadamard, 0, {{"values", "oscar"}}), "--values applies to kivi only, not hadamard");
   EXPECT_EQ(options_error(Method::Oscar, 0, {{"variant", "prod"}}),
-            "--param variant applies to turboquant only, not oscar");
+            "oscar variant must be fitted or published, got 'prod'");
+  EXPECT_EQ(options_error(Method::Hadamard, 0, {{"variant", "published"}}),
+            "--param variant applies to oscar and turboquant only, not hadamard");
   EXPECT_EQ(options_error(Method::Hadamard, 0, {{"iterations", "3"}}),
             "--param iterations applies to kvarn and commvq only, not hadamard");
-  EXPECT_EQ(options_error(Method::Oscar, 0, {{"bogus", "1"}}), "unknown parameter 'bogus' for oscar (it takes none)");
+  EXPECT_EQ(options_error(Method::Hadamard, 0, {{"bogus", "1"}}),
+            "unknown parameter 'bogus' for hadamard (it takes none)");
+  EXPECT_EQ(options_error(Method::Oscar, 0, {{"bogus", "1"}}),
+            "unknown parameter 'bogus' for oscar (it takes variant)");
   EXPECT_EQ(options_error(Method::Kvarn, 0, {{"bogus", "1"}}),
             "unknown parameter 'bogus' for kvarn (it takes iterations)");
   EXPECT_EQ(options_error(Method::TurboQuant, 0, {{"variant", "fast"}}),
@@ -154,9 +162,10 @@ TEST(MethodTable, OptionsAMethodIgnoresAreRefusedByOneRule) {
             "kvarn iterations must be an integer >= 1 and <= 1000, got '8x'");
   // compile applies the same rule to its parameters.
   CompileOptions o;
-  o.method = "oscar";
+  o.method = "hadamard";
   o.params["variant"] = "prod";
-  EXPECT_EQ(error_of([&] { make_recipe(o, 64, 2); }), "--param variant applies to turboquant only, not oscar");
+  EXPECT_EQ(error_of([&] { make_recipe(o, 64, 2); }),
+            "--param variant applies to oscar and turboquant only, not hadamard");
 }
 
 // A sound commvq artifact of one layer and one KV head (d = 16), codebooks from commvq_store.

@@ -487,6 +487,52 @@ TEST(ValidateRuntime, TwoBitKlCloseToCodecPath) {
   }
 }
 
+// The mixed recipe (KIVI keys per channel, Hadamard-rotated per-token values with a clip ratio) as
+// compile writes it: identity key rotations, H on the values, group = the page.
+Artifact mixed_artifact(const ModelFile& model, int sink, int recent, int page) {
+  Artifact a = hadamard_artifact(model, sink, recent, page);
+  a.recipe.method = "kivi";
+  a.recipe.group = page;
+  a.recipe.params["values"] = "hadamard";
+  for (HeadArtifact& h : a.heads) {
+    h.key.rotation = identity_artifact(model, sink, recent, page).heads[0].key.rotation;
+    h.value.clip_ratio = 0.95;
+  }
+  return a;
+}
+
+// (2b) The mixed recipe through the host pool's per-channel key pages against the codec path. The
+// two quantise the same pages with the same codec (tests/test_cache_per_channel.cpp checks the
+// bytes), so they differ by the BF16 rounding the runtime applies to every row it holds (windows
+// and the rows pages are quantised from) alone. Its size: the KL of the runtime with windows
+// covering every token (nothing quantised), kl_bf16. An extra perturbation δ on top of the
+// quantisation error ε moves a KL (≈ ½‖ε‖² in the Fisher metric) by at most 2‖ε‖‖δ‖ + ‖δ‖², i.e.
+// |KL_rt − KL_codec| ≤ 2·√(KL_codec · kl_bf16) + kl_bf16; pages quantised from BF16 rows can also
+// flip single codes, so the test allows twice that bound.
+TEST(ValidateRuntime, MixedRecipeRuntimeEqualsCodecToBf16Rounding) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const ModelConfig& c = model.config();
+  const auto docs = random_documents(c.vocab, {200, 120});
+  const Artifact art = mixed_artifact(model, 16, 32, 16);
+  for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+    const ValidationResult r = validate_schemes(
+        model, docs,
+        {scheme_from_artifact(art, "codec", c), runtime_scheme_from_artifact(art, "runtime", c, ValidateDevice::Cpu),
+         runtime_scheme_from_artifact(mixed_artifact(model, 256, 32, 16), "bf16", c, ValidateDevice::Cpu)},
+        mode, 32);
+    const SchemeMetrics &codec = r.schemes[0], &rt = r.schemes[1], &bf16 = r.schemes[2];
+    EXPECT_EQ(rt.cache, "runtime/cpu");
+    EXPECT_EQ(rt.method, "kivi");
+    EXPECT_GT(codec.kl, 1e-4);
+    EXPECT_GT(bf16.kl, 0.0);
+    const double bound = 2.0 * (2.0 * std::sqrt(codec.kl * bf16.kl) + bf16.kl);
+    EXPECT_LT(std::abs(rt.kl - codec.kl), bound) << r.mode;
+    EXPECT_NEAR(rt.top1_agreement, codec.top1_agreement, 0.05);
+    std::printf("  mixed, %s: KL codec %.4e, runtime %.4e (%+.2f%%), BF16 alone %.2e, bound %.2e\n", r.mode.c_str(),
+                codec.kl, rt.kl, 100.0 * (rt.kl / codec.kl - 1.0), bf16.kl, bound);
+  }
+}
+
 // (3) What the runtime path cannot run is refused by name, before any work.
 TEST(ValidateRuntime, Refusals) {
   const ModelFile model = ModelFile::open(tiny_model_path());
@@ -499,10 +545,18 @@ TEST(ValidateRuntime, Refusals) {
       EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
     }
   };
+  Artifact kvarn = identity_artifact(model, 16, 32, 16);
+  kvarn.recipe.method = "kvarn";
+  refused(kvarn, ValidateDevice::Cpu, "method 'kvarn'");
+  refused(kvarn, ValidateDevice::Cpu, "bad.kvcc.h5");
+  // kivi is served by the host pool only, and its key groups must tile the page.
   Artifact kivi = identity_artifact(model, 16, 32, 16);
   kivi.recipe.method = "kivi";
-  refused(kivi, ValidateDevice::Cpu, "method 'kivi'");
-  refused(kivi, ValidateDevice::Cpu, "bad.kvcc.h5");
+  kivi.recipe.group = 16;
+  EXPECT_EQ(runtime_scheme_from_artifact(kivi, "kivi", c, ValidateDevice::Auto).path_name(), "runtime/cpu");
+  refused(kivi, ValidateDevice::Gpu, cuda_device_present() ? "per-channel key pages" : "device gpu");
+  kivi.recipe.group = 12;
+  refused(kivi, ValidateDevice::Cpu, "do not divide the page of 16 tokens");
   Artifact spanning = identity_artifact(model, 16, 32, 16);
   spanning.recipe.group = 128;  // two 64-channel heads per group
   refused(spanning, ValidateDevice::Cpu, "spans several KV heads");

@@ -151,6 +151,22 @@ TEST_F(ZooFixture, PublishIntoEmptyThenNonEmptyZoo) {
   EXPECT_EQ(v.files_checked, 4u);
 }
 
+// Plain kivi and its mixed recipe (rotated values) at the same group are different caches: their
+// tags differ, so both publish side by side, and the zoo checks them like any other entry.
+TEST_F(ZooFixture, KiviAndItsMixedRecipeAreTwoEntries) {
+  Artifact plain = small_artifact("tiny", cfg, fp, "kivi", 11.0);
+  plain.recipe.group = 16;
+  Artifact mixed = plain;
+  mixed.recipe.params["values"] = "hadamard";
+  EXPECT_EQ(zoo::recipe_tag(plain), "kivi-int2-g16");
+  EXPECT_EQ(zoo::recipe_tag(mixed), "kivi-int2-g16-vhadamard");
+  const zoo::PublishResult a = zoo::publish(write(plain, "plain.kvcc.h5"), zoo.string(), {});
+  const zoo::PublishResult b = zoo::publish(write(mixed, "mixed.kvcc.h5"), zoo.string(), {});
+  EXPECT_NE(a.entry.id, b.entry.id);
+  EXPECT_EQ(zoo::read_index(zoo.string()).entries.size(), 2u);
+  EXPECT_TRUE(zoo::verify_zoo(zoo.string()).ok());
+}
+
 TEST_F(ZooFixture, DuplicateAndConflictRefusedUnlessReplace) {
   const std::string a1 = write(small_artifact("tiny", cfg, fp, "oscar", 11.0), "a1.kvcc.h5");
   zoo::publish(a1, zoo.string(), {});

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "formats/artifact.h"
+#include "formats/method.h"
 #include "formats/model_config.h"
 #include "zoo/oscar_pt.h"
 
@@ -22,7 +23,7 @@ struct OscarImportOptions {
   // count (1 for v1, n_kv_heads for v2) for n_kv_heads, and n_kv_heads for n_heads.
   int n_heads = 0, n_kv_heads = 0;
   // OSCAR serves with fixed clip ratios (SGLANG_OSCAR_K/V_CLIP_RATIO = 0.96 / 0.92).
-  double key_clip_ratio = 0.96, value_clip_ratio = 0.92;
+  double key_clip_ratio = kOscarPublishedKeyClip, value_clip_ratio = kOscarPublishedValueClip;
   std::string command;                             // recorded in the artifact
   std::string key_file_sha256, value_file_sha256;  // recorded in recipe.params
 };

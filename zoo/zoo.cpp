@@ -111,10 +111,10 @@ json recipe_summary(const Artifact& a) {
 
 json bits_summary(const Artifact& a) {
   json eff = json::object();
-  for (int64_t ctx : {4096, 32768, 131072}) eff[std::to_string(ctx)] = effective_bits(a.recipe, a.head_dim, ctx);
-  return {{"nominal", nominal_bits(a.recipe)},
-          {"history_key", history_bits(a.recipe, KvSide::Key, a.head_dim)},
-          {"history_value", history_bits(a.recipe, KvSide::Value, a.head_dim)},
+  for (int64_t ctx : {4096, 32768, 131072}) eff[std::to_string(ctx)] = effective_bits(a, ctx);
+  return {{"nominal", nominal_bits(a)},
+          {"history_key", history_bits(a, KvSide::Key)},
+          {"history_value", history_bits(a, KvSide::Value)},
           {"effective", eff}};
 }
 
@@ -266,6 +266,10 @@ std::string recipe_tag(const Artifact& a) {
   if (t.rotation == RotationRule::AttentionAware && !r.composition.empty() && r.composition != t.composition)
     tag += "-" + r.composition;
   if (auto it = r.params.find("variant"); it != r.params.end() && !it->second.empty()) tag += "-" + it->second;
+  // kivi's mixed recipe (rotated values) is another cache than plain kivi at the same group.
+  if (auto it = r.params.find("values"); it != r.params.end() && !it->second.empty()) tag += "-v" + it->second;
+  // --bits-budget: widths per layer or head under a budget, not one width.
+  if (auto it = r.params.find("bits_budget"); it != r.params.end()) tag += "-b" + it->second;
   for (char& c : tag)
     if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-')) c = '_';
   return tag;

@@ -36,6 +36,13 @@ class ArtifactInfo:
     model: dict[str, Any] = field(repr=False)
     raw: dict[str, Any] = field(repr=False)
 
+    @property
+    def cache(self) -> dict[str, Any]:
+        """How the runtime holds this artifact: served (bool), refusal and gpu_refusal ("" or why
+        not), keys ("per_token", or "per_channel" for kivi's key pages), key_group_tokens,
+        value_group, page_bytes and slot_bytes (kvcc_artifact_describe's "cache")."""
+        return self.raw["cache"]
+
 
 def load_artifact(path: str | os.PathLike) -> ArtifactInfo:
     """Reads and validates the artifact at path; raises KvccError when it is missing or corrupt."""

@@ -197,15 +197,12 @@ def _bf16_cache_classes():
 
 
 def _kvcc_bytes_per_sequence(info, tokens: int) -> tuple[int, int, int]:
-    """(page bytes, window-slot bytes, bytes of one sequence of `tokens`) of the runtime's pool
-    (docs/runtime.md: a page holds P tokens x (2 x d/4 code bytes + 2 x (d/G) x 4 parameter bytes)
-    per layer and KV head; a slot (sink + recent) x d BF16 keys and values)."""
+    """(page bytes, window-slot bytes, bytes of one sequence of `tokens`) of the runtime's pool,
+    as the library lays it out (docs/runtime.md: per layer and KV head a page holds P tokens of
+    codes and their (scale, zero) pairs; a slot (sink + recent) x d BF16 keys and values)."""
     from .artifact import pages_for_tokens
 
-    heads = info.n_layers * info.n_kv_heads
-    d, g, P = info.head_dim, info.group or info.head_dim, info.page_size
-    page = heads * P * (2 * (d // 4) + 2 * (d // g) * 4)
-    slot = heads * (info.sink + info.recent) * d * 2 * 2
+    page, slot = int(info.cache["page_bytes"]), int(info.cache["slot_bytes"])
     return page, slot, pages_for_tokens(info, tokens) * page + slot
 
 

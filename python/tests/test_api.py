@@ -55,6 +55,21 @@ def test_artifact_info_equals_the_file(path):
     assert info.path == os.path.abspath(path)
 
 
+def test_artifact_cache_layout_from_the_recipe():
+    """info.cache: the runtime's layout and whether it serves the artifact, against the recipe read
+    with h5py (page bytes by docs/runtime.md's formula: P tokens x (2 x d/4 code bytes + 2 x d/G x 4
+    parameter bytes) per layer and KV head)."""
+    info = kvcc.load_artifact(GUT)
+    c = info.cache
+    assert c["served"] and c["refusal"] == "" and c["keys"] == "per_token" and c["key_group_tokens"] == 0
+    d, g, P = info.head_dim, info.group, info.page_size
+    assert c["page_bytes"] == info.n_layers * info.n_kv_heads * P * (2 * (d // 4) + 2 * (d // g) * 4)
+    assert c["slot_bytes"] == info.n_layers * info.n_kv_heads * (info.sink + info.recent) * d * 2 * 2
+    turbo = sorted(glob.glob(str(ZOO / "gutenberg-27m" / "turboquant-*" / "artifact.*.kvcc.h5")))[0]
+    t = kvcc.load_artifact(turbo).cache
+    assert not t["served"] and "method 'turboquant'" in t["refusal"] and t["gpu_refusal"] == t["refusal"]
+
+
 def test_zoo_find_by_model_id_and_method(monkeypatch):
     hits = kvcc.zoo.find(model="gutenberg-27m", zoo=ZOO)
     index = json.loads((ZOO / "index.json").read_text())
