@@ -151,7 +151,7 @@ Recipe read_recipe(const h5::Group& g) {
 Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* problems) {
   h5::File file = h5::File::open(path);
   Artifact a;
-  a.format_version = h5::check_root_header(file, kArtifactFormat, kArtifactMajor);
+  a.format_version = h5::check_root_header(file, kArtifactFormat, kArtifactMajor, kArtifactWidthsMajor);
   a.producer = file.attr_string("producer");
   a.created = file.attr_string("created");
   a.command = file.attr_string("command");
@@ -196,6 +196,7 @@ Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* p
       a.heads.push_back(std::move(ha));
     }
   }
+  check_artifact_version_holds(a, path);
   return a;
 }
 
@@ -298,6 +299,24 @@ std::string side_difference(const SideArtifact& x, const SideArtifact& y, const 
 }
 
 }  // namespace
+
+namespace {
+bool has_side_widths(const Artifact& a) {
+  return std::any_of(a.heads.begin(), a.heads.end(),
+                     [](const HeadArtifact& h) { return h.key.bits != 0 || h.value.bits != 0; });
+}
+}  // namespace
+
+std::string artifact_format_version(const Artifact& a) {
+  return has_side_widths(a) ? std::to_string(kArtifactWidthsMajor) + ".0"
+                            : std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor);
+}
+
+void check_artifact_version_holds(const Artifact& a, const std::string& path) {
+  if (has_side_widths(a) && h5::parse_version(a.format_version, path).first < kArtifactWidthsMajor)
+    throw Error(path + ": sides carry their own code widths (bits), which needs format_version " +
+                std::to_string(kArtifactWidthsMajor) + ".0, but the file says " + a.format_version);
+}
 
 std::string artifact_difference(const Artifact& a, const Artifact& b) {
   const std::pair<const char*, std::pair<const std::string*, const std::string*>> strings[] = {
@@ -444,7 +463,8 @@ void write_artifact(const Artifact& a, const std::string& path) {
                 (problems.size() > 1 ? " (and " + std::to_string(problems.size() - 1) + " more problems)" : ""));
   write_file_atomically(path, [&](const std::string& tmp) {
     h5::File file = h5::File::create(tmp, path);
-    h5::write_root_header(file, kArtifactFormat, kArtifactMajor, kArtifactMinor, a.producer, a.created, a.command);
+    const auto [major, minor] = h5::parse_version(artifact_format_version(a), path);
+    h5::write_root_header(file, kArtifactFormat, major, minor, a.producer, a.created, a.command);
     file.set_attr("model_id", a.model_id);
     {
       h5::Group model = file.create_group("model");

@@ -12,8 +12,18 @@
 namespace kvcc {
 
 inline constexpr const char* kArtifactFormat = "kvcc-artifact";
+// Writers write 1.1, or 2.0 for an artifact whose sides carry their own code widths
+// (SideArtifact::bits): a 1.x reader would ignore those and code the sides at the recipe's bits,
+// so such files must be refused by it (a new major). Readers read 1.x and 2.x.
 inline constexpr int kArtifactMajor = 1;
 inline constexpr int kArtifactMinor = 1;
+inline constexpr int kArtifactWidthsMajor = 2;
+struct Artifact;
+// "1.1", or "2.0" when some side has its own width.
+std::string artifact_format_version(const Artifact& a);
+// For a reader, after reading a file: throws Error (naming `path`) when its format_version cannot
+// hold what it holds (per-side widths in a 1.x file: mislabelled, or written by no kvcc).
+void check_artifact_version_holds(const Artifact& a, const std::string& path);
 
 // A method-specific array stored beside the standard ones (e.g. CommVQ codebooks, TurboQuant
 // outlier channels). Integer arrays are written as int64 datasets.

@@ -279,7 +279,7 @@ void write_artifact_safetensors(const Artifact& a, const std::string& path) {
 
   ojson doc;
   doc["format"] = kArtifactFormat;
-  doc["format_version"] = std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor);
+  doc["format_version"] = artifact_format_version(a);
   doc["producer"] = a.producer.empty() ? h5::default_producer() : a.producer;
   doc["created"] = a.created.empty() ? h5::utc_now_iso8601() : a.created;
   doc["command"] = a.command;
@@ -346,12 +346,13 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
   const auto [major, minor] = h5::parse_version(a.format_version, path);
   // A newer minor is read: tensors it adds (listed and checksummed, names this reader does not
   // know) are skipped; for this minor or an older one an unknown name is an error.
-  const bool newer_minor = minor > kArtifactMinor;
-  KVCC_REQUIRE(major == kArtifactMajor, path + ": " + kArtifactFormat + " format_version " + a.format_version +
-                                            " is not supported (this kvcc reads " + std::to_string(kArtifactMajor) +
-                                            ".x)");
+  const bool newer_minor = major == kArtifactMajor ? minor > kArtifactMinor : minor > 0;
+  KVCC_REQUIRE(major >= kArtifactMajor && major <= kArtifactWidthsMajor,
+               path + ": " + kArtifactFormat + " format_version " + a.format_version +
+                   " is not supported (this kvcc reads " + std::to_string(kArtifactMajor) + ".x and " +
+                   std::to_string(kArtifactWidthsMajor) + ".x)");
   KVCC_REQUIRE(
-      has_checksum || minor < h5::kSealedFromMinor,
+      has_checksum || !h5::has_attribute_checksums(major, minor),
       path + ": __metadata__." + kArtifactMetadataKey + " carries no checksum (" + kArtifactChecksumKey + " missing)");
   a.producer = doc.str("producer");
   a.created = doc.str("created");
@@ -526,6 +527,7 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
       side.extras.push_back(std::move(x));
     }
   }
+  check_artifact_version_holds(a, path);
   return a;
 }
 

@@ -67,16 +67,23 @@ void write_root_header(const File& file, const std::string& format, int major, i
 }
 
 std::string check_root_header(const File& file, const std::string& format, int major) {
+  return check_root_header(file, format, major, major);
+}
+
+std::string check_root_header(const File& file, const std::string& format, int oldest_major, int major) {
   if (!file.has_attr("format"))
     throw Error(file.file_name() + ": not a " + format + " file (no root attribute 'format')");
   const std::string found = file.attr_string("format");
   if (found != format) throw Error(file.file_name() + ": is a " + found + " file, expected " + format);
   const std::string version = file.attr_string("format_version");
   const auto [file_major, file_minor] = parse_version(version, file.file_name());
-  if (file_major != major)
+  if (file_major < oldest_major || file_major > major) {
+    std::string reads;
+    for (int m = oldest_major; m <= major; ++m) reads += (reads.empty() ? "" : " and ") + std::to_string(m) + ".x";
     throw Error(file.file_name() + ": " + format + " format_version " + version +
-                " is not supported (this kvcc reads " + std::to_string(major) + ".x)");
-  if (file_minor >= kSealedFromMinor) file.require_sealed_attributes();
+                " is not supported (this kvcc reads " + reads + ")");
+  }
+  if (has_attribute_checksums(file_major, file_minor)) file.require_sealed_attributes();
   return version;
 }
 

@@ -30,6 +30,11 @@ void write_root_header(const File& file, const std::string& format, int major, i
 // (Object::attributes_digest), and every attribute read afterwards checks its object's.
 inline constexpr int kSealedFromMinor = 1;
 std::string check_root_header(const File& file, const std::string& format, int major);
+// The same for a format whose readers take majors [oldest_major, major] (every major above 1 is
+// sealed).
+std::string check_root_header(const File& file, const std::string& format, int oldest_major, int major);
+// Whether files of this version carry attribute checksums: 1.1 and later.
+inline bool has_attribute_checksums(int major, int minor) { return major > 1 || minor >= kSealedFromMinor; }
 
 // Group `fingerprint` under `parent`: attributes id, weights_sha256, fields (the names, comma
 // separated, canonical order) and one string attribute per field.

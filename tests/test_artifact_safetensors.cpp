@@ -271,8 +271,8 @@ TEST_F(BadFiles, ForeignAndInconsistentFilesAreRefusedByName) {
     EXPECT_CONTAINS(error_of([&] { read_artifact(weights); }), "not a kvcc artifact");
   }
   EXPECT_CONTAINS(read_error([](json&, json& d) { d["format"] = "kvcc-stats"; }), "expected kvcc-artifact");
-  EXPECT_CONTAINS(read_error([](json&, json& d) { d["format_version"] = "2.0"; }),
-                  "format_version 2.0 is not supported");
+  EXPECT_CONTAINS(read_error([](json&, json& d) { d["format_version"] = "3.0"; }),
+                  "format_version 3.0 is not supported");
   EXPECT_EQ(read_error([](json&, json& d) { d["format_version"] = "1.7"; }), "(no error)");  // newer minor
   // A tensor this reader does not know: an error in a 1.0 file, skipped in a newer minor's.
   auto rename = [](const char* version) {

@@ -17,6 +17,7 @@
 #include "eval/scheme.h"
 #include "formats/artifact.h"
 #include "formats/artifact_safetensors.h"
+#include "formats/h5.h"
 #include "formats/kv_codec.h"
 #include "formats_test_util.h"
 #include "forward_test_util.h"
@@ -162,6 +163,19 @@ TEST(BitsBudget, WidthsSurviveBothContainersAndAreChecked) {
   EXPECT_CONTAINS(artifact_difference(plain, a), "bits differ");
   write_artifact(plain, dir.file("plain.kvcc.h5"));
   EXPECT_FALSE(has_side_bits(read_artifact(dir.file("plain.kvcc.h5"))));
+  // Per-side widths are format 2.0 (a 1.x reader would code those sides at the recipe's bits, and
+  // refuses 2.0 by its major); without them 1.1. A 1.x file holding widths is refused.
+  EXPECT_EQ(read_artifact(dir.file("b.kvcc.h5")).format_version, "2.0");
+  EXPECT_EQ(read_artifact(dir.file("b.safetensors")).format_version, "2.0");
+  EXPECT_EQ(read_artifact(dir.file("plain.kvcc.h5")).format_version, "1.1");
+  {
+    h5::File f = h5::File::open_rw(dir.file("b.kvcc.h5"));
+    f.set_attr("format_version", std::string("1.1"));
+    h5::seal_attributes(f);
+    f.close();
+  }
+  EXPECT_CONTAINS(testing::error_of([&] { read_artifact(dir.file("b.kvcc.h5")); }),
+                  "sides carry their own code widths (bits), which needs format_version 2.0, but the file says 1.1");
   Artifact half = a;
   half.heads[0].key.bits = 2.5;
   EXPECT_CONTAINS(verify_artifact(half).at(0), "not a whole number of bits");

@@ -177,7 +177,7 @@ TEST(ArtifactFormat, BadInputGivesClearErrors) {
 
   path = damaged(dir, [](h5::File& file) { file.set_attr("format_version", std::string("3.1")); });
   EXPECT_EQ(error_of([&] { read_artifact(path); }),
-            path + ": kvcc-artifact format_version 3.1 is not supported (this kvcc reads 1.x)");
+            path + ": kvcc-artifact format_version 3.1 is not supported (this kvcc reads 1.x and 2.x)");
 
   path = damaged(dir, [](h5::File& file) {
     file.set_attr("format_version", std::string("1.4"));
