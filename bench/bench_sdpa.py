@@ -4,7 +4,14 @@ replicas, CUDA events, median of many replays after warm-up, random non-zero dat
 
 Two call forms per backend: GQA folded into the query length (q [B, Hkv, r, d] against
 K/V [B, Hkv, L, d], no K/V expansion) and enable_gqa=True (q [B, Hq, 1, d]). The best is the
-baseline. usage: bench_sdpa.py --configs Hq:Hkv:batch:ctx,... --out sdpa.jsonl
+baseline.
+
+--step-layers N also times what bench_step times for the INT2 cache, a whole decode step of N
+layers over a BF16 cache as an engine runs it: per layer the new token's K and V written into the
+layer's preallocated cache [B, Hkv, L, d] at a position held on the device (index_copy_, so the
+graph replays for any position), then SDPA (grouped form) over the L tokens; every layer captured in
+one CUDA graph; reported per layer ("kind": "sdpa_step").
+usage: bench_sdpa.py --configs Hq:Hkv:batch:ctx,... --out sdpa.jsonl [--step-layers 4]
 """
 import argparse
 import json
@@ -48,6 +55,7 @@ def main():
     ap.add_argument("--configs", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--step-layers", type=int, default=0)
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -103,7 +111,50 @@ def main():
                 print(f"sdpa {hq}/{hkv} b={batch} ctx={ctx}: no backend ran", flush=True)
             del ks, vs
             torch.cuda.empty_cache()
+            if args.step_layers > 0:
+                time_step(out, backends, hq, hkv, batch, ctx, args.step_layers, args.reps, dev)
     return 0
+
+
+def time_step(out, backends, hq, hkv, batch, ctx, layers, reps, dev):
+    r, d = hq // hkv, 128
+    kc = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    vc = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    k1 = [torch.randn(batch, hkv, 1, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    v1 = [torch.randn(batch, hkv, 1, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    q = [torch.randn(batch, hkv, r, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    pos = torch.tensor([ctx - 1], device=dev)  # the new token's slot: the graph reads it from the device
+    best = None
+    for name, backend in backends.items():
+        outs = [None] * layers
+
+        def step():
+            with sdpa_kernel([backend]):
+                for l in range(layers):
+                    kc[l].index_copy_(2, pos, k1[l])
+                    vc[l].index_copy_(2, pos, v1[l])
+                    outs[l] = F.scaled_dot_product_attention(q[l], kc[l], vc[l])
+
+        try:
+            us = time_graph(step, reps) / layers
+            finite = bool(torch.isfinite(outs[0]).all().item())
+        except Exception as e:
+            msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            out.write(json.dumps({"kind": "sdpa_step", "q_heads": hq, "kv_heads": hkv, "batch": batch,
+                                  "context": ctx, "backend": name, "layers": layers, "error": msg}) + "\n")
+            torch.cuda.synchronize()
+            continue
+        out.write(json.dumps({"kind": "sdpa_step", "q_heads": hq, "kv_heads": hkv, "batch": batch, "context": ctx,
+                              "backend": name, "layers": layers, "us_per_layer": round(us, 3),
+                              "outputs_finite": finite}) + "\n")
+        out.flush()
+        if finite and (best is None or us < best[0]):
+            best = (us, name)
+    if best:
+        print(f"sdpa step {hq:2d}/{hkv} b={batch:<3d} ctx={ctx:<6d} {layers} layers: best {best[0]:8.1f} us per layer "
+              f"(cache write + {best[1]})", flush=True)
+    del kc, vc
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

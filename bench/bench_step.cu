@@ -4,10 +4,12 @@
 // API is used, so the same file times an older tree's Runtime (scripts/gpu_run.sh BEFORE_TREE).
 // With --modes: `plain` (no maxima declared), `fixed` (maxima declared: workspace and tables sized
 // at load, fixed grids) and `graph` (maxima declared, every layer's append + decode captured once
-// in a CUDA graph, then begin_append + one graph launch per step). Modes other than plain need a
-// Runtime with RuntimeOptions::max_context.
+// in a CUDA graph, then begin_append + one graph launch per step) and `graph-bf16` (the same with
+// RuntimeOptions::activations = BFloat16: q, k, v and out in bfloat16, as engines hold them).
+// Modes other than plain need a Runtime with RuntimeOptions::max_context.
 //
-// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N] [--modes plain,fixed,graph]
+// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
+//                   [--modes plain,fixed,graph,graph-bf16]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "formats/artifact.h"
+#include "formats/fp16.h"
 #include "runtime/kv_cache.h"
 #include "runtime/kvcc_runtime.h"
 
@@ -56,13 +59,17 @@ std::vector<double> random_orthogonal(int d, std::mt19937& rng) {
   return m;
 }
 
-float* device_random(size_t n, std::mt19937& rng) {
+// n standard normal activations on the device, float32 or (bf16) bfloat16.
+void* device_random(size_t n, std::mt19937& rng, bool bf16) {
   std::normal_distribution<float> n01;
   std::vector<float> h(n);
   for (float& x : h) x = n01(rng);
-  float* d = nullptr;
-  ck(cudaMalloc(&d, n * sizeof(float)), "cudaMalloc");
-  ck(cudaMemcpy(d, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  std::vector<uint16_t> b(bf16 ? n : 0);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = bf16_from_float(h[i]);
+  void* d = nullptr;
+  const size_t bytes = n * (bf16 ? 2 : 4);
+  ck(cudaMalloc(&d, bytes), "cudaMalloc");
+  ck(cudaMemcpy(d, bf16 ? static_cast<const void*>(b.data()) : h.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
   return d;
 }
 
@@ -78,7 +85,7 @@ void begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& cou
   rt.begin_append(seqs, counts);
 }
 
-enum class Mode { Plain, Fixed, Graph };
+enum class Mode { Plain, Fixed, Graph, GraphBf16 };
 
 // New tokens per fill step: the declared max_step_tokens too (so the decode steps' append grids
 // are sized for a step of 8192 tokens, as an engine's that also prefills through this Runtime).
@@ -124,6 +131,8 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
     std::printf("step %d/%d b=%-3d ctx=%-7d: this Runtime has no declared maxima\n", hq, hkv, batch, ctx);
     return;
   }
+  const bool bf16 = mode == Mode::GraphBf16;
+  if (bf16) o.activations = Activations::BFloat16;
   Runtime rt(art, e, o);
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -131,7 +140,7 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
   for (int b = 0; b < batch; ++b) seqs.push_back(rt.cache().add_sequence());
   // Fill every sequence to ctx tokens, in chunks (random K/V rows).
   const int chunk = kChunk;
-  float* kv = device_random(size_t(chunk) * hkv * d, rng);
+  void* kv = device_random(size_t(chunk) * hkv * d, rng, bf16);
   for (int b = 0; b < batch; ++b)
     for (int done = 0; done < ctx; done += chunk) {
       const int n = std::min(chunk, ctx - done);
@@ -139,10 +148,10 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
       for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
     }
   ck(cudaStreamSynchronize(s), "fill");
-  float* k1 = device_random(size_t(batch) * hkv * d, rng);
-  float* v1 = device_random(size_t(batch) * hkv * d, rng);
-  float* q = device_random(size_t(batch) * hq * d, rng);
-  float* out = nullptr;
+  void* k1 = device_random(size_t(batch) * hkv * d, rng, bf16);
+  void* v1 = device_random(size_t(batch) * hkv * d, rng, bf16);
+  void* q = device_random(size_t(batch) * hq * d, rng, bf16);
+  void* out = nullptr;
   ck(cudaMalloc(&out, size_t(batch) * hq * d * sizeof(float)), "cudaMalloc");
   const std::vector<int> ones(size_t(batch), 1);
   auto step = [&] {
@@ -170,18 +179,21 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
     }
     ck(cudaGraphLaunch(exec, s), "graph launch");
   };
-  auto one = [&] { mode == Mode::Graph ? graph_step() : step(); };
+  auto one = [&] { mode == Mode::Graph || mode == Mode::GraphBf16 ? graph_step() : step(); };
   for (int i = 0; i < 3; ++i) one();  // warm-up
   ck(cudaStreamSynchronize(s), "warm-up");
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) one();
   ck(cudaStreamSynchronize(s), "steps");
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  const char* name = mode == Mode::Plain ? "" : mode == Mode::Fixed ? " [fixed]" : " [graph]";
+  const char* name = mode == Mode::Plain   ? ""
+                     : mode == Mode::Fixed ? " [fixed]"
+                     : mode == Mode::Graph ? " [graph]"
+                                           : " [graph-bf16]";
   std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included)%s\n", hq,
               hkv, batch, ctx, layers, us / steps / layers, name);
   if (exec) cudaGraphExecDestroy(exec);
-  for (float* p : {kv, k1, v1, q, out}) cudaFree(p);
+  for (void* p : {kv, k1, v1, q, out}) cudaFree(p);
   cudaStreamDestroy(s);
 }
 
@@ -209,11 +221,15 @@ int main(int argc, char** argv) {
       std::stringstream ms(modes);
       std::string m;
       while (std::getline(ms, m, ',')) {
-        if (m != "plain" && m != "fixed" && m != "graph") {
-          std::fprintf(stderr, "bad mode %s (plain, fixed or graph)\n", m.c_str());
+        if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16") {
+          std::fprintf(stderr, "bad mode %s (plain, fixed, graph or graph-bf16)\n", m.c_str());
           return 1;
         }
-        run(hq, hkv, batch, ctx, layers, steps, m == "plain" ? Mode::Plain : m == "fixed" ? Mode::Fixed : Mode::Graph);
+        run(hq, hkv, batch, ctx, layers, steps,
+            m == "plain"   ? Mode::Plain
+            : m == "fixed" ? Mode::Fixed
+            : m == "graph" ? Mode::Graph
+                           : Mode::GraphBf16);
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s: %s\n", item.c_str(), e.what());

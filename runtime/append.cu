@@ -12,6 +12,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "runtime/activations.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 #include "runtime/plan.h"
@@ -27,18 +28,19 @@ using WindowWrite = AppendWindowWrite;
 // staging[side][row, head, :] = bf16(x[row, head, :] · R[head])  (x = k for side 0, v for side 1).
 // stride: staging rows per side; counts (device, may be null; DeviceAppendPlan::counts): counts[2]
 // rows to rotate, else stride. Blocks stride over 16-row tiles, so a grid sized by a capacity serves any count below.
-__global__ void rotate_rows(const float* k, const float* v, const float* rot_k, const float* rot_v, int stride,
+template <typename In>
+__global__ void rotate_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, int stride,
                             const int32_t* counts, int n_kv, __nv_bfloat16* staging) {
   __shared__ float xs[16][kD];
   const int side = blockIdx.z, h = blockIdx.y, j = threadIdx.x;
   const int rows = counts ? counts[2] : stride;
-  const float* x = side ? v : k;
+  const In* x = side ? v : k;
   const float* R = side ? rot_v : rot_k;
   __nv_bfloat16* out = staging + size_t(side) * stride * n_kv * kD;
   for (int r0 = blockIdx.x * 16; r0 < rows; r0 += gridDim.x * 16) {
     const int nr = min(16, rows - r0);
     __syncthreads();  // the previous tile's xs is read
-    for (int t = 0; t < nr; ++t) xs[t][j] = x[(size_t(r0 + t) * n_kv + h) * kD + j];
+    for (int t = 0; t < nr; ++t) xs[t][j] = load_activation(x + (size_t(r0 + t) * n_kv + h) * kD + j);
     __syncthreads();
     float acc[16];
 #pragma unroll
@@ -190,8 +192,8 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
 }
 
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
-                       const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
-                       void* staging, size_t staging_bytes, cudaStream_t stream) {
+                       const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
+                       void* staging, size_t staging_bytes, cudaStream_t stream, Activations act) {
   if (plan.rows == 0) return;
   KVCC_REQUIRE(staging_bytes >= append_staging_bytes(g, plan.rows), "append (CUDA): staging too small");
   auto* stage = static_cast<__nv_bfloat16*>(staging);
@@ -201,8 +203,13 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
   // blocks beyond a step's work only read its counts and exit): 8 row tiles per (head, side), 4
   // blocks of 4 warps per SM for the moves and writes.
   const int64_t move_blocks = int64_t(multiprocessors()) * 4;
-  rotate_rows<<<dim3(blocks_for((plan.rows + 15) / 16, cap, 8), g.n_kv_heads, 2), kD, 0, stream>>>(
-      k, v, rot_k, rot_v, int(plan.rows), plan.counts, g.n_kv_heads, stage);
+  const dim3 rot_grid(blocks_for((plan.rows + 15) / 16, cap, 8), g.n_kv_heads, 2);
+  if (act == Activations::BFloat16)
+    rotate_rows<<<rot_grid, kD, 0, stream>>>(static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v),
+                                             rot_k, rot_v, int(plan.rows), plan.counts, g.n_kv_heads, stage);
+  else
+    rotate_rows<<<rot_grid, kD, 0, stream>>>(static_cast<const float*>(k), static_cast<const float*>(v), rot_k, rot_v,
+                                             int(plan.rows), plan.counts, g.n_kv_heads, stage);
   const int64_t move_warps = int64_t(plan.n_moves) * g.n_kv_heads * 2;
   if (move_warps > 0)
     quantize_moves<<<blocks_for((move_warps + 3) / 4, cap, move_blocks), 128, 0, stream>>>(
@@ -215,8 +222,8 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
 }
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
-               const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+               const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
@@ -246,7 +253,7 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
       cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
       "append (CUDA): copy codecs");
   append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, ws + lay.staging,
-                    lay.moves - lay.staging, stream);
+                    lay.moves - lay.staging, stream, act);
 }
 
 }  // namespace kvcc

@@ -27,6 +27,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "runtime/activations.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 #include "runtime/merge.cuh"
@@ -691,16 +692,18 @@ __device__ __forceinline__ void rotate_quarter(const float (*x)[kD], const float
 //    ~1% of a logit's precision, more than the 1e-2 test budget allows);
 //  - fp16 (level table): q_rot/max|q_rot|.
 constexpr int kRotThreads = 4 * kD;
+template <typename In>
 __global__ void __launch_bounds__(kRotThreads)
-    rotate_queries(const float* q, const float* rot_k, int n_heads, int r, float sm_scale_log2, float* q_rot,
-                   uint4* qk8, float* qk_sc, bool fp16_query) {
+    rotate_queries(const In* q, const float* rot_k, int n_heads, int r, float sm_scale_log2, float* q_rot, uint4* qk8,
+                   float* qk_sc, bool fp16_query) {
   pdl_launch_dependents();
   __shared__ float qv[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   __shared__ float wmax[4][4];
   __shared__ float wsum[4][4];
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
-  for (int hh = slice; hh < r; hh += 4) qv[hh][j] = q[(size_t(b) * n_heads + size_t(h) * r + hh) * kD + j];
+  for (int hh = slice; hh < r; hh += 4)
+    qv[hh][j] = load_activation(q + (size_t(b) * n_heads + size_t(h) * r + hh) * kD + j);
   __syncthreads();
   if (rot_k) {
     float rc[kD / 4];
@@ -768,10 +771,10 @@ __global__ void __launch_bounds__(kRotThreads)
 // (a chunk's loads and exponentials are issued whether or not its splits exist: 12 where 1 would
 // do cost 4–6 us at batch 32–64, 4K context, measured).
 constexpr int kMergeThreads = 4 * kD;
-template <int kChunk>
+template <int kChunk, typename Out>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_splits(const float* part_o, const float* part_ml, int n_kv, int total_splits, int n_heads, int r,
-                 const float* rot_v_t, float* out) {
+                 const float* rot_v_t, Out* out) {
   __shared__ float part[4][kD];
   __shared__ float ov[kD];
   __shared__ float slice_m[4], slice_l[4];
@@ -807,7 +810,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   __syncthreads();
   part[slice][j] = o;
   __syncthreads();
-  if (slice == 0) out[(size_t(b) * n_heads + qh) * kD + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+  if (slice == 0)
+    store_activation(out + (size_t(b) * n_heads + qh) * kD + j, (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]));
 }
 
 // The same merge with one CTA per (KV head, sequence): slice k merges heads k, k + 4 over all
@@ -815,10 +819,10 @@ __global__ void __launch_bounds__(kMergeThreads)
 // For many pairs (measured on the H200, same run: batch 64 / 32K 374 -> 363 us, batch 32 / 64K
 // 350 -> 344, batch 8 equal); with few pairs merge_splits' 4 slices per head finish sooner
 // (batch 1 / 32K 17.3 vs 19.2 us).
-template <int kChunk>
+template <int kChunk, typename Out>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_splits_group(const float* part_o, const float* part_ml, int n_kv, int total_splits, int n_heads, int r,
-                       const float* rot_v_t, float* out) {
+                       const float* rot_v_t, Out* out) {
   __shared__ float ov[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
@@ -839,8 +843,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     __syncthreads();
   }
   for (int hh = slice; hh < r; hh += 4)
-    out[(size_t(b) * n_heads + size_t(h) * r + hh) * kD + j] =
-        rot_v_t ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : ov[hh][j];
+    store_activation(out + (size_t(b) * n_heads + size_t(h) * r + hh) * kD + j,
+                     rot_v_t ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : ov[hh][j]);
 }
 
 // Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
@@ -886,9 +890,22 @@ const DecodeGpu& decode_gpu(int target_ctas) {
   return gpu;
 }
 
-void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int batch, const float* q, const float* rot_k,
-            const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-            int stages) {
+// The merge for the plan, writing Out.
+template <typename Out>
+void launch_merge(const cudaLaunchConfig_t& c, const MergePlan& m, const DecodeArgs& a, int total, const float* rot_v_t,
+                  void* out) {
+  const auto merge = m.grouped      ? (m.chunk == 8 ? merge_splits_group<8, Out> : merge_splits_group<12, Out>)
+                     : m.chunk == 1 ? merge_splits<1, Out>
+                     : m.chunk == 4 ? merge_splits<4, Out>
+                                    : merge_splits<12, Out>;
+  check_cuda(cudaLaunchKernelEx(&c, merge, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
+                                a.n_kv, total, a.n_heads, a.group_heads, rot_v_t, static_cast<Out*>(out)),
+             "decode (CUDA) merge launch");
+}
+
+void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int batch, const void* q, const float* rot_k,
+            const float* rot_v_t, void* out, Activations act, void* workspace, size_t workspace_bytes,
+            cudaStream_t stream, int stages) {
   const DecodeWorkspace lay = decode_workspace(batch, a.n_heads, a.n_kv, plan);
   KVCC_REQUIRE(workspace_bytes >= lay.total, "decode (CUDA): workspace too small");
   if (batch == 0) return;
@@ -920,9 +937,16 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
     c.numAttrs = 1;
     return c;
   };
-  if (stages & 1)
-    rotate_queries<<<dim3(a.n_kv, batch), kRotThreads, 0, stream>>>(
-        q, rot_k, a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, mode == Mode::Int2 ? qk8 : nullptr, qk_sc, table);
+  if (stages & 1) {
+    uint4* qk = mode == Mode::Int2 ? qk8 : nullptr;
+    const dim3 grid(a.n_kv, batch);
+    if (act == Activations::BFloat16)
+      rotate_queries<<<grid, kRotThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(q), rot_k, a.n_heads,
+                                                       a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table);
+    else
+      rotate_queries<<<grid, kRotThreads, 0, stream>>>(static_cast<const float*>(q), rot_k, a.n_heads, a.group_heads,
+                                                       a.sm_scale_log2, q_rot, qk, qk_sc, table);
+  }
   const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
     if (mode == Mode::Int2) {
@@ -942,13 +966,8 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   if (stages & 4) {
     const MergePlan m = plan_decode_merge(batch * a.n_kv, plan.total);
     const cudaLaunchConfig_t c = config(dim3(m.grouped ? a.n_kv : a.n_heads, batch), kMergeThreads, 0);
-    const auto merge = m.grouped      ? (m.chunk == 8 ? merge_splits_group<8> : merge_splits_group<12>)
-                       : m.chunk == 1 ? merge_splits<1>
-                       : m.chunk == 4 ? merge_splits<4>
-                                      : merge_splits<12>;
-    check_cuda(cudaLaunchKernelEx(&c, merge, static_cast<const float*>(a.part_o), static_cast<const float*>(a.part_ml),
-                                  a.n_kv, plan.total, a.n_heads, a.group_heads, rot_v_t, out),
-               "decode (CUDA) merge launch");
+    if (act == Activations::BFloat16) launch_merge<__nv_bfloat16>(c, m, a, plan.total, rot_v_t, out);
+    else launch_merge<float>(c, m, a, plan.total, rot_v_t, out);
   }
   check_cuda(cudaGetLastError(), "decode (CUDA) launch");
 }
@@ -962,9 +981,9 @@ size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int m
 }
 
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const float* q,
-                 const float* rot_k, const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream) {
+                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const void* q,
+                 const float* rot_k, const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream, Activations act) {
   require_hopper();
   bool table = false;
   for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
@@ -999,7 +1018,7 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   const DecodePlan plan =
       plan_decode_int2(decode_gpu(shape.target_ctas), g, batch.batch, batch.max_pages, shape.target_ctas, shape.ring);
-  launch(Mode::Int2, table, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
+  launch(Mode::Int2, table, a, plan, batch.batch, q, rot_k, rot_v_t, out, act, workspace, workspace_bytes, stream,
          shape.stages);
 }
 
@@ -1023,8 +1042,8 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   const DecodePlan plan =
       plan_decode_bf16(decode_gpu(shape.target_ctas), batch.batch, n_kv_heads, batch.max_pages, shape.target_ctas);
-  launch(Mode::Bf16Paged, false, a, plan, batch.batch, q, rot_k, rot_v_t, out, workspace, workspace_bytes, stream,
-         shape.stages);
+  launch(Mode::Bf16Paged, false, a, plan, batch.batch, q, rot_k, rot_v_t, out, Activations::Float32, workspace,
+         workspace_bytes, stream, shape.stages);
 }
 
 }  // namespace kvcc

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "formats/kv_layout.h"
+#include "runtime/activations.h"
 #include "runtime/plan.h"
 #include "runtime/served.h"
 
@@ -42,40 +43,44 @@ struct DecodeShape {
 size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int max_pages, int page_tokens_bf16 = 0,
                               int target_ctas = 0, int ring = 0);
 
+// q, k, v and out below are activations of type `act` (runtime/activations.h: float32 or
+// bfloat16, widened where loaded, rounded where stored); everything else is as typed.
+
 // INT2 decode attention over the mixed cache (sink + INT2 history + ring) of one layer.
-// q: [batch, n_heads, d] fp32 post-RoPE, unrotated. rot_k: [n_kv, d, d]; rot_v_t: [n_kv, d, d]
-// holding R_vᵀ (so the output rotation reads rows coalesced). out: [batch, n_heads, d] fp32.
+// q: [batch, n_heads, d] post-RoPE, unrotated. rot_k: [n_kv, d, d]; rot_v_t: [n_kv, d, d]
+// holding R_vᵀ (so the output rotation reads rows coalesced). out: [batch, n_heads, d].
 // codecs: host array [n_kv]; any level table selects the (slower) table kernel for the launch.
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
-                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const float* q,
-                 const float* rot_k, const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream);
+                 const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const void* q,
+                 const float* rot_k, const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream, Activations act = Activations::Float32);
 
 // The in-house BF16 baseline: the same kernel structure over a plain paged BF16 cache, pages of
 // page_tokens tokens, page block (page, head) = K [page_tokens][d] then V [page_tokens][d] bf16,
-// keys and values in the rotated basis (rot_k / rot_v_t may be null: no rotation).
+// keys and values in the rotated basis (rot_k / rot_v_t may be null: no rotation); q, out float32.
 void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint16_t* bf16_pages,
                        const DeviceBatch& batch, const DecodeShape& shape, const float* q, const float* rot_k,
                        const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Append (one layer, a batch of sequences): rotate (x·R), round to BF16, quantise the tokens that
 // move into history, write sink and ring. The cache must have grown already (KvCache::grow).
-// k, v: device [rows, n_kv, d] fp32 unrotated (rows of sequence i start at row_offsets[i]);
+// k, v: device [rows, n_kv, d] unrotated (rows of sequence i start at row_offsets[i]);
 // rot_k, rot_v: device [n_kv, d, d], or null when k and v are already rotated.
 // codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
 // (AppendPlanHost, plan_append_moves: runtime/plan.h).
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves);
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
-               const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+               const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
 // One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
 // rotate and stage, quantise the moves, write the windows; no host work, no copies. codecs: device
 // [n_kv] of this layer; staging: at least append_staging_bytes(g, plan.rows). With plan.counts
 // (the step's counts on the device) the launches are the same for every step within the
 // capacities, so they can be captured in a CUDA graph and replayed.
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
-                       const HeadCodec* codecs, const float* k, const float* v, const float* rot_k, const float* rot_v,
-                       void* staging, size_t staging_bytes, cudaStream_t stream);
+                       const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
+                       void* staging, size_t staging_bytes, cudaStream_t stream,
+                       Activations act = Activations::Float32);
 
 // Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
 // prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as
@@ -83,9 +88,9 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
 // ring will hold them. Does not modify the cache (append the tokens afterwards). Scope: head_dim
 // 128, group = head_dim, 64-token pages, any sink / recent sizes, any query-head group, uniform
 // grid and level-table codecs, up to kPrefillMaxKvHeads KV heads (served.h).
-// q: device [T, n_heads, d], k, v: device [T, n_kv, d], fp32 post-RoPE, unrotated.
+// q: device [T, n_heads, d], k, v: device [T, n_kv, d], post-RoPE, unrotated.
 // page_table: device, the sequence's first history_pages(length) page ids. rot_k, rot_v, rot_v_t:
-// device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity). out: device [T, n_heads, d] fp32.
+// device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity). out: device [T, n_heads, d].
 // codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same arguments.
 struct PrefillShape {
   int n_heads = 0;     // query heads, a multiple of the KV heads
@@ -96,8 +101,9 @@ struct PrefillShape {
 size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape);
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
                   int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
-                  const float* q, const float* k, const float* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                  Activations act = Activations::Float32);
 
 }  // namespace kvcc
 #endif

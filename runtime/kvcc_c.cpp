@@ -131,13 +131,17 @@ int kvcc_runtime_load(const char* artifact_path, int n_layers, int n_heads, int 
 int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                            int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out) {
   return kvcc_runtime_load_limits(artifact_path, n_layers, n_heads, n_kv_heads, head_dim, max_pages, max_sequences,
-                                  memory, rank, ranks, 0, 0, 0, out);
+                                  memory, rank, ranks, 0, 0, 0, KVCC_FLOAT32, out);
 }
 
 int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                              int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
-                             int64_t max_context, int max_step_tokens, kvcc_runtime** out) {
+                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out) {
   if (bad(artifact_path, "artifact_path") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
+  if (activations != KVCC_FLOAT32 && activations != KVCC_BFLOAT16) {
+    last_error = "activations must be KVCC_FLOAT32 (0) or KVCC_BFLOAT16 (1), got " + std::to_string(activations);
+    return KVCC_BAD_ARGUMENT;
+  }
   return guarded([&] {
     kvcc::RuntimeOptions o;
     o.max_pages = max_pages;
@@ -146,6 +150,7 @@ int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_head
     o.max_batch = max_batch;
     o.max_context = max_context;
     o.max_step_tokens = max_step_tokens;
+    o.activations = activations == KVCC_BFLOAT16 ? kvcc::Activations::BFloat16 : kvcc::Activations::Float32;
     if (rank != 0 || ranks != 1) {  // one rank: the whole model (its shape is checked by the load)
       const kvcc::KvHeadRange slice = kvcc::kv_head_slice(n_kv_heads, rank, ranks);
       o.kv_begin = slice.begin;
@@ -186,17 +191,17 @@ int kvcc_begin_append_stream(kvcc_runtime* rt, int n_seqs, const int* seqs, cons
     rt->rt->begin_append(std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs), stream);
   });
 }
-int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream) {
+int kvcc_append(kvcc_runtime* rt, int layer, const void* k, const void* v, void* stream) {
   if (bad(rt, "runtime") || bad(k, "k") || bad(v, "v")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->append(layer, k, v, stream); });
 }
-int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const float* q, float* out, void* stream) {
+int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const void* q, void* out, void* stream) {
   if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out") || (n_seqs > 0 && bad(seqs, "seqs")))
     return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->decode(layer, std::vector<int>(seqs, seqs + n_seqs), q, out, stream); });
 }
-int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, const float* k, const float* v,
-                 float* out, void* stream) {
+int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
+                 void* stream) {
   if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
     return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->prefill(layer, seq, T, q, k, v, out, stream); });

@@ -11,6 +11,9 @@ extern "C" {
 #endif
 
 enum kvcc_status { KVCC_OK = 0, KVCC_ERROR = 1, KVCC_CACHE_FULL = 2, KVCC_BAD_ARGUMENT = 3 };
+/* The element type of q, k, v and out (runtime/activations.h): float32, or bfloat16 (raw 16-bit
+ * words, widened on load and rounded to nearest even on store). */
+enum kvcc_activations { KVCC_FLOAT32 = 0, KVCC_BFLOAT16 = 1 };
 
 typedef struct kvcc_runtime kvcc_runtime;
 
@@ -24,10 +27,11 @@ int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads,
                            int64_t max_pages, int max_sequences, int memory, int rank, int ranks, kvcc_runtime** out);
 /* The same with the declared maxima of kvcc_runtime.h's RuntimeOptions (engine mode, needed to
  * capture a step in a CUDA graph): max_context > 0 declares them; max_batch (0: max_sequences)
- * and max_step_tokens (0: max_batch) bound every later step. All 0 is kvcc_runtime_load_rank. */
+ * and max_step_tokens (0: max_batch) bound every later step. activations (kvcc_activations) is the
+ * type of every later call's q, k, v and out. All 0 is kvcc_runtime_load_rank. */
 int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                              int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
-                             int64_t max_context, int max_step_tokens, kvcc_runtime** out);
+                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out);
 void kvcc_runtime_free(kvcc_runtime* rt);
 
 int kvcc_add_sequence(kvcc_runtime* rt, int* seq);
@@ -39,13 +43,13 @@ int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* 
 /* The same, with the stream append and decode will run on (a device pool plans the step there;
  * kvcc_begin_append plans it on the default stream). */
 int kvcc_begin_append_stream(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts, void* stream);
-int kvcc_append(kvcc_runtime* rt, int layer, const float* k, const float* v, void* stream);
-int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const float* q, float* out, void* stream);
+int kvcc_append(kvcc_runtime* rt, int layer, const void* k, const void* v, void* stream);
+int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const void* q, void* out, void* stream);
 /* T new tokens of one sequence attend to its cache and causally to themselves (see kvcc_runtime.h):
  * q, out [T, n_heads, d], k, v [T, n_kv, d]. Before kvcc_begin_append, or between it and
  * kvcc_append of this layer. */
-int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const float* q, const float* k, const float* v,
-                 float* out, void* stream);
+int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
+                 void* stream);
 
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
 /* Token eviction (kvcc_runtime.h Runtime::evict_tokens): keeps the n_kept token positions kept[]

@@ -225,6 +225,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
                "maxima)");
   KVCC_REQUIRE(o.max_batch <= o.max_sequences, "runtime: max_batch " + std::to_string(o.max_batch) +
                                                    " above max_sequences " + std::to_string(o.max_sequences));
+  KVCC_REQUIRE(o.activations == Activations::Float32 || o.activations == Activations::BFloat16,
+               "runtime: activations must be float32 (0) or bfloat16 (1), got " + std::to_string(int(o.activations)));
   kv_begin_ = o.kv_begin;
   n_heads_ = whole ? e.n_heads : e.n_heads / e.n_kv_heads * (kv_end - o.kv_begin);
   KvGeometry g = cache_geometry(a);
@@ -447,13 +449,22 @@ void Runtime::plan_step(void* stream_ptr) {
 }
 #endif
 
-void Runtime::append(int layer, const float* k, const float* v, void* stream) {
+const float* Runtime::host_input(int i, const void* p, size_t n) {
+  if (options_.activations == Activations::Float32) return static_cast<const float*>(p);
+  widen_activations(p, n, options_.activations, host_x_[i]);
+  return host_x_[i].data();
+}
+
+void Runtime::append(int layer, const void* k, const void* v, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (!appended_.empty()) appended_[size_t(layer)] = 1;  // prefill must not read this layer's step any more
   if (cache_->memory() == PoolMemory::Host) {
-    append_ref(*cache_, layer, make_append_batch(pending_seqs_, pending_old_, pending_counts_), k, v, rot_k(layer),
-               rot_v(layer), codecs(layer));
+    int64_t rows = 0;
+    for (int c : pending_counts_) rows += c;
+    const size_t n = size_t(rows) * size_t(g.n_kv_heads) * size_t(g.head_dim);
+    append_ref(*cache_, layer, make_append_batch(pending_seqs_, pending_old_, pending_counts_), host_input(0, k, n),
+               host_input(1, v, n), rot_k(layer), rot_v(layer), codecs(layer));
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
@@ -462,18 +473,27 @@ void Runtime::append(int layer, const float* k, const float* v, void* stream) {
   dev_->before_use(s);
   append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->append,
                     dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
-                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(), s);
+                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(), s, options_.activations);
   dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
 #endif
 }
 
-void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream) {
+void Runtime::decode(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (cache_->memory() == PoolMemory::Host) {
-    decode_ref(*cache_, layer, seqs, q, n_heads_, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale, out);
+    const size_t n = seqs.size() * size_t(n_heads_) * size_t(g.head_dim);
+    if (options_.activations == Activations::Float32) {
+      decode_ref(*cache_, layer, seqs, static_cast<const float*>(q), n_heads_, rot_k(layer), rot_v(layer),
+                 codecs(layer), options_.sm_scale, static_cast<float*>(out));
+      return;
+    }
+    host_out_.resize(n);
+    decode_ref(*cache_, layer, seqs, host_input(0, q, n), n_heads_, rot_k(layer), rot_v(layer), codecs(layer),
+               options_.sm_scale, host_out_.data());
+    store_activations(host_out_.data(), n, options_.activations, out);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
@@ -493,7 +513,8 @@ void Runtime::decode(int layer, const std::vector<int>& seqs, const float* q, fl
   DecodeShape shape{n_heads_, options_.sm_scale, 0};
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
-              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, ws.data(), ws.bytes(), s);
+              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, ws.data(), ws.bytes(), s,
+              options_.activations);
   if (planned) dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
@@ -515,15 +536,20 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
   return pending_old_[i];
 }
 
-void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
-                      void* stream) {
+void Runtime::prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   KVCC_REQUIRE(T >= 0, "runtime: negative token count");
   const int64_t length = prefill_length(layer, seq, T);
   if (cache_->memory() == PoolMemory::Host) {
-    prefill_ref(*cache_, layer, seq, T, q, k, v, n_heads_, rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale,
-                out, length);
+    const size_t nq = size_t(T) * size_t(n_heads_) * size_t(g.head_dim);
+    const size_t nkv = size_t(T) * size_t(g.n_kv_heads) * size_t(g.head_dim);
+    const bool f32 = options_.activations == Activations::Float32;
+    if (!f32) host_out_.resize(nq);
+    float* o = f32 ? static_cast<float*>(out) : host_out_.data();
+    prefill_ref(*cache_, layer, seq, T, host_input(0, q, nq), host_input(1, k, nkv), host_input(2, v, nkv), n_heads_,
+                rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale, o, length);
+    if (!f32) store_activations(o, nq, options_.activations, out);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
@@ -536,7 +562,8 @@ void Runtime::prefill(int layer, int seq, int T, const float* q, const float* k,
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,
                k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
-               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s);
+               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
+               options_.activations);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -8,8 +8,11 @@
 //   begin_append(seqs, counts)  -- grows the sequences (allocates pages, all or nothing)
 //   append(layer, k, v, stream) -- for every layer: rotate, write windows, quantise into pages
 //   decode(layer, seqs, q, out, stream)
-// k, v: [sum(counts), n_kv, d] float32 post-RoPE, unrotated, sequences in order;
-// q, out: [n_seqs, n_heads, d] float32 (q post-RoPE, unrotated; out in the model's basis).
+// k, v: [sum(counts), n_kv, d] post-RoPE, unrotated, sequences in order;
+// q, out: [n_seqs, n_heads, d] (q post-RoPE, unrotated; out in the model's basis).
+// These activations are float32, or bfloat16 with RuntimeOptions::activations (runtime/activations.h:
+// widened on load, outputs rounded to nearest even, so a bfloat16 call equals the float32 one on
+// the widened inputs with its output rounded).
 // Prefill / extend of one sequence by T tokens: prefill(layer, seq, T, q, k, v, out, stream) with
 // q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets). It
 // reads the cache as it was before these tokens, so call it before begin_append, or after
@@ -30,6 +33,7 @@
 
 #include "formats/artifact.h"
 #include "formats/kv_layout.h"
+#include "runtime/activations.h"
 #include "runtime/kv_cache.h"
 #include "runtime/plan.h"
 
@@ -60,6 +64,8 @@ struct RuntimeOptions {
   int max_batch = 0;
   int64_t max_context = 0;
   int max_step_tokens = 0;
+  // The element type of q, k, v and out in every call (engines run in bfloat16).
+  Activations activations = Activations::Float32;
 };
 
 // Rank `rank` of `ranks` tensor-parallel ranks: contiguous equal slices of the KV heads,
@@ -115,9 +121,11 @@ class Runtime {
   int max_batch() const { return limits_.max_batch; }
   int64_t max_context() const { return limits_.max_context; }
   int max_step_tokens() const { return limits_.max_step_tokens; }
-  void append(int layer, const float* k, const float* v, void* stream = nullptr);
-  void decode(int layer, const std::vector<int>& seqs, const float* q, float* out, void* stream = nullptr);
-  void prefill(int layer, int seq, int T, const float* q, const float* k, const float* v, float* out,
+  // The tensors are RuntimeOptions::activations (float32 by default).
+  Activations activations() const { return options_.activations; }
+  void append(int layer, const void* k, const void* v, void* stream = nullptr);
+  void decode(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream = nullptr);
+  void prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
                void* stream = nullptr);
 
   // Token eviction: keeps only the tokens at positions `kept` (strictly increasing, < length) of
@@ -146,6 +154,9 @@ class Runtime {
   // The length prefill reads: before the open step's tokens (checked), else the current one.
   int64_t prefill_length(int layer, int seq, int T) const;
   void plan_step(void* stream);
+  // Host pool with bfloat16 activations: the widened inputs and the float outputs of the reference.
+  std::vector<float> host_x_[3], host_out_;
+  const float* host_input(int i, const void* p, size_t n);
   std::unique_ptr<DeviceState> dev_;
 };
 

@@ -30,6 +30,7 @@
 
 #include "formats/error.h"
 #include "formats/kv_layout.h"
+#include "runtime/activations.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 #include "runtime/merge.cuh"
@@ -81,14 +82,15 @@ __device__ __forceinline__ void rotate_tile(const float (&xs)[kRotRows][kD], con
 
 // dst[h][offset + p] = fp16(x[token, head] · R[h]) (through bf16 when round_bf16), dst rows
 // [n_kv][dst_rows][d]; grid (row tiles, n_kv), kD threads.
-__global__ void __launch_bounds__(kD) rotate_in(const float* x, const float* rot, int rows, int n_kv, int r,
+template <typename In>
+__global__ void __launch_bounds__(kD) rotate_in(const In* x, const float* rot, int rows, int n_kv, int r,
                                                 int round_bf16, __half* dst, int dst_rows, int offset) {
   __shared__ float xs[kRotRows][kD];
   const int h = blockIdx.y, p0 = blockIdx.x * kRotRows, j = threadIdx.x;
   const int n = min(kRotRows, rows - p0);
   for (int i = 0; i < kRotRows; ++i) {
     const int p = p0 + i;
-    xs[i][j] = i < n ? x[((size_t(p / r) * n_kv + h) * r + p % r) * kD + j] : 0.0f;
+    xs[i][j] = i < n ? load_activation(x + ((size_t(p / r) * n_kv + h) * r + p % r) * kD + j) : 0.0f;
   }
   __syncthreads();
   float acc[kRotRows];
@@ -106,9 +108,9 @@ __global__ void __launch_bounds__(kD) rotate_in(const float* x, const float* rot
 // few dependent loads are in series when there are many splits.
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
-template <int kChunk>
+template <int kChunk, typename Out>
 __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const float* part_ml, int splits, int rows,
-                                                      int n_kv, int r, const float* rot_v_t, float* out) {
+                                                      int n_kv, int r, const float* rot_v_t, Out* out) {
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
   __shared__ float ov[kFinRows][kD];
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
   __syncthreads();
   for (int i = slice; i < n; i += kSlices) {
     const int p = p0 + i;
-    out[((size_t(p / r) * n_kv + h) * r + p % r) * kD + j] =
-        (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]);
+    store_activation(out + ((size_t(p / r) * n_kv + h) * r + p % r) * kD + j,
+                     (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]));
   }
 }
 
@@ -467,6 +469,19 @@ PrefillPlan plan_of(const KvGeometry& g, int64_t length, int T, const PrefillSha
                       shape.warps);
 }
 
+// The queries and the new keys and values rotated into the fp16 staging (k and v through bf16, as
+// the ring will hold them).
+template <typename In>
+void rotate_inputs(const In* q, const In* k, const In* v, const float* rot_k, const float* rot_v, const KvGeometry& g,
+                   const PrefillPlan& plan, const PrefillArgs& a, __half* wq, __half* wk, __half* wv,
+                   cudaStream_t stream) {
+  const dim3 rot_grid_q((plan.rows + kRotRows - 1) / kRotRows, g.n_kv_heads);
+  const dim3 rot_grid_kv((a.T + kRotRows - 1) / kRotRows, g.n_kv_heads);
+  rotate_in<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, wq, plan.rows, 0);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, a.T, g.n_kv_heads, 1, 1, wk, a.kv_rows, a.win_rows);
+  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, a.T, g.n_kv_heads, 1, 1, wv, a.kv_rows, a.win_rows);
+}
+
 void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
   require_gpu_served(g, shape.n_heads, kGpuPrefill, true, "prefill (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
@@ -484,8 +499,9 @@ size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const
 
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
                   int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
-                  const float* q, const float* k, const float* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
+                  const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                  Activations act) {
   require_hopper();
   check_scope(g, layer, length, T, shape);
   KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
@@ -526,11 +542,12 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
       a.use_zero[h][side] = c.use_table ? 0 : 1;
     }
 
-  const dim3 rot_grid_q((plan.rows + kRotRows - 1) / kRotRows, g.n_kv_heads);
-  const dim3 rot_grid_kv((T + kRotRows - 1) / kRotRows, g.n_kv_heads);
-  rotate_in<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, wq, plan.rows, 0);
-  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, T, g.n_kv_heads, 1, 1, wk, a.kv_rows, a.win_rows);
-  rotate_in<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, T, g.n_kv_heads, 1, 1, wv, a.kv_rows, a.win_rows);
+  if (act == Activations::BFloat16)
+    rotate_inputs(static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k),
+                  static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, g, plan, a, wq, wk, wv, stream);
+  else
+    rotate_inputs(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), rot_k,
+                  rot_v, g, plan, a, wq, wk, wv, stream);
   if (plan.win_rows > 0) {
     const KvTiers t = tiers_of(g, length);
     stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(windows),
@@ -543,8 +560,17 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   else prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
   const dim3 fin_grid((plan.rows + kFinRows - 1) / kFinRows, g.n_kv_heads);
   const int chunk = merge_slice_chunk(plan.splits);
-  const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
-  fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t, out);
+  if (act == Activations::BFloat16) {
+    const auto fin = chunk == 1   ? finish<1, __nv_bfloat16>
+                     : chunk == 4 ? finish<4, __nv_bfloat16>
+                                  : finish<12, __nv_bfloat16>;
+    fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t,
+                                              static_cast<__nv_bfloat16*>(out));
+  } else {
+    const auto fin = chunk == 1 ? finish<1, float> : chunk == 4 ? finish<4, float> : finish<12, float>;
+    fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t,
+                                              static_cast<float*>(out));
+  }
   check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
 }
 

@@ -7,9 +7,11 @@
 # BEFORE=path/to/old/decode.cu also times that kernel on the same shapes in the same run
 # (scripts/gpu_perf.sh) and adds its column and ratios to the report; BEFORE_TREE=dir does the
 # same with a whole older source tree (its own CMake build), for changes beyond decode.cu.
-# `graph` runs only the decode-step path: the CUDA-graph replay test, the append/decode and prefill
-# GPU tests, the validation's device pool, memcheck on the graph test, and bench_step in its plain, fixed and graph modes (with
-# BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
+# `graph` runs only the decode-step path: the CUDA-graph replay test, the bfloat16-activation test,
+# the append/decode and prefill GPU tests, the validation's device pool, memcheck on the graph and
+# activation tests, bench_step in its plain, fixed, graph and graph-bf16 modes, and the BF16-cache
+# step it is compared with (bench_sdpa.py --step-layers: cache write + SDPA per layer, in a graph)
+# (with BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
 # usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
 #        scripts/gpu_run.sh [quick | graph]
 set -u -o pipefail
@@ -29,23 +31,30 @@ if [ "${1:-}" = graph ]; then
     before_pid=$!
   fi
   [ -n "${BEFORE_TREE:-}" ] && JOBS=$(( JOBS / 2 ))
-  gpu_cmake_build gpu_test_graph gpu_test_cache gpu_test_prefill gpu_test_compaction test_validate bench_step ||
+  gpu_cmake_build gpu_test_graph gpu_test_activations gpu_test_cache gpu_test_prefill gpu_test_compaction test_validate \
+    bench_step ${EXTRA_TARGETS:-} ||
     { echo "BUILD FAILED"; exit 1; }
   [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  for t in gpu_test_graph gpu_test_cache gpu_test_prefill gpu_test_compaction; do
+  for t in gpu_test_graph gpu_test_activations gpu_test_cache gpu_test_prefill gpu_test_compaction; do
     "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 | grep -E '^\[  (FAILED|PASSED) |graph replay|Failure|error|Expected|Which is' | head -20
     echo "$t exit: ${PIPESTATUS[0]}"
   done
   "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' 2>&1 | grep -E '^\[  (FAILED|PASSED) '
   echo "gpu validate test exit: ${PIPESTATUS[0]}"
   if command -v compute-sanitizer >/dev/null; then
-    timeout 120 compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer.txt" "$BUILD/tests/gpu_test_graph" >/dev/null
-    echo "memcheck exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer.txt" 2>/dev/null) clean summaries)"
+    for t in gpu_test_graph gpu_test_activations; do
+      timeout 120 compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer_$t.txt" "$BUILD/tests/$t" >/dev/null
+      echo "memcheck $t exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$t.txt" 2>/dev/null) clean summaries)"
+    done
   fi
   STEP_CONFIGS=${STEP_CONFIGS:-32:8:1:32768,32:8:8:131072,32:8:64:32768}
-  "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,fixed,graph | tee "$OUT/bench_step.txt"
+  "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,fixed,graph,graph-bf16 |
+    tee "$OUT/bench_step.txt"
   echo "bench_step exit: $?"
+  python3 bench/bench_sdpa.py --configs "$STEP_CONFIGS" --step-layers 4 --out "$OUT/sdpa_step.jsonl" |
+    tee "$OUT/sdpa_step.txt"
+  echo "sdpa step exit: $?"
   if [ -n "${BEFORE_TREE:-}" ]; then
     "$BEFORE_TREE/build-before/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" | sed "s/^/before /" | tee "$OUT/bench_step_before.txt"
     "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,graph | sed "s/^/again /" | tee -a "$OUT/bench_step.txt"

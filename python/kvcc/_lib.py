@@ -32,7 +32,7 @@ _path: str | None = None
 
 _c_int_p = ctypes.POINTER(ctypes.c_int)
 _c_i64_p = ctypes.POINTER(ctypes.c_int64)
-_c_float_p = ctypes.c_void_p  # tensors are passed as raw addresses (host or device)
+_c_tensor_p = ctypes.c_void_p  # tensors are passed as raw addresses (host or device)
 _rt_p = ctypes.c_void_p
 
 # name -> (restype, argtypes), as declared in runtime/kvcc_c.h.
@@ -40,7 +40,8 @@ _SIGNATURES = {
     "kvcc_runtime_load_limits": (
         ctypes.c_int,
         [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_rt_p)],
+         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+         ctypes.POINTER(_rt_p)],
     ),
     "kvcc_runtime_free": (None, [_rt_p]),
     "kvcc_add_sequence": (ctypes.c_int, [_rt_p, _c_int_p]),
@@ -48,11 +49,11 @@ _SIGNATURES = {
     "kvcc_free_sequence": (ctypes.c_int, [_rt_p, ctypes.c_int]),
     "kvcc_sequence_length": (ctypes.c_int, [_rt_p, ctypes.c_int, _c_i64_p]),
     "kvcc_begin_append_stream": (ctypes.c_int, [_rt_p, ctypes.c_int, _c_int_p, _c_int_p, ctypes.c_void_p]),
-    "kvcc_append": (ctypes.c_int, [_rt_p, ctypes.c_int, _c_float_p, _c_float_p, ctypes.c_void_p]),
-    "kvcc_decode": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int, _c_int_p, _c_float_p, _c_float_p,
+    "kvcc_append": (ctypes.c_int, [_rt_p, ctypes.c_int, _c_tensor_p, _c_tensor_p, ctypes.c_void_p]),
+    "kvcc_decode": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int, _c_int_p, _c_tensor_p, _c_tensor_p,
                                    ctypes.c_void_p]),
-    "kvcc_prefill": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _c_float_p, _c_float_p,
-                                    _c_float_p, _c_float_p, ctypes.c_void_p]),
+    "kvcc_prefill": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _c_tensor_p, _c_tensor_p,
+                                    _c_tensor_p, _c_tensor_p, ctypes.c_void_p]),
     "kvcc_bytes_in_use": (ctypes.c_int, [_rt_p, _c_i64_p]),
     "kvcc_evict_tokens": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int64, _c_i64_p, ctypes.c_void_p, _c_i64_p]),
     "kvcc_last_error": (ctypes.c_char_p, []),

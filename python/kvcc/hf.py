@@ -227,7 +227,7 @@ class KvccCache(Cache):
             raise KvccError(f"kvcc cache: keys of {n_kv} heads x {d} channels, the artifact serves "
                             f"{self.shape.n_kv_heads} x {self.shape.head_dim}")
         if layer.layer_idx == 0:
-            self._begin_step(B, T, key_states.device)
+            self._begin_step(B, T, key_states.device, key_states.dtype)
         elif T != self._step_tokens or B != len(self.rows):
             raise KvccError(f"kvcc cache: layer {layer.layer_idx} got {B} rows x {T} tokens in a step opened with "
                             f"{len(self.rows)} x {self._step_tokens}")
@@ -236,12 +236,12 @@ class KvccCache(Cache):
         key_states._kvcc_step = (self, layer.layer_idx)
         return key_states, value_states
 
-    def _begin_step(self, B: int, T: int, device: torch.device) -> None:
+    def _begin_step(self, B: int, T: int, device: torch.device, dtype: torch.dtype) -> None:
         if self._step_tokens and self._appended != self.shape.n_layers:
             raise KvccError(f"kvcc cache: a new step began after {self._appended} of {self.shape.n_layers} layers "
                             "attended in the last one")
         if self.runtime is None:
-            self._make_runtime(B, device)
+            self._make_runtime(B, device, dtype)
         if B != len(self.rows):
             raise KvccError(f"kvcc cache: a step of {B} rows on a cache of {len(self.rows)} rows (the batch changed)")
         length = self.layers[0].length
@@ -256,9 +256,11 @@ class KvccCache(Cache):
                             f"{length + T} tokens needed: pass a larger max_tokens / max_batch_size)") from e
         self._step_tokens, self._appended = T, 0
 
-    def _make_runtime(self, B: int, device: torch.device) -> None:
+    def _make_runtime(self, B: int, device: torch.device, dtype: torch.dtype) -> None:
         from .runtime import Runtime
 
+        # The kernels take a bfloat16 model's activations as they are; any other dtype through float32.
+        act = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         rows = self._max_batch or B
         if B > rows:
             raise KvccError(f"kvcc cache: a batch of {B} rows on a cache made for max_batch_size={rows}")
@@ -266,7 +268,7 @@ class KvccCache(Cache):
         s = self.shape
         self.runtime = Runtime(self.info.path, n_layers=s.n_layers, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads,
                                head_dim=s.head_dim, max_pages=max(1, rows * pages_for_tokens(self.info, self._max_tokens)),
-                               max_sequences=self._max_sequences or 2 * rows, device=device)
+                               max_sequences=self._max_sequences or 2 * rows, device=device, dtype=act)
         self.rows = [self.runtime.add_sequence() for _ in range(B)]
 
     def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

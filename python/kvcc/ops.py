@@ -4,8 +4,9 @@ Each takes the runtime's integer handle (Runtime.handle) and its state tensor (R
 counter of appends): append declares that it mutates the state, decode and prefill read it, so
 torch.compile neither drops an append (it returns nothing) nor moves a read before it. Fake
 implementations give output shapes without running anything (torch.compile, FakeTensor).
-CUDA tensors run on torch.cuda.current_stream(); inputs are converted to contiguous float32
-(what the C ABI takes) and outputs back to q's dtype.
+CUDA tensors run on torch.cuda.current_stream(); inputs are converted to the runtime's dtype
+(Runtime.dtype: float32 or bfloat16, what its C ABI was loaded to take), contiguous, and outputs
+back to q's dtype.
 """
 
 from __future__ import annotations

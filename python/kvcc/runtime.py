@@ -24,6 +24,9 @@ from .artifact import ArtifactInfo, load_artifact
 
 __all__ = ["Runtime"]
 
+# torch dtype -> kvcc_activations (runtime/kvcc_c.h)
+_ACTIVATIONS = {torch.float32: 0, torch.bfloat16: 1}
+
 
 def _int(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -56,7 +59,9 @@ class Runtime:
     (max_batch sequences a step, 0: max_sequences; max_step_tokens new tokens a step, 0:
     max_batch): a device pool then sizes everything at load and a step's append + decode calls
     can be captured in a CUDA graph and replayed after each later begin_append; a step beyond
-    them is refused (kvcc_runtime.h)."""
+    them is refused (kvcc_runtime.h). dtype: what the kernels take and return, torch.float32 or
+    torch.bfloat16 (a bfloat16 model's tensors then pass without conversion); tensors of another
+    dtype are converted to it, and outputs come back in q's dtype."""
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class Runtime:
         max_batch: int = 0,
         max_context: int = 0,
         max_step_tokens: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self._ptr: int | None = None
         self.handle: int = -1
@@ -94,6 +100,8 @@ class Runtime:
         for name, value in (("max_batch", max_batch), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             _int(name, value)
+        if dtype not in _ACTIVATIONS:
+            raise KvccError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -105,13 +113,14 @@ class Runtime:
         else:
             raise KvccError(f"device must be cpu or cuda, got {dev}")
         self.device = dev
+        self.dtype = dtype
         ptr = ctypes.c_void_p()
         with self._on_device():
             _lib.check(
                 _lib.lib().kvcc_runtime_load_limits(
                     os.fsencode(self.path), shape["n_layers"], shape["n_heads"], shape["n_kv_heads"],
                     shape["head_dim"], max_pages, max_sequences, memory, rank, ranks, max_batch, max_context,
-                    max_step_tokens, ctypes.byref(ptr),
+                    max_step_tokens, _ACTIVATIONS[dtype], ctypes.byref(ptr),
                 )
             )
         self._ptr = ptr.value
@@ -159,9 +168,9 @@ class Runtime:
         if tuple(t.shape) != shape:
             raise KvccError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
 
-    def _f32(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        # The C ABI takes float32 (BF16 entry points are future work).
-        x = t.detach().to(torch.float32).contiguous()
+    def _act(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        # What the C ABI was loaded to take (self.dtype), contiguous.
+        x = t.detach().to(self.dtype).contiguous()
         # NaN/Inf would silently poison a page's scale; checked on the host pool only, since on
         # a GPU the check would synchronise every call.
         if x.device.type == "cpu" and x.numel() and not bool(torch.isfinite(x).all()):
@@ -251,9 +260,9 @@ class Runtime:
 
     def _append_impl(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_append(layer, k, v)
-        k32, v32 = self._f32("k", k), self._f32("v", v)
+        ka, va = self._act("k", k), self._act("v", v)
         with self._on_device():
-            _lib.check(_lib.lib().kvcc_append(self._p(), layer, k32.data_ptr(), v32.data_ptr(), self._stream()))
+            _lib.check(_lib.lib().kvcc_append(self._p(), layer, ka.data_ptr(), va.data_ptr(), self._stream()))
 
     def _check_decode(self, layer: int, seqs: list[int], q: torch.Tensor, device: bool = True) -> None:
         self._p()
@@ -264,14 +273,14 @@ class Runtime:
 
     def _decode_impl(self, layer: int, seqs: list[int], q: torch.Tensor) -> torch.Tensor:
         self._check_decode(layer, seqs, q)
-        q32 = self._f32("q", q)
-        out = torch.empty(q32.shape, dtype=torch.float32, device=self.device)
+        qa = self._act("q", q)
+        out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
         n = len(seqs)
         if n:
             with self._on_device():
-                _lib.check(_lib.lib().kvcc_decode(self._p(), layer, n, (ctypes.c_int * n)(*seqs), q32.data_ptr(),
+                _lib.check(_lib.lib().kvcc_decode(self._p(), layer, n, (ctypes.c_int * n)(*seqs), qa.data_ptr(),
                                                   out.data_ptr(), self._stream()))
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out if q.dtype == self.dtype else out.to(q.dtype)
 
     def _check_prefill(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        device: bool = True) -> None:
@@ -289,14 +298,14 @@ class Runtime:
 
     def _prefill_impl(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._check_prefill(layer, seq, q, k, v)
-        q32, k32, v32 = self._f32("q", q), self._f32("k", k), self._f32("v", v)
-        out = torch.empty(q32.shape, dtype=torch.float32, device=self.device)
+        qa, ka, va = self._act("q", q), self._act("k", k), self._act("v", v)
+        out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
         T = int(q.shape[0])
         if T:
             with self._on_device():
-                _lib.check(_lib.lib().kvcc_prefill(self._p(), layer, seq, T, q32.data_ptr(), k32.data_ptr(),
-                                                   v32.data_ptr(), out.data_ptr(), self._stream()))
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+                _lib.check(_lib.lib().kvcc_prefill(self._p(), layer, seq, T, qa.data_ptr(), ka.data_ptr(),
+                                                   va.data_ptr(), out.data_ptr(), self._stream()))
+        return out if q.dtype == self.dtype else out.to(q.dtype)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

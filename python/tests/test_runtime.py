@@ -366,6 +366,42 @@ def test_bf16_inputs_convert_through_float32():
             assert torch.equal(rt.decode(L, [s], qt), rt.decode(L, [s], q.float()))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_runtime_equals_rounded_float32(device):
+    """A Runtime loaded with dtype=torch.bfloat16 takes bfloat16 tensors as they are and returns
+    bfloat16; the kernels widen on load and round on store, so every output is the bfloat16 rounding
+    of a float32 Runtime's on the same (widened) values, bit for bit, with INT2 history and prefill
+    (GUT's artifact needs head_dim 128 for the device pool)."""
+    path = GUT if device == "cuda" else UNIFORM
+    kw = dict(max_pages=16, max_sequences=2, device=device)
+    with kvcc.Runtime(path, **kw) as f32, kvcc.Runtime(path, dtype=torch.bfloat16, **kw) as b16:
+        assert b16.dtype == torch.bfloat16
+        gen = torch.Generator().manual_seed(5)
+        s, t = f32.add_sequence(), b16.add_sequence()
+        for count in (150, 1, 70, 1):
+            f32.begin_append([s], [count])
+            b16.begin_append([t], [count])
+            for L in range(f32.n_layers):
+                def randn(*shape):
+                    return torch.randn(*shape, generator=gen).bfloat16().to(device)
+                q = randn(count, f32.n_heads, f32.head_dim)
+                k, v = randn(count, f32.n_kv_heads, f32.head_dim), randn(count, f32.n_kv_heads, f32.head_dim)
+                want = f32.prefill(L, s, q.float(), k.float(), v.float())
+                got = b16.prefill(L, t, q, k, v)
+                assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), f"prefill layer {L}"
+                f32.append(L, k.float(), v.float())
+                b16.append(L, k, v)
+                qd = randn(1, f32.n_heads, f32.head_dim)
+                want = f32.decode(L, [s], qd.float())
+                got = b16.decode(L, [t], qd)
+                assert torch.equal(got, want.bfloat16()), f"decode layer {L} after +{count}"
+                # float32 queries into the bfloat16 runtime are rounded first, and come back float32
+                assert torch.equal(b16.decode(L, [t], qd.float()), got.float())
+        assert f32.length(s) == b16.length(t) == 222
+    with pytest.raises(kvcc.KvccError, match="dtype"):
+        kvcc.Runtime(UNIFORM, max_pages=1, max_sequences=1, dtype=torch.float16)
+
+
 # --------------------------------------------------------------------------------------------
 # (c), (d): the custom ops
 
