@@ -9,11 +9,12 @@ baseline.
 --step-layers N also times what bench_step times for the INT2 cache, a whole decode step of N
 layers over a BF16 cache as an engine runs it: per layer the new token's K and V written into the
 layer's preallocated cache [B, Hkv, L, d] at a position held on the device (index_copy_, so the
-graph replays for any position), then SDPA (grouped form) over the L tokens; every layer captured in
+graph replays for any position), then SDPA (either form, the best kept) over the L tokens; every layer captured in
 one CUDA graph; reported per layer ("kind": "sdpa_step").
 usage: bench_sdpa.py --configs Hq:Hkv:batch:ctx,... --out sdpa.jsonl [--step-layers 4]
 """
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -125,7 +126,7 @@ def time_step(out, backends, hq, hkv, batch, ctx, layers, reps, dev):
     q = [torch.randn(batch, hkv, r, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
     pos = torch.tensor([ctx - 1], device=dev)  # the new token's slot: the graph reads it from the device
     best = None
-    for name, backend in backends.items():
+    for (name, backend), form in itertools.product(backends.items(), ("grouped", "enable_gqa")):
         outs = [None] * layers
 
         def step():
@@ -133,7 +134,11 @@ def time_step(out, backends, hq, hkv, batch, ctx, layers, reps, dev):
                 for l in range(layers):
                     kc[l].index_copy_(2, pos, k1[l])
                     vc[l].index_copy_(2, pos, v1[l])
-                    outs[l] = F.scaled_dot_product_attention(q[l], kc[l], vc[l])
+                    if form == "grouped":
+                        outs[l] = F.scaled_dot_product_attention(q[l], kc[l], vc[l])
+                    else:
+                        outs[l] = F.scaled_dot_product_attention(q[l].reshape(batch, hq, 1, d), kc[l], vc[l],
+                                                                 enable_gqa=True)
 
         try:
             us = time_graph(step, reps) / layers
@@ -141,18 +146,19 @@ def time_step(out, backends, hq, hkv, batch, ctx, layers, reps, dev):
         except Exception as e:
             msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             out.write(json.dumps({"kind": "sdpa_step", "q_heads": hq, "kv_heads": hkv, "batch": batch,
-                                  "context": ctx, "backend": name, "layers": layers, "error": msg}) + "\n")
+                                  "context": ctx, "backend": name, "form": form, "layers": layers,
+                                  "error": msg}) + "\n")
             torch.cuda.synchronize()
             continue
         out.write(json.dumps({"kind": "sdpa_step", "q_heads": hq, "kv_heads": hkv, "batch": batch, "context": ctx,
-                              "backend": name, "layers": layers, "us_per_layer": round(us, 3),
+                              "backend": name, "form": form, "layers": layers, "us_per_layer": round(us, 3),
                               "outputs_finite": finite}) + "\n")
         out.flush()
         if finite and (best is None or us < best[0]):
-            best = (us, name)
+            best = (us, name, form)
     if best:
         print(f"sdpa step {hq:2d}/{hkv} b={batch:<3d} ctx={ctx:<6d} {layers} layers: best {best[0]:8.1f} us per layer "
-              f"(cache write + {best[1]})", flush=True)
+              f"(cache write + {best[1]}, {best[2]})", flush=True)
     del kc, vc
     torch.cuda.empty_cache()
 

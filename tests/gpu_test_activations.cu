@@ -136,8 +136,8 @@ void check_bf16_equals_rounded_f32(bool tables, unsigned seed) {
     }
   };
   // History through prefill, one sequence at a time: sequence 0 two tokens short of the sink's end,
-  // 1 three short of its first flush, 2 four short of its third with the ring about to wrap.
-  const std::vector<int> fill = {14, 78, 100};
+  // 1 three short of its first flush, 2 eight short of the ring's wrap (post-sink 120 of 128).
+  const std::vector<int> fill = {14, 78, 136};
   for (int seq = 0; seq < 3; ++seq) {
     const int T = fill[size_t(seq)];
     set_inputs(T, T);
