@@ -12,6 +12,7 @@
 # activation tests, bench_step in its plain, fixed, graph and graph-bf16 modes, and the BF16-cache
 # step it is compared with (bench_sdpa.py --step-layers: cache write + SDPA per layer, in a graph)
 # (with BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
+# BEFORE_MODES: the bench_step modes the before tree runs (default plain; the tree must have them).
 # usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
 #        scripts/gpu_run.sh [quick | graph]
 set -u -o pipefail
@@ -56,8 +57,10 @@ if [ "${1:-}" = graph ]; then
     tee "$OUT/sdpa_step.txt"
   echo "sdpa step exit: $?"
   if [ -n "${BEFORE_TREE:-}" ]; then
-    "$BEFORE_TREE/build-before/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" | sed "s/^/before /" | tee "$OUT/bench_step_before.txt"
-    "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,graph | sed "s/^/again /" | tee -a "$OUT/bench_step.txt"
+    "$BEFORE_TREE/build-before/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes "${BEFORE_MODES:-plain}" |
+      sed "s/^/before /" | tee "$OUT/bench_step_before.txt"
+    "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes "${BEFORE_MODES:-plain},graph" |
+      sed "s/^/again /" | tee -a "$OUT/bench_step.txt"
   fi
   echo "total: $(( $(date +%s) - t0 )) s"
   exit 0
