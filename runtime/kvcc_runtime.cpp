@@ -108,13 +108,7 @@ struct Runtime::DeviceState {
   // graph holds their addresses), and decode's split plan is the one for cap.hist_pages.
   bool fixed = false;
   StepCapacity cap;
-  // Host images of the step's tables, pinned, two in turn: the upload from pinned memory is
-  // asynchronous (from pageable memory CUDA would wait for the stream's earlier work, so the
-  // host could not plan step n + 1 while step n runs); packed_free[i] is recorded after image
-  // i's copy, and begin_append waits for it before writing image i again.
-  uint8_t* packed[2] = {nullptr, nullptr};
-  cudaEvent_t packed_free[2] = {nullptr, nullptr};
-  int next_packed = 0;
+  std::vector<uint8_t> packed;  // host image of the step's tables (reused: no allocation per step)
   // The step planned by begin_append (valid until the next one): its sequences, the append plan
   // and the decode batch of those sequences, all in `step`.
   std::vector<int> step_seqs;
@@ -130,13 +124,6 @@ struct Runtime::DeviceState {
   ~DeviceState() {
     if (uploaded) cudaEventDestroy(uploaded);
     if (used) cudaEventDestroy(used);
-    for (int i = 0; i < 2; ++i) {
-      if (packed_free[i]) {
-        cudaEventSynchronize(packed_free[i]);  // its copy may still read the image
-        cudaEventDestroy(packed_free[i]);
-      }
-      if (packed[i]) cudaFreeHost(packed[i]);
-    }
   }
   // The events, made at the first step (a host pool's Runtime never touches the device).
   void make_events() {
@@ -319,11 +306,7 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     d.fixed = true;
     d.cap = cap;
     d.step = DeviceBuffer<uint8_t>(cap.bytes);
-    for (int i = 0; i < 2; ++i) {
-      check_cuda(cudaMallocHost(&d.packed[i], std::max<size_t>(1, cap.bytes)), "runtime: pinned step tables");
-      std::memset(d.packed[i], 0, cap.bytes);
-      check_cuda(cudaEventCreateWithFlags(&d.packed_free[i], cudaEventDisableTiming), "runtime: event");
-    }
+    d.packed.assign(cap.bytes, 0);
     size_t ws = append_staging_bytes(g, cap.rows);
     for (int b = 1; b <= limits_.max_batch; ++b)
       ws = std::max(ws, decode_workspace_bytes(g, b, n_heads_, int(cap.hist_pages)));
@@ -399,17 +382,14 @@ void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<
   const StepPacking at = step_packing(c, int64_t(ints.size()), int64_t(m.moves.size()), int64_t(m.writes.size()));
   const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()), int32_t(m.writes.size()), int32_t(m.rows),
                                            int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at)};
-  const int img = d.next_packed;
-  d.next_packed ^= 1;
-  // Image img's last copy was queued two steps ago: normally long done.
-  check_cuda(cudaEventSynchronize(d.packed_free[img]), "runtime: step tables wait");
-  uint8_t* h = d.packed[img];
+  uint8_t* h = d.packed.data();
   std::memcpy(h + c.counts_at, header, sizeof(header));
   std::memcpy(h + c.ints_at, ints.data(), ints.size() * sizeof(int32_t));
   std::memcpy(h + at.moves_at, m.moves.data(), m.moves.size() * sizeof(AppendMove));
   std::memcpy(h + at.writes_at, m.writes.data(), m.writes.size() * sizeof(AppendWindowWrite));
+  // Pageable memory, as the undeclared path: staged before the call returns, so `packed` is free
+  // for the next step at once.
   check_cuda(cudaMemcpyAsync(d.step.data(), h, at.bytes, cudaMemcpyHostToDevice, stream), "runtime: step upload");
-  check_cuda(cudaEventRecord(d.packed_free[img], stream), "runtime: event record");
   uint8_t* base = d.step.data();
   d.append.moves = nullptr;  // at the header's offsets
   d.append.writes = nullptr;
