@@ -397,8 +397,12 @@ std::string check_symbol_table(const unsigned char* f, uint64_t size, uint64_t b
   return "";
 }
 
+constexpr const char* kChunkedRefusal =
+    "chunked storage is not supported (kvcc writes compact and contiguous datasets)";
+
 // Walks the messages of the object header at `addr` (following continuation messages, each chunk
-// once), checking attribute messages (type 12) and symbol tables (type 17).
+// once), checking attribute messages (type 12), symbol tables (type 17), the storage layout
+// (type 8) and link / attribute info (types 2 and 21: no dense storage).
 std::string check_object_header(const unsigned char* f, uint64_t file_size, uint64_t addr, const FileInfo& info) {
   struct Chunk {
     uint64_t at, length;
@@ -452,6 +456,24 @@ std::string check_object_header(const unsigned char* f, uint64_t file_size, uint
                 check_symbol_table(f, file_size, le_bytes(f + data, 8), le_bytes(f + data + 8, 8), info);
             !problem.empty())
           return problem;
+      }
+      if (type == 0x08) {  // data layout: compact (0) or contiguous (1) only
+        if (size < 3) return "data layout message too short";
+        const unsigned version = f[data];
+        if (version < 1 || version > 4) return "data layout version " + std::to_string(version);
+        const unsigned cls = version >= 3 ? f[data + 1] : f[data + 2];
+        if (cls == 2) return kChunkedRefusal;
+        if (cls > 1) return "dataset storage class " + std::to_string(cls) + " is not supported";
+      }
+      // Link info (0x02) and attribute info (0x15): a defined fractal heap address means dense
+      // storage (links or attributes in a fractal heap indexed by v2 B-trees).
+      if (type == 0x02 || type == 0x15) {
+        if (size < 2) return "link or attribute info message too short";
+        const uint64_t heap = data + 2 + ((f[data + 1] & 1) ? (type == 0x02 ? 8 : 2) : 0);
+        if (heap + 8 > data + size) return "link or attribute info message too short";
+        if (le_bytes(f + heap, 8) != ~uint64_t(0))
+          return type == 0x02 ? "dense link storage (a fractal heap) is not supported"
+                              : "dense attribute storage (a fractal heap) is not supported";
       }
       if (type == 0x10) {  // continuation: offset and length
         if (size < 16) return "object header continuation too short";
@@ -824,18 +846,13 @@ void Dataset::check_readable(const Shape& shape, DType type) const {
   Handle dcpl(H5Dget_create_plist(id()), H5Pclose);
   if (dcpl.get() < 0) fail("cannot read the dataset's storage properties");
   const H5D_layout_t layout = H5Pget_layout(dcpl.get());
-  if (layout != H5D_COMPACT && layout != H5D_CONTIGUOUS && layout != H5D_CHUNKED)
-    fail("unsupported storage layout (" + std::to_string(int(layout)) + ")");
+  if (layout != H5D_COMPACT && layout != H5D_CONTIGUOUS)
+    fail(layout == H5D_CHUNKED ? std::string(kChunkedRefusal)
+                               : "unsupported storage layout (" + std::to_string(int(layout)) + ")");
   const int external = H5Pget_external_count(dcpl.get());
   if (external != 0) fail("external storage is not supported");
-  const int filters = H5Pget_nfilters(dcpl.get());
-  if (filters < 0) fail("cannot read the dataset's filters");
   const uint64_t file = file_size();
-  const uint64_t bound = filters == 0 ? file
-                         : file > std::numeric_limits<uint64_t>::max() / kMaxCompressionRatio
-                             ? std::numeric_limits<uint64_t>::max()
-                             : file * kMaxCompressionRatio;
-  if (bytes > bound)
+  if (bytes > file)
     fail("shape " + shape_string(shape) + " needs " + std::to_string(bytes) + " bytes, more than a file of " +
          std::to_string(file) + " bytes holds (corrupt file)");
 }

@@ -10,8 +10,9 @@
 // sizes, attribute messages) must be consistent with the file; before anything is read its HDF5
 // type must be one of the standard types below (or a plain string), an attribute must hold one
 // value, and a dataset's size is checked against the file's size before a buffer is allocated (a
-// dataset cannot hold more raw bytes than its file; compressed data at most kMaxCompressionRatio
-// times as many). A corrupt file is refused with an Error naming what is wrong.
+// dataset cannot hold more raw bytes than its file). Structures kvcc never writes are refused
+// before libhdf5 parses them: chunked storage (its chunk index), dense link and attribute storage
+// (fractal heaps, v2 B-trees). A corrupt file is refused with an Error naming what is wrong.
 #pragma once
 #include <hdf5.h>
 
@@ -86,9 +87,6 @@ std::string shape_string(const Shape&);  // "[128, 128]"
 int64_t element_count(const Shape&);
 size_t dtype_size(DType);
 
-// Filtered (compressed) datasets may hold at most this many times the file's size (deflate's
-// best case is about 1032:1).
-inline constexpr uint64_t kMaxCompressionRatio = 1100;
 // The longest string attribute kvcc reads (a command line, a fingerprint field list).
 inline constexpr size_t kMaxStringBytes = size_t(1) << 20;
 
@@ -153,8 +151,8 @@ class Dataset : public Object {
  public:
   Shape shape() const;  // throws Error for a dataspace that is not simple or scalar
   DType dtype() const;  // throws Error for a type kvcc does not store
-  // Throws Error unless `shape` elements of `type` can be read: no external or virtual storage,
-  // and no more bytes than the file holds (kMaxCompressionRatio times that when filtered).
+  // Throws Error unless `shape` elements of `type` can be read: compact or contiguous storage in
+  // the file itself (no chunked, external or virtual storage), no more bytes than the file holds.
   void check_readable(const Shape& shape, DType type) const;
   // Byte offset of contiguous data in the file (tests corrupt bytes through it); -1 if none.
   int64_t file_offset() const;

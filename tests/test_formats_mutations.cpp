@@ -455,6 +455,65 @@ TEST(FormatsUntrusted, ExternalStorageIsRefused) {
   EXPECT_CONTAINS(outcome_in_child([&] { verify_artifact_file(art); }), "ext: external storage is not supported");
 }
 
+// Structures kvcc never writes are refused before libhdf5 parses them: a chunked dataset's chunk
+// index (a B-tree libhdf5 walks unchecked), and dense link or attribute storage (fractal heaps
+// indexed by v2 B-trees), which libhdf5 writes only when asked for the newer format.
+TEST(FormatsUntrusted, ChunkedAndDenseStorageAreRefusedBeforeLibhdf5ParsesThem) {
+  testing::ScratchDir dir;
+  const std::string refusal = "chunked storage is not supported";
+  // A chunked dataset made by libhdf5 itself.
+  const std::string art = copy_of(dir, small_artifact(), "a.kvcc.h5");
+  {
+    h5::File f = h5::File::open_rw(art);
+    f.group("layers").group("0").group("kv0").group("key").create_group("extras", true);
+    h5::seal_attributes(f);
+    f.close();
+  }
+  const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+  const hsize_t chunk = 64;
+  ASSERT_GE(H5Pset_chunk(dcpl, 1, &chunk), 0);
+  declare_unwritten_dataset(art, "/layers/0/kv0/key/extras", "chunked", {512}, H5T_IEEE_F64LE, dcpl);
+  H5Pclose(dcpl);
+  EXPECT_CONTAINS(outcome_in_child([&] { verify_artifact_file(art); }), refusal);
+  // A contiguous dataset's layout message (v1 header: type 8, then version 3, class 1) turned
+  // into a chunked one: its "chunk index" is whatever bytes follow.
+  const std::string good = testing::read_bytes(small_artifact());
+  size_t layout = std::string::npos;
+  for (size_t at = good.find(std::string("\x08\0", 2)); at != std::string::npos && layout == std::string::npos;
+       at = good.find(std::string("\x08\0", 2), at + 1))
+    if (at + 10 < good.size() && good[at + 8] == 3 && good[at + 9] == 1 && good[at + 2] == 0x18 && good[at + 3] == 0)
+      layout = at;
+  ASSERT_NE(layout, std::string::npos);
+  std::string bad = good;
+  bad[layout + 9] = 2;
+  testing::write_bytes(dir.file("class.kvcc.h5"), bad);
+  EXPECT_CONTAINS(outcome_in_child([&] { verify_artifact_file(dir.file("class.kvcc.h5")); }), refusal);
+  // Dense attributes, then dense links, on the root of a file in the newer format.
+  for (const bool links : {false, true}) {
+    const std::string path = dir.file(links ? "links.h5" : "attrs.h5");
+    const hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), fcpl = H5Pcreate(H5P_FILE_CREATE);
+    ASSERT_GE(H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST), 0);
+    ASSERT_GE(links ? H5Pset_link_phase_change(fcpl, 0, 0) : H5Pset_attr_phase_change(fcpl, 0, 0), 0);
+    const hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, fapl);
+    ASSERT_GE(f, 0);
+    const hid_t space = H5Screate(H5S_SCALAR);
+    const hid_t a = H5Acreate2(f, "capacity", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+    const int64_t one = 1;
+    ASSERT_GE(H5Awrite(a, H5T_NATIVE_INT64, &one), 0);
+    H5Aclose(a);
+    const hid_t g = H5Gcreate2(f, "layers", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(g, 0);
+    H5Gclose(g);
+    H5Sclose(space);
+    H5Pclose(fapl);
+    H5Pclose(fcpl);
+    ASSERT_GE(H5Fclose(f), 0);
+    EXPECT_CONTAINS(outcome_in_child([&] { read_stats(path); }),
+                    links ? "dense link storage (a fractal heap) is not supported"
+                          : "dense attribute storage (a fractal heap) is not supported");
+  }
+}
+
 // Variable-length strings live in a global heap collection whose object sizes libhdf5 1.10
 // trusts: a corrupt size crashed H5HG_read (heap overflow / overlapping memcpy under ASan), a
 // zero-sized free-space object hung its parser.
