@@ -211,7 +211,19 @@ ModelConfig parse_hf_config(const json& config, const std::string& where) {
   cfg.qk_norm = cfg.architecture == "qwen3";
   if (cfg.architecture == "qwen2" || cfg.architecture == "qwen3")
     KVCC_REQUIRE(!optional_bool(config, "use_sliding_window", false, where),
-                 where + ": use_sliding_window is not supported");
+                 where +
+                     ": use_sliding_window is not supported by the C++ forward, which attends over the whole "
+                     "context (python -m kvcc.calibrate runs sliding-window models)");
+  // Mistral's window applies whenever it is set (v0.1: 4096 of 32768); a window covering the whole
+  // context changes nothing.
+  if (cfg.architecture == "mistral" && present(config, "sliding_window") && !config["sliding_window"].is_null()) {
+    const int window = optional_int(config, "sliding_window", 0, where);
+    KVCC_REQUIRE(window >= cfg.max_position,
+                 where + ": sliding_window " + std::to_string(window) + " (below max_position_embeddings " +
+                     std::to_string(cfg.max_position) +
+                     ") is not supported by the C++ forward, which attends over the whole context (python -m "
+                     "kvcc.calibrate runs sliding-window models)");
+  }
   cfg.bos_id = token_id(config, "bos_token_id", where).value_or(-1);
   cfg.eos_id = token_id(config, "eos_token_id", where).value_or(-1);
   return cfg;

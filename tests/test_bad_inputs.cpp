@@ -250,6 +250,39 @@ TEST_F(BadInputs, CalibrationRefusesNonFiniteWeightsAndBadNormEps) {
   EXPECT_FALSE(testing::file_exists(file("eps.h5")));
 }
 
+// The C++ forward attends over the whole context, so a sliding window that would cut it is refused
+// by name (a Mistral v0.1 config: 4096 of 32768; Qwen's use_sliding_window), while a window covering
+// the whole context, or none, is accepted.
+TEST_F(BadInputs, SlidingWindowsTheForwardWouldIgnoreAreRefused) {
+  const std::string model = make_model();
+  const std::string config = model + "/config.json";
+  json j = read_json_file(config);
+  const json good = j;
+  j["architectures"] = {"MistralForCausalLM"};
+  j["model_type"] = "mistral";
+  j["max_position_embeddings"] = 32768;
+  j["sliding_window"] = 4096;
+  write_json_file(config, j);
+  std::string err = testing::error_of([&] { read_hf_config(model); });
+  EXPECT_NE(err.find("sliding_window 4096 (below max_position_embeddings 32768) is not supported"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find(config), std::string::npos) << err;
+  for (const json& window : {json(32768), json(nullptr)}) {
+    j["sliding_window"] = window;
+    write_json_file(config, j);
+    EXPECT_EQ(read_hf_config(model).architecture, "mistral") << window.dump();
+  }
+  j = good;
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  j["model_type"] = "qwen2";
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 4096;
+  write_json_file(config, j);
+  err = testing::error_of([&] { read_hf_config(model); });
+  EXPECT_NE(err.find("use_sliding_window is not supported"), std::string::npos) << err;
+  write_json_file(config, good);
+}
+
 // The output head is checked too: only validate's logits read it, after calibration succeeded.
 TEST_F(BadInputs, ValidateRefusesANonFiniteOutputHead) {
   const std::string ids = make_ids();
