@@ -37,6 +37,7 @@ struct Args {
   std::vector<std::string> artifact_paths;
   ValidateData data;
   int block = 128;
+  int64_t late_from = 0;                       // > 0: positions from here on also reported on their own
   std::optional<int> sink, recent, page_size;  // unset: the artifact's recipe
 };
 
@@ -90,7 +91,7 @@ int run_validate(Args& a) {
   };
   ValidationResult result;
   if (a.dump_path.empty()) {
-    result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision);
+    result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision, {}, a.late_from);
   } else {
     // Written as the run goes, into a temporary file renamed into place only when complete.
     LogitsDumpSpec spec;
@@ -104,10 +105,12 @@ int run_validate(Args& a) {
                      {"precision", validate_precision_name(a.precision)}};
     write_file_atomically(a.dump_path, [&](const std::string& tmp) {
       LogitsDump dump(tmp, spec, docs);
-      result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision,
-                                [&](size_t run, uint64_t row, const double* logits, const double* logprobs, int) {
-                                  dump.write_row(run, row, logits, logprobs);
-                                });
+      result = validate_schemes(
+          model, docs, schemes, a.mode, a.block, progress, a.precision,
+          [&](size_t run, uint64_t row, const double* logits, const double* logprobs, int) {
+            dump.write_row(run, row, logits, logprobs);
+          },
+          a.late_from);
       dump.finish();
     });
   }
@@ -188,6 +191,10 @@ Command reg{
       sub.add_option("--block", a->block, "tokens per pseudo-decode block")
           ->check(CLI::PositiveNumber)
           ->capture_default_str();
+      sub.add_option("--late-from", a->late_from,
+                     "also report the predictions at positions >= N on their own (long-range use of the cache, "
+                     "e.g. 8192 on 16K documents; 0: not)")
+          ->transform(whole_number(0, 1ULL << 40));
       // Names become the library's enums here: the library never sees a flag's spelling.
       sub.add_option("--mode", a->mode, "pseudo-decode (default) | static")
           ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateMode>{

@@ -136,6 +136,7 @@ void log_softmax(const S* logits, int V, std::vector<double>& out) {
 struct Accum {
   double nll = 0, kl = 0, top1 = 0;
   double doc_nll = 0, doc_kl = 0, doc_top1 = 0;
+  double late_nll = 0, late_kl = 0, late_top1 = 0, doc_late_nll = 0, doc_late_kl = 0;
   std::vector<double> err_num, err_den;
 };
 
@@ -149,7 +150,7 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
                    const std::function<void(const ValidateProgress&)>& progress, ValidateProgress prog,
                    std::chrono::steady_clock::time_point t0, ValidationResult& result, std::vector<Accum>& acc,
                    std::vector<std::vector<DocumentMetrics>>& per_doc, const std::vector<RuntimeRun*>& runtimes,
-                   const LogitsSink& sink) {
+                   const LogitsSink& sink, int64_t late_from, std::vector<double>& reference_late_doc_nll) {
   const ModelConfig& c = model.config();
   std::vector<BasicLayerWeights<S>> weights;
   for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<S>(model, l));
@@ -167,7 +168,9 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
     result.documents++;
     result.tokens += uint64_t(n);
     result.doc_lengths.push_back(n);
-    for (Accum& a : acc) a.doc_nll = a.doc_kl = a.doc_top1 = 0;
+    for (Accum& a : acc) a.doc_nll = a.doc_kl = a.doc_top1 = a.doc_late_nll = a.doc_late_kl = 0;
+    // Predictions at positions >= late_from in this document.
+    const int64_t doc_late = late_from > 0 ? std::max<int64_t>(0, n - 1 - late_from) : 0;
     std::vector<std::vector<LayerCache<S>>> caches(R, std::vector<LayerCache<S>>(size_t(c.n_layers)));
     for (RuntimeRun* rt : runtimes)
       if (rt) rt->begin_document();
@@ -238,8 +241,13 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
                        logits.begin() + std::ptrdiff_t(size_t(t + 1) * V));
             sink(r, result.predictions + uint64_t(t), row.data(), lp_q.data(), V);
           }
+          const bool late = late_from > 0 && b0 + t >= late_from;
           a.nll -= lp_q[size_t(target)];
           a.doc_nll -= lp_q[size_t(target)];
+          if (late) {
+            a.late_nll -= lp_q[size_t(target)];
+            a.doc_late_nll -= lp_q[size_t(target)];
+          }
           if (r == 0) continue;
           log_softmax(ref_logits.data() + size_t(t) * V, V, lp_ref);
           double kl = 0;
@@ -250,6 +258,11 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
           const auto am_q = std::max_element(lp_q.begin(), lp_q.end()) - lp_q.begin();
           a.top1 += am_ref == am_q ? 1.0 : 0.0;
           a.doc_top1 += am_ref == am_q ? 1.0 : 0.0;
+          if (late) {
+            a.late_kl += std::max(kl, 0.0);
+            a.doc_late_kl += std::max(kl, 0.0);
+            a.late_top1 += am_ref == am_q ? 1.0 : 0.0;
+          }
         }
       }
       result.predictions += uint64_t(predict);
@@ -262,14 +275,21 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
     const double p = double(n - 1);
     const double ref_nll = acc[0].doc_nll / p;
     result.reference_doc_nll.push_back(ref_nll);
+    result.late_predictions += uint64_t(doc_late);
     for (size_t r = 1; r < R; ++r) {
       DocumentMetrics m;
       m.nll = acc[r].doc_nll / p;
       m.kl = acc[r].doc_kl / p;
       m.top1_agreement = acc[r].doc_top1 / p;
       m.ppl_rel_change = std::exp(m.nll - ref_nll) - 1.0;
+      m.late_predictions = doc_late;
+      if (doc_late > 0) {
+        m.late_nll = acc[r].doc_late_nll / double(doc_late);
+        m.late_kl = acc[r].doc_late_kl / double(doc_late);
+      }
       per_doc[r - 1].push_back(m);
     }
+    reference_late_doc_nll.push_back(doc_late > 0 ? acc[0].doc_late_nll / double(doc_late) : 0.0);
   }
 }
 
@@ -278,10 +298,12 @@ void run_documents(const ModelFile& model, const std::vector<std::vector<int32_t
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
                                   const std::function<void(const ValidateProgress&)>& progress,
-                                  ValidatePrecision precision, const LogitsSink& logits) {
+                                  ValidatePrecision precision, const LogitsSink& logits, int64_t late_from) {
   const auto t0 = std::chrono::steady_clock::now();
   const ModelConfig& c = model.config();
   KVCC_REQUIRE(block > 0, "validation block size must be positive");
+  KVCC_REQUIRE(late_from >= 0,
+               "validation: the late positions' start must not be negative, got " + std::to_string(late_from));
   for (const CacheScheme& s : schemes) {
     KVCC_REQUIRE(s.page_size > 0 && s.sink >= 0 && s.recent >= 0,
                  "scheme " + s.name + ": page size must be positive and windows non-negative");
@@ -327,12 +349,16 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
   ValidateProgress prog;
   prog.documents_total = documents.size();
   prog.tokens_total = tokens_total;
+  result.late_from = late_from;
+  std::vector<double> reference_late_doc_nll;
   if (precision == ValidatePrecision::Double)
     run_documents<double>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes,
-                          logits);
+                          logits, late_from, reference_late_doc_nll);
   else
     run_documents<float>(model, documents, runs, mode, block, progress, prog, t0, result, acc, per_doc, runtimes,
-                         logits);
+                         logits, late_from, reference_late_doc_nll);
+  const double late_P = double(result.late_predictions);
+  if (late_P > 0) result.reference_late_nll = acc[0].late_nll / late_P;
 
   const double P = double(result.predictions);
   result.reference_nll = acc[0].nll / P;
@@ -359,6 +385,23 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
     m.kl_stderr = clustered_standard_error(kl, weights);
     // d(e^Δ − 1)/dΔ = e^Δ at the mean paired difference Δ = nll − reference nll.
     m.ppl_rel_change_stderr = (1.0 + m.ppl_rel_change) * clustered_standard_error(nll_diff, weights);
+    if (late_P > 0) {
+      // The documents with late predictions are the clusters, weighted by those predictions.
+      std::vector<double> late_kl, late_diff, late_w;
+      for (size_t d = 0; d < m.per_document.size(); ++d) {
+        const DocumentMetrics& dm = m.per_document[d];
+        if (dm.late_predictions == 0) continue;
+        late_kl.push_back(dm.late_kl);
+        late_diff.push_back(dm.late_nll - reference_late_doc_nll[d]);
+        late_w.push_back(double(dm.late_predictions));
+      }
+      m.late.predictions = result.late_predictions;
+      m.late.kl = a.late_kl / late_P;
+      m.late.kl_stderr = clustered_standard_error(late_kl, late_w);
+      m.late.top1_agreement = a.late_top1 / late_P;
+      m.late.ppl_rel_change = std::exp(a.late_nll / late_P - result.reference_late_nll) - 1.0;
+      m.late.ppl_rel_change_stderr = (1.0 + m.late.ppl_rel_change) * clustered_standard_error(late_diff, late_w);
+    }
     for (int l = 0; l < c.n_layers; ++l)
       m.layer_rel_error.push_back(a.err_den[size_t(l)] > 0 ? a.err_num[size_t(l)] / a.err_den[size_t(l)] : 0.0);
     if (const Artifact* art = schemes[i].artifact.get()) {

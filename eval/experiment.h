@@ -47,6 +47,19 @@ const char* validate_precision_name(ValidatePrecision precision);  // float | do
 struct DocumentMetrics {
   double nll = 0, kl = 0, top1_agreement = 0;
   double ppl_rel_change = 0;  // exp(nll − reference nll of the document) − 1
+  // Over its predictions from position late_from on (validate_schemes' late_from; 0 without any).
+  int64_t late_predictions = 0;
+  double late_nll = 0, late_kl = 0;
+};
+
+// The predictions made at positions >= from (query positions; position p predicts token p + 1),
+// measured on their own: the long-range use of the cache (validate --late-from). The means are
+// token-weighted over those predictions, the standard errors clustered over the documents that
+// have any (NaN with fewer than 2).
+struct LateMetrics {
+  uint64_t predictions = 0;
+  double kl = 0, kl_stderr = 0, top1_agreement = 0;
+  double ppl_rel_change = 0, ppl_rel_change_stderr = 0;  // exp(late nll − reference late nll) − 1
 };
 
 struct SchemeMetrics {
@@ -63,6 +76,7 @@ struct SchemeMetrics {
   std::vector<double> layer_rel_error;  // per layer: Σ‖o − o_ref‖² / Σ‖o_ref‖² of attention outputs
   double nominal_bits = 0, effective_bits = 0;  // 0 for schemes without an artifact
   std::vector<DocumentMetrics> per_document;    // in the order of ValidationResult::doc_lengths
+  LateMetrics late;                             // with ValidationResult::late_from > 0
 };
 
 struct ValidationResult {
@@ -73,6 +87,9 @@ struct ValidationResult {
   std::vector<double> reference_doc_nll;  // the reference's mean NLL per document
   double reference_nll = 0, reference_perplexity = 0;
   double reference_nll_stderr = 0;  // clustered over documents (NaN with one)
+  int64_t late_from = 0;            // > 0: SchemeMetrics::late measured from this position on
+  uint64_t late_predictions = 0;
+  double reference_late_nll = 0;
   std::vector<SchemeMetrics> schemes;
   double seconds = 0;
 };
@@ -91,13 +108,14 @@ using LogitsSink =
 // Runs every scheme and the full-precision reference over the documents, block by block in
 // lockstep (one document's blocks at a time, so memory holds one block's logits per scheme).
 // With no schemes it measures the full-precision model alone (reference_nll and its se).
-// documents: token ids; documents of fewer than 2 tokens are skipped. Throws Error on no usable
-// document, and on a runtime-path scheme with double precision.
+// documents: token ids; documents of fewer than 2 tokens are skipped. late_from > 0 also measures
+// the predictions from that position on (SchemeMetrics::late). Throws Error on no usable
+// document, a negative late_from, and on a runtime-path scheme with double precision.
 ValidationResult validate_schemes(const ModelFile& model, const std::vector<std::vector<int32_t>>& documents,
                                   const std::vector<CacheScheme>& schemes, ValidateMode mode, int block,
                                   const std::function<void(const ValidateProgress&)>& progress = {},
-                                  ValidatePrecision precision = ValidatePrecision::Float,
-                                  const LogitsSink& logits = {});
+                                  ValidatePrecision precision = ValidatePrecision::Float, const LogitsSink& logits = {},
+                                  int64_t late_from = 0);
 
 // Standard error of the weighted mean μ = Σ wᵢxᵢ / Σ wᵢ of per-document values xᵢ (weights wᵢ:
 // the documents' prediction counts) with documents as independent clusters:

@@ -42,6 +42,21 @@ std::string format_table(const ValidationResult& r) {
                   se(m.kl_stderr, "%.2e").c_str(), m.top1_agreement, max_err);
     o << line;
   }
+  if (r.late_from > 0) {
+    std::snprintf(line, sizeof line, "positions >= %lld only (%llu predictions):\n", (long long)r.late_from,
+                  (unsigned long long)r.late_predictions);
+    o << line;
+    for (const SchemeMetrics& m : r.schemes) {
+      if (m.late.predictions == 0) {
+        o << "  " << m.name << ": no prediction at those positions\n";
+        continue;
+      }
+      std::snprintf(line, sizeof line, "  %-26s Δppl %+8.3f %% ± %s   KL %10.3e ± %s   top-1 %7.4f\n", m.name.c_str(),
+                    100.0 * m.late.ppl_rel_change, se(100.0 * m.late.ppl_rel_change_stderr, "%.3f").c_str(), m.late.kl,
+                    se(m.late.kl_stderr, "%.2e").c_str(), m.late.top1_agreement);
+      o << line;
+    }
+  }
   o << "(±se: standard error across documents; Δppl's from per-document paired NLL differences; cache: codec =\n"
        " simulated pages with float32 windows, runtime/cpu|gpu = the serving runtime's host|device pool)\n";
   return o.str();
@@ -78,20 +93,29 @@ std::string to_json(const ValidationResult& r) {
                       {"kl", dm.kl},
                       {"top1_agreement", dm.top1_agreement}});
     }
-    j["schemes"].push_back({{"name", m.name},
-                            {"method", m.method},
-                            {"cache", m.cache},
-                            {"nominal_bits", m.nominal_bits},
-                            {"effective_bits", m.effective_bits},
-                            {"nll", m.nll},
-                            {"perplexity", m.perplexity},
-                            {"ppl_rel_change", m.ppl_rel_change},
-                            {"ppl_rel_change_stderr", num(m.ppl_rel_change_stderr)},
-                            {"kl", m.kl},
-                            {"kl_stderr", num(m.kl_stderr)},
-                            {"top1_agreement", m.top1_agreement},
-                            {"layer_rel_error", m.layer_rel_error},
-                            {"per_document", docs}});
+    j["schemes"].push_back(
+        {{"name", m.name},
+         {"method", m.method},
+         {"cache", m.cache},
+         {"nominal_bits", m.nominal_bits},
+         {"effective_bits", m.effective_bits},
+         {"nll", m.nll},
+         {"perplexity", m.perplexity},
+         {"ppl_rel_change", m.ppl_rel_change},
+         {"ppl_rel_change_stderr", num(m.ppl_rel_change_stderr)},
+         {"kl", m.kl},
+         {"kl_stderr", num(m.kl_stderr)},
+         {"top1_agreement", m.top1_agreement},
+         {"late", r.late_from > 0 ? nlohmann::json{{"from", r.late_from},
+                                                   {"predictions", m.late.predictions},
+                                                   {"kl", m.late.kl},
+                                                   {"kl_stderr", num(m.late.kl_stderr)},
+                                                   {"ppl_rel_change", m.late.ppl_rel_change},
+                                                   {"ppl_rel_change_stderr", num(m.late.ppl_rel_change_stderr)},
+                                                   {"top1_agreement", m.late.top1_agreement}}
+                                  : nlohmann::json(nullptr)},
+         {"layer_rel_error", m.layer_rel_error},
+         {"per_document", docs}});
   }
   return j.dump(2) + "\n";
 }

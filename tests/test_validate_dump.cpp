@@ -210,6 +210,59 @@ TEST(ValidateDump, TopKEqualsFullDumpSortedForEveryRun) {
   EXPECT_NE(tensor<float>(f, "reference/logits", TensorDType::F32), tensor<float>(f, "int2/logits", TensorDType::F32));
 }
 
+// validate's late positions (--late-from): their KL, Δppl and top-1 equal the same means computed
+// here from the logits the run hands out, over the rows whose position is >= late_from (position p
+// of a document predicts token p + 1); a start past every document measures nothing; a negative one
+// is refused. Tolerance: the two sums add the same double terms in different orders.
+TEST(ValidateDump, LatePositionsEqualTheirLogitsRecomputed) {
+  const ModelFile model = ModelFile::open(tiny_model_path());
+  const auto docs = random_documents(model.config().vocab, {70, 41, 25});
+  const std::vector<CacheScheme> schemes{scheme_from_artifact(identity_artifact(model), "int2", model.config())};
+  std::vector<std::vector<double>> lp[2];  // per run: log-probs of every row
+  const int64_t late_from = 30;
+  const ValidationResult r = validate_schemes(
+      model, docs, schemes, ValidateMode::PseudoDecode, 16, {}, ValidatePrecision::Float,
+      [&](size_t run, uint64_t row, const double*, const double* logprobs, int vocab) {
+        EXPECT_EQ(lp[run].size(), row);
+        lp[run].emplace_back(logprobs, logprobs + vocab);
+      },
+      late_from);
+  ASSERT_EQ(lp[0].size(), r.predictions);
+  double kl = 0, nll_q = 0, nll_ref = 0, top1 = 0;
+  uint64_t n = 0, row = 0;
+  for (const auto& d : docs)
+    for (int64_t p = 0; p + 1 < int64_t(d.size()); ++p, ++row) {
+      if (p < late_from) continue;
+      const std::vector<double>&ref = lp[0][row], &q = lp[1][row];
+      for (size_t v = 0; v < ref.size(); ++v) kl += std::exp(ref[v]) * (ref[v] - q[v]);
+      nll_ref -= ref[size_t(d[size_t(p + 1)])];
+      nll_q -= q[size_t(d[size_t(p + 1)])];
+      top1 += (std::max_element(ref.begin(), ref.end()) - ref.begin()) ==
+              (std::max_element(q.begin(), q.end()) - q.begin());
+      ++n;
+    }
+  ASSERT_EQ(n, 39u + 10u);  // documents of 70 and 41 tokens: 39 and 10 predictions from position 30
+  ASSERT_EQ(r.late_predictions, n);
+  const LateMetrics& m = r.schemes[0].late;
+  EXPECT_EQ(m.predictions, n);
+  EXPECT_GT(m.kl, 0.0);
+  EXPECT_NEAR(m.kl, kl / double(n), 1e-12 * std::max(1.0, kl / double(n)));
+  EXPECT_NEAR(m.ppl_rel_change, std::exp((nll_q - nll_ref) / double(n)) - 1.0, 1e-12);
+  EXPECT_DOUBLE_EQ(m.top1_agreement, top1 / double(n));
+  EXPECT_FALSE(std::isnan(m.kl_stderr));  // two documents have late positions
+  EXPECT_NE(format_table(r).find("positions >= 30 only (49 predictions)"), std::string::npos) << format_table(r);
+  EXPECT_NE(to_json(r).find("\"late\""), std::string::npos);
+
+  const ValidationResult none =
+      validate_schemes(model, docs, schemes, ValidateMode::PseudoDecode, 16, {}, ValidatePrecision::Float, {}, 500);
+  EXPECT_EQ(none.late_predictions, 0u);
+  EXPECT_EQ(none.schemes[0].late.predictions, 0u);
+  EXPECT_NE(format_table(none).find("no prediction at those positions"), std::string::npos);
+  EXPECT_THROW(
+      validate_schemes(model, docs, schemes, ValidateMode::PseudoDecode, 16, {}, ValidatePrecision::Float, {}, -1),
+      Error);
+}
+
 TEST(ValidateDump, RefusesBadSpecs) {
   ScratchDir dir;
   const std::vector<std::vector<int32_t>> docs{{1, 2, 3}};
