@@ -24,36 +24,12 @@
 namespace kvcc {
 namespace {
 
-using testing::random_orthogonal;
+using testing::device_pool_bytes;
+using testing::gpu_runtime_artifact;
 using testing::random_rows;
 
 constexpr int kD = kGpuHeadDim;
 constexpr int kLayers = 2, kHeads = 16, kKv = 4;
-
-Artifact test_artifact(std::mt19937& rng, bool tables) {
-  Artifact art;
-  art.n_layers = kLayers;
-  art.n_heads = kHeads;
-  art.n_kv_heads = kKv;
-  art.head_dim = kD;
-  art.recipe.method = "oscar";
-  art.recipe.sink = 16;
-  art.recipe.recent = 64;
-  art.recipe.page_size = kGpuPageTokens;
-  for (int i = 0; i < kLayers * kKv; ++i) {
-    HeadArtifact h;
-    h.key.rotation = random_orthogonal(1, kD, rng);
-    h.value.rotation = random_orthogonal(1, kD, rng);
-    h.key.clip_ratio = 0.9;
-    h.value.clip_ratio = 0.95;
-    if (tables && i % 2 == 0) {
-      h.key.levels = {-1.5, -0.4, 0.45, 1.6};
-      h.value.levels = {-1.4, -0.5, 0.5, 1.4};
-    }
-    art.heads.push_back(h);
-  }
-  return art;
-}
 
 // One tensor of activations in both types: float32 (bfloat16 values widened) and bfloat16.
 struct Pair {
@@ -88,15 +64,9 @@ void expect_rounded(const Pair& out, size_t n, const char* what, size_t step, in
                         << ": bfloat16 output is not the float32 output rounded";
 }
 
-std::vector<uint8_t> pool_bytes(const KvCache& c) {
-  std::vector<uint8_t> h(c.pool_bytes());
-  EXPECT_EQ(cudaMemcpy(h.data(), c.pages_base(), h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  return h;
-}
-
 void check_bf16_equals_rounded_f32(bool tables, unsigned seed) {
   std::mt19937 rng(seed);
-  const Artifact art = test_artifact(rng, tables);
+  const Artifact art = gpu_runtime_artifact(rng, tables);
   RuntimeOptions o;
   o.max_pages = 64;
   o.max_sequences = 3;
@@ -156,7 +126,8 @@ void check_bf16_equals_rounded_f32(bool tables, unsigned seed) {
     CUDA_OK(cudaStreamSynchronize(s));
     for (int l = 0; l < kLayers; ++l) expect_rounded(out[size_t(l)], size_t(T) * q_row, "prefill", size_t(seq), l);
   }
-  ASSERT_TRUE(pool_bytes(f32.cache()) == pool_bytes(bf16.cache())) << "the pools differ after the prefills";
+  ASSERT_TRUE(device_pool_bytes(f32.cache()) == device_pool_bytes(bf16.cache()))
+      << "the pools differ after the prefills";
   std::vector<KvTiers> before;
   for (int seq = 0; seq < 3; ++seq) before.push_back(tiers_of(f32.geometry(), f32.cache().length(seq)));
 
@@ -204,7 +175,7 @@ void check_bf16_equals_rounded_f32(bool tables, unsigned seed) {
   EXPECT_LT((before[2].hist_tokens + before[2].ring_count) / g.recent,
             (after[2].hist_tokens + after[2].ring_count) / g.recent)
       << "the ring of sequence 2 wraps during the steps";
-  EXPECT_TRUE(pool_bytes(f32.cache()) == pool_bytes(bf16.cache())) << "the pools differ after the steps";
+  EXPECT_TRUE(device_pool_bytes(f32.cache()) == device_pool_bytes(bf16.cache())) << "the pools differ after the steps";
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(s));

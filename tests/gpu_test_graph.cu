@@ -25,42 +25,16 @@
 namespace kvcc {
 namespace {
 
-using testing::random_orthogonal;
+using testing::device_pool_bytes;
+using testing::gpu_runtime_artifact;
 using testing::random_rows;
 
 constexpr int kD = kGpuHeadDim;
 constexpr int kLayers = 2, kHeads = 16, kKv = 4;
 
-Artifact graph_artifact(std::mt19937& rng) {
-  Artifact art;
-  art.n_layers = kLayers;
-  art.n_heads = kHeads;
-  art.n_kv_heads = kKv;
-  art.head_dim = kD;
-  art.recipe.method = "oscar";
-  art.recipe.sink = 16;  // short windows: a few steps cross the sink's end, ring wraps and flushes
-  art.recipe.recent = 64;
-  art.recipe.page_size = kGpuPageTokens;
-  for (int i = 0; i < kLayers * kKv; ++i) {
-    HeadArtifact h;
-    h.key.rotation = random_orthogonal(1, kD, rng);
-    h.value.rotation = random_orthogonal(1, kD, rng);
-    h.key.clip_ratio = 0.9;
-    h.value.clip_ratio = 0.95;
-    art.heads.push_back(h);
-  }
-  return art;
-}
-
-std::vector<uint8_t> pool_bytes(const KvCache& c) {
-  std::vector<uint8_t> h(c.pool_bytes());
-  EXPECT_EQ(cudaMemcpy(h.data(), c.pages_base(), h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  return h;
-}
-
 TEST(GpuGraph, CapturedDecodeStepReplaysBitForBit) {
   std::mt19937 rng(31);
-  const Artifact art = graph_artifact(rng);
+  const Artifact art = gpu_runtime_artifact(rng, false);
   RuntimeOptions o;
   o.max_pages = 64;
   o.max_sequences = 3;
@@ -179,7 +153,7 @@ TEST(GpuGraph, CapturedDecodeStepReplaysBitForBit) {
             (after[2].hist_tokens + after[2].ring_count) / g.recent)
       << "the ring of sequence 2 wraps during the steps";
   for (int s : seqs) EXPECT_EQ(plain.cache().length(s), graphed.cache().length(s));
-  EXPECT_TRUE(pool_bytes(plain.cache()) == pool_bytes(graphed.cache())) << "the pools differ";
+  EXPECT_TRUE(device_pool_bytes(plain.cache()) == device_pool_bytes(graphed.cache())) << "the pools differ";
   // A step beyond the maxima is refused, the cache unchanged.
   const int64_t len0 = graphed.cache().length(0);
   EXPECT_THROW(graphed.begin_append({0, 1, 2}, {200, 50, 7}, sg), Error);  // 257 tokens

@@ -9,10 +9,12 @@
 #include <random>
 #include <vector>
 
+#include "formats/artifact.h"
 #include "formats/kv_layout.h"
 #include "runtime/device_buffer.h"
 #include "runtime/kv_cache.h"
 #include "runtime/served.h"
+#include "cache_test_util.h"
 
 namespace kvcc::testing {
 
@@ -25,6 +27,41 @@ inline std::vector<float> random_rows(size_t n, std::mt19937& rng, bool outliers
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = outliers ? nd(rng) * ((i % kGpuHeadDim) < 4 ? 6.0f : 1.0f) + 0.3f : nd(rng);
   return x;
+}
+
+// The Runtime tests' artifact (gpu_test_graph.cu, gpu_test_activations.cu): oscar, 2 layers, 16
+// query / 4 KV heads, random rotations, short windows (sink 16, ring 64) so a few steps cross the
+// sink's end, ring wraps and flushes; with level_tables, every other head has 4-level tables.
+inline Artifact gpu_runtime_artifact(std::mt19937& rng, bool level_tables) {
+  Artifact art;
+  art.n_layers = 2;
+  art.n_heads = 16;
+  art.n_kv_heads = 4;
+  art.head_dim = kGpuHeadDim;
+  art.recipe.method = "oscar";
+  art.recipe.sink = 16;
+  art.recipe.recent = 64;
+  art.recipe.page_size = kGpuPageTokens;
+  for (int i = 0; i < art.n_layers * art.n_kv_heads; ++i) {
+    HeadArtifact h;
+    h.key.rotation = random_orthogonal(1, kGpuHeadDim, rng);
+    h.value.rotation = random_orthogonal(1, kGpuHeadDim, rng);
+    h.key.clip_ratio = 0.9;
+    h.value.clip_ratio = 0.95;
+    if (level_tables && i % 2 == 0) {
+      h.key.levels = {-1.5, -0.4, 0.45, 1.6};
+      h.value.levels = {-1.4, -0.5, 0.5, 1.4};
+    }
+    art.heads.push_back(h);
+  }
+  return art;
+}
+
+// Every byte of a device pool (pages and windows), on the host.
+inline std::vector<uint8_t> device_pool_bytes(const KvCache& c) {
+  std::vector<uint8_t> h(c.pool_bytes());
+  EXPECT_EQ(cudaMemcpy(h.data(), c.pages_base(), h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
 }
 
 // A host pool (the CPU references' cache) and a device pool holding the same sequences, with
