@@ -696,18 +696,21 @@ template <typename In>
 __global__ void __launch_bounds__(kRotThreads)
     rotate_queries(const In* q, const float* rot_k, int n_heads, int r, float sm_scale_log2, float* q_rot, uint4* qk8,
                    float* qk_sc, bool fp16_query) {
-  pdl_launch_dependents();
   __shared__ float qv[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   __shared__ float wmax[4][4];
   __shared__ float wsum[4][4];
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
+  // R_k does not depend on the preceding kernel (the append): its loads overlap that kernel's end.
+  float rc[kD / 4];
+  load_quarter(rot_k ? rot_k + size_t(h) * kD * kD : nullptr, slice, j, rc);
+  // decode_kernel reads the cache before its own wait: it may launch only once the append is done.
+  pdl_wait();
+  pdl_launch_dependents();
   for (int hh = slice; hh < r; hh += 4)
     qv[hh][j] = load_activation(q + (size_t(b) * n_heads + size_t(h) * r + hh) * kD + j);
   __syncthreads();
   if (rot_k) {
-    float rc[kD / 4];
-    load_quarter(rot_k + size_t(h) * kD * kD, slice, j, rc);
     rotate_quarter(qv, rc, r, slice, j, part);
     __syncthreads();
   }
@@ -784,7 +787,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   // while that kernel still runs.
   float rv[kD / 4];
   load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
-  pdl_wait();  // partials come from decode_kernel
+  pdl_wait();               // partials come from decode_kernel
+  pdl_launch_dependents();  // the next layer's append may stage its rotation now
   // Slice `slice` merges splits slice, slice + 4, ... (one round of loads for up to 4·kChunk
   // splits); the 4 slices are combined at the end.
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
@@ -828,7 +832,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x % kD, slice = threadIdx.x / kD;
   float rv[kD / 4];
   load_quarter(rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr, slice, j, rv);
-  pdl_wait();  // partials come from decode_kernel
+  pdl_wait();               // partials come from decode_kernel
+  pdl_launch_dependents();  // the next layer's append may stage its rotation now
   const size_t base = (size_t(b) * n_kv + h) * total_splits;
   for (int hh = slice; hh < r; hh += 4) {
     float m_run, l_run, acc;
@@ -922,8 +927,9 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   a.units_per_split = plan.units_per_split;
   a.win_tiles_per_split = plan.win_tiles_per_split;
   a.total_splits = plan.total;
-  // Programmatic dependent launch: the attention and merge grids are launched while their
-  // predecessor runs and wait (griddepcontrol.wait) for its results, hiding launch latency.
+  // Programmatic dependent launch: each grid is launched while its predecessor runs and waits
+  // (griddepcontrol.wait) for its results, hiding launch latency; each lets its dependents launch
+  // after that wait (decode_kernel at once: merge_splits reads nothing of it before its own wait).
   cudaLaunchAttribute pdl;
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
@@ -940,12 +946,15 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   if (stages & 1) {
     uint4* qk = mode == Mode::Int2 ? qk8 : nullptr;
     const dim3 grid(a.n_kv, batch);
+    const cudaLaunchConfig_t c = config(grid, kRotThreads, 0);
     if (act == Activations::BFloat16)
-      rotate_queries<<<grid, kRotThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(q), rot_k, a.n_heads,
-                                                       a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table);
+      check_cuda(cudaLaunchKernelEx(&c, rotate_queries<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(q), rot_k,
+                                    a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table),
+                 "decode (CUDA) launch");
     else
-      rotate_queries<<<grid, kRotThreads, 0, stream>>>(static_cast<const float*>(q), rot_k, a.n_heads, a.group_heads,
-                                                       a.sm_scale_log2, q_rot, qk, qk_sc, table);
+      check_cuda(cudaLaunchKernelEx(&c, rotate_queries<float>, static_cast<const float*>(q), rot_k, a.n_heads,
+                                    a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table),
+                 "decode (CUDA) launch");
   }
   const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
