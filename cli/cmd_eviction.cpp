@@ -26,6 +26,7 @@ struct Args {
   ValidateData data;
   EvictionOptions options;
   std::vector<std::string> scores;
+  std::string layer_budgets = "uniform";
 };
 
 std::string table(const EvictionResult& r) {
@@ -57,6 +58,7 @@ std::string to_json(const EvictionResult& r) {
   j["sink"] = r.sink;
   j["recent"] = r.recent;
   j["reference_nll"] = r.reference_nll;
+  j["layer_budgets"] = r.layer_budgets;  // empty: uniform
   if (r.epicache_routed_first >= 0) j["epicache_routed_to_first_passage"] = r.epicache_routed_first;
   j["seconds"] = r.seconds;
   for (const EvictionRow& row : r.rows)
@@ -99,10 +101,17 @@ int run_eviction_command(Args& a) {
       KVCC_REQUIRE((s != EvictionScore::QueryMoment && s != EvictionScore::QueryGaussian) || a.scores.empty(),
                    "the qmoment and qgauss scores need --stats (the calibrated query statistics)");
   }
+  KVCC_REQUIRE(a.layer_budgets == "uniform" || !a.artifact_path.empty(),
+               "--layer-budgets artifact needs --artifact (the budgets are stored in it)");
   std::optional<CacheScheme> int2;
   if (!a.artifact_path.empty()) {
     Artifact artifact = read_artifact(a.artifact_path);
     check_artifact_matches(artifact, model, a.artifact_path);
+    if (a.layer_budgets == "artifact") {
+      KVCC_REQUIRE(!artifact.layer_budgets.empty(),
+                   a.artifact_path + " carries no layer budgets (compile it with kvcc compile --layer-budgets)");
+      a.options.layer_budgets = artifact.layer_budgets;
+    }
     int2 = scheme_from_artifact(std::move(artifact), a.artifact_path, model.config());
   }
   // Documents long enough for a passage (the first one also carries the continuation).
@@ -116,6 +125,11 @@ int run_eviction_command(Args& a) {
   r.model = a.model_path;
   r.stats = a.stats_path;
   r.artifact = a.artifact_path;
+  if (!r.layer_budgets.empty()) {
+    std::printf("layer budgets (relative to uniform):");
+    for (double b : r.layer_budgets) std::printf(" %.3f", b);
+    std::printf("\n");
+  }
   std::cout << table(r);
   if (r.epicache_routed_first >= 0)
     std::printf("epicache: %d of %d continuations routed to an episode whose medoid is in the first passage\n",
@@ -144,7 +158,10 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "cache scored by its medoid block appended after the history; the continuation\n"
                   "routed by its first --route tokens).\n"
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
-                  "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n\n"
+                  "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n"
+                  "With --layer-budgets artifact the layers share the same total unevenly, by the\n"
+                  "budgets the artifact stores (kvcc compile --layer-budgets: layers whose queries\n"
+                  "spread attention over more keys keep more tokens).\n\n"
                   "Example:\n"
                   "  kvcc eviction --model ../shared/models/gutenberg-27m --data heldout.txt \\\n"
                   "      --stats gut.stats.h5 --artifact gut.oscar.kvcc.h5 --json eviction.json");
@@ -194,6 +211,11 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   ->capture_default_str();
               sub.add_option("--route", a->options.route, "epicache: continuation tokens that route it")
                   ->transform(whole_number(1, 2147483647))
+                  ->capture_default_str();
+              sub.add_option("--layer-budgets", a->layer_budgets,
+                             "uniform (every layer keeps ceil(history / ratio)) or artifact (the artifact's "
+                             "per-layer budgets share that total)")
+                  ->check(CLI::IsMember({"uniform", "artifact"}))
                   ->capture_default_str();
               sub.add_option("--json", a->json_path, "write the rows as JSON");
               return [a] { return run_eviction_command(*a); };

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "compile/fit.h"
+#include "compile/layer_budgets.h"
 #include "compile/rotation.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
@@ -319,7 +320,11 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
 }
 
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
-  if (options.bits_budget > 0) return compile_with_budget(stats, options);  // compiles each width
+  if (options.bits_budget > 0) {  // compiles each width
+    Artifact art = compile_with_budget(stats, options);
+    if (options.layer_budgets) art.layer_budgets = layer_budgets_from_stats(stats);
+    return art;
+  }
   const ModelConfig& c = stats.config;
   KVCC_REQUIRE(c.n_layers > 0 && c.n_kv_heads > 0 && c.head_dim > 0, "stats describe an empty model");
   const size_t n_heads = size_t(c.n_layers) * size_t(c.n_kv_heads);
@@ -376,6 +381,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   for (auto& t : pool) t.join();
   openblas_set_num_threads(blas_threads);
   if (failure) std::rethrow_exception(failure);
+  if (options.layer_budgets) art.layer_budgets = layer_budgets_from_stats(stats);
   return art;
 }
 

@@ -44,6 +44,9 @@ struct CompileOptions {
   int64_t budget_context = 0;
   std::string bits_granularity = "auto";
   int budget_rows = 256;
+  // Also store per-layer token-eviction budgets from the stats' attention spread
+  // (Artifact::layer_budgets, compile/layer_budgets.h; format 1.2 / 2.1).
+  bool layer_budgets = false;
   std::function<void(int done, int total)> progress;  // per finished layer
 };
 

@@ -48,6 +48,45 @@ std::vector<EvictionScore> all_eviction_scores() {
           EvictionScore::QueryGaussian, EvictionScore::KeyNorm, EvictionScore::EpiCache};
 }
 
+std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi) {
+  const int64_t L = int64_t(weights.size());
+  KVCC_REQUIRE(L > 0, "layer budgets: no layers");
+  KVCC_REQUIRE(lo >= 0 && lo <= hi, cat("layer budgets: need 0 <= lo <= hi, got ", lo, ", ", hi));
+  for (double w : weights)
+    KVCC_REQUIRE(std::isfinite(w) && w > 0, cat("layer budgets: weights must be finite and positive, got ", w));
+  total = std::clamp(total, L * lo, L * hi);
+  // share_l = clamp(λ·w_l, lo, hi) with λ such that the shares sum to total: the sum grows with λ,
+  // so bisection finds it (the layers at a bound are then fixed there, the rest proportional).
+  auto shares = [&](double lambda) {
+    std::vector<double> x(static_cast<size_t>(L));
+    for (int64_t l = 0; l < L; ++l) x[size_t(l)] = std::clamp(lambda * weights[size_t(l)], double(lo), double(hi));
+    return x;
+  };
+  auto sum_of = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0); };
+  double a = 0, b = 1;
+  while (sum_of(shares(b)) < double(total)) b *= 2;
+  for (int i = 0; i < 200; ++i) {
+    const double m = 0.5 * (a + b);
+    (sum_of(shares(m)) < double(total) ? a : b) = m;
+  }
+  const std::vector<double> share = shares(b);
+  // Largest remainder: floors, then one more token to the largest fractions until the total.
+  std::vector<int64_t> out(static_cast<size_t>(L));
+  int64_t sum = 0;
+  for (int64_t l = 0; l < L; ++l) sum += out[size_t(l)] = std::clamp(int64_t(std::floor(share[size_t(l)])), lo, hi);
+  std::vector<int64_t> order(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) order[size_t(l)] = l;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return share[size_t(a)] - std::floor(share[size_t(a)]) > share[size_t(b)] - std::floor(share[size_t(b)]);
+  });
+  for (size_t i = 0; sum < total; i = (i + 1) % size_t(L))
+    if (out[size_t(order[i])] < hi) {
+      ++out[size_t(order[i])];
+      ++sum;
+    }
+  return out;
+}
+
 std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, int64_t budget, int sink, int recent) {
   KVCC_REQUIRE(n >= 0 && budget >= 0 && sink >= 0 && recent >= 0, "select_kept: negative size");
   KVCC_REQUIRE(scores.empty() || int64_t(scores.size()) == n,
@@ -329,6 +368,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
                    "continuation], got ",
                    o.episodes, ", ", o.block, ", ", o.route));
   for (double r : o.ratios) KVCC_REQUIRE(std::isfinite(r) && r >= 1, cat("eviction: ratios must be >= 1, got ", r));
+  KVCC_REQUIRE(o.layer_budgets.empty() || o.layer_budgets.size() == size_t(c.n_layers),
+               cat("eviction: ", o.layer_budgets.size(), " layer budgets for a model of ", c.n_layers, " layers"));
   if (stats) {
     KVCC_REQUIRE(
         stats->config.n_layers == c.n_layers && stats->config.n_kv_heads == c.n_kv_heads && stats->config.head_dim == d,
@@ -471,6 +512,10 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     // Kept sets of one score and budget, per layer and KV head.
     auto kept_sets = [&](const std::string& score, double ratio) {
       const int64_t budget = int64_t(std::ceil(double(H) / ratio));
+      const std::vector<int64_t> budgets =
+          o.layer_budgets.empty() ? std::vector<int64_t>(size_t(c.n_layers), budget)
+                                  : allocate_layer_budgets(o.layer_budgets, budget * c.n_layers,
+                                                           std::min<int64_t>(H, int64_t(o.sink) + o.recent), H);
       std::vector<std::vector<std::vector<int32_t>>> kept(size_t(c.n_layers));
       for (int l = 0; l < c.n_layers; ++l)
         for (int g = 0; g < c.n_kv_heads; ++g) {
@@ -495,7 +540,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
           } else {
             KVCC_REQUIRE(score == "window" || score == "full", "eviction: unknown score '" + score + "'");
           }
-          kept[size_t(l)].push_back(select_kept(sc, H, budget, o.sink, o.recent));
+          kept[size_t(l)].push_back(select_kept(sc, H, budgets[size_t(l)], o.sink, o.recent));
         }
       return kept;
     };
@@ -570,6 +615,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   res.conversations = int(conversations.size());
   res.sink = o.sink;
   res.recent = o.recent;
+  res.layer_budgets = o.layer_budgets;
   const std::vector<double> w(conversations.size(), 1.0);
   auto mean = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / double(x.size()); };
   res.reference_nll = mean(ref_nll);

@@ -5,7 +5,8 @@
 // (different books in the held-out sets), followed by the next C tokens of the first passage's
 // document: the continuation must recall the oldest passage, the case recency-based caches lose.
 // The history is prefilled in full precision; then, per layer and KV head, a policy keeps
-// ceil(H / ratio) of its tokens (always the first `sink` and the last `recent`, the rest by score)
+// ceil(H / ratio) of its tokens (always the first `sink` and the last `recent`, the rest by score;
+// with layer budgets, the layers share that total unevenly: EvictionOptions::layer_budgets)
 // and the continuation runs over the kept tokens plus itself, causally (one causal pass over the
 // continuation equals decoding it token by token: nothing is evicted meanwhile). Measured against
 // the same continuation over the full history: KL(full ‖ evicted) of the next-token
@@ -74,6 +75,13 @@ struct Clusters {
 };
 Clusters cosine_kmeans(const std::vector<double>& rows, int n, int dim, int k);
 
+// Per-layer kept-token counts: `total` tokens split in proportion to `weights` (one per layer,
+// each > 0), every count within [lo, hi] (lo <= hi): clamp(λ·w_l, lo, hi) with λ such that they
+// sum to total (layers at a bound stay there, the others are proportional to their weights), then
+// rounded by largest remainder (ties to the lower layer). The counts sum to total clamped to
+// [L·lo, L·hi].
+std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi);
+
 // Max-pool with window `width` (odd, centred; 1: unchanged).
 std::vector<double> max_pool(const std::vector<double>& x, int width);
 
@@ -95,6 +103,10 @@ struct EvictionOptions {
   int observation = 32, pool = 7;            // snapkv
   int conversations = 8;                     // at most this many
   int episodes = 4, block = 64, route = 16;  // epicache
+  // Per-layer budget weights (Artifact::layer_budgets): the layers share L·ceil(H / ratio) tokens
+  // per KV head by allocate_layer_budgets (at least sink + recent, at most H each). Empty: every
+  // layer keeps ceil(H / ratio).
+  std::vector<double> layer_budgets;
 };
 
 struct EvictionRow {
@@ -111,6 +123,7 @@ struct EvictionResult {
   // epicache: conversations whose routed episode's medoid block lies in the first passage (the
   // one the continuation continues); -1 without epicache.
   int epicache_routed_first = -1;
+  std::vector<double> layer_budgets;  // EvictionOptions::layer_budgets (empty: uniform)
   std::vector<EvictionRow> rows;
   double seconds = 0;
 };

@@ -184,6 +184,10 @@ Artifact read_artifact_impl(const std::string& path, std::vector<std::string>* p
     a.provenance.source = prov.attr_string("source");
   }
   a.recipe = read_recipe(file.group("recipe"));
+  if (file.has("layer_budgets")) {  // 1.2 / 2.1
+    const h5::Shape shape{a.n_layers};
+    a.layer_budgets = read_checked<double>(file, "layer_budgets", &shape, nullptr, problems);
+  }
   h5::Group layers = file.group("layers");
   // Not reserved from the (untrusted) counts: a missing group ends the loop with an Error.
   for (int l = 0; l < a.n_layers; ++l) {
@@ -308,8 +312,9 @@ bool has_side_widths(const Artifact& a) {
 }  // namespace
 
 std::string artifact_format_version(const Artifact& a) {
-  return has_side_widths(a) ? std::to_string(kArtifactWidthsMajor) + ".0"
-                            : std::to_string(kArtifactMajor) + "." + std::to_string(kArtifactMinor);
+  const int budgets = a.layer_budgets.empty() ? 0 : 1;
+  return has_side_widths(a) ? std::to_string(kArtifactWidthsMajor) + "." + std::to_string(budgets)
+                            : std::to_string(kArtifactMajor) + "." + std::to_string(1 + budgets);
 }
 
 void check_artifact_version_holds(const Artifact& a, const std::string& path) {
@@ -360,6 +365,7 @@ std::string artifact_difference(const Artifact& a, const Artifact& b) {
   if (!same_bits(a.recipe.key_bits, b.recipe.key_bits)) return "recipe key_bits differs";
   if (!same_bits(a.recipe.value_bits, b.recipe.value_bits)) return "recipe value_bits differs";
   if (a.recipe.params != b.recipe.params) return "recipe params differ";
+  if (std::string d = vector_difference(a.layer_budgets, b.layer_budgets); !d.empty()) return "layer_budgets: " + d;
   if (a.heads.size() != b.heads.size())
     return std::to_string(a.heads.size()) + " vs " + std::to_string(b.heads.size()) + " head entries";
   for (size_t i = 0; i < a.heads.size(); ++i) {
@@ -429,6 +435,14 @@ std::vector<std::string> verify_artifact(const Artifact& a, double tol) {
     out.push_back("recipe: sink/recent must be >= 0 and page_size > 0");
   if (r.granularity != "head" && r.granularity != "layer")
     out.push_back("recipe: granularity \"" + r.granularity + "\" is not head or layer");
+  if (!a.layer_budgets.empty()) {
+    if (a.layer_budgets.size() != size_t(a.n_layers))
+      out.push_back("layer_budgets: " + std::to_string(a.layer_budgets.size()) + " values, expected " +
+                    std::to_string(a.n_layers) + " (one per layer)");
+    else if (!std::all_of(a.layer_budgets.begin(), a.layer_budgets.end(),
+                          [](double x) { return std::isfinite(x) && x > 0; }))
+      out.push_back("layer_budgets: every value must be finite and positive");
+  }
 
   for (int l = 0; l < a.n_layers; ++l)
     for (int h = 0; h < a.n_kv_heads; ++h) {
@@ -482,6 +496,7 @@ void write_artifact(const Artifact& a, const std::string& path) {
       prov.set_attr("stats_sha256", a.provenance.stats_sha256);
       prov.set_attr("source", a.provenance.source);
       write_recipe(file.create_group("recipe"), a.recipe);
+      if (!a.layer_budgets.empty()) write_checked(file, "layer_budgets", {a.n_layers}, a.layer_budgets);
       h5::Group layers = file.create_group("layers");
       for (int l = 0; l < a.n_layers; ++l) {
         h5::Group layer = layers.create_group(std::to_string(l));

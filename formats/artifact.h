@@ -14,12 +14,15 @@ namespace kvcc {
 inline constexpr const char* kArtifactFormat = "kvcc-artifact";
 // Writers write 1.1, or 2.0 for an artifact whose sides carry their own code widths
 // (SideArtifact::bits): a 1.x reader would ignore those and code the sides at the recipe's bits,
-// so such files must be refused by it (a new major). Readers read 1.x and 2.x.
+// so such files must be refused by it (a new major). Layer budgets (Artifact::layer_budgets) add a
+// minor: 1.2 / 2.1 (an older reader may ignore them: it evicts uniformly). Readers read 1.x and 2.x
+// (a newer minor's unknown parts are skipped).
 inline constexpr int kArtifactMajor = 1;
-inline constexpr int kArtifactMinor = 1;
+inline constexpr int kArtifactMinor = 2;  // the newest 1.x this reader knows
 inline constexpr int kArtifactWidthsMajor = 2;
+inline constexpr int kArtifactWidthsMinor = 1;  // the newest 2.x this reader knows
 struct Artifact;
-// "1.1", or "2.0" when some side has its own width.
+// "1.1", or "2.0" when some side has its own width; one minor more with layer budgets.
 std::string artifact_format_version(const Artifact& a);
 // For a reader, after reading a file: throws Error (naming `path`) when its format_version cannot
 // hold what it holds (per-side widths in a 1.x file: mislabelled, or written by no kvcc).
@@ -89,6 +92,9 @@ struct Artifact {
   ArtifactProvenance provenance;
   Recipe recipe;
   std::vector<HeadArtifact> heads;  // [n_layers * n_kv_heads], index layer * n_kv_heads + h
+  // Token-eviction budgets per layer relative to a uniform split (mean 1, each > 0), from the
+  // calibration's attention spread (compile/layer_budgets.h); empty: none (evict uniformly).
+  std::vector<double> layer_budgets;
 
   HeadArtifact& head(int layer, int h) { return heads[size_t(layer * n_kv_heads + h)]; }
   const HeadArtifact& head(int layer, int h) const { return heads[size_t(layer * n_kv_heads + h)]; }

@@ -256,6 +256,7 @@ void write_artifact_safetensors(const Artifact& a, const std::string& path) {
       for (const HeadArtifact& h : a.heads) bits.push_back(side[0] == 'k' ? h.key.bits : h.value.bits);
       tensors.push_back(f64_tensor(std::string("bits.") + side, {a.n_layers, a.n_kv_heads}, bits));
     }
+  if (!a.layer_budgets.empty()) tensors.push_back(f64_tensor("layer_budgets", {a.n_layers}, a.layer_budgets));
   const int64_t d = a.head_dim;
   for (int l = 0; l < a.n_layers; ++l)
     for (int h = 0; h < a.n_kv_heads; ++h)
@@ -346,7 +347,7 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
   const auto [major, minor] = h5::parse_version(a.format_version, path);
   // A newer minor is read: tensors it adds (listed and checksummed, names this reader does not
   // know) are skipped; for this minor or an older one an unknown name is an error.
-  const bool newer_minor = major == kArtifactMajor ? minor > kArtifactMinor : minor > 0;
+  const bool newer_minor = major == kArtifactMajor ? minor > kArtifactMinor : minor > kArtifactWidthsMinor;
   KVCC_REQUIRE(major >= kArtifactMajor && major <= kArtifactWidthsMajor,
                path + ": " + kArtifactFormat + " format_version " + a.format_version +
                    " is not supported (this kvcc reads " + std::to_string(kArtifactMajor) + ".x and " +
@@ -491,6 +492,11 @@ Artifact read_artifact_safetensors(const std::string& path, std::vector<std::str
     checksum(t, sha);
     if (t.name == "clip_ratio.key" || t.name == "clip_ratio.value" || t.name == "bits.key" || t.name == "bits.value")
       continue;
+    if (t.name == "layer_budgets") {
+      expect(t, TensorDType::F64, {a.n_layers}, "n_layers of the model");
+      a.layer_budgets = f64_values(t);
+      continue;
+    }
     SlotName slot;
     if (!parse_slot_name(t.name, slot)) {
       if (newer_minor) continue;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "calibrate/synthetic_model.h"
+#include "formats/error.h"
 #include "model/forward.h"
 
 namespace kvcc {
@@ -214,6 +215,46 @@ TEST(Eviction, ConversationsJoinPassagesOfDistantDocumentsThenContinueTheFirst) 
   EXPECT_THROW(build_conversations(docs, o, 0), Error);
 }
 
+// Layer budgets: proportional to the weights where no bound binds, clamped where one does,
+// summing to the total, rounded by largest remainder; bad input refused.
+TEST(Eviction, LayerBudgetsShareTheTotalInProportionWithinBounds) {
+  EXPECT_EQ(allocate_layer_budgets({1, 2, 3, 2}, 800, 0, 1000), (std::vector<int64_t>{100, 200, 300, 200}));
+  EXPECT_EQ(allocate_layer_budgets({1, 1, 1, 1}, 512, 36, 1024), (std::vector<int64_t>(4, 128)));
+  // The heavy layer is capped at hi; the light one gets the rest (λ = 50: 1·50 and min(10·50, 150)).
+  EXPECT_EQ(allocate_layer_budgets({1, 10}, 200, 36, 150), (std::vector<int64_t>{50, 150}));
+  // The light layer is raised to lo; the others share the rest in proportion 1 : 3.
+  EXPECT_EQ(allocate_layer_budgets({0.01, 1, 3}, 436, 36, 1000), (std::vector<int64_t>{36, 100, 300}));
+  // 10 / 3 each: the remaining token goes to the lowest layer among equal fractions.
+  EXPECT_EQ(allocate_layer_budgets({1, 1, 1}, 10, 0, 10), (std::vector<int64_t>{4, 3, 3}));
+  // Totals outside [L·lo, L·hi] are clamped to them.
+  EXPECT_EQ(allocate_layer_budgets({1, 5}, 1000, 10, 20), (std::vector<int64_t>{20, 20}));
+  EXPECT_EQ(allocate_layer_budgets({1, 5}, 3, 10, 20), (std::vector<int64_t>{10, 10}));
+  std::mt19937 g(7);
+  std::uniform_real_distribution<double> u(0.05, 4.0);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<double> w(8);
+    for (double& x : w) x = u(g);
+    const int64_t total = 8 * (40 + trial * 9);
+    const std::vector<int64_t> b = allocate_layer_budgets(w, total, 36, 600);
+    int64_t sum = 0;
+    for (size_t l = 0; l < b.size(); ++l) {
+      sum += b[l];
+      EXPECT_GE(b[l], 36);
+      EXPECT_LE(b[l], 600);
+    }
+    EXPECT_EQ(sum, total);
+    // Between two layers off the bounds the counts follow the weights to within the rounding.
+    for (size_t i = 0; i < b.size(); ++i)
+      for (size_t j = 0; j < b.size(); ++j)
+        if (b[i] > 36 && b[i] < 600 && b[j] > 36 && b[j] < 600)
+          EXPECT_NEAR(double(b[i]) / w[i], double(b[j]) / w[j], 1.0 / w[i] + 1.0 / w[j]);
+  }
+  EXPECT_THROW(allocate_layer_budgets({}, 10, 0, 10), Error);
+  EXPECT_THROW(allocate_layer_budgets({1, 0}, 10, 0, 10), Error);
+  EXPECT_THROW(allocate_layer_budgets({1, std::nan("")}, 10, 0, 10), Error);
+  EXPECT_THROW(allocate_layer_budgets({1, 1}, 10, 5, 4), Error);
+}
+
 class EvictionRun : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -270,6 +311,42 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   }
   EXPECT_GT(lost, 0.0);
   EXPECT_GT(r.reference_nll, 0.0);
+}
+
+// Equal layer budgets are the uniform split (the same kept sets, so the same rows bit for bit);
+// unequal ones move tokens between the layers and change what the continuation sees.
+TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {4};  // 12 tokens per layer; layers at least sink + recent = 6
+  o.sink = 2;
+  o.recent = 4;
+  o.conversations = 2;
+  o.scores = {EvictionScore::H2O, EvictionScore::SnapKV};
+  o.block = 8;  // epicache's options are checked even when it does not run
+  o.route = 4;
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  const EvictionResult uniform = run_eviction(model, conv, nullptr, nullptr, o);
+  o.layer_budgets = {2.5, 2.5};
+  const EvictionResult equal = run_eviction(model, conv, nullptr, nullptr, o);
+  o.layer_budgets = {1, 3};
+  const EvictionResult skewed = run_eviction(model, conv, nullptr, nullptr, o);
+  ASSERT_EQ(uniform.rows.size(), 2u);
+  ASSERT_EQ(equal.rows.size(), 2u);
+  ASSERT_EQ(skewed.rows.size(), 2u);
+  bool changed = false;
+  for (size_t i = 0; i < uniform.rows.size(); ++i) {
+    EXPECT_EQ(equal.rows[i].kl, uniform.rows[i].kl) << uniform.rows[i].score;
+    EXPECT_EQ(equal.rows[i].delta_nll, uniform.rows[i].delta_nll) << uniform.rows[i].score;
+    changed = changed || skewed.rows[i].kl != uniform.rows[i].kl;
+  }
+  EXPECT_TRUE(changed);
+  EXPECT_EQ(skewed.layer_budgets, (std::vector<double>{1, 3}));
+  o.layer_budgets = {1, 1, 1};
+  EXPECT_THROW(run_eviction(model, conv, nullptr, nullptr, o), Error);
 }
 
 }  // namespace
