@@ -125,6 +125,7 @@ int inspect_artifact(const std::string& path, bool as_json) {
                      {{"eigenvalue_range", s.value_eig.to_json()},
                       {"clip_ratio_range", s.value_clip.to_json()},
                       {"bits_range", s.value_bits.to_json()}}}});
+      if (!a.layer_budgets.empty()) lj.back()["eviction_budget"] = a.layer_budgets[size_t(l)];
     }
     j["layers"] = lj;
     std::cout << j.dump(2) << "\n";
@@ -160,13 +161,16 @@ int inspect_artifact(const std::string& path, bool as_json) {
     for (const NamedArray& x : s.extras) std::printf(", %s %s", x.name.c_str(), shape_text(x.shape).c_str());
     std::printf("\n");
   }
-  std::printf("\n%5s  %-24s %-24s %-16s %-16s %-8s %-8s\n", "layer", "key eigenvalues", "value eigenvalues", "key clip",
-              "value clip", "K bits", "V bits");
+  const bool budgets = !a.layer_budgets.empty();  // the last column: eviction budget relative to uniform
+  std::printf("\n%5s  %-24s %-24s %-16s %-16s %-8s %-8s%s\n", "layer", "key eigenvalues", "value eigenvalues",
+              "key clip", "value clip", "K bits", "V bits", budgets ? " evict budget" : "");
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerSummary& s = layers[size_t(l)];
-    std::printf("%5d  %-24s %-24s %-16s %-16s %-8s %-8s\n", l, s.key_eig.text("%.3g").c_str(),
+    std::printf("%5d  %-24s %-24s %-16s %-16s %-8s %-8s", l, s.key_eig.text("%.3g").c_str(),
                 s.value_eig.text("%.3g").c_str(), s.key_clip.text("%.3f").c_str(), s.value_clip.text("%.3f").c_str(),
                 s.key_bits.text("%g").c_str(), s.value_bits.text("%g").c_str());
+    if (budgets) std::printf(" %.3f", a.layer_budgets[size_t(l)]);
+    std::printf("\n");
   }
   return 0;
 }
@@ -277,8 +281,9 @@ Command reg{
       app.footer(
           "Reads FILE (validating it as every reader does) and prints the model and its fingerprint,\n"
           "the provenance and the command that made it; for an artifact the method and recipe (bits,\n"
-          "group, sink, recent, page) and per-layer eigenvalue and clip-ratio ranges; for stats the\n"
-          "token counts, reservoir sizes and the query spectrum per layer and KV head.\n\n"
+          "group, sink, recent, page) and per-layer eigenvalue and clip-ratio ranges (and eviction\n"
+          "budgets when compiled with --layer-budgets); for stats the token counts, reservoir sizes\n"
+          "and the query spectrum per layer and KV head.\n\n"
           "Examples:\n"
           "  kvcc inspect gutenberg-27m.oscar.kvcc.h5\n"
           "  kvcc inspect stats.h5 --json | jq .provenance");

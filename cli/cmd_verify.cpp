@@ -28,11 +28,12 @@ int verify_artifact_cmd(const std::string& path, double tol) {
   const auto problems = verify_artifact_file(path, tol);
   if (!problems.empty()) return report(path, problems);
   const Artifact a = read_artifact(path);
-  size_t datasets = 0, rotations = 0;
+  size_t datasets = a.layer_budgets.empty() ? 0 : 1, rotations = 0;
   double worst = 0;
   for (const HeadArtifact& h : a.heads)
     for (const SideArtifact* s : {&h.key, &h.value}) {
-      datasets += 1 + (s->eigenvalues.empty() ? 0 : 1) + (s->levels.empty() ? 0 : 1) + s->extras.size();
+      datasets += 1 + (s->eigenvalues.empty() ? 0 : 1) + (s->levels.empty() ? 0 : 1) + (s->bits != 0 ? 1 : 0) +
+                  s->extras.size();
       if (!s->rotation.empty()) {
         ++rotations;
         worst = std::max(worst, max_orthogonality_error(s->rotation, a.head_dim));

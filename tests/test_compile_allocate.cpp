@@ -73,7 +73,9 @@ TEST(BitsBudget, MeetsTheBudgetAsTheFormulaComputesIt) {
     bool all_max = true;
     for (HeadArtifact& h : wider.heads) all_max = all_max && h.key.bits == 4 && h.value.bits == 4;
     for (int h = 0; h < unit; ++h) wider.heads[size_t(h)].key.bits += 1;
-    if (!all_max) EXPECT_GT(formula_bits(wider, c.context), c.budget) << c.budget;
+    if (!all_max) {
+      EXPECT_GT(formula_bits(wider, c.context), c.budget) << c.budget;
+    }
     EXPECT_EQ(alloc.granularity, c.granularity);
     EXPECT_DOUBLE_EQ(std::stod(a.recipe.params.at("bits_budget")), c.budget);
     EXPECT_EQ(a.recipe.params.at("bits_granularity"), c.granularity);
@@ -139,8 +141,9 @@ TEST(BitsBudget, AVerySensitiveLayerGetsMoreBits) {
   for (size_t j = 0; j < hot.widths.size(); ++j) {
     std::printf("  width %d: layer-1 key error %.4f -> %.4f\n", hot.widths[j],
                 plain.sensitivity[size_t(2 * H)].error[j], hot.sensitivity[size_t(2 * H)].error[j]);
-    if (hot.widths[j] >= 2)
+    if (hot.widths[j] >= 2) {
       EXPECT_GT(hot.sensitivity[size_t(2 * H)].error[j], 2.0 * plain.sensitivity[size_t(2 * H)].error[j]) << j;
+    }
     EXPECT_EQ(hot.sensitivity[0].error[j], plain.sensitivity[0].error[j]);
   }
   EXPECT_GT(b.head(1, 0).key.bits, b.head(0, 0).key.bits);

@@ -140,6 +140,25 @@ TEST_F(FormatsCli, InspectAndVerifyArtifact) {
   EXPECT_NE(r.out.find("sha256 of 28 datasets"), std::string::npos)
       << r.out;  // 4 heads x (key: rot, eig, levels; value: rot, eig, 2 extras)
 
+  // Layer budgets: one dataset more, format 1.2, a column of inspect and a field of its JSON.
+  {
+    Artifact b = testing::random_artifact(config, fp, 1);
+    b.layer_budgets = {0.75, 1.25};
+    const std::string with = dir.file("budgets.kvcc.h5");
+    write_artifact(b, with);
+    RunResult v = run_kvcc(dir, "verify " + with);
+    ASSERT_EQ(v.exit_code, 0) << v.err;
+    EXPECT_NE(v.out.find("kvcc-artifact 1.2"), std::string::npos) << v.out;
+    EXPECT_NE(v.out.find("sha256 of 29 datasets"), std::string::npos) << v.out;
+    v = run_kvcc(dir, "inspect " + with);
+    ASSERT_EQ(v.exit_code, 0) << v.err;
+    EXPECT_NE(v.out.find("evict budget"), std::string::npos) << v.out;
+    EXPECT_NE(v.out.find(" 1.250\n"), std::string::npos) << v.out;
+    v = run_kvcc(dir, "inspect --json " + with);
+    ASSERT_EQ(v.exit_code, 0) << v.err;
+    EXPECT_EQ(nlohmann::json::parse(v.out)["layers"][1]["eviction_budget"].get<double>(), 1.25);
+  }
+
   // Flip the lowest byte of one rotation value: verify names the dataset, exit 1.
   int64_t offset;
   {
