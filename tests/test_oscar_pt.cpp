@@ -245,6 +245,33 @@ TEST(Pickle, MalformedInputIsAnError) {
   EXPECT_THROW(unpickle(std::string(self_ref, sizeof self_ref - 1), kNoStorage, "t"), Error);
 }
 
+// Pickle shares what the memo holds; the values kvcc builds are trees. x = (x, x) twenty-two
+// times is 46 bytes of pickle and 2^23 - 1 values, refused by the bound on what a file of that
+// size may expand to, while ordinary sharing (a string fetched from the memo a thousand times)
+// reads.
+TEST(Pickle, SharedMemoEntriesCannotExpandWithoutBound) {
+  std::string doubling = "\x80\x02)";
+  for (int i = 0; i < 22; ++i) doubling += "2\x86";  // DUP, TUPLE2
+  doubling += ".";
+  try {
+    unpickle(doubling, kNoStorage, "doubling.pkl");
+    ADD_FAILURE() << "a pickle of 2^23 values in 46 bytes was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expands to more than"), std::string::npos) << e.what();
+  }
+
+  std::string shared(
+      "\x80\x02]q\x00X\x06\x00\x00\x00weightq\x01"  // [], 'weight' put in the memo
+      "0(",                                         // POP, MARK
+      20);
+  for (int i = 0; i < 1000; ++i) shared += "h\x01";  // BINGET 1
+  shared += "e.";                                    // APPENDS
+  const PyValue v = unpickle(shared, kNoStorage, "shared.pkl");
+  ASSERT_EQ(v.kind, PyValue::Kind::List);
+  ASSERT_EQ(v.items.size(), 1000u);
+  EXPECT_EQ(v.items[999].text, "weight");
+}
+
 TEST(Pickle, TorchSaveRoundTrip) {
   PyTensor a;
   a.shape = {2, 3};

@@ -711,8 +711,14 @@ class Unpickler {
     return n;
   }
 
+  // The value is a tree, the pickle a graph: a memo entry fetched twice is copied twice, so a few
+  // bytes of gets can stand for 2^64 values. What the tree may hold is bounded by the input size.
   PyValue to_value(const Node& n, int depth) {
     if (depth > 64) fail("pickle nests deeper than 64 levels (or refers to itself)");
+    values_left_ -= 1 + int64_t(n.s.size()) / 16;
+    if (values_left_ < 0)
+      fail("pickle expands to more than " + std::to_string(value_budget()) + " values (" + std::to_string(in_.size()) +
+           " bytes that share memo entries over and over)");
     PyValue v;
     switch (n.k) {
       case Node::K::None:
@@ -748,7 +754,10 @@ class Unpickler {
     return v;
   }
 
+  int64_t value_budget() const { return 16 * int64_t(in_.size()) + 65536; }
+
   std::string_view in_;
+  int64_t values_left_ = value_budget();
   const StorageLoader& load_;
   const std::string& label_;
   std::vector<NodeP> stack_;
