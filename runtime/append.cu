@@ -1,5 +1,5 @@
-// Append kernels: rotate + round to BF16 (staging), quantise the tokens that enter history
-// (from the old ring or straight from staging) into their pages, then write sink and ring.
+// Append kernel: rotate + round to BF16, quantise the tokens that enter history (new, or from the
+// old ring) into their pages, write sink and ring; one launch per layer.
 // Semantics: runtime/append_ref.cpp. The host plans which token goes where from the lengths
 // (plan_append_moves, runtime/plan.cpp).
 #include <cuda_bf16.h>
@@ -26,200 +26,239 @@ constexpr int kD = kGpuHeadDim;
 using Move = AppendMove;
 using WindowWrite = AppendWindowWrite;
 
-// staging[side][row, head, :] = bf16(x[row, head, :] · R[head])  (x = k for side 0, v for side 1).
-// stride: staging rows per side; counts (device, may be null; DeviceAppendPlan::counts): counts[2]
-// rows to rotate, else stride. A block owns kRotCols columns of one (head, side): it stages that
-// slice of R in shared memory once (one round of wide loads: a decode step's few rows were bound by
-// the latency of R's column loads, 16 us per layer at batch 1, measured), then strides over
-// 16-row tiles, so a grid sized by a capacity serves any count below. Warp w computes rows
-// w, w + 4, w + 8, w + 12 of a tile, lane l column l of the slice; each output sums over i in order.
-constexpr int kRotCols = 32, kRotThreads = 128, kRotTile = 16;
-constexpr int kRotLoads = kD * kRotCols / 4 / kRotThreads;  // float4 loads of R per thread
-template <typename In>
-__global__ void __launch_bounds__(kRotThreads)
-    rotate_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, int stride, const int32_t* counts,
-                int n_kv, __nv_bfloat16* staging) {
-  __shared__ __align__(16) float xs[kRotTile][kD];
-  __shared__ __align__(16) float rs[kD][kRotCols];
-  const int side = blockIdx.z & 1, c0 = (blockIdx.z >> 1) * kRotCols, h = blockIdx.y;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int rows = counts ? counts[2] : stride;  // the step's upload: done before any kernel after it
-  if (int(blockIdx.x) * kRotTile >= rows) return;
-  const In* x = side ? v : k;
-  const float* R = side ? rot_v : rot_k;
-  __nv_bfloat16* out = staging + size_t(side) * stride * n_kv * kD;
-  // R does not depend on the preceding kernel: its loads overlap that kernel's end.
-  float4 t[kRotLoads];
-  if (R) {
-    const float4* Rh = reinterpret_cast<const float4*>(R + size_t(h) * kD * kD + c0);
+// The k-th smallest (1 <= k <= 128) of a warp's 128 values, 4 per lane: a bitonic sort of element
+// e = 4·lane + r (in-lane exchanges for strides 1 and 2, shuffles above), then element k - 1
+// broadcast. 15 rounds of 4 shuffles; counting ranks (each value against all 128) took 128
+// shuffles and 1024 compares, most of a long append's time.
+__device__ float warp_kth_smallest(float a[4], int k) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int e = 0; e < kRotLoads; ++e) {
-      const int f = threadIdx.x + e * kRotThreads;  // float4 f of the slice: row f / 8, columns 4 (f % 8) ..
-      t[e] = Rh[size_t(f / (kRotCols / 4)) * (kD / 4) + f % (kRotCols / 4)];
-    }
-  }
-  pdl_wait();  // k and v may come from the preceding kernel; staging is free once it is done
-  pdl_launch_dependents();
-  static_assert(kRotThreads == kD, "thread j loads channel j of a tile's rows");
-  for (int r0 = blockIdx.x * kRotTile; r0 < rows; r0 += gridDim.x * kRotTile) {
-    const int nr = min(kRotTile, rows - r0);
-    // The tile's loads are issued before R's are awaited (the slice is stored on the first tile).
-    float xr[kRotTile];
+  for (int size = 2; size <= 4 * 32; size <<= 1)
 #pragma unroll
-    for (int u = 0; u < kRotTile; ++u)
-      xr[u] = u < nr ? load_activation(x + (size_t(r0 + u) * n_kv + h) * kD + threadIdx.x) : 0.0f;
-    __syncthreads();  // the previous tile's xs is read
-    if (R && r0 == int(blockIdx.x) * kRotTile)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (stride >= 4) {
+        const bool lower = (lane & (stride >> 2)) == 0;
 #pragma unroll
-      for (int e = 0; e < kRotLoads; ++e) reinterpret_cast<float4*>(&rs[0][0])[threadIdx.x + e * kRotThreads] = t[e];
+        for (int r = 0; r < 4; ++r) {
+          const bool up = ((4 * lane + r) & size) == 0;
+          const float o = __shfl_xor_sync(0xffffffffu, a[r], stride >> 2);
+          a[r] = lower == up ? fminf(a[r], o) : fmaxf(a[r], o);
+        }
+      } else {
 #pragma unroll
-    for (int u = 0; u < kRotTile; ++u) xs[u][threadIdx.x] = xr[u];
-    __syncthreads();
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (R) {
-#pragma unroll 4
-      for (int i = 0; i < kD; i += 4) {
-        const float r0i = rs[i][lane], r1i = rs[i + 1][lane], r2i = rs[i + 2][lane], r3i = rs[i + 3][lane];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const float4 xv = *reinterpret_cast<const float4*>(&xs[w + 4 * t][i]);  // one address per warp
-          acc[t] = fmaf(xv.w, r3i, fmaf(xv.z, r2i, fmaf(xv.y, r1i, fmaf(xv.x, r0i, acc[t]))));
+        for (int r = 0; r < 4; ++r) {
+          if (r & stride) continue;
+          const bool up = ((4 * lane + r) & size) == 0;
+          const float lo = fminf(a[r], a[r + stride]), hi = fmaxf(a[r], a[r + stride]);
+          a[r] = up ? lo : hi;
+          a[r + stride] = up ? hi : lo;
         }
       }
-    } else {
-#pragma unroll
-      for (int t = 0; t < 4; ++t) acc[t] = w + 4 * t < nr ? xs[w + 4 * t][c0 + lane] : 0.0f;
     }
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-      if (w + 4 * t < nr) out[(size_t(r0 + w + 4 * t) * n_kv + h) * kD + c0 + lane] = __float2bfloat16_rn(acc[t]);
-  }
+  const int e = k - 1;
+  const float mine = (e & 3) == 0 ? a[0] : (e & 3) == 1 ? a[1] : (e & 3) == 2 ? a[2] : a[3];
+  return __shfl_sync(0xffffffffu, mine, e >> 2);
 }
 
-// One warp per (move, head, side): clip + quantise + pack one row (codec_scalar.h semantics); lane
+// One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
 // l holds channels 4l .. 4l + 3, i.e. code byte l.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
-// counts (device, may be null; DeviceAppendPlan::counts): counts[0] moves at byte counts[3] of
-// the header, else n_moves at `moves`; warps stride over the work.
-__global__ void quantize_moves(const Move* moves, int n_moves, const int32_t* counts, KvGeometry geo, int layer,
-                               const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows, uint8_t* pages,
-                               const HeadCodec* codecs) {
-  pdl_wait();  // staging comes from rotate_rows
-  pdl_launch_dependents();
-  if (counts) moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[3]);
+// src: the row (global or shared memory); (page, row): where it goes.
+__device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int side, int h,
+                             const KvGeometry& geo, int layer, uint8_t* pages, const HeadCodec* codecs) {
   const int lane = threadIdx.x & 31;
-  const int n_kv = geo.n_kv_heads;
-  const int n_warps = (counts ? counts[0] : n_moves) * n_kv * 2;
-  for (int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < n_warps; warp += (gridDim.x * blockDim.x) >> 5) {
-    const int side = warp % 2, h = (warp / 2) % n_kv, mi = warp / (2 * n_kv);
-    const Move mv = moves[mi];
-    const __nv_bfloat16* src;
-    if (mv.from_ring) {
-      const __nv_bfloat16* win = windows + geo.window_block_elem(mv.seq_slot, layer, h);
-      src = win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) + size_t(mv.src) * kD;
-    } else {
-      src = staging + size_t(side) * rows * n_kv * kD + (size_t(mv.src) * n_kv + h) * kD;
+  float x[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] = __bfloat162float(src[4 * lane + e]);
+  const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
+  GroupParams prm;
+  uint8_t codes[4];
+  if (codec.use_table) {
+    // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
+    // bit-identical to the host's.
+    float ss = 0.0f;
+    for (int i = 0; i < kD; ++i) {
+      const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
+      ss = __fadd_rn(ss, __fmul_rn(xi, xi));
     }
-    float x[4];
+    uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
+    float s = float_from_f16(sh);
+    if (!(s > 0.0f) || isinf(s)) {
+      sh = f16_from_float(1.0f);
+      s = 1.0f;
+    }
+    prm = GroupParams{sh, 0};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = __bfloat162float(src[4 * lane + e]);
-    const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
-    GroupParams prm;
-    uint8_t codes[4];
-    if (codec.use_table) {
-      // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
-      // bit-identical to the host's.
-      float ss = 0.0f;
-      for (int i = 0; i < kD; ++i) {
-        const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
-        ss = __fadd_rn(ss, __fmul_rn(xi, xi));
-      }
-      uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
-      float s = float_from_f16(sh);
-      if (!(s > 0.0f) || isinf(s)) {
-        sh = f16_from_float(1.0f);
-        s = 1.0f;
-      }
-      prm = GroupParams{sh, 0};
+    for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
+  } else {
+    // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
+    float a[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
-    } else {
-      // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
-      const int k = clip_rank(double(codec.clip_ratio), kD);
-      float a[4];
-      int lt[4] = {0, 0, 0, 0}, le[4] = {0, 0, 0, 0};
+    for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
+    const float thr = warp_kth_smallest(a, clip_rank(double(codec.clip_ratio), kD));
+    float lo = INFINITY, hi = -INFINITY, c[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
-      for (int srcl = 0; srcl < 32; ++srcl)
+    for (int e = 0; e < 4; ++e) {
+      c[e] = x[e] < -thr ? -thr : (x[e] > thr ? thr : x[e]);
+      lo = fminf(lo, c[e]);
+      hi = fmaxf(hi, c[e]);
+    }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float vv = __shfl_sync(0xffffffffu, a[e], srcl);
+    for (int off = 16; off > 0; off >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    prm = uniform_params(lo, hi, 2);
+    const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
 #pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            lt[m] += vv < a[m];
-            le[m] += vv <= a[m];
+    for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, 2);
+  }
+  uint8_t* blk = pages + geo.page_block_offset(page, layer, h);
+  uint8_t* row =
+      blk + (side ? geo.v_codes_offset() : geo.k_codes_offset()) + size_t(row_in_page) * geo.code_row_bytes();
+  row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
+  if (lane == 0) {
+    uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset() : geo.k_params_offset()));
+    params[2 * row_in_page] = prm.scale;
+    params[2 * row_in_page + 1] = prm.zero;
+  }
+}
+
+// The ring row of window slot seq_slot that holds ring slot `slot`.
+__device__ const __nv_bfloat16* ring_row(const KvGeometry& geo, const __nv_bfloat16* windows, int seq_slot, int layer,
+                                         int h, int side, int slot) {
+  return windows + geo.window_block_elem(seq_slot, layer, h) + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
+         size_t(slot) * kD;
+}
+
+// One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
+// kAppTile items (the moves, then the window writes). Thread j keeps column j of R in registers,
+// loaded once before the wait on the preceding kernel (R does not depend on it), and computes
+// column j of the rotated row of every item in a tile that takes a new row (x = k for side 0, v
+// for side 1): bf16(x[row, head, :] · R[head]), each sum over i in order. Then warp w stores items
+// w, w + 4, ..: a move quantises its row (new, or from the old ring) into its page row; a window
+// write first moves the ring slot it replaces, if a move is paired with it (plan_append_moves:
+// the move has from_ring == 2, the write its index), then writes the row into sink or ring.
+// (Rotating into a staging buffer in one launch and storing in a second cost a kernel boundary:
+// the decode step per layer at batch 1 / 32K took 23.6 us against 20.2, measured.)
+// counts (device, may be null; DeviceAppendPlan::counts): counts[0] moves at byte counts[2] and
+// counts[1] writes at byte counts[3] of the header, else n_moves and n_writes.
+constexpr int kAppTile = 16, kAppThreads = kD, kAppChunk = 4;
+template <typename In>
+__global__ void __launch_bounds__(kAppThreads, 3)
+    append_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, const Move* moves, int n_moves,
+                const WindowWrite* writes, int n_writes, const int32_t* counts, KvGeometry geo, int layer,
+                __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
+  __shared__ __align__(16) float xs[kAppTile][kD];
+  __shared__ __align__(16) __nv_bfloat16 ys[kAppTile][kD];
+  __shared__ int tile_row[kAppTile];   // rotated row r: its input row
+  __shared__ int item_slot[kAppTile];  // item u of the tile: its rotated row, or -1
+  __shared__ int n_rot;
+  const int side = blockIdx.z, h = blockIdx.y, j = threadIdx.x, lane = j & 31, w = j >> 5;
+  // The step's tables come from its upload, done before any kernel after it: read before the wait.
+  if (counts) {
+    n_moves = counts[0];
+    n_writes = counts[1];
+    moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[2]);
+    writes = reinterpret_cast<const WindowWrite*>(reinterpret_cast<const uint8_t*>(counts) + counts[3]);
+  }
+  const int n_items = n_moves + n_writes;
+  if (int(blockIdx.x) * kAppTile >= n_items) return;
+  const int n_kv = geo.n_kv_heads;
+  const In* x = side ? v : k;
+  const float* R = side ? rot_v : rot_k;
+  float rc[kD];
+  if (R) {
+    const float* col = R + size_t(h) * kD * kD + j;
+#pragma unroll
+    for (int i = 0; i < kD; ++i) rc[i] = col[size_t(i) * kD];
+  }
+  pdl_wait();  // k and v may come from the preceding kernel
+  pdl_launch_dependents();
+  // The input row of item u, or -1 (a move from the old ring).
+  auto new_row = [&](int item) {
+    if (item < n_moves) {
+      const Move& mv = moves[item];
+      return mv.from_ring ? -1 : mv.src;
+    }
+    return writes[item - n_moves].src;
+  };
+  for (int i0 = blockIdx.x * kAppTile; i0 < n_items; i0 += gridDim.x * kAppTile) {
+    const int nt = min(kAppTile, n_items - i0);
+    __syncthreads();  // the previous tile's shared rows are consumed
+    if (w == 0) {
+      const int row = lane < nt ? new_row(i0 + lane) : -1;
+      const unsigned takes = __ballot_sync(0xffffffffu, row >= 0);
+      const int r = __popc(takes & ((1u << lane) - 1));
+      if (lane < kAppTile) item_slot[lane] = row >= 0 ? r : -1;
+      if (row >= 0) tile_row[r] = row;
+      if (lane == 0) n_rot = __popc(takes);
+    }
+    __syncthreads();
+    const int nr = n_rot;
+    for (int r = 0; r < nr; ++r) xs[r][j] = load_activation(x + (size_t(tile_row[r]) * n_kv + h) * kD + j);
+    __syncthreads();
+    for (int r0 = 0; r0 < nr; r0 += kAppChunk) {
+      float acc[kAppChunk] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (R) {
+#pragma unroll
+        for (int i = 0; i < kD; i += 4)
+#pragma unroll
+          for (int c = 0; c < kAppChunk; ++c) {
+            const float4 xv = *reinterpret_cast<const float4*>(&xs[r0 + c][i]);  // one address per block
+            acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
           }
-        }
-      float thr = INFINITY;
+      } else {
 #pragma unroll
-      for (int m = 0; m < 4; ++m)
-        if (lt[m] < k && k <= le[m]) thr = fminf(thr, a[m]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) thr = fminf(thr, __shfl_xor_sync(0xffffffffu, thr, off));
-      float lo = INFINITY, hi = -INFINITY, c[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[e] = x[e] < -thr ? -thr : (x[e] > thr ? thr : x[e]);
-        lo = fminf(lo, c[e]);
-        hi = fmaxf(hi, c[e]);
+        for (int c = 0; c < kAppChunk; ++c) acc[c] = xs[r0 + c][j];
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-      }
-      prm = uniform_params(lo, hi, 2);
-      const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, 2);
+      for (int c = 0; c < kAppChunk; ++c)
+        if (r0 + c < nr) ys[r0 + c][j] = __float2bfloat16_rn(acc[c]);
     }
-    uint8_t* blk = pages + geo.page_block_offset(mv.page, layer, h);
-    uint8_t* row = blk + (side ? geo.v_codes_offset() : geo.k_codes_offset()) + size_t(mv.row) * geo.code_row_bytes();
-    row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
-    if (lane == 0) {
-      uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset() : geo.k_params_offset()));
-      params[2 * mv.row] = prm.scale;
-      params[2 * mv.row + 1] = prm.zero;
+    __syncthreads();
+    for (int u = w; u < nt; u += kAppThreads / 32) {
+      const int item = i0 + u;
+      if (item < n_moves) {
+        const Move mv = moves[item];
+        if (mv.from_ring == 0) quantize_row(ys[item_slot[u]], mv.page, mv.row, side, h, geo, layer, pages, codecs);
+        else if (mv.from_ring == 1)
+          quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo,
+                       layer, pages, codecs);
+        continue;  // from_ring 2: its window write moves it
+      }
+      const WindowWrite wr = writes[item - n_moves];
+      if (wr.move >= 0) {
+        const Move mv = moves[wr.move];
+        quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, layer,
+                     pages, codecs);
+        __syncwarp();  // every lane has read the slot's old row
+      }
+      __nv_bfloat16* win = windows + geo.window_block_elem(wr.seq_slot, layer, h);
+      const size_t dst =
+          wr.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem()) : (side ? geo.v_sink_elem() : geo.k_sink_elem());
+      reinterpret_cast<uint2*>(win + dst + size_t(wr.dst) * kD)[lane] =
+          reinterpret_cast<const uint2*>(ys[item_slot[u]])[lane];
     }
   }
 }
 
-// One warp per (write, head, side): copy a staging row into the sink or ring.
-// counts (device, may be null): counts[1] writes at byte counts[4] of the header, else n_writes.
-__global__ void write_windows(const WindowWrite* writes, int n_writes, const int32_t* counts, KvGeometry geo, int layer,
-                              const __nv_bfloat16* staging, int rows, __nv_bfloat16* windows) {
-  pdl_wait();  // the moves read ring rows these writes may replace
-  pdl_launch_dependents();
-  if (counts) writes = reinterpret_cast<const WindowWrite*>(reinterpret_cast<const uint8_t*>(counts) + counts[4]);
-  const int lane = threadIdx.x & 31;
-  const int n_kv = geo.n_kv_heads;
-  const int n_warps = (counts ? counts[1] : n_writes) * n_kv * 2;
-  for (int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; warp < n_warps; warp += (gridDim.x * blockDim.x) >> 5) {
-    const int side = warp % 2, h = (warp / 2) % n_kv, wi = warp / (2 * n_kv);
-    const WindowWrite w = writes[wi];
-    const __nv_bfloat16* src = staging + size_t(side) * rows * n_kv * kD + (size_t(w.src) * n_kv + h) * kD;
-    __nv_bfloat16* win = windows + geo.window_block_elem(w.seq_slot, layer, h);
-    const size_t dst =
-        w.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem()) : (side ? geo.v_sink_elem() : geo.k_sink_elem());
-    const uint2 val = reinterpret_cast<const uint2*>(src)[lane];
-    reinterpret_cast<uint2*>(win + dst + size_t(w.dst) * kD)[lane] = val;
-  }
-}
-
-// Blocks of a launch sized by a capacity (device counts): enough to fill the GPU, the rest of the
-// work taken by striding; exact when the counts are the host's.
-unsigned blocks_for(int64_t need, bool capacity, int64_t cap_blocks) {
-  return unsigned(capacity ? std::min(need, cap_blocks) : need);
+// Blocks of append_rows that one SM holds (its registers bound it: R's column is 128 of them).
+int resident_blocks(Activations act) {
+  static const int n[2] = {
+      [] {
+        int b = 0;
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, append_rows<float>, kAppThreads, 0),
+                   "append (CUDA): occupancy");
+        return std::max(b, 1);
+      }(),
+      [] {
+        int b = 0;
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, append_rows<__nv_bfloat16>, kAppThreads, 0),
+                   "append (CUDA): occupancy");
+        return std::max(b, 1);
+      }()};
+  return n[act == Activations::BFloat16];
 }
 
 }  // namespace
@@ -230,66 +269,41 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
 
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                       void* staging, size_t staging_bytes, cudaStream_t stream, Activations act) {
-  if (plan.rows == 0) return;
-  KVCC_REQUIRE(staging_bytes >= append_staging_bytes(g, plan.rows), "append (CUDA): staging too small");
-  auto* stage = static_cast<__nv_bfloat16*>(staging);
-  auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
-  const bool cap = plan.counts != nullptr;
-  // With device counts the grids are the capacities' (every step launches the same), capped (the
-  // blocks beyond a step's work only read its counts and exit): 4 blocks of 4 warps per SM for the
-  // moves and writes. The rotation's blocks each stage their slice of R once for all the tiles they
-  // take: about 8 blocks per SM with device counts (one wave; most exit at a decode step), and at
-  // least one block per 8 tiles otherwise (a 32K-token append with one wave: 3.9 vs 3.4 ms, measured).
-  const int64_t move_blocks = int64_t(multiprocessors()) * 4;
-  const int64_t rot_slices = int64_t(g.n_kv_heads) * 2 * (kD / kRotCols);
-  const int64_t rot_tiles = (plan.rows + kRotTile - 1) / kRotTile;
-  const int64_t rot_wave = std::max<int64_t>(1, multiprocessors() * 8 / rot_slices);
-  const dim3 rot_grid(unsigned(std::min(rot_tiles, cap ? rot_wave : std::max(rot_wave, (rot_tiles + 7) / 8))),
-                      g.n_kv_heads, 2 * (kD / kRotCols));
-  // Programmatic dependent launch: each kernel is launched while its predecessor runs and waits
-  // (griddepcontrol.wait) for its results, hiding launch latency; each lets its own dependents
+                       cudaStream_t stream, Activations act) {
+  const int64_t items = int64_t(plan.n_moves) + plan.n_writes;
+  if (items == 0) return;
+  // Blocks per (KV head, side): each loads R's 64 KB once for all the tiles it takes, so about one
+  // wave of them, and with host counts at least one per 8 tiles. With device counts
+  // the grid is the capacities' (every step launches the same): the blocks beyond a step's tiles
+  // only read its counts and exit.
+  const int64_t tiles = (items + kAppTile - 1) / kAppTile;
+  const int64_t wave =
+      std::max<int64_t>(1, int64_t(multiprocessors()) * resident_blocks(act) / (int64_t(g.n_kv_heads) * 2));
+  const dim3 grid(unsigned(std::min(tiles, plan.counts ? wave : std::max(wave, (tiles + 7) / 8))), g.n_kv_heads, 2);
+  // Programmatic dependent launch: the kernel is launched while its predecessor runs and waits
+  // (griddepcontrol.wait) for its results, hiding launch latency; it lets its own dependents
   // launch only after that wait, so a kernel that starts finds all but its predecessor done.
   cudaLaunchAttribute pdl;
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
-  auto config = [&](dim3 grid, unsigned threads) {
-    cudaLaunchConfig_t c{};
-    c.gridDim = grid;
-    c.blockDim = dim3(threads);
-    c.stream = stream;
-    c.attrs = &pdl;
-    c.numAttrs = 1;
-    return c;
-  };
-  const int rows = int(plan.rows);
-  const cudaLaunchConfig_t rc = config(rot_grid, kRotThreads);
+  cudaLaunchConfig_t c{};
+  c.gridDim = grid;
+  c.blockDim = dim3(kAppThreads);
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
+  const auto* counts = static_cast<const int32_t*>(plan.counts);
   if (act == Activations::BFloat16)
-    check_cuda(
-        cudaLaunchKernelEx(&rc, rotate_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
-                           static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, rows, plan.counts, g.n_kv_heads, stage),
-        "append (CUDA) launch");
+    check_cuda(cudaLaunchKernelEx(&c, append_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
+                                  static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, plan.moves, plan.n_moves,
+                                  plan.writes, plan.n_writes, counts, g, layer, win, pages, codecs),
+               "append (CUDA) launch");
   else
-    check_cuda(cudaLaunchKernelEx(&rc, rotate_rows<float>, static_cast<const float*>(k), static_cast<const float*>(v),
-                                  rot_k, rot_v, rows, plan.counts, g.n_kv_heads, stage),
+    check_cuda(cudaLaunchKernelEx(&c, append_rows<float>, static_cast<const float*>(k), static_cast<const float*>(v),
+                                  rot_k, rot_v, plan.moves, plan.n_moves, plan.writes, plan.n_writes, counts, g, layer,
+                                  win, pages, codecs),
                "append (CUDA) launch");
-  const int64_t move_warps = int64_t(plan.n_moves) * g.n_kv_heads * 2;
-  if (move_warps > 0) {
-    const cudaLaunchConfig_t c = config(dim3(blocks_for((move_warps + 3) / 4, cap, move_blocks)), 128);
-    check_cuda(cudaLaunchKernelEx(&c, quantize_moves, static_cast<const Move*>(plan.moves), plan.n_moves,
-                                  static_cast<const int32_t*>(plan.counts), g, layer,
-                                  static_cast<const __nv_bfloat16*>(stage), rows, win, pages, codecs),
-               "append (CUDA) launch");
-  }
-  const int64_t write_warps = int64_t(plan.n_writes) * g.n_kv_heads * 2;
-  if (write_warps > 0) {
-    const cudaLaunchConfig_t c = config(dim3(blocks_for((write_warps + 3) / 4, cap, move_blocks)), 128);
-    check_cuda(cudaLaunchKernelEx(&c, write_windows, static_cast<const WindowWrite*>(plan.writes), plan.n_writes,
-                                  static_cast<const int32_t*>(plan.counts), g, layer,
-                                  static_cast<const __nv_bfloat16*>(stage), rows, win),
-               "append (CUDA) launch");
-  }
-  check_cuda(cudaGetLastError(), "append (CUDA) launch");
 }
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
@@ -309,7 +323,6 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   d.writes = reinterpret_cast<AppendWindowWrite*>(ws + lay.writes);
   d.n_moves = int(m.moves.size());
   d.n_writes = int(m.writes.size());
-  d.rows = m.rows;
   auto* d_codecs = reinterpret_cast<HeadCodec*>(ws + lay.codecs);
   // Pageable host memory: the copies complete (staged) before cudaMemcpyAsync returns.
   if (!m.moves.empty())
@@ -323,8 +336,7 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   check_cuda(
       cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
       "append (CUDA): copy codecs");
-  append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, ws + lay.staging,
-                    lay.moves - lay.staging, stream, act);
+  append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, stream, act);
 }
 
 }  // namespace kvcc

@@ -137,9 +137,8 @@ void compact_rows_device(KvCache& cache, const CompactionPlan& plan, const HeadC
   }
   const size_t nq = qmoves.size(), n_kv = size_t(g.n_kv_heads), d = size_t(g.head_dim);
   const size_t rows = size_t(n) * n_kv * 2;
-  const size_t staging = nq ? append_staging_bytes(g, int64_t(nq)) : 0;
   const size_t bytes = 256 * 8 + n * sizeof(CompactRowMove) + n * 4 + nq * sizeof(AppendMove) + rows * d * 2 +
-                       rows * g.code_row_bytes() + rows * 2 * size_t(g.groups()) * 2 + 2 * nq * n_kv * d * 4 + staging;
+                       rows * g.code_row_bytes() + rows * 2 * size_t(g.groups()) * 2 + 2 * nq * n_kv * d * 4;
   void* base = nullptr;
   check_cuda(cudaMallocAsync(&base, bytes, s), "compact (CUDA): workspace");
   uint8_t* at = static_cast<uint8_t*>(base);
@@ -149,7 +148,6 @@ void compact_rows_device(KvCache& cache, const CompactionPlan& plan, const HeadC
   Stage st{carve<uint16_t>(at, rows * d), carve<uint8_t>(at, rows * g.code_row_bytes()),
            carve<uint16_t>(at, rows * 2 * size_t(g.groups())), carve<float>(at, nq * n_kv * d),
            carve<float>(at, nq * n_kv * d)};
-  void* stage_q = carve<uint8_t>(at, staging);
   check_cuda(cudaMemcpyAsync(dmoves, plan.moves.data(), size_t(n) * sizeof(CompactRowMove), cudaMemcpyHostToDevice, s),
              "compact (CUDA): upload");
   check_cuda(cudaMemcpyAsync(dquant, quant.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s), "compact (CUDA): upload");
@@ -166,9 +164,8 @@ void compact_rows_device(KvCache& cache, const CompactionPlan& plan, const HeadC
       DeviceAppendPlan ap;
       ap.moves = dq;
       ap.n_moves = int(nq);
-      ap.rows = int64_t(nq);
       append_kv_planned(g, cache.pages_base(), cache.windows_base(), l, ap, codecs + size_t(l) * n_kv, st.qk, st.qv,
-                        nullptr, nullptr, stage_q, staging, s);
+                        nullptr, nullptr, s);
     }
   }
   check_cuda(cudaGetLastError(), "compact (CUDA) launch");

@@ -73,14 +73,13 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
                const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
                void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
 // One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
-// rotate and stage, quantise the moves, write the windows; no host work, no copies. codecs: device
-// [n_kv] of this layer; staging: at least append_staging_bytes(g, plan.rows). With plan.counts
+// rotate, quantise the moves, write the windows, in one launch; no host work, no copies, no
+// workspace. codecs: device [n_kv] of this layer. With plan.counts
 // (the step's counts on the device) the launches are the same for every step within the
 // capacities, so they can be captured in a CUDA graph and replayed.
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                       void* staging, size_t staging_bytes, cudaStream_t stream,
-                       Activations act = Activations::Float32);
+                       cudaStream_t stream, Activations act = Activations::Float32);
 
 // Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
 // prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as

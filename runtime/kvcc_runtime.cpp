@@ -102,7 +102,7 @@ struct Runtime::DeviceState {
   DeviceBuffer<HeadCodec> codecs;  // [layers, n_kv], uploaded once
   DeviceBuffer<int32_t> batch;     // prefill's page table, and a decode batch outside a step
   DeviceBuffer<uint8_t> step;      // the step's plan: append moves | window writes | decode batch
-  DeviceBuffer<uint8_t> ws;        // the step's append staging and decode workspace (stream order)
+  DeviceBuffer<uint8_t> ws;        // the step's decode workspace (stream order)
   DeviceBuffer<uint8_t> other_ws;  // prefill, and decode outside the step: never the step's buffers
   // Maxima declared: `step` and `ws` are sized at load for `cap` and never reallocated (a captured
   // graph holds their addresses), and decode's split plan is the one for cap.hist_pages.
@@ -300,14 +300,14 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   if (o.memory == PoolMemory::Device) dev_->codecs = DeviceBuffer<HeadCodec>(codecs_);
   if (o.memory == PoolMemory::Device && limits_.max_context > 0) {
     // Everything a step within the maxima needs, now: the tables, and a workspace for the largest
-    // append staging and the largest decode of any batch size up to max_batch (the split plan,
-    // hence the workspace, depends on the batch).
+    // decode of any batch size up to max_batch (the split plan, hence the workspace, depends on
+    // the batch).
     DeviceState& d = *dev_;
     d.fixed = true;
     d.cap = cap;
     d.step = DeviceBuffer<uint8_t>(cap.bytes);
     d.packed.assign(cap.bytes, 0);
-    size_t ws = append_staging_bytes(g, cap.rows);
+    size_t ws = 0;
     for (int b = 1; b <= limits_.max_batch; ++b)
       ws = std::max(ws, decode_workspace_bytes(g, b, n_heads_, int(cap.hist_pages)));
     d.ws = DeviceBuffer<uint8_t>(ws);
@@ -380,7 +380,7 @@ void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<
                    int64_t(ints.size()) <= c.ints,
                "runtime: a step's tables above their capacities (a bug: begin_append checks the maxima)");
   const StepPacking at = step_packing(c, int64_t(ints.size()), int64_t(m.moves.size()), int64_t(m.writes.size()));
-  const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()), int32_t(m.writes.size()), int32_t(m.rows),
+  const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()), int32_t(m.writes.size()),
                                            int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at)};
   uint8_t* h = d.packed.data();
   std::memcpy(h + c.counts_at, header, sizeof(header));
@@ -395,7 +395,6 @@ void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<
   d.append.writes = nullptr;
   d.append.n_moves = int(c.moves);
   d.append.n_writes = int(c.writes);
-  d.append.rows = c.rows;
   d.append.counts = reinterpret_cast<const int32_t*>(base + c.counts_at);
   d.decode = device_batch(reinterpret_cast<const int32_t*>(base + c.ints_at), n_seqs, int(c.hist_pages));
 }
@@ -441,11 +440,9 @@ void Runtime::plan_step(void* stream_ptr) {
   d.append.writes = reinterpret_cast<const AppendWindowWrite*>(d.step.data() + writes_at);
   d.append.n_moves = int(m.moves.size());
   d.append.n_writes = int(m.writes.size());
-  d.append.rows = m.rows;
   d.decode =
       device_batch(reinterpret_cast<const int32_t*>(d.step.data() + ints_at), int(pending_seqs_.size()), max_pages);
-  d.ws.reserve(std::max(append_staging_bytes(g, m.rows),
-                        decode_workspace_bytes(g, int(pending_seqs_.size()), n_heads_, max_pages)));
+  d.ws.reserve(decode_workspace_bytes(g, int(pending_seqs_.size()), n_heads_, max_pages));
 }
 #endif
 
@@ -473,7 +470,7 @@ void Runtime::append(int layer, const void* k, const void* v, void* stream) {
   dev_->before_use(s);
   append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->append,
                     dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
-                    DeviceState::at(dev_->rot_v, off), dev_->ws.data(), dev_->ws.bytes(), s, options_.activations);
+                    DeviceState::at(dev_->rot_v, off), s, options_.activations);
   dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");

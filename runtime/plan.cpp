@@ -178,32 +178,39 @@ AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan) {
     const int slot = plan.seq_slots[i];
     auto page_of = [&](int64_t post) { return plan.page_tables[i][size_t(post / g.page_tokens)]; };
     const int64_t post0 = n0 - t0.sink_count;
-    for (int64_t post = t0.hist_tokens; post < t1.hist_tokens && post < post0; ++post)
+    // The old ring's tokens that enter history: posts [t0.hist_tokens, ring_end), at moves first_ring...
+    const int64_t ring_end = std::min(t1.hist_tokens, post0);
+    const size_t first_ring = m.moves.size();
+    for (int64_t post = t0.hist_tokens; post < ring_end; ++post)
       m.moves.push_back(AppendMove{slot, 1, ring_slot(g, post), page_of(post), int32_t(post % g.page_tokens)});
+    // ... of which the one in ring slot s, if any (the ring holds fewer than `recent` of them).
+    auto ring_move_of = [&](int32_t s) -> int32_t {
+      const int64_t a = t0.hist_tokens;
+      const int64_t post = a + ((s - a % g.recent) % g.recent + g.recent) % g.recent;
+      if (post >= ring_end) return -1;
+      m.moves[first_ring + size_t(post - a)].from_ring = 2;
+      return int32_t(first_ring + size_t(post - a));
+    };
     for (int j = 0; j < plan.counts[i]; ++j) {
       const int64_t pos = n0 + j;
       const int32_t src = int32_t(plan.row_offsets[i] + j);
       if (pos < g.sink) {
-        m.writes.push_back(AppendWindowWrite{slot, 0, src, int32_t(pos)});
+        m.writes.push_back(AppendWindowWrite{slot, 0, src, int32_t(pos), -1});
       } else if (pos - g.sink < t1.hist_tokens) {
         const int64_t post = pos - g.sink;
         m.moves.push_back(AppendMove{slot, 0, src, page_of(post), int32_t(post % g.page_tokens)});
       } else {
-        m.writes.push_back(AppendWindowWrite{slot, 1, src, ring_slot(g, pos - g.sink)});
+        const int32_t dst = ring_slot(g, pos - g.sink);
+        m.writes.push_back(AppendWindowWrite{slot, 1, src, dst, ring_move_of(dst)});
       }
     }
   }
   return m;
 }
 
-size_t append_staging_bytes(const KvGeometry& g, int64_t rows) {
-  return align256(size_t(rows) * g.n_kv_heads * g.head_dim * 2 * 2);  // BF16 K and V rows
-}
-
 AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_moves) {
   AppendWorkspace w;
-  w.staging = 0;
-  w.moves = append_staging_bytes(g, rows);
+  w.moves = 0;
   w.writes = w.moves + align256(size_t(max_moves) * sizeof(AppendMove));
   w.codecs = w.writes + align256(size_t(rows) * sizeof(AppendWindowWrite));
   w.bytes = w.codecs + align256(size_t(g.n_kv_heads) * sizeof(HeadCodec));

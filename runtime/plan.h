@@ -116,38 +116,40 @@ struct AppendPlanHost {
   std::vector<int64_t> row_offsets;
   std::vector<std::vector<int32_t>> page_tables;  // each sequence's full page table after growing
 };
-// A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring) or from
-// staging row `src`, into (page, row).
+// A token entering history: from ring slot `src` of window slot `seq_slot` (from_ring 1 or 2) or
+// from input row `src` (from_ring 0), into (page, row). from_ring 2: a window write of the same
+// step replaces that slot (its `move` names this move), so the two must run in that order.
 struct AppendMove {
   int32_t seq_slot, from_ring, src, page, row;
 };
-// A new token staying in the BF16 windows: staging row `src` to sink position or ring slot `dst`.
+// A new token staying in the BF16 windows: input row `src` to sink position or ring slot `dst`;
+// `move`: the index of the move that takes the slot's old token into history first, or -1.
 struct AppendWindowWrite {
-  int32_t seq_slot, to_ring, src, dst;
+  int32_t seq_slot, to_ring, src, dst, move;
 };
 struct AppendMoves {
   std::vector<AppendMove> moves;
   std::vector<AppendWindowWrite> writes;
-  int64_t rows = 0;  // staging rows: the largest row_offsets[i] + counts[i]
+  int64_t rows = 0;  // input rows: the largest row_offsets[i] + counts[i]
 };
 // The moves and window writes of an append (the same walk as append_ref): the old ring's tokens
-// that a flush takes, in order, then each new token where its position puts it. Throws Error when
+// that a flush takes, in order, then each new token where its position puts it; each ring write
+// paired with the move that empties its slot, if any. Throws Error when
 // the arrays differ in size or a sequence was not grown.
 AppendMoves plan_append_moves(const KvGeometry& g, const AppendPlanHost& plan);
 
 // One step's append plan on the device (the same for every layer of the step): the moves and
-// window writes of plan_append_moves and the staging rows. Runtime::begin_append uploads it once
-// per step; append_kv_planned reads it for each layer.
+// window writes of plan_append_moves. Runtime::begin_append uploads it once per step;
+// append_kv_planned reads it for each layer.
 struct DeviceAppendPlan {
   const AppendMove* moves = nullptr;
   const AppendWindowWrite* writes = nullptr;
   int n_moves = 0, n_writes = 0;
-  int64_t rows = 0;
   // Null: the fields above are the step's. Otherwise the step's own live on the device, in a header
-  // the step's upload writes: int32 [n_moves, n_writes, rows, byte offset of the moves, byte offset
-  // of the window writes] (offsets from the header; moves and writes above are then unused), and
-  // n_moves, n_writes and rows above are capacities: they size the grids and the staging (rows is
-  // its stride), so launches captured in a CUDA graph stay valid for every later step within them.
+  // the step's upload writes: int32 [n_moves, n_writes, byte offset of the moves, byte offset of the
+  // window writes] (offsets from the header; moves and writes above are then unused), and n_moves
+  // and n_writes above are capacities: they size the grid, so launches captured in a CUDA graph
+  // stay valid for every later step within them.
   const int32_t* counts = nullptr;
 };
 
@@ -167,12 +169,12 @@ struct StepLimits {
 struct StepCapacity {
   int64_t moves = 0;                             // AppendMoves::moves of any step within the limits, at most
   int64_t writes = 0;                            // AppendMoves::writes, at most
-  int64_t rows = 0;                              // staging rows (= max_step_tokens)
+  int64_t rows = 0;                              // input rows (= max_step_tokens)
   int64_t hist_pages = 0;                        // history pages of a max_context sequence (fixes decode's split plan)
   int64_t ints = 0;                              // decode batch ints: seq_slot | seq_len | page_offset | page tables
   size_t counts_at = 0, ints_at = 0, bytes = 0;  // bytes: for the largest step
 };
-constexpr int kStepHeaderInts = 5;
+constexpr int kStepHeaderInts = 4;
 // Where a step's moves and window writes go (byte offsets from the header, 16-byte aligned), and
 // the bytes up to their end, for a step of `ints` decode ints, n_moves moves and n_writes writes.
 struct StepPacking {
@@ -183,13 +185,10 @@ StepPacking step_packing(const StepCapacity& c, int64_t ints, int64_t n_moves, i
 // tokens moves at most page_tokens·ceil(c / page_tokens) <= c + page_tokens - 1 tokens into
 // history; each new token is at most one window write.
 StepCapacity step_capacity(const KvGeometry& g, const StepLimits& limits);
-// Bytes of the BF16 staging of `rows` K and V rows (the first part of append's workspace).
-size_t append_staging_bytes(const KvGeometry& g, int64_t rows);
-
-// Append's workspace: byte offsets of the BF16 staging (K then V), the moves, the window writes
-// and the codecs; total bytes.
+// append_kv's workspace (the host plan's copy): byte offsets of the moves, the window writes and
+// the codecs; total bytes.
 struct AppendWorkspace {
-  size_t staging, moves, writes, codecs, bytes;
+  size_t moves, writes, codecs, bytes;
 };
 AppendWorkspace append_workspace(const KvGeometry& g, int64_t rows, int64_t max_moves);
 
