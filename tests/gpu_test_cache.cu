@@ -89,8 +89,8 @@ TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) {
 
 TEST(GpuAppend, RotationMatchesReference) {
   // With rotations the GEMMs round differently, so compare the BF16 window values, not bytes.
-  // 9000 rows: more 16-row tiles than the rotation launches blocks for, so each block takes several
-  // (its slice of R staged once) and the ring's rows come from the later tiles.
+  // 9000 rows: more tiles than the append launches blocks for, so each block takes several (its
+  // columns of R loaded once) and the ring's rows come from the later tiles.
   constexpr int kRows = 9000;
   KvGeometry g = test_geometry(1, 2);
   const int64_t pages = (kRows - g.sink) / g.page_tokens + 1;
