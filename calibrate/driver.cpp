@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "calibrate/accumulators.h"
+#include "calibrate/layer_sensitivity.h"
 #include "calibrate/mpi_reduce.h"
 #include "formats/error.h"
 #include "formats/h5_common.h"
@@ -242,6 +243,17 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   stats.provenance.seed = options.seed;
   stats.provenance.max_seq_len = set.max_seq_len;
   stats.provenance.tokenizer = set.tokenizer_kind;
+  if (options.sensitivity_block > 0 && !set.sequences.empty() &&
+      int(set.doc_index[0] % uint32_t(options.shard_count)) == options.shard_index) {
+    std::vector<std::vector<int32_t>> docs;
+    uint64_t tokens = 0;
+    for (size_t s = 0; s < set.sequences.size() && tokens < options.sensitivity_tokens; ++s) {
+      docs.push_back(set.sequences[s]);
+      tokens += set.sequences[s].size();
+    }
+    stats.sensitivity = measure_layer_sensitivity(model, docs, options.sensitivity_block, options.sensitivity_sink,
+                                                  [&](int layer) { report("sensitivity", layer, tokens); });
+  }
 
   if (summary) {
     summary->tokens = local_tokens;

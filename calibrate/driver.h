@@ -15,7 +15,7 @@ namespace kvcc {
 
 // What the driver reports while it works (the CLI draws a bar or prints lines from it).
 struct CalibrationProgress {
-  std::string stage;  // "tokenize", "embed", "layer"
+  std::string stage;  // "tokenize", "embed", "layer", "sensitivity" (layer = the layer just done)
   int layer = 0;      // current layer (stage "layer")
   int n_layers = 0;
   uint64_t tokens_done = 0;   // tokens of this layer (or stage) done so far on this process
@@ -37,6 +37,12 @@ struct CalibrationOptions {
   // the shards merged with merge_stats equal the single run).
   int shard_index = 0;
   int shard_count = 1;
+  // EpiCache's layer sensitivity (calibrate/layer_sensitivity.h; Stats::sensitivity), measured
+  // when sensitivity_block > 0 on the first documents of the set, at least sensitivity_tokens
+  // tokens (by the shard that holds document 0, so shards and ranks merge to one measurement).
+  int sensitivity_block = 0;
+  int sensitivity_sink = 4;
+  uint64_t sensitivity_tokens = 16384;
   std::string command;                                       // recorded in the stats file
   std::function<void(const CalibrationProgress&)> progress;  // optional
 };

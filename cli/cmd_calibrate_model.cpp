@@ -54,6 +54,12 @@ class ProgressPrinter {
       }
       return;
     }
+    if (p.stage == "sensitivity") {
+      if (tty_) std::fprintf(stderr, "\r\033[K");
+      std::fprintf(stderr, "layer sensitivity: layer %d/%d done (%" PRIu64 " tokens, twice), elapsed %s\n", p.layer + 1,
+                   p.n_layers, p.tokens_done, format_duration(p.elapsed_s).c_str());
+      return;
+    }
     if (p.stage == "embed") {
       if (tty_) std::fprintf(stderr, "\r\033[K");
       std::fprintf(stderr, "calibrating on %" PRIu64 " tokens, %d layers\n", p.tokens_total, p.n_layers);
@@ -141,6 +147,20 @@ Command reg{
       app.add_option("--shard", flags->shard,
                      "Process only documents with index % N == I (I/N); merge the shards with "
                      "`kvcc merge-stats`");
+      app.add_option("--layer-sensitivity", o.sensitivity_block,
+                     "Also measure EpiCache's layer sensitivity with blocks of this many tokens (the first "
+                     "documents run again with a block-prefill mask; kvcc compile --layer-budgets sensitivity "
+                     "turns it into per-layer eviction budgets); 0: not measured")
+          ->transform(whole_number(0, 2147483647))
+          ->capture_default_str();
+      app.add_option("--sensitivity-sink", o.sensitivity_sink,
+                     "With --layer-sensitivity: tokens at the start every block still sees")
+          ->transform(whole_number(0, 2147483647))
+          ->capture_default_str();
+      app.add_option("--sensitivity-tokens", o.sensitivity_tokens,
+                     "With --layer-sensitivity: measure on the first documents holding at least this many tokens")
+          ->transform(whole_number(1, ~0ULL))
+          ->capture_default_str();
       app.add_option("-o,--output", flags->output, "Statistics file to write (HDF5)")->required();
       app.footer(
           "Runs the model one layer at a time over every calibration token (memory: one layer's\n"
@@ -148,7 +168,10 @@ Command reg{
           "head, the query second moment, the value targets, key/value moments and ranges, and a\n"
           "reservoir of sampled rows (documents with index % 5 == 4 are held out). Refuses a model\n"
           "whose weights hold NaN or Inf (naming the tensor) or whose config has a negative or\n"
-          "non-finite rms_norm_eps or rope_theta, and an output that names an input.\n\n"
+          "non-finite rms_norm_eps or rope_theta, and an output that names an input.\n"
+          "With --layer-sensitivity B it also runs the first documents with a block-prefill mask\n"
+          "(blocks of B tokens see the sink, half the previous block and themselves) and stores, per\n"
+          "layer, how similar the keys stay to the causal run's (EpiCache's layer sensitivity).\n\n"
           "Example:\n"
           "  kvcc calibrate-model --model ../shared/models/tinystories-656k \\\n"
           "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
@@ -174,6 +197,12 @@ Command reg{
         if (options.separator != CalibrationOptions{}.separator)
           options.command += " --separator '" + options.separator + "'";
         if (!flags->shard.empty()) options.command += " --shard " + flags->shard;
+        if (options.sensitivity_block > 0) {
+          KVCC_REQUIRE(options.sensitivity_block >= 2, "--layer-sensitivity must be 0 (off) or at least 2 tokens");
+          options.command += " --layer-sensitivity " + std::to_string(options.sensitivity_block) +
+                             " --sensitivity-sink " + std::to_string(options.sensitivity_sink) +
+                             " --sensitivity-tokens " + std::to_string(options.sensitivity_tokens);
+        }
         options.command += " -o " + flags->output;
         const bool lead = is_lead_rank();
         auto printer = std::make_shared<ProgressPrinter>(stderr_is_tty());

@@ -191,10 +191,12 @@ void add_compile_options(CLI::App& sub, Args& a) {
                  "0: the quantised tier alone (the long-context limit)")
       ->capture_default_str()
       ->transform(whole_number(0, kIntMax));
-  sub.add_flag("--layer-budgets", o.layer_budgets,
-               "also store per-layer token-eviction budgets (a layer whose queries spread their attention over "
-               "more keys keeps more tokens; from the stats' attention weights), read by kvcc eviction "
-               "--layer-budgets artifact; artifact format 1.2 / 2.1");
+  sub.add_option("--layer-budgets", o.layer_budgets,
+                 "also store per-layer token-eviction budgets, read by kvcc eviction --layer-budgets artifact "
+                 "(artifact format 1.2 / 2.1): sensitivity (EpiCache's: layers whose keys change most under "
+                 "block-wise prefill keep more tokens; needs stats from calibrate-model --layer-sensitivity) or "
+                 "spread (layers whose queries spread their attention over more keys keep more)")
+      ->check(CLI::IsMember({"sensitivity", "spread"}));
   sub.add_option("--bits-granularity", o.bits_granularity,
                  "with --bits-budget: layer | head | auto (per KV head only when it lowers the predicted error "
                  "by 5%)")

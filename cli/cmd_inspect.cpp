@@ -219,6 +219,11 @@ int inspect_stats(const std::string& path, bool as_json) {
     j["provenance"] = {{"data_sha256", s.provenance.data_sha256}, {"tokens", s.provenance.tokens},
                        {"sequences", s.provenance.sequences},     {"seed", s.provenance.seed},
                        {"max_seq_len", s.provenance.max_seq_len}, {"tokenizer", s.provenance.tokenizer}};
+    const LayerSensitivity& ls = s.sensitivity;
+    j["layer_sensitivity"] =
+        ls.measured()
+            ? json{{"block", ls.block}, {"sink", ls.sink}, {"pairs", ls.pairs}, {"key_similarity", ls.key_similarity()}}
+            : json(nullptr);
     json lj = json::array();
     for (int l = 0; l < c.n_layers; ++l) {
       json heads = json::array();
@@ -254,8 +259,15 @@ int inspect_stats(const std::string& path, bool as_json) {
               s.provenance.tokens, s.provenance.sequences, s.provenance.max_seq_len, s.provenance.tokenizer.c_str(),
               s.provenance.seed);
   std::printf("            data sha256 %s\n", s.provenance.data_sha256.c_str());
-  std::printf("command     %s\n\n", s.command.empty() ? "-" : s.command.c_str());
-  std::printf("%5s %3s %12s %10s %16s  %-24s %9s\n", "layer", "kv", "queries", "kv rows", "reservoir(held)",
+  std::printf("command     %s\n", s.command.empty() ? "-" : s.command.c_str());
+  if (s.sensitivity.measured()) {
+    std::printf("sensitivity key similarity under block-wise prefill (blocks of %d, sink %d, %" PRIu64
+                " token-head pairs), layer 0..:",
+                s.sensitivity.block, s.sensitivity.sink, s.sensitivity.pairs);
+    for (double x : s.sensitivity.key_similarity()) std::printf(" %.5f", x);
+    std::printf("\n");
+  }
+  std::printf("\n%5s %3s %12s %10s %16s  %-24s %9s\n", "layer", "kv", "queries", "kv rows", "reservoir(held)",
               "query eigenvalues", "eff.rank");
   for (int l = 0; l < c.n_layers; ++l)
     for (int h = 0; h < c.n_kv_heads; ++h) {

@@ -319,10 +319,21 @@ Recipe make_recipe(const CompileOptions& o, int head_dim, int n_kv_heads) {
   return r;
 }
 
+namespace {
+// CompileOptions::layer_budgets, from the stats.
+std::vector<double> eviction_budgets(const Stats& stats, const CompileOptions& options) {
+  if (options.layer_budgets.empty()) return {};
+  if (options.layer_budgets == "sensitivity") return layer_budgets_from_sensitivity(stats);
+  if (options.layer_budgets == "spread") return layer_budgets_from_stats(stats);
+  throw Error("--layer-budgets must be sensitivity or spread, got '" + options.layer_budgets + "'");
+}
+}  // namespace
+
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
-  if (options.bits_budget > 0) {  // compiles each width
+  (void)eviction_budgets(stats, options);  // refused before the long work, not after it
+  if (options.bits_budget > 0) {           // compiles each width
     Artifact art = compile_with_budget(stats, options);
-    if (options.layer_budgets) art.layer_budgets = layer_budgets_from_stats(stats);
+    art.layer_budgets = eviction_budgets(stats, options);
     return art;
   }
   const ModelConfig& c = stats.config;
@@ -381,7 +392,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   for (auto& t : pool) t.join();
   openblas_set_num_threads(blas_threads);
   if (failure) std::rethrow_exception(failure);
-  if (options.layer_budgets) art.layer_budgets = layer_budgets_from_stats(stats);
+  art.layer_budgets = eviction_budgets(stats, options);
   return art;
 }
 

@@ -44,9 +44,10 @@ struct CompileOptions {
   int64_t budget_context = 0;
   std::string bits_granularity = "auto";
   int budget_rows = 256;
-  // Also store per-layer token-eviction budgets from the stats' attention spread
-  // (Artifact::layer_budgets, compile/layer_budgets.h; format 1.2 / 2.1).
-  bool layer_budgets = false;
+  // Also store per-layer token-eviction budgets (Artifact::layer_budgets, compile/layer_budgets.h;
+  // format 1.2 / 2.1): "sensitivity" (the stats' layer sensitivity, EpiCache's allocation) or
+  // "spread" (the stats' attention spread); empty: none.
+  std::string layer_budgets;
   std::function<void(int done, int total)> progress;  // per finished layer
 };
 

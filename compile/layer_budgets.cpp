@@ -1,5 +1,6 @@
 #include "compile/layer_budgets.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -35,6 +36,30 @@ std::vector<double> layer_budgets_from_stats(const Stats& stats) {
   mean /= double(b.size());
   for (double& x : b) x /= mean;
   return b;
+}
+
+std::vector<double> sensitivity_layer_budgets(const std::vector<double>& similarity, double alpha, double floor) {
+  KVCC_REQUIRE(!similarity.empty(), "layer budgets: no layers");
+  KVCC_REQUIRE(alpha > 0 && floor > 0 && floor <= 1, "layer budgets: alpha must be > 0 and the floor in (0, 1] (got " +
+                                                         std::to_string(alpha) + ", " + std::to_string(floor) + ")");
+  for (double s : similarity) KVCC_REQUIRE(std::isfinite(s), "layer budgets: a layer's similarity is not finite");
+  const auto [lo, hi] = std::minmax_element(similarity.begin(), similarity.end());
+  std::vector<double> w(similarity.size(), 1.0);
+  if (*hi > *lo) {
+    double total = 0;
+    for (size_t l = 0; l < w.size(); ++l) {
+      w[l] = std::pow(1.0 - (similarity[l] - *lo) / (*hi - *lo), alpha);
+      total += w[l];
+    }
+    for (double& x : w) x = std::max(floor, x * double(w.size()) / total);
+  }
+  return w;
+}
+
+std::vector<double> layer_budgets_from_sensitivity(const Stats& stats) {
+  KVCC_REQUIRE(stats.sensitivity.measured(),
+               "the stats carry no layer sensitivity: calibrate with kvcc calibrate-model --layer-sensitivity");
+  return sensitivity_layer_budgets(stats.sensitivity.key_similarity());
 }
 
 }  // namespace kvcc

@@ -18,4 +18,13 @@ std::vector<double> layer_attention_spread(const Stats& stats);
 // layer_attention_spread divided by its mean (mean 1, each > 0): Artifact::layer_budgets.
 std::vector<double> layer_budgets_from_stats(const Stats& stats);
 
+// EpiCache's allocation from per-layer key similarities under block-wise prefill
+// (calibrate/layer_sensitivity.h): min-max normalised similarity s, weight (1 − s)^alpha, scaled
+// to mean 1, then raised to at least `floor` (EpiCache: alpha 1.1, floor 0.25). All similarities
+// equal: every weight 1. Throws Error for no layers, a non-finite similarity or bad parameters.
+std::vector<double> sensitivity_layer_budgets(const std::vector<double>& similarity, double alpha = 1.1,
+                                              double floor = 0.25);
+// sensitivity_layer_budgets of the stats' measured layer sensitivity; Error when not measured.
+std::vector<double> layer_budgets_from_sensitivity(const Stats& stats);
+
 }  // namespace kvcc

@@ -65,6 +65,9 @@ void check_stats_shapes(const Stats& s) {
                                         std::to_string(n) + " (layers x kv heads)");
   KVCC_REQUIRE(s.reservoirs.size() == n, "stats: " + std::to_string(s.reservoirs.size()) + " reservoirs, expected " +
                                              std::to_string(n) + " (layers x kv heads)");
+  KVCC_REQUIRE(!s.sensitivity.measured() || s.sensitivity.key_similarity_sum.size() == size_t(c.n_layers),
+               "stats: " + std::to_string(s.sensitivity.key_similarity_sum.size()) + " layer sensitivities, expected " +
+                   std::to_string(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l)
     for (int h = 0; h < c.n_kv_heads; ++h) {
       check_head_shapes(s.head(l, h), c.head_dim, head_path(l, h));
@@ -227,6 +230,15 @@ Stats read_stats_structure(const std::string& path, bool with_rows = true) {
   s.provenance.max_seq_len = prov.attr_int32("max_seq_len", 0, std::numeric_limits<int>::max());
   s.provenance.tokenizer = prov.attr_string("tokenizer");
 
+  if (file.has("sensitivity")) {
+    h5::Group g = file.group("sensitivity");
+    LayerSensitivity& ls = s.sensitivity;
+    ls.block = g.attr_int32("block", 2, std::numeric_limits<int>::max());
+    ls.sink = g.attr_int32("sink", 0, std::numeric_limits<int>::max());
+    ls.pairs = g.attr_uint("pairs");
+    ls.key_similarity_sum = g.read<double>("key_similarity_sum", h5::Shape{int64_t(s.config.n_layers)});
+    if (ls.pairs == 0) g.fail("sensitivity group with no (token, head) pairs");
+  }
   const ModelConfig& c = s.config;
   h5::Group layers = file.group("layers");
   // Not reserved from the (untrusted) counts: a missing group ends the loop with an Error.
@@ -251,6 +263,19 @@ bool all_finite(const std::vector<float>& v) {
 // Problems that make stats unusable for fitting (read_stats refuses them).
 void find_value_problems(const Stats& s, std::vector<std::string>& problems) {
   const ModelConfig& c = s.config;
+  const LayerSensitivity& ls = s.sensitivity;
+  if (ls.measured()) {
+    if (ls.key_similarity_sum.size() != size_t(c.n_layers))
+      problems.push_back("/sensitivity/key_similarity_sum: " + std::to_string(ls.key_similarity_sum.size()) +
+                         " values for " + std::to_string(c.n_layers) + " layers");
+    // A sum of cosines over `pairs` pairs lies within ±pairs (up to rounding).
+    for (double x : ls.key_similarity_sum)
+      if (!std::isfinite(x) || std::abs(x) > double(ls.pairs) * (1 + 1e-9)) {
+        problems.push_back("/sensitivity/key_similarity_sum: a value is not finite or exceeds the pair count");
+        break;
+      }
+    if (ls.block < 2 || ls.sink < 0) problems.push_back("/sensitivity: block below 2 or negative sink");
+  }
   for (int l = 0; l < c.n_layers; ++l)
     for (int h = 0; h < c.n_kv_heads; ++h) {
       const std::string where = head_path(l, h);
@@ -271,6 +296,13 @@ void find_value_problems(const Stats& s, std::vector<std::string>& problems) {
 }
 
 }  // namespace
+
+std::vector<double> LayerSensitivity::key_similarity() const {
+  KVCC_REQUIRE(measured(), "the stats carry no layer sensitivity (calibrate-model --layer-sensitivity)");
+  std::vector<double> s = key_similarity_sum;
+  for (double& x : s) x /= double(pairs);
+  return s;
+}
 
 void HeadStats::resize(int d) {
   const size_t dd = size_t(d) * size_t(d);
@@ -321,6 +353,14 @@ void write_stats(const Stats& s, const std::string& path) {
       prov.set_attr("seed", s.provenance.seed);
       prov.set_attr("max_seq_len", s.provenance.max_seq_len);
       prov.set_attr("tokenizer", s.provenance.tokenizer);
+      if (s.sensitivity.measured()) {
+        h5::Group g = file.create_group("sensitivity");
+        g.set_attr("block", s.sensitivity.block);
+        g.set_attr("sink", s.sensitivity.sink);
+        g.set_attr("pairs", s.sensitivity.pairs);
+        g.write("key_similarity_sum", h5::Shape{int64_t(s.sensitivity.key_similarity_sum.size())},
+                s.sensitivity.key_similarity_sum);
+      }
       h5::Group layers = file.create_group("layers");
       const ModelConfig& c = s.config;
       for (int l = 0; l < c.n_layers; ++l) {
@@ -480,6 +520,13 @@ void merge_stats(Stats& a, const Stats& b) {
     throw Error("cannot merge stats of different models: " + a.fingerprint.describe_difference(b.fingerprint));
   check_stats_shapes(a);
   check_stats_shapes(b);
+  // Checked before anything is added, so a refused merge leaves `a` as it was.
+  if (a.sensitivity.measured() && b.sensitivity.measured())
+    KVCC_REQUIRE(a.sensitivity.block == b.sensitivity.block && a.sensitivity.sink == b.sensitivity.sink &&
+                     a.sensitivity.key_similarity_sum.size() == b.sensitivity.key_similarity_sum.size(),
+                 "cannot merge layer sensitivities measured with different blocks or sinks (" +
+                     std::to_string(a.sensitivity.block) + "/" + std::to_string(a.sensitivity.sink) + " and " +
+                     std::to_string(b.sensitivity.block) + "/" + std::to_string(b.sensitivity.sink) + ")");
   for (size_t i = 0; i < a.heads.size(); ++i) {
     HeadStats& x = a.heads[i];
     const HeadStats& y = b.heads[i];
@@ -502,6 +549,16 @@ void merge_stats(Stats& a, const Stats& b) {
     Reservoir& ra = a.reservoirs[i];
     ra.capacity = std::min(ra.capacity, b.reservoirs[i].capacity);
     reservoir_merge(ra, b.reservoirs[i]);
+  }
+  LayerSensitivity& sa = a.sensitivity;
+  const LayerSensitivity& sb = b.sensitivity;
+  if (sb.measured()) {
+    if (!sa.measured()) {
+      sa = sb;
+    } else {
+      for (size_t l = 0; l < sa.key_similarity_sum.size(); ++l) sa.key_similarity_sum[l] += sb.key_similarity_sum[l];
+      sa.pairs += sb.pairs;
+    }
   }
   StatsProvenance& p = a.provenance;
   const StatsProvenance& q = b.provenance;

@@ -12,7 +12,7 @@ namespace kvcc {
 
 inline constexpr const char* kStatsFormat = "kvcc-stats";
 inline constexpr int kStatsMajor = 1;
-inline constexpr int kStatsMinor = 1;
+inline constexpr int kStatsMinor = 2;  // 2: the optional layer sensitivity
 
 // Sums over the calibration set for one (layer, KV head). d = head_dim; matrices are row-major
 // [d, d]. All keys and queries are post-RoPE.
@@ -54,6 +54,19 @@ struct Reservoir {
   size_t size() const { return position.size(); }
 };
 
+// EpiCache's layer sensitivity to block-wise prefill (calibrate/layer_sensitivity.h), when
+// measured: per layer the sum, over `pairs` (token, KV head) pairs, of the cosine similarity
+// between a key of the causal run and of a run whose queries see only `sink` sink tokens, the
+// second half of the previous block of `block` tokens and their own block. Minor version 2.
+struct LayerSensitivity {
+  int block = 0, sink = 0;
+  uint64_t pairs = 0;                      // 0: not measured
+  std::vector<double> key_similarity_sum;  // [n_layers]
+
+  bool measured() const { return pairs > 0; }
+  std::vector<double> key_similarity() const;  // the sums over pairs
+};
+
 struct StatsProvenance {
   std::string data_sha256;  // sha256 of the calibration input file (merged: see merge_stats)
   uint64_t tokens = 0;
@@ -72,6 +85,7 @@ struct Stats {
   StatsProvenance provenance;
   std::vector<HeadStats> heads;       // [n_layers * n_kv_heads], index layer * n_kv_heads + h
   std::vector<Reservoir> reservoirs;  // same indexing
+  LayerSensitivity sensitivity;       // not measured unless calibrate-model --layer-sensitivity
 
   HeadStats& head(int layer, int h) { return heads[size_t(layer * config.n_kv_heads + h)]; }
   const HeadStats& head(int layer, int h) const { return heads[size_t(layer * config.n_kv_heads + h)]; }
@@ -100,7 +114,8 @@ std::vector<std::string> verify_stats_file(const std::string& path);
 
 // a += b. Refuses (Error) when the two describe different models. Sums and counts add, ranges
 // widen, reservoirs keep the smallest priorities of the union (capacity: the smaller of the two,
-// the largest for which that is still exact), tokens and sequences add;
+// the largest for which that is still exact), tokens and sequences add, layer sensitivities add
+// (refused when both are measured with different blocks or sinks; one side's alone is kept);
 // data_sha256 becomes sha256 of the two inputs' hashes in sorted order ("merged:" prefix).
 void merge_stats(Stats& a, const Stats& b);
 

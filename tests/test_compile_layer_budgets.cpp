@@ -1,6 +1,7 @@
 // Per-layer eviction budgets (compile/layer_budgets.h): the attention spread against the causal
-// softmax recomputed from the synthetic stats' own rows, and the budgets carried by the artifact
-// in both containers (format 1.2; 1.1 without them) and checked by verify.
+// softmax recomputed from the synthetic stats' own rows, EpiCache's sensitivity allocation against
+// its definition, and the budgets carried by the artifact in both containers (format 1.2; 1.1
+// without them) and checked by verify.
 #include "compile/layer_budgets.h"
 
 #include <gtest/gtest.h>
@@ -81,6 +82,32 @@ TEST(LayerBudgets, SpreadIsTheHarmonicMeanOfTheEffectiveKeyCount) {
   EXPECT_THROW(layer_attention_spread(none), Error);
 }
 
+// EpiCache's allocation, computed here from its definition: s = [1, 0.5, 0, 0.75] min-max
+// normalised is itself, weights (1 − s)^1.1 scaled to mean 1, then floored at 0.25.
+TEST(LayerBudgets, SensitivityFollowsEpiCachesAllocation) {
+  const std::vector<double> s = {1.0, 0.5, 0.0, 0.75};
+  std::vector<double> w;
+  double total = 0;
+  for (double x : s) {
+    w.push_back(std::pow(1.0 - x, 1.1));
+    total += w.back();
+  }
+  const std::vector<double> b = sensitivity_layer_budgets({0.9, 0.85, 0.8, 0.875});  // the same, shifted and scaled
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t l = 0; l < 4; ++l) EXPECT_NEAR(b[l], std::max(0.25, w[l] * 4 / total), 1e-12) << l;
+  EXPECT_EQ(b[0], 0.25);  // the least sensitive layer keeps the floor
+  EXPECT_EQ(sensitivity_layer_budgets({0.7, 0.7}), (std::vector<double>{1, 1}));
+  EXPECT_THROW(sensitivity_layer_budgets({}), Error);
+  EXPECT_THROW(sensitivity_layer_budgets({0.5, NAN}), Error);
+  EXPECT_THROW(sensitivity_layer_budgets({0.5, 0.6}, 0.0), Error);
+  EXPECT_THROW(sensitivity_layer_budgets({0.5, 0.6}, 1.1, 1.5), Error);
+  // From stats: the sums over their pairs.
+  Stats st = make_synthetic_stats(small_spec());
+  EXPECT_THROW(layer_budgets_from_sensitivity(st), Error);
+  st.sensitivity = LayerSensitivity{64, 2, 10, {9.0, 8.5, 8.0}};
+  EXPECT_EQ(layer_budgets_from_sensitivity(st), sensitivity_layer_budgets({0.9, 0.85, 0.8}));
+}
+
 TEST(LayerBudgets, CompileStoresThemAndBothContainersCarryThem) {
   testing::ScratchDir dir;
   const Stats stats = make_synthetic_stats(small_spec());
@@ -89,9 +116,18 @@ TEST(LayerBudgets, CompileStoresThemAndBothContainersCarryThem) {
   o.max_fit_rows = 64;
   const Artifact plain = compile_artifact(stats, o);
   EXPECT_TRUE(plain.layer_budgets.empty());
-  o.layer_budgets = true;
+  o.layer_budgets = "spread";
   const Artifact a = compile_artifact(stats, o);
   EXPECT_EQ(a.layer_budgets, layer_budgets_from_stats(stats));
+  // Sensitivity needs stats that measured it (refused before the long work).
+  o.layer_budgets = "sensitivity";
+  EXPECT_THROW(compile_artifact(stats, o), Error);
+  Stats measured = stats;
+  measured.sensitivity = LayerSensitivity{256, 4, 100, {99.0, 98.0, 99.5}};
+  EXPECT_EQ(compile_artifact(measured, o).layer_budgets, sensitivity_layer_budgets({0.99, 0.98, 0.995}));
+  o.layer_budgets = "bogus";
+  EXPECT_THROW(compile_artifact(stats, o), Error);
+  o.layer_budgets = "spread";
   EXPECT_EQ(artifact_format_version(plain), "1.1");
   EXPECT_EQ(artifact_format_version(a), "1.2");
 

@@ -246,8 +246,9 @@ TEST(Eviction, LayerBudgetsShareTheTotalInProportionWithinBounds) {
     // Between two layers off the bounds the counts follow the weights to within the rounding.
     for (size_t i = 0; i < b.size(); ++i)
       for (size_t j = 0; j < b.size(); ++j)
-        if (b[i] > 36 && b[i] < 600 && b[j] > 36 && b[j] < 600)
+        if (b[i] > 36 && b[i] < 600 && b[j] > 36 && b[j] < 600) {
           EXPECT_NEAR(double(b[i]) / w[i], double(b[j]) / w[j], 1.0 / w[i] + 1.0 / w[j]);
+        }
   }
   EXPECT_THROW(allocate_layer_budgets({}, 10, 0, 10), Error);
   EXPECT_THROW(allocate_layer_budgets({1, 0}, 10, 0, 10), Error);
