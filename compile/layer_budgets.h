@@ -1,7 +1,7 @@
 // Per-layer token-eviction budgets from calibration statistics (EpiCache's layer-wise budgets;
-// docs/eviction.md). A layer whose queries spread their attention over more keys loses more when
-// its history is cut, so it keeps more tokens: its budget is its attention spread over the mean
-// spread of all layers.
+// docs/eviction.md), by one of two measures: the layer sensitivity the stats may carry (EpiCache's
+// own: layers whose keys drift most under block-wise prefill keep more tokens), or the attention
+// spread (layers whose queries spread their attention over more keys keep more).
 #pragma once
 #include <vector>
 
