@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 STATS_FORMAT = "kvcc-stats"
-STATS_VERSION = "1.1"  # 1.1: attribute checksums (attributes_digest)
+STATS_VERSION = "1.2"  # 1.1: attribute checksums (attributes_digest); 1.2: the optional /sensitivity group (not written here)
 ATTRIBUTES_CHECKSUM = "attributes_sha256"
 
 # HF architectures the C++ reader knows (formats/hf_config.cpp kArchitectures): (class, model_type, name).
@@ -506,7 +506,7 @@ def seal_attributes(group) -> None:
 
 def write_stats(path: str, *, producer: str, command: str, config: ModelConfig, fingerprint: Fingerprint,
                 provenance: dict, heads: list[list[dict]], reservoirs: list[list[dict]], capacity: int) -> None:
-    """Writes the kvcc-stats 1.1 file atomically (PATH.tmp-XXXXXX in the same directory, renamed over
+    """Writes the kvcc-stats 1.2 file atomically (PATH.tmp-XXXXXX in the same directory, renamed over
     PATH; removed on any error). heads[l][h]: query_m2, output_m2, p2_m2, key_m2, value_m2 ([d, d]
     float64, symmetric), key_min/key_max/value_min/value_max ([d] float64), query_count,
     output_count, kv_count (int), p2_weight (float). reservoirs[l][h]: q [n, r, d], key_pre, key,
