@@ -26,13 +26,13 @@
 //                stats' reservoir queries, Σ = E[q qᵀ] − μμᵀ)
 //   keynorm    : ‖kⱼ‖² (the same without the query statistics)
 //   epicache   : EpiCache (Kim et al. 2025), one cache per episode: the history in blocks of
-//                `block` tokens, each embedded as the mean final hidden state of the block run
-//                alone; k-means (cosine) into `episodes` episodes; per episode, the SnapKV score
+//                `block` tokens, each embedded as the mean of its tokens' input embeddings less
+//                the mean over the blocks; k-means (cosine) into `episodes` episodes; per episode, the SnapKV score
 //                of its medoid block appended after the history (the "patched prompt": its
 //                queries' attention on every history key, max-pooled); the continuation is
 //                routed to the episode whose centroid is nearest the embedding of its first
-//                `route` tokens (run alone, as a new user turn would be) and runs over that
-//                episode's cache. Every episode's cache holds the same budget.
+//                `route` tokens (embedded the same way) and runs over that episode's cache. Every episode's cache holds
+//                the same budget.
 // With an artifact, "+int2" rows also quantise the history as the artifact's cache would hold it
 // (pages past the sink and before the ring, eval/scheme.h) before evicting; the continuation's
 // own rows stay full precision (they are in the recent ring).

@@ -350,5 +350,36 @@ TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {
   EXPECT_THROW(run_eviction(model, conv, nullptr, nullptr, o), Error);
 }
 
+// Passages drawn from disjoint parts of the vocabulary, the continuation from the first one's:
+// the episodes are the passages, and every continuation is routed to the episode of the passage it
+// continues (its medoid block lies in the first passage).
+TEST_F(EvictionRun, EpiCacheRoutesAContinuationToItsPassage) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 3;
+  o.ratios = {2};
+  o.conversations = 4;
+  o.scores = {EvictionScore::EpiCache};
+  o.episodes = 3;
+  o.block = 8;
+  o.route = 8;
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> convs;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> conv;
+    auto draw = [&](int part, int n) {  // tokens of part p: [1 + 4p, 5 + 4p)
+      for (int t = 0; t < n; ++t) conv.push_back(int32_t(1 + 4 * part + int(rng() % 4)));
+    };
+    const int first = i % 3;
+    for (int p = 0; p < 3; ++p) draw((first + p) % 3, 16);
+    draw(first, 16 + 1);
+    convs.push_back(conv);
+  }
+  const EvictionResult r = run_eviction(model, convs, nullptr, nullptr, o);
+  EXPECT_EQ(r.epicache_routed_first, 4);
+}
+
 }  // namespace
 }  // namespace kvcc
