@@ -108,8 +108,9 @@ int run_eviction_command(Args& a) {
     Artifact artifact = read_artifact(a.artifact_path);
     check_artifact_matches(artifact, model, a.artifact_path);
     if (a.layer_budgets == "artifact") {
-      KVCC_REQUIRE(!artifact.layer_budgets.empty(),
-                   a.artifact_path + " carries no layer budgets (compile it with kvcc compile --layer-budgets)");
+      KVCC_REQUIRE(
+          !artifact.layer_budgets.empty(),
+          a.artifact_path + " carries no layer budgets (compile it with kvcc compile --layer-budgets sensitivity)");
       a.options.layer_budgets = artifact.layer_budgets;
     }
     int2 = scheme_from_artifact(std::move(artifact), a.artifact_path, model.config());
@@ -160,8 +161,8 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
                   "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n"
                   "With --layer-budgets artifact the layers share the same total unevenly, by the\n"
-                  "budgets the artifact stores (kvcc compile --layer-budgets: layers whose queries\n"
-                  "spread attention over more keys keep more tokens).\n\n"
+                  "budgets the artifact stores (kvcc compile --layer-budgets sensitivity: layers\n"
+                  "whose keys drift most under block-wise prefill keep more tokens).\n\n"
                   "Example:\n"
                   "  kvcc eviction --model ../shared/models/gutenberg-27m --data heldout.txt \\\n"
                   "      --stats gut.stats.h5 --artifact gut.oscar.kvcc.h5 --json eviction.json");

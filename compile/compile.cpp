@@ -330,10 +330,10 @@ std::vector<double> eviction_budgets(const Stats& stats, const CompileOptions& o
 }  // namespace
 
 Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
-  (void)eviction_budgets(stats, options);  // refused before the long work, not after it
-  if (options.bits_budget > 0) {           // compiles each width
+  std::vector<double> budgets = eviction_budgets(stats, options);  // refused before the long work
+  if (options.bits_budget > 0) {                                   // compiles each width
     Artifact art = compile_with_budget(stats, options);
-    art.layer_budgets = eviction_budgets(stats, options);
+    art.layer_budgets = std::move(budgets);
     return art;
   }
   const ModelConfig& c = stats.config;
@@ -392,7 +392,7 @@ Artifact compile_artifact(const Stats& stats, const CompileOptions& options) {
   for (auto& t : pool) t.join();
   openblas_set_num_threads(blas_threads);
   if (failure) std::rethrow_exception(failure);
-  art.layer_budgets = eviction_budgets(stats, options);
+  art.layer_budgets = std::move(budgets);
   return art;
 }
 
