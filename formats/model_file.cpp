@@ -49,37 +49,37 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// The tensors the forward pass reads, with the shapes the config implies.
-std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+// Calls visit(name, shape) for each tensor the forward pass reads, with the shapes the config
+// implies, a layer at a time: a config claiming millions of layers costs nothing until a tensor
+// is missing (listing them all first took gigabytes).
+template <class Visit>
+void visit_expected_tensors(const ModelConfig& c, Visit&& visit) {
   const int64_t hidden = c.hidden, qdim = int64_t(c.n_heads) * c.head_dim, kvdim = int64_t(c.n_kv_heads) * c.head_dim,
                 inter = c.intermediate;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {
-      {"model.embed_tokens.weight", {c.vocab, hidden}},
-      {"model.norm.weight", {hidden}},
-  };
-  if (!c.tied_embeddings) out.push_back({"lm_head.weight", {c.vocab, hidden}});
+  visit("model.embed_tokens.weight", std::vector<int64_t>{c.vocab, hidden});
+  visit("model.norm.weight", std::vector<int64_t>{hidden});
+  if (!c.tied_embeddings) visit("lm_head.weight", std::vector<int64_t>{c.vocab, hidden});
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    out.push_back({p + "input_layernorm.weight", {hidden}});
-    out.push_back({p + "self_attn.q_proj.weight", {qdim, hidden}});
-    out.push_back({p + "self_attn.k_proj.weight", {kvdim, hidden}});
-    out.push_back({p + "self_attn.v_proj.weight", {kvdim, hidden}});
-    out.push_back({p + "self_attn.o_proj.weight", {hidden, qdim}});
+    visit(p + "input_layernorm.weight", std::vector<int64_t>{hidden});
+    visit(p + "self_attn.q_proj.weight", std::vector<int64_t>{qdim, hidden});
+    visit(p + "self_attn.k_proj.weight", std::vector<int64_t>{kvdim, hidden});
+    visit(p + "self_attn.v_proj.weight", std::vector<int64_t>{kvdim, hidden});
+    visit(p + "self_attn.o_proj.weight", std::vector<int64_t>{hidden, qdim});
     if (c.qkv_bias) {
-      out.push_back({p + "self_attn.q_proj.bias", {qdim}});
-      out.push_back({p + "self_attn.k_proj.bias", {kvdim}});
-      out.push_back({p + "self_attn.v_proj.bias", {kvdim}});
+      visit(p + "self_attn.q_proj.bias", std::vector<int64_t>{qdim});
+      visit(p + "self_attn.k_proj.bias", std::vector<int64_t>{kvdim});
+      visit(p + "self_attn.v_proj.bias", std::vector<int64_t>{kvdim});
     }
     if (c.qk_norm) {
-      out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
-      out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+      visit(p + "self_attn.q_norm.weight", std::vector<int64_t>{c.head_dim});
+      visit(p + "self_attn.k_norm.weight", std::vector<int64_t>{c.head_dim});
     }
-    out.push_back({p + "post_attention_layernorm.weight", {hidden}});
-    out.push_back({p + "mlp.gate_proj.weight", {inter, hidden}});
-    out.push_back({p + "mlp.up_proj.weight", {inter, hidden}});
-    out.push_back({p + "mlp.down_proj.weight", {hidden, inter}});
+    visit(p + "post_attention_layernorm.weight", std::vector<int64_t>{hidden});
+    visit(p + "mlp.gate_proj.weight", std::vector<int64_t>{inter, hidden});
+    visit(p + "mlp.up_proj.weight", std::vector<int64_t>{inter, hidden});
+    visit(p + "mlp.down_proj.weight", std::vector<int64_t>{hidden, inter});
   }
-  return out;
 }
 
 std::map<std::string, TensorView> read_hf_weights(const fs::path& dir) {
@@ -189,14 +189,14 @@ ModelFile ModelFile::open(const std::string& path) {
       impl->scales.erase("lm_head.weight");
     }
   }
-  for (const auto& [name, shape] : expected_tensors(impl->config)) {
+  visit_expected_tensors(impl->config, [&](const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView& view = impl->find(name);
     KVCC_REQUIRE(view.shape == shape, path + ": tensor " + name + " has shape " + shape_text(view.shape) +
                                           " but the config implies " + shape_text(shape));
     KVCC_REQUIRE(view.dtype == TensorDType::F32 || view.dtype == TensorDType::F16 || view.dtype == TensorDType::BF16 ||
                      view.dtype == TensorDType::F64 || impl->scales.count(name),
                  path + ": tensor " + name + " has non-float dtype " + tensor_dtype_name(view.dtype));
-  }
+  });
   impl->fingerprint = make_fingerprint(impl->config, weights_sha256);
   return ModelFile(std::move(impl));
 }

@@ -15,8 +15,8 @@
 # libFuzzer runs in fork mode and goes on after a finding (-ignore_crashes etc.), so one known
 # defect does not end the run; at most KEEP (5) findings per target are copied to
 # tests/fuzz/regressions, the rest stay in BUILD_DIR/crashes/TARGET.
-# Environment: BUILD_DIR (build-fuzz), JOBS (2), KEEP (5), SHARED, FUZZ_FLAGS (libFuzzer flags
-# replacing the fork-mode defaults).
+# Environment: BUILD_DIR (build-fuzz), JOBS (2, build jobs), WORKERS (1, fuzzing processes per
+# target), KEEP (5), SHARED, FUZZ_FLAGS (libFuzzer flags replacing the fork-mode defaults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-300}
@@ -28,7 +28,8 @@ source tests/fuzz/seeds.sh
 JOBS=${JOBS:-2}
 REGRESSIONS=tests/fuzz/regressions
 KEEP=${KEEP:-5}
-FUZZ_FLAGS=${FUZZ_FLAGS:--fork=1 -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1}
+WORKERS=${WORKERS:-1}
+FUZZ_FLAGS=${FUZZ_FLAGS:--fork=$WORKERS -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1}
 
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   CC=${CC:-clang} CXX=${CXX:-clang++} cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

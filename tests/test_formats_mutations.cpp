@@ -392,6 +392,48 @@ TEST(FormatsUntrusted, ReservoirRowsBeyondTheFileAreRefusedBeforeAllocating) {
   EXPECT_CONTAINS(outcome_in_child([&] { verify_stats_file(path); }), "more than a file of");
 }
 
+// libhdf5 1.10 copies a compact dataset's extent out of the bytes its layout message holds
+// without comparing the sizes: a fuzzed artifact whose layout claimed fewer bytes than the shape
+// needs made H5Dread copy from a null buffer (SEGV under verify).
+TEST(FormatsUntrusted, CompactStorageShorterThanItsShapeIsRefused) {
+  testing::ScratchDir dir;
+  const std::string path = dir.file("compact.h5");
+  const std::vector<double> values = {1.5, -2.25, 3.0e10, 0.125};
+  {
+    h5::silence_hdf5_errors();
+    const hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    ASSERT_GE(H5Pset_layout(dcpl, H5D_COMPACT), 0);
+    const hsize_t dims[1] = {values.size()};
+    const hid_t space = H5Screate_simple(1, dims, nullptr);
+    const hid_t d = H5Dcreate2(f, "x", H5T_IEEE_F64LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    ASSERT_GE(d, 0);
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()), 0);
+    H5Dclose(d);
+    H5Sclose(space);
+    H5Pclose(dcpl);
+    ASSERT_GE(H5Fclose(f), 0);
+  }
+  const auto read_x = [&] {
+    if (h5::File::open(path).read<double>("x") != values) throw Error("values differ");
+  };
+  EXPECT_EQ(outcome_in_child(read_x), "(no error)");
+  // The layout message (version 3): version, class 0 = compact, a 2-byte size, then the bytes.
+  std::string bytes = testing::read_bytes(path);
+  const std::string message =
+      std::string("\x03\x00\x20\x00", 4) + std::string(reinterpret_cast<const char*>(values.data()), 8 * values.size());
+  const size_t at = bytes.find(message);
+  ASSERT_NE(at, std::string::npos);
+  ASSERT_EQ(bytes.find(message, at + 1), std::string::npos);
+  for (const int size : {0, 8}) {
+    bytes[at + 2] = char(size);
+    testing::write_bytes(path, bytes);
+    EXPECT_CONTAINS(outcome_in_child(read_x), "/x: compact storage holds " + std::to_string(size) +
+                                                  " bytes, its shape [4] needs 32 (corrupt file)");
+  }
+}
+
 // capacity 2^32 + 150 was read as int 150, so a file claiming a 4-billion-row capacity passed as
 // a 150-row one.
 TEST(FormatsUntrusted, CountsAreCheckedNotNarrowed) {

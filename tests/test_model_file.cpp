@@ -5,7 +5,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <random>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "formats/error.h"
@@ -310,6 +313,48 @@ TEST(ModelFileErrors, MissingTensor) {
   st.write(dir / "model.safetensors");
   const std::string msg = error_of([&] { ModelFile::open(dir.string()); });
   EXPECT_NE(msg.find("missing tensor model.layers.1.self_attn.k_proj.bias"), std::string::npos) << msg;
+}
+
+// A fuzzed config.json claiming 12555558 layers made ModelFile list ~150M expected tensors
+// (gigabytes, out of memory under the fuzzer's 2.5 GB) before finding the first one missing.
+TEST(ModelFileErrors, LayerCountBeyondTheCheckpointNamesTheFirstMissingTensor) {
+  TempDir tmp;
+  const fs::path dir = copy_model(tmp, "qwen2-bias");
+  json cfg = read_json_file((dir / "config.json").string());
+  cfg["num_hidden_layers"] = 12555558;
+  write_bytes(dir / "config.json", cfg.dump());
+  // In a child whose address space may grow by 1 GiB (listing the tensors needed > 8 GB): the
+  // error, or "out of memory".
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::ifstream statm("/proc/self/statm");
+    size_t pages = 0;
+    statm >> pages;
+    const rlim_t limit = rlim_t(pages) * size_t(::sysconf(_SC_PAGESIZE)) + (rlim_t(1) << 30);
+    rlimit rl{limit, limit};
+    ::setrlimit(RLIMIT_AS, &rl);
+    std::string msg;
+    try {
+      msg = error_of([&] { ModelFile::open(dir.string()); });
+    } catch (const std::bad_alloc&) {
+      msg = "out of memory";
+    }
+    if (::write(fds[1], msg.data(), msg.size()) < 0) ::_exit(2);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[4096];
+  for (ssize_t got; (got = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, size_t(got));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_NE(msg.find("missing tensor model.layers.2.input_layernorm.weight"), std::string::npos) << msg;
 }
 
 TEST(ModelFileErrors, TensorShapeDisagreesWithConfig) {
