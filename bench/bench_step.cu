@@ -6,10 +6,13 @@
 // at load, fixed grids) and `graph` (maxima declared, every layer's append + decode captured once
 // in a CUDA graph, then begin_append + one graph launch per step) and `graph-bf16` (the same with
 // RuntimeOptions::activations = BFloat16: q, k, v and out in bfloat16, as engines hold them).
+// `engine-graph-bf16` (RuntimeOptions::engine_tables: the engine's block table and lengths on the
+// device; the whole step, begin_step's planning kernel included, captured once and replayed; per
+// step the engine copies the new lengths from pinned host memory, then launches the graph).
 // Modes other than plain need a Runtime with RuntimeOptions::max_context.
 //
 // usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
-//                   [--modes plain,fixed,graph,graph-bf16]
+//                   [--modes plain,fixed,graph,graph-bf16,engine-graph-bf16]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -26,6 +29,9 @@
 #include "formats/fp16.h"
 #include "runtime/kv_cache.h"
 #include "runtime/kvcc_runtime.h"
+#if __has_include("runtime/engine_step.h")
+#define KVCC_BENCH_ENGINE 1  // this tree's Runtime takes an engine's tables
+#endif
 
 using namespace kvcc;
 
@@ -85,7 +91,7 @@ void begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& cou
   rt.begin_append(seqs, counts);
 }
 
-enum class Mode { Plain, Fixed, Graph, GraphBf16 };
+enum class Mode { Plain, Fixed, Graph, GraphBf16, EngineGraphBf16 };
 
 // New tokens per fill step: the declared max_step_tokens too (so the decode steps' append grids
 // are sized for a step of 8192 tokens, as an engine's that also prefills through this Runtime).
@@ -104,6 +110,113 @@ template <class O>
 bool declare(O&, int, int64_t, long) {
   return false;
 }
+
+#if defined(KVCC_BENCH_ENGINE)
+// The engine-tables step: sequence b holds pages [b·stride, (b+1)·stride) of the pool (the
+// engine's allocator), filled in chunks through begin_step, then timed decode steps.
+void run_engine(const Artifact& art, const EngineShape& e, const RuntimeOptions& o, int batch, int ctx, int layers,
+                int steps, cudaStream_t s, std::mt19937& rng) {
+  Runtime rt(art, e, o);
+  const int d = e.head_dim, hq = e.n_heads, hkv = e.n_kv_heads;
+  const int stride = int(rt.history_pages(o.max_context));
+  if (int64_t(batch) * stride > o.max_pages) {
+    std::printf("engine step: pool of %lld pages below %d x %d\n", (long long)o.max_pages, batch, stride);
+    return;
+  }
+  std::vector<int32_t> table(size_t(batch) * stride);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+  int32_t *d_slots, *d_lengths, *d_counts, *d_table, *h_lengths;
+  ck(cudaMalloc(&d_slots, batch * 4), "cudaMalloc");
+  ck(cudaMalloc(&d_lengths, batch * 4), "cudaMalloc");
+  ck(cudaMalloc(&d_counts, batch * 4), "cudaMalloc");
+  ck(cudaMalloc(&d_table, table.size() * 4), "cudaMalloc");
+  ck(cudaMallocHost(&h_lengths, batch * 4), "cudaMallocHost");
+  ck(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  std::vector<int32_t> lengths(size_t(batch), 0);
+  void* kv = device_random(size_t(kChunk) * hkv * d, rng, true);
+  // Fill: one sequence per step, in chunks (its block table row and slot at index 0).
+  for (int b = 0; b < batch; ++b)
+    for (int done = 0; done < ctx; done += kChunk) {
+      const int32_t n = std::min(kChunk, ctx - done), slot = b, len = done;
+      ck(cudaMemcpy(d_slots, &slot, 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+      ck(cudaMemcpy(d_lengths, &len, 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+      ck(cudaMemcpy(d_counts, &n, 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+      rt.begin_step(EngineStep{1, d_slots, d_lengths, d_counts, d_table + size_t(b) * stride, stride}, s);
+      for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
+      ck(cudaStreamSynchronize(s), "fill");
+    }
+  std::vector<int32_t> slots(static_cast<size_t>(batch)), ones(static_cast<size_t>(batch), 1);
+  for (int b = 0; b < batch; ++b) slots[size_t(b)] = b;
+  ck(cudaMemcpy(d_slots, slots.data(), batch * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  ck(cudaMemcpy(d_counts, ones.data(), batch * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  for (int b = 0; b < batch; ++b) h_lengths[b] = ctx;
+  void* k1 = device_random(size_t(batch) * hkv * d, rng, true);
+  void* v1 = device_random(size_t(batch) * hkv * d, rng, true);
+  void* q = device_random(size_t(batch) * hq * d, rng, true);
+  void* out = nullptr;
+  ck(cudaMalloc(&out, size_t(batch) * hq * d * 2), "cudaMalloc");
+  const EngineStep step{batch, d_slots, d_lengths, d_counts, d_table, stride};
+  cudaGraphExec_t exec = nullptr;
+  {
+    cudaGraph_t g;
+    ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
+    rt.begin_step(step, s);
+    for (int l = 0; l < layers; ++l) {
+      rt.append(l, k1, v1, s);
+      rt.decode_step(l, q, out, s);
+    }
+    ck(cudaStreamEndCapture(s, &g), "capture end");
+    ck(cudaGraphInstantiate(&exec, g, 0), "graph instantiate");
+    ck(cudaGraphDestroy(g), "graph destroy");
+  }
+  // A step: the engine's lengths (pinned host) to the device, the graph; then lengths += 1.
+  auto one = [&] {
+    ck(cudaMemcpyAsync(d_lengths, h_lengths, batch * 4, cudaMemcpyHostToDevice, s), "lengths");
+    ck(cudaGraphLaunch(exec, s), "graph launch");
+    ck(cudaStreamSynchronize(s), "step");  // the host reads h_lengths' old values no more
+    for (int b = 0; b < batch; ++b) ++h_lengths[b];
+  };
+  // The host waits for each step above only to reuse h_lengths; an engine double-buffers it, so
+  // the timed loop does too (two pinned images), and only the last step is waited for.
+  int32_t* h2 = nullptr;
+  ck(cudaMallocHost(&h2, batch * 4), "cudaMallocHost");
+  for (int i = 0; i < 3; ++i) one();  // warm-up
+  const std::string problem = rt.step_problem(s);
+  if (!problem.empty()) {
+    std::printf("engine step: %s\n", problem.c_str());
+    std::exit(1);
+  }
+  int32_t* img[2] = {h_lengths, h2};
+  const int32_t base = h_lengths[0];  // ctx + the warm-up steps
+  cudaEvent_t done[2];
+  for (cudaEvent_t& ev : done) {
+    ck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event");
+    ck(cudaEventRecord(ev, s), "event");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) {
+    int32_t* h = img[i & 1];
+    ck(cudaEventSynchronize(done[i & 1]), "event");  // the step two back has copied this image
+    for (int b = 0; b < batch; ++b) h[b] = base + i;
+    ck(cudaMemcpyAsync(d_lengths, h, batch * 4, cudaMemcpyHostToDevice, s), "lengths");
+    ck(cudaGraphLaunch(exec, s), "graph launch");
+    ck(cudaEventRecord(done[i & 1], s), "event");
+  }
+  ck(cudaStreamSynchronize(s), "steps");
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  const std::string after = rt.step_problem(s);
+  std::printf(
+      "step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included) "
+      "[engine-graph-bf16]%s\n",
+      hq, hkv, batch, ctx, layers, us / steps / layers, after.empty() ? "" : (" " + after).c_str());
+  for (cudaEvent_t ev : done) cudaEventDestroy(ev);
+  cudaGraphExecDestroy(exec);
+  for (void* p : {kv, k1, v1, q, out}) cudaFree(p);
+  for (int32_t* p : {d_slots, d_lengths, d_counts, d_table}) cudaFree(p);
+  cudaFreeHost(h_lengths);
+  cudaFreeHost(h2);
+}
+#endif
 
 void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) {
   const int d = 128;
@@ -131,11 +244,21 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
     std::printf("step %d/%d b=%-3d ctx=%-7d: this Runtime has no declared maxima\n", hq, hkv, batch, ctx);
     return;
   }
-  const bool bf16 = mode == Mode::GraphBf16;
+  const bool bf16 = mode == Mode::GraphBf16 || mode == Mode::EngineGraphBf16;
   if (bf16) o.activations = Activations::BFloat16;
-  Runtime rt(art, e, o);
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  if (mode == Mode::EngineGraphBf16) {
+#if defined(KVCC_BENCH_ENGINE)
+    o.engine_tables = true;
+    run_engine(art, e, o, batch, ctx, layers, steps, s, rng);
+#else
+    std::printf("step %d/%d b=%-3d ctx=%-7d: this Runtime takes no engine tables\n", hq, hkv, batch, ctx);
+#endif
+    cudaStreamDestroy(s);
+    return;
+  }
+  Runtime rt(art, e, o);
   std::vector<int> seqs;
   for (int b = 0; b < batch; ++b) seqs.push_back(rt.cache().add_sequence());
   // Fill every sequence to ctx tokens, in chunks (random K/V rows).
@@ -221,15 +344,16 @@ int main(int argc, char** argv) {
       std::stringstream ms(modes);
       std::string m;
       while (std::getline(ms, m, ',')) {
-        if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16") {
-          std::fprintf(stderr, "bad mode %s (plain, fixed, graph or graph-bf16)\n", m.c_str());
+        if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16" && m != "engine-graph-bf16") {
+          std::fprintf(stderr, "bad mode %s (plain, fixed, graph, graph-bf16 or engine-graph-bf16)\n", m.c_str());
           return 1;
         }
         run(hq, hkv, batch, ctx, layers, steps,
-            m == "plain"   ? Mode::Plain
-            : m == "fixed" ? Mode::Fixed
-            : m == "graph" ? Mode::Graph
-                           : Mode::GraphBf16);
+            m == "plain"        ? Mode::Plain
+            : m == "fixed"      ? Mode::Fixed
+            : m == "graph"      ? Mode::Graph
+            : m == "graph-bf16" ? Mode::GraphBf16
+                                : Mode::EngineGraphBf16);
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s: %s\n", item.c_str(), e.what());

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
 
 #include "formats/codec_scalar.h"
@@ -14,6 +15,7 @@
 #include "formats/kv_layout.h"
 #include "runtime/activations.h"
 #include "runtime/cuda_util.cuh"
+#include "runtime/engine_step.h"
 #include "runtime/kv_kernels.h"
 #include "runtime/plan.h"
 #include "runtime/ptx.cuh"
@@ -142,28 +144,30 @@ __device__ const __nv_bfloat16* ring_row(const KvGeometry& geo, const __nv_bfloa
 // (Rotating into a staging buffer in one launch and storing in a second cost a kernel boundary:
 // the decode step per layer at batch 1 / 32K took 23.6 us against 20.2, measured.)
 // counts (device, may be null; DeviceAppendPlan::counts): counts[0] moves at byte counts[2] and
-// counts[1] writes at byte counts[3] of the header, else n_moves and n_writes.
-constexpr int kAppTile = 4, kAppThreads = kD, kAppChunk = 4;
+// counts[1] writes at byte counts[3] of the header, else n_moves and n_writes. They are read before
+// the wait on the preceding kernel (a host upload is complete by then), or after it when that
+// kernel wrote them (counts_after_wait: a step planned on the device).
+constexpr int kAppTile = 4, kAppThreads = kD;
 template <typename In>
 __global__ void __launch_bounds__(kAppThreads, 3)
     append_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, const Move* moves, int n_moves,
-                const WindowWrite* writes, int n_writes, const int32_t* counts, KvGeometry geo, int layer,
-                __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
+                const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait, KvGeometry geo,
+                int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
   __shared__ __align__(16) float xs[kAppTile][kD];
   __shared__ __align__(16) __nv_bfloat16 ys[kAppTile][kD];
   __shared__ int tile_row[kAppTile];   // rotated row r: its input row
   __shared__ int item_slot[kAppTile];  // item u of the tile: its rotated row, or -1
   __shared__ int n_rot;
   const int side = blockIdx.z, h = blockIdx.y, j = threadIdx.x, lane = j & 31, w = j >> 5;
-  // The step's tables come from its upload, done before any kernel after it: read before the wait.
-  if (counts) {
+  auto read_counts = [&] {
     n_moves = counts[0];
     n_writes = counts[1];
     moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[2]);
     writes = reinterpret_cast<const WindowWrite*>(reinterpret_cast<const uint8_t*>(counts) + counts[3]);
-  }
-  const int n_items = n_moves + n_writes;
-  if (int(blockIdx.x) * kAppTile >= n_items) return;
+  };
+  // A host upload of the step's tables is done before any kernel after it: read before the wait.
+  if (counts && !counts_after_wait) read_counts();
+  if (!counts_after_wait && int(blockIdx.x) * kAppTile >= n_moves + n_writes) return;
   const int n_kv = geo.n_kv_heads;
   const In* x = side ? v : k;
   const float* R = side ? rot_v : rot_k;
@@ -173,8 +177,13 @@ __global__ void __launch_bounds__(kAppThreads, 3)
 #pragma unroll
     for (int i = 0; i < kD; ++i) rc[i] = col[size_t(i) * kD];
   }
-  pdl_wait();  // k and v may come from the preceding kernel
+  pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
+  if (counts_after_wait) {
+    read_counts();
+    if (int(blockIdx.x) * kAppTile >= n_moves + n_writes) return;
+  }
+  const int n_items = n_moves + n_writes;
   // The input row of item u, or -1 (a move from the old ring).
   auto new_row = [&](int item) {
     if (item < n_moves) {
@@ -198,24 +207,23 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     const int nr = n_rot;
     for (int r = 0; r < nr; ++r) xs[r][j] = load_activation(x + (size_t(tile_row[r]) * n_kv + h) * kD + j);
     __syncthreads();
-    for (int r0 = 0; r0 < nr; r0 += kAppChunk) {
-      float acc[kAppChunk] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (R) {
+    // The tile's (at most kAppTile) new rows rotated together, each sum in order.
+    float acc[kAppTile] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (R) {
 #pragma unroll
-        for (int i = 0; i < kD; i += 4)
+      for (int i = 0; i < kD; i += 4)
 #pragma unroll
-          for (int c = 0; c < kAppChunk; ++c) {
-            const float4 xv = *reinterpret_cast<const float4*>(&xs[r0 + c][i]);  // one address per block
-            acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
-          }
-      } else {
+        for (int c = 0; c < kAppTile; ++c) {
+          const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);  // one address per block
+          acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
+        }
+    } else {
 #pragma unroll
-        for (int c = 0; c < kAppChunk; ++c) acc[c] = xs[r0 + c][j];
-      }
-#pragma unroll
-      for (int c = 0; c < kAppChunk; ++c)
-        if (r0 + c < nr) ys[r0 + c][j] = __float2bfloat16_rn(acc[c]);
+      for (int c = 0; c < kAppTile; ++c) acc[c] = xs[c][j];
     }
+#pragma unroll
+    for (int c = 0; c < kAppTile; ++c)
+      if (c < nr) ys[c][j] = __float2bfloat16_rn(acc[c]);
     __syncthreads();
     for (int u = w; u < nt; u += kAppThreads / 32) {
       const int item = i0 + u;
@@ -240,6 +248,137 @@ __global__ void __launch_bounds__(kAppThreads, 3)
       reinterpret_cast<uint2*>(win + dst + size_t(wr.dst) * kD)[lane] =
           reinterpret_cast<const uint2*>(ys[item_slot[u]])[lane];
     }
+  }
+}
+
+// A step from an engine's tables planned on the device (engine_step.h): one block. Each thread
+// checks and counts its sequences (kEnginePlanSeqs of them), a block scan gives each sequence its
+// first move, write and row, then the threads fill the moves and writes (each finds its sequence
+// by a binary search of the prefixes) and the decode batch ints. A step with a problem plans no
+// moves or writes and zero lengths (decode then writes zeros), and says which in the header.
+constexpr int kEnginePlanThreads = 1024, kEnginePlanSeqs = kEngineMaxBatch / kEnginePlanThreads;
+static_assert(kEngineMaxBatch % kEnginePlanThreads == 0, "sequences per planning thread");
+
+// Exclusive block scan of one value per thread (1024 threads); returns the block total too.
+__device__ int32_t block_exclusive_scan(int32_t x, int32_t* warp_sums, int32_t& total) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  int32_t inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) warp_sums[w] = inc;
+  __syncthreads();
+  if (w == 0) {
+    int32_t s = warp_sums[lane], sinc = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, sinc, o);
+      if (lane >= o) sinc += y;
+    }
+    warp_sums[lane] = sinc - s;  // exclusive
+    if (lane == 31) warp_sums[32] = sinc;
+  }
+  __syncthreads();
+  total = warp_sums[32];
+  const int32_t r = warp_sums[w] + inc - x;
+  __syncthreads();  // warp_sums is reused by the next scan
+  return r;
+}
+
+// The largest i in [0, n] with pref[i] <= x (pref non-decreasing, pref[0] = 0 <= x).
+__device__ int find_sequence(const int32_t* pref, int n, int32_t x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (pref[mid] <= x) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kEnginePlanThreads)
+    plan_engine_step_kernel(KvGeometry g, EngineStep s, StepLimits lim, int max_sequences, int64_t max_pages,
+                            int32_t* header, int32_t* ints, Move* moves, WindowWrite* writes, int32_t moves_off,
+                            int32_t writes_off) {
+  __shared__ int32_t mv[kEngineMaxBatch + 1], wr[kEngineMaxBatch + 1], rows[kEngineMaxBatch + 1];
+  __shared__ int32_t warp_sums[33];
+  __shared__ int32_t first_bad;  // 8·sequence + problem of the first sequence with one
+  const int B = s.batch, t = threadIdx.x;
+  if (t == 0) first_bad = INT_MAX;
+  __syncthreads();
+  int32_t m_loc[kEnginePlanSeqs], w_loc[kEnginePlanSeqs], r_loc[kEnginePlanSeqs];
+  int32_t m_sum = 0, w_sum = 0, r_sum = 0;
+#pragma unroll
+  for (int e = 0; e < kEnginePlanSeqs; ++e) {
+    const int i = t * kEnginePlanSeqs + e;
+    m_loc[e] = w_loc[e] = r_loc[e] = 0;
+    if (i >= B) continue;
+    const int64_t n0 = s.lengths[i], c = s.counts[i];
+    const int32_t p = engine_seq_problem(g, lim.max_context, max_sequences, max_pages, s.slots[i], n0, c,
+                                         s.block_table + int64_t(i) * s.stride);
+    if (p != kStepOk) {
+      atomicMin(&first_bad, 8 * i + p);
+      continue;
+    }
+    const EngineSeqItems it = engine_seq_items(g, n0, c);
+    m_loc[e] = int32_t(it.moves());
+    w_loc[e] = int32_t(it.writes());
+    r_loc[e] = int32_t(c);
+    m_sum += m_loc[e];
+    w_sum += w_loc[e];
+    r_sum += r_loc[e];
+  }
+  int32_t n_moves, n_writes, n_rows;
+  int32_t m_at = block_exclusive_scan(m_sum, warp_sums, n_moves);
+  int32_t w_at = block_exclusive_scan(w_sum, warp_sums, n_writes);
+  int32_t r_at = block_exclusive_scan(r_sum, warp_sums, n_rows);
+#pragma unroll
+  for (int e = 0; e < kEnginePlanSeqs; ++e) {
+    const int i = t * kEnginePlanSeqs + e;
+    if (i > B) break;
+    mv[i] = m_at;
+    wr[i] = w_at;
+    rows[i] = r_at;
+    m_at += m_loc[e];
+    w_at += w_loc[e];
+    r_at += r_loc[e];
+  }
+  if (t == 0) {  // for kEngineMaxBatch sequences no thread above reaches index B
+    mv[B] = n_moves;
+    wr[B] = n_writes;
+    rows[B] = n_rows;
+  }
+  __syncthreads();
+  // Counts are summed in int32: their capacities (step_capacity) are, and a sequence beyond
+  // max_context never reaches the sums.
+  const bool bad = first_bad != INT_MAX || n_rows > lim.max_step_tokens;
+  if (t == 0) {
+    header[0] = bad ? 0 : n_moves;
+    header[1] = bad ? 0 : n_writes;
+    header[2] = moves_off;
+    header[3] = writes_off;
+    header[4] = first_bad != INT_MAX ? first_bad % 8 : bad ? int32_t(kStepTooManyTokens) : int32_t(kStepOk);
+    header[5] = first_bad != INT_MAX ? first_bad / 8 : bad ? B : -1;
+  }
+  for (int i = t; i < B; i += kEnginePlanThreads) {
+    ints[i] = bad ? 0 : s.slots[i];
+    ints[B + i] = bad ? 0 : s.lengths[i] + s.counts[i];
+    ints[2 * B + i] = bad ? 0 : i * s.stride;
+  }
+  if (bad) return;
+  for (int x = t; x < n_moves; x += kEnginePlanThreads) {
+    const int i = find_sequence(mv, B, x);
+    const int64_t n0 = s.lengths[i];
+    const EngineSeqItems it = engine_seq_items(g, n0, s.counts[i]);
+    moves[x] = engine_move(g, it, s.slots[i], n0, rows[i], s.block_table + int64_t(i) * s.stride, x - mv[i]);
+  }
+  for (int x = t; x < n_writes; x += kEnginePlanThreads) {
+    const int i = find_sequence(wr, B, x);
+    const int64_t n0 = s.lengths[i];
+    const EngineSeqItems it = engine_seq_items(g, n0, s.counts[i]);
+    writes[x] = engine_write(g, it, s.slots[i], n0, rows[i], mv[i], x - wr[i]);
   }
 }
 
@@ -297,14 +436,15 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
   auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
   const auto* counts = static_cast<const int32_t*>(plan.counts);
   if (act == Activations::BFloat16)
-    check_cuda(cudaLaunchKernelEx(&c, append_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
-                                  static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, plan.moves, plan.n_moves,
-                                  plan.writes, plan.n_writes, counts, g, layer, win, pages, codecs),
-               "append (CUDA) launch");
+    check_cuda(
+        cudaLaunchKernelEx(&c, append_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
+                           static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, plan.moves, plan.n_moves, plan.writes,
+                           plan.n_writes, counts, plan.counts_after_wait, g, layer, win, pages, codecs),
+        "append (CUDA) launch");
   else
     check_cuda(cudaLaunchKernelEx(&c, append_rows<float>, static_cast<const float*>(k), static_cast<const float*>(v),
-                                  rot_k, rot_v, plan.moves, plan.n_moves, plan.writes, plan.n_writes, counts, g, layer,
-                                  win, pages, codecs),
+                                  rot_k, rot_v, plan.moves, plan.n_moves, plan.writes, plan.n_writes, counts,
+                                  plan.counts_after_wait, g, layer, win, pages, codecs),
                "append (CUDA) launch");
 }
 
@@ -339,6 +479,29 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
       cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
       "append (CUDA): copy codecs");
   append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, stream, act);
+}
+
+}  // namespace kvcc
+
+namespace kvcc {
+
+void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapacity& c, const StepLimits& limits,
+                      int max_sequences, int64_t max_pages, uint8_t* step, cudaStream_t stream) {
+  KVCC_REQUIRE(s.batch >= 0 && s.batch <= limits.max_batch && s.batch <= kEngineMaxBatch,
+               "engine step: " + std::to_string(s.batch) +
+                   " sequences, outside [0, max_batch = " + std::to_string(limits.max_batch) + "]");
+  KVCC_REQUIRE(s.stride >= c.hist_pages, "engine step: block table rows of " + std::to_string(s.stride) +
+                                             " pages, fewer than the " + std::to_string(c.hist_pages) +
+                                             " a sequence of max_context tokens holds");
+  KVCC_REQUIRE(s.batch == 0 || (s.slots && s.lengths && s.counts && s.block_table),
+               "engine step: a null table (slots, lengths, counts and block_table are all needed)");
+  const StepPacking at = engine_step_packing(c, limits.max_batch);
+  auto* header = reinterpret_cast<int32_t*>(step + c.counts_at);
+  plan_engine_step_kernel<<<1, kEnginePlanThreads, 0, stream>>>(
+      g, s, limits, max_sequences, max_pages, header, reinterpret_cast<int32_t*>(step + c.ints_at),
+      reinterpret_cast<AppendMove*>(step + at.moves_at), reinterpret_cast<AppendWindowWrite*>(step + at.writes_at),
+      int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at));
+  check_cuda(cudaGetLastError(), "engine step (CUDA): plan launch");
 }
 
 }  // namespace kvcc

@@ -99,6 +99,8 @@ int KvCache::take_slot() {
 }
 
 int KvCache::add_sequence() {
+  KVCC_REQUIRE(!config_.engine_tables,
+               "kv cache: the engine owns this cache's page tables (engine_tables); its allocator is off");
   ++version_;
   const int s = take_slot();
   sequences_[size_t(s)] = Sequence{true, 0, {}};
@@ -107,6 +109,8 @@ int KvCache::add_sequence() {
 }
 
 int KvCache::fork(int parent, void* stream) {
+  KVCC_REQUIRE(!config_.engine_tables,
+               "kv cache: the engine owns this cache's page tables (engine_tables); its allocator is off");
   ++version_;
   const Sequence& p = seq_at(parent);
   const int s = take_slot();
@@ -129,6 +133,8 @@ int KvCache::fork(int parent, void* stream) {
 }
 
 void KvCache::free_sequence(int seq) {
+  KVCC_REQUIRE(!config_.engine_tables,
+               "kv cache: the engine owns this cache's page tables (engine_tables); its allocator is off");
   ++version_;
   Sequence& s = seq_at(seq);
   for (int32_t page : s.pages) {
@@ -143,6 +149,8 @@ void KvCache::free_sequence(int seq) {
 
 std::vector<std::vector<int32_t>> KvCache::grow_batch(const std::vector<int>& seqs,
                                                       const std::vector<int64_t>& new_tokens) {
+  KVCC_REQUIRE(!config_.engine_tables,
+               "kv cache: the engine owns this cache's page tables (engine_tables); its allocator is off");
   ++version_;
   KVCC_REQUIRE(seqs.size() == new_tokens.size(), "kv cache: grow_batch needs one count per sequence");
   const KvGeometry& g = config_.geometry;
@@ -193,6 +201,8 @@ RowAt row_at(const KvGeometry& g, const KvTiers& t, const std::vector<int32_t>& 
 }  // namespace
 
 CompactionPlan KvCache::plan_compaction(int seq, const std::vector<int64_t>& kept) const {
+  KVCC_REQUIRE(!config_.engine_tables,
+               "kv cache: the engine owns this cache's page tables (engine_tables); its allocator is off");
   const Sequence& s = seq_at(seq);
   const KvGeometry& g = config_.geometry;
   for (size_t j = 0; j < kept.size(); ++j) {
@@ -286,6 +296,24 @@ void KvCache::commit_compaction(const CompactionPlan& plan) {
   }
   s.pages = plan.new_pages;
   s.length = plan.new_length;
+}
+
+void KvCache::mirror_sequence(int seq, int64_t length, const int32_t* pages, int64_t n_pages) {
+  KVCC_REQUIRE(config_.engine_tables, "kv cache: mirror_sequence is for a cache whose engine owns the page tables");
+  KVCC_REQUIRE(seq >= 0 && seq < int(sequences_.size()), "kv cache: window slot " + std::to_string(seq) +
+                                                             " outside [0, " + std::to_string(sequences_.size()) + ")");
+  const int64_t need = history_pages(config_.geometry, length);
+  KVCC_REQUIRE(length >= 0 && n_pages >= need, "kv cache: sequence " + std::to_string(seq) + " of " +
+                                                   std::to_string(length) + " tokens needs " + std::to_string(need) +
+                                                   " history pages, " + std::to_string(n_pages) + " given");
+  for (int64_t p = 0; p < need; ++p)
+    KVCC_REQUIRE(pages[p] >= 0 && pages[p] < config_.max_pages,
+                 "kv cache: page id " + std::to_string(pages[p]) + " of sequence " + std::to_string(seq) +
+                     " outside the pool [0, " + std::to_string(config_.max_pages) + ")");
+  ++version_;
+  Sequence& s = sequences_[size_t(seq)];
+  if (!s.live) ++sequences_live_;
+  s = Sequence{true, length, std::vector<int32_t>(pages, pages + need)};
 }
 
 bool KvCache::live(int seq) const { return seq >= 0 && seq < int(sequences_.size()) && sequences_[size_t(seq)].live; }

@@ -63,6 +63,10 @@ struct KvCacheConfig {
   int64_t max_pages = 0;  // INT2 history pages in the pool
   int max_sequences = 0;  // window slots (live sequences at once)
   PoolMemory memory = PoolMemory::Host;
+  // The engine owns the page tables and window slots (RuntimeOptions::engine_tables): the
+  // allocator is off (add_sequence, fork, grow and compaction throw Error) and mirror_sequence
+  // records what the engine's tables say.
+  bool engine_tables = false;
 };
 
 class KvCache {
@@ -101,6 +105,13 @@ class KvCache {
   // fresh pages taken, dropped pages released. Throws Error (changing nothing) when the cache
   // changed since the plan was made.
   void commit_compaction(const CompactionPlan& plan);
+
+  // Engine tables only: slot `seq` now holds a sequence of `length` tokens whose history pages are
+  // `pages` (at least history_pages(length) of them, each in [0, max_pages)), as the engine's
+  // tables say; no page is taken from the pool or counted. The host pool's Runtime does this for
+  // each step, so that the reference kernels read the engine's tables. Throws Error on a bad slot,
+  // length or page id.
+  void mirror_sequence(int seq, int64_t length, const int32_t* pages, int64_t n_pages);
 
   bool live(int seq) const;
   int64_t length(int seq) const;

@@ -14,6 +14,7 @@
 
 #include "formats/kv_layout.h"
 #include "runtime/activations.h"
+#include "runtime/engine_step.h"
 #include "runtime/plan.h"
 #include "runtime/served.h"
 
@@ -80,6 +81,17 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
                        cudaStream_t stream, Activations act = Activations::Float32);
+
+// Plans a step from an engine's own tables on the device (EngineStep, runtime/engine_step.h: every
+// array a device pointer): the moves and window writes plan_append_moves would make from the same
+// lengths and page tables, in its order, and the decode batch ints of the step's sequences
+// (seq_slot | seq_len | page_offset = i·stride; their page table is the engine's block table),
+// into `step`, a step table of capacity c (StepCapacity, laid out by engine_step_packing). One
+// kernel of one block, no host work: it can be captured in a CUDA graph with the step's layers.
+// A sequence outside the limits plans nothing and is named in the header (kStepHeaderInts).
+// Throws Error only for what the host sees: the batch size, the block table's stride, null tables.
+void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapacity& c, const StepLimits& limits,
+                      int max_sequences, int64_t max_pages, uint8_t* step, cudaStream_t stream);
 
 // Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
 // prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as

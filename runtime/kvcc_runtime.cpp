@@ -225,6 +225,9 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
                "maxima)");
   KVCC_REQUIRE(o.max_batch <= o.max_sequences, "runtime: max_batch " + std::to_string(o.max_batch) +
                                                    " above max_sequences " + std::to_string(o.max_sequences));
+  KVCC_REQUIRE(!o.engine_tables || o.max_context > 0,
+               "runtime: engine_tables needs the maxima declared (max_context > 0): the step tables are sized from "
+               "them");
   KVCC_REQUIRE(o.activations == Activations::Float32 || o.activations == Activations::BFloat16,
                "runtime: activations must be float32 (0) or bfloat16 (1), got " + std::to_string(int(o.activations)));
   kv_begin_ = o.kv_begin;
@@ -247,13 +250,16 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     require_hopper();
 #endif
   }
-  cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory});
+  cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory, o.engine_tables});
   StepCapacity cap;
   if (o.max_context > 0) {
     limits_.max_batch = o.max_batch > 0 ? o.max_batch : o.max_sequences;
     limits_.max_context = o.max_context;
     limits_.max_step_tokens = o.max_step_tokens > 0 ? o.max_step_tokens : limits_.max_batch;
     cap = step_capacity(g, limits_);  // checks the limits
+    KVCC_REQUIRE(!o.engine_tables || limits_.max_batch <= kEngineMaxBatch,
+                 "runtime: engine_tables serves steps of at most " + std::to_string(kEngineMaxBatch) +
+                     " sequences; max_batch is " + std::to_string(limits_.max_batch));
   }
   if (options_.sm_scale == 0.0f) options_.sm_scale = 1.0f / std::sqrt(float(a.head_dim));
   const size_t dd = size_t(a.head_dim) * size_t(a.head_dim);
@@ -335,6 +341,8 @@ const float* Runtime::rot_v(int layer) const {
 }
 
 void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream) {
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: begin_append uses the Runtime's own page tables; with engine_tables open steps by begin_step");
   KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: one count per sequence");
   std::vector<int64_t> old, add;
   int64_t tokens = 0;
@@ -363,8 +371,95 @@ void Runtime::begin_append(const std::vector<int>& seqs, const std::vector<int>&
   pending_counts_ = counts;
   pending_old_ = old;
   appended_.assign(size_t(geometry().n_layers), 0);
+  step_from_engine_ = false;
 #if defined(KVCC_HAVE_CUDA)
   if (cache_->memory() == PoolMemory::Device) plan_step(stream);
+#endif
+}
+
+void Runtime::begin_step(const EngineStep& s, void* stream) {
+  KVCC_REQUIRE(options_.engine_tables,
+               "runtime: begin_step needs RuntimeOptions::engine_tables (the engine's page "
+               "tables); this Runtime keeps its own: use begin_append");
+  KVCC_REQUIRE(s.batch >= 0 && s.batch <= limits_.max_batch,
+               "runtime: a step of " + std::to_string(s.batch) +
+                   " sequences, outside [0, max_batch = " + std::to_string(limits_.max_batch) + "]");
+  KVCC_REQUIRE(s.stride >= history_pages(limits_.max_context),
+               "runtime: block table rows of " + std::to_string(s.stride) + " pages, fewer than the " +
+                   std::to_string(history_pages(limits_.max_context)) + " a sequence of max_context tokens holds");
+  KVCC_REQUIRE(s.batch == 0 || (s.slots && s.lengths && s.counts && s.block_table),
+               "runtime: begin_step with a null table (slots, lengths, counts and block_table are all needed)");
+  const KvGeometry& g = geometry();
+  if (cache_->memory() == PoolMemory::Host) {
+    // The device planner's rules, as errors, before anything changes.
+    int64_t tokens = 0;
+    std::vector<char> seen(size_t(options_.max_sequences), 0);
+    for (int i = 0; i < s.batch; ++i) {
+      const int32_t p =
+          engine_seq_problem(g, limits_.max_context, options_.max_sequences, options_.max_pages, s.slots[i],
+                             s.lengths[i], s.counts[i], s.block_table + int64_t(i) * s.stride);
+      KVCC_REQUIRE(p == kStepOk, "runtime: " + engine_step_message(p, i));
+      KVCC_REQUIRE(!seen[size_t(s.slots[i])], "runtime: engine step: window slot " + std::to_string(s.slots[i]) +
+                                                  " given to two sequences of the step");
+      seen[size_t(s.slots[i])] = 1;
+      tokens += s.counts[i];
+    }
+    KVCC_REQUIRE(tokens <= limits_.max_step_tokens, "runtime: " + engine_step_message(kStepTooManyTokens, s.batch));
+    pending_seqs_.assign(s.slots, s.slots + s.batch);
+    pending_counts_.assign(s.counts, s.counts + s.batch);
+    pending_old_.assign(s.lengths, s.lengths + s.batch);
+    for (int i = 0; i < s.batch; ++i) {
+      const int64_t n1 = int64_t(s.lengths[i]) + s.counts[i];
+      cache_->mirror_sequence(s.slots[i], n1, s.block_table + int64_t(i) * s.stride, history_pages(n1));
+    }
+  } else {
+#if defined(KVCC_HAVE_CUDA)
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    DeviceState& d = *dev_;
+    d.make_events();
+    if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(st, d.used, 0), "runtime: stream wait");
+    d.used_elsewhere = false;
+    plan_engine_step(g, s, d.cap, limits_, options_.max_sequences, options_.max_pages, d.step.data(), st);
+    // Inside a capture the step lives in the graph: calls on other streams are not ordered by it.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(st, &capturing), "runtime: capture status");
+    if (capturing == cudaStreamCaptureStatusNone) check_cuda(cudaEventRecord(d.uploaded, st), "runtime: event record");
+    d.step_stream = st;
+    d.step_seqs.clear();
+    d.step_version = cache_->version();
+    uint8_t* base = d.step.data();
+    d.append.moves = nullptr;
+    d.append.writes = nullptr;
+    d.append.n_moves = int(d.cap.moves);
+    d.append.n_writes = int(d.cap.writes);
+    d.append.counts = reinterpret_cast<const int32_t*>(base + d.cap.counts_at);
+    d.decode = device_batch(reinterpret_cast<const int32_t*>(base + d.cap.ints_at), s.batch, int(d.cap.hist_pages));
+    d.decode.page_table = s.block_table;
+    pending_seqs_.assign(size_t(s.batch), -1);  // the slots live on the device
+    pending_counts_.clear();
+    pending_old_.clear();
+#else
+    (void)stream;
+    throw Error("runtime: built without CUDA");
+#endif
+  }
+  appended_.assign(size_t(g.n_layers), 0);
+  step_from_engine_ = true;
+}
+
+std::string Runtime::step_problem(void* stream) {
+  if (!step_from_engine_ || cache_->memory() == PoolMemory::Host) return "";
+#if defined(KVCC_HAVE_CUDA)
+  int32_t h[2] = {0, -1};
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  check_cuda(cudaMemcpyAsync(h, dev_->step.data() + dev_->cap.counts_at + 4 * sizeof(int32_t), sizeof(h),
+                             cudaMemcpyDeviceToHost, st),
+             "runtime: step header");
+  check_cuda(cudaStreamSynchronize(st), "runtime: step header");
+  return engine_step_message(h[0], h[1]);
+#else
+  (void)stream;
+  return "";
 #endif
 }
 
@@ -380,8 +475,14 @@ void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<
                    int64_t(ints.size()) <= c.ints,
                "runtime: a step's tables above their capacities (a bug: begin_append checks the maxima)");
   const StepPacking at = step_packing(c, int64_t(ints.size()), int64_t(m.moves.size()), int64_t(m.writes.size()));
-  const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()), int32_t(m.writes.size()),
-                                           int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at)};
+  const int32_t header[kStepHeaderInts] = {int32_t(m.moves.size()),
+                                           int32_t(m.writes.size()),
+                                           int32_t(at.moves_at - c.counts_at),
+                                           int32_t(at.writes_at - c.counts_at),
+                                           kStepOk,
+                                           -1,
+                                           0,
+                                           0};
   uint8_t* h = d.packed.data();
   std::memcpy(h + c.counts_at, header, sizeof(header));
   std::memcpy(h + c.ints_at, ints.data(), ints.size() * sizeof(int32_t));
@@ -396,6 +497,7 @@ void Runtime::DeviceState::upload_fixed(const AppendMoves& m, const std::vector<
   d.append.n_moves = int(c.moves);
   d.append.n_writes = int(c.writes);
   d.append.counts = reinterpret_cast<const int32_t*>(base + c.counts_at);
+  d.append.counts_after_wait = false;
   d.decode = device_batch(reinterpret_cast<const int32_t*>(base + c.ints_at), n_seqs, int(c.hist_pages));
 }
 
@@ -440,6 +542,8 @@ void Runtime::plan_step(void* stream_ptr) {
   d.append.writes = reinterpret_cast<const AppendWindowWrite*>(d.step.data() + writes_at);
   d.append.n_moves = int(m.moves.size());
   d.append.n_writes = int(m.writes.size());
+  d.append.counts = nullptr;
+  d.append.counts_after_wait = false;
   d.decode =
       device_batch(reinterpret_cast<const int32_t*>(d.step.data() + ints_at), int(pending_seqs_.size()), max_pages);
   d.ws.reserve(decode_workspace_bytes(g, int(pending_seqs_.size()), n_heads_, max_pages));
@@ -468,7 +572,10 @@ void Runtime::append(int layer, const void* k, const void* v, void* stream) {
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   dev_->before_use(s);
-  append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->append,
+  DeviceAppendPlan plan = dev_->append;
+  // The first append after begin_step follows its planning kernel: read the counts after the wait.
+  plan.counts_after_wait = step_from_engine_ && std::count(appended_.begin(), appended_.end(), 1) == 1;
+  append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, plan,
                     dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
                     DeviceState::at(dev_->rot_v, off), s, options_.activations);
   dev_->after_use(s);
@@ -477,7 +584,37 @@ void Runtime::append(int layer, const void* k, const void* v, void* stream) {
 #endif
 }
 
+void Runtime::decode_step(int layer, const void* q, void* out, void* stream) {
+  KVCC_REQUIRE(!appended_.empty(), "runtime: decode of the step's sequences without an open step");
+  if (!step_from_engine_ || cache_->memory() == PoolMemory::Host) {
+    const std::vector<int> seqs = pending_seqs_;
+    step_from_engine_ ? decode_sequences(layer, seqs, q, out, stream) : decode(layer, seqs, q, out, stream);
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  const KvGeometry& g = geometry();
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  dev_->before_use(s);
+  const DecodeShape shape{n_heads_, options_.sm_scale, 0};
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->decode, codecs(layer), shape, q,
+              DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
+              dev_->ws.bytes(), s, options_.activations);
+  dev_->after_use(s);
+#else
+  (void)q, (void)out, (void)stream;
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
 void Runtime::decode(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream) {
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: with engine_tables decode the step's sequences by decode_step(layer, q, out, stream)");
+  decode_sequences(layer, seqs, q, out, stream);
+}
+
+void Runtime::decode_sequences(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   if (cache_->memory() == PoolMemory::Host) {
@@ -533,7 +670,56 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
   return pending_old_[i];
 }
 
+void Runtime::prefill(int layer, const EngineSequence& seq, int T, const void* q, const void* k, const void* v,
+                      void* out, void* stream) {
+  KVCC_REQUIRE(options_.engine_tables, "runtime: prefill(layer, EngineSequence, ...) needs engine_tables");
+  const KvGeometry& g = geometry();
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(T >= 0 && seq.length >= 0 && seq.length + T <= limits_.max_context,
+               "runtime: prefill of " + std::to_string(T) + " tokens after " + std::to_string(seq.length) +
+                   ": negative, or beyond the declared max_context");
+  KVCC_REQUIRE(seq.slot >= 0 && seq.slot < options_.max_sequences,
+               "runtime: window slot " + std::to_string(seq.slot) + " outside [0, max_sequences)");
+  KVCC_REQUIRE(seq.pages || history_pages(seq.length) == 0, "runtime: prefill with a null page list");
+  // Inside a step that appends these tokens, the same order rules as prefill(layer, seq, ...).
+  const auto it = std::find(pending_seqs_.begin(), pending_seqs_.end(), seq.slot);
+  const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
+  if (cache_->memory() == PoolMemory::Host) {
+    if (!step_open || it == pending_seqs_.end()) {
+      cache_->mirror_sequence(seq.slot, seq.length, seq.pages, history_pages(seq.length));
+    } else {
+      KVCC_REQUIRE(pending_old_[size_t(it - pending_seqs_.begin())] == seq.length,
+                   "runtime: prefill after " + std::to_string(seq.length) + " tokens of window slot " +
+                       std::to_string(seq.slot) + ", which the open step holds at another length");
+    }
+    prefill_slot(layer, seq.slot, T, q, k, v, out, stream);
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const PrefillShape shape{n_heads_, options_.sm_scale};
+  dev_->other_ws.reserve(prefill_workspace_bytes(g, seq.length, T, shape));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq.slot, seq.length, seq.pages, T,
+               codecs(layer), shape, q, k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
+               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
+               options_.activations);
+#else
+  (void)q, (void)k, (void)v, (void)out, (void)stream;
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
 void Runtime::prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out, void* stream) {
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: with engine_tables prefill takes the engine's sequence: prefill(layer, EngineSequence, ...)");
+  prefill_slot(layer, seq, T, q, k, v, out, stream);
+}
+
+// Prefill of the cache's sequence `seq` (the Runtime's own, or one mirrored from the engine's
+// tables on a host pool).
+void Runtime::prefill_slot(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
+                           void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
   KVCC_REQUIRE(T >= 0, "runtime: negative token count");
@@ -552,7 +738,7 @@ void Runtime::prefill(int layer, int seq, int T, const void* q, const void* k, c
 #if defined(KVCC_HAVE_CUDA)
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const std::vector<int32_t>& pt = cache_->page_table(seq);
-  const std::vector<int32_t> hist(pt.begin(), pt.begin() + history_pages(g, length));
+  const std::vector<int32_t> hist(pt.begin(), pt.begin() + kvcc::history_pages(g, length));
   const int32_t* table = dev_->upload_batch(hist, s);
   const PrefillShape shape{n_heads_, options_.sm_scale};
   dev_->other_ws.reserve(prefill_workspace_bytes(g, length, T, shape));
@@ -569,6 +755,9 @@ void Runtime::prefill(int layer, int seq, int T, const void* q, const void* k, c
 int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream) {
   const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
   KVCC_REQUIRE(!step_open, "runtime: evict_tokens inside an open step (finish every layer's append first)");
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: evict_tokens compacts the Runtime's own page tables; with "
+               "engine_tables the engine's allocator owns them");
   KVCC_REQUIRE(!geometry().per_channel_keys(), kPerChannelEvictionRefusal);
   if (cache_->memory() == PoolMemory::Host) return compact_ref(*cache_, seq, kept, codecs_.data());
 #if defined(KVCC_HAVE_CUDA)

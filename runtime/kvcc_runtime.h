@@ -8,6 +8,8 @@
 //   begin_append(seqs, counts)  -- grows the sequences (allocates pages, all or nothing)
 //   append(layer, k, v, stream) -- for every layer: rotate, write windows, quantise into pages
 //   decode(layer, seqs, q, out, stream)
+// or, when the engine keeps the page tables (RuntimeOptions::engine_tables, vLLM / FlashInfer
+// style block tables), begin_step(EngineStep) instead of begin_append and decode_step(layer, q, out).
 // k, v: [sum(counts), n_kv, d] post-RoPE, unrotated, sequences in order;
 // q, out: [n_seqs, n_heads, d] (q post-RoPE, unrotated; out in the model's basis).
 // These activations are float32, or bfloat16 with RuntimeOptions::activations (runtime/activations.h:
@@ -34,6 +36,7 @@
 #include "formats/artifact.h"
 #include "formats/kv_layout.h"
 #include "runtime/activations.h"
+#include "runtime/engine_step.h"
 #include "runtime/kv_cache.h"
 #include "runtime/plan.h"
 
@@ -66,6 +69,12 @@ struct RuntimeOptions {
   int max_step_tokens = 0;
   // The element type of q, k, v and out in every call (engines run in bfloat16).
   Activations activations = Activations::Float32;
+  // The engine keeps the page tables (runtime/engine_step.h): it allocates window slots
+  // [0, max_sequences) and pool pages [0, max_pages) itself and opens each step with
+  // begin_step(EngineStep); the Runtime's allocator (cache()'s add_sequence, grow, ...),
+  // begin_append and evict_tokens are then refused. Needs the maxima declared (max_context > 0)
+  // and max_batch <= kEngineMaxBatch.
+  bool engine_tables = false;
 };
 
 // Rank `rank` of `ranks` tensor-parallel ranks: contiguous equal slices of the KV heads,
@@ -117,6 +126,21 @@ class Runtime {
   // captured with. prefill and decode of other sequences than the step's never touch the step's
   // tables or workspace.
   void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream = nullptr);
+  // Opens a step from the engine's tables (RuntimeOptions::engine_tables; EngineStep's arrays are
+  // device pointers on a device pool, host pointers on a host pool). The engine has allocated
+  // every page the new lengths need (history_pages). On a device pool the step is planned on the
+  // device by one kernel on `stream` (plan_engine_step), reading the tables when it runs: so
+  // begin_step and every layer's append + decode can be captured in one CUDA graph and replayed
+  // for later steps, with new lengths, counts, slots and block-table entries written by the engine
+  // into the same arrays (same addresses, same batch). A sequence outside the limits makes that
+  // step plan nothing, its decode write zeros, and step_problem() name it; a host pool throws
+  // Error instead (changing nothing).
+  void begin_step(const EngineStep& step, void* stream = nullptr);
+  // Why the last begin_step planned nothing ("" when it did): reads the step's header back,
+  // waiting for `stream` (not for use inside a capture). Host pool: always "" (it throws).
+  std::string step_problem(void* stream = nullptr);
+  // History pages a sequence of `length` tokens holds (an engine allocates this many per sequence).
+  int64_t history_pages(int64_t length) const { return kvcc::history_pages(geometry(), length); }
   // The declared maxima (all 0 when undeclared; max_batch and max_step_tokens resolved).
   int max_batch() const { return limits_.max_batch; }
   int64_t max_context() const { return limits_.max_context; }
@@ -125,7 +149,15 @@ class Runtime {
   Activations activations() const { return options_.activations; }
   void append(int layer, const void* k, const void* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream = nullptr);
+  // Decode of the open step's sequences, in the step's order (begin_append's or begin_step's).
+  void decode_step(int layer, const void* q, void* out, void* stream = nullptr);
   void prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
+               void* stream = nullptr);
+  // The same for a sequence of the engine's tables (engine_tables; pages: a device pointer on a
+  // device pool): the T new tokens after seq.length attend to what the cache holds of its first
+  // seq.length tokens and to themselves. Call it before the layer's append of a step that appends
+  // them, as above.
+  void prefill(int layer, const EngineSequence& seq, int T, const void* q, const void* k, const void* v, void* out,
                void* stream = nullptr);
 
   // Token eviction: keeps only the tokens at positions `kept` (strictly increasing, < length) of
@@ -150,10 +182,13 @@ class Runtime {
   StepLimits limits_;                 // all 0: undeclared
   std::vector<int> pending_seqs_, pending_counts_;
   std::vector<int64_t> pending_old_;
-  std::vector<char> appended_;  // [layers]: append(layer) done in the current step
+  std::vector<char> appended_;     // [layers]: append(layer) done in the current step
+  bool step_from_engine_ = false;  // the open step came from begin_step
   // The length prefill reads: before the open step's tokens (checked), else the current one.
   int64_t prefill_length(int layer, int seq, int T) const;
   void plan_step(void* stream);
+  void prefill_slot(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out, void* stream);
+  void decode_sequences(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream);
   // Host pool with bfloat16 activations: the widened inputs and the float outputs of the reference.
   std::vector<float> host_x_[3], host_out_;
   const float* host_input(int i, const void* p, size_t n);

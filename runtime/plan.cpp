@@ -6,6 +6,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "runtime/engine_step.h"
 
 namespace kvcc {
 
@@ -234,6 +235,28 @@ StepCapacity step_capacity(const KvGeometry& g, const StepLimits& l) {
   c.ints_at = align256(kStepHeaderInts * sizeof(int32_t));
   c.bytes = step_packing(c, c.ints, c.moves, c.writes).bytes;
   return c;
+}
+
+StepPacking engine_step_packing(const StepCapacity& c, int max_batch) {
+  return step_packing(c, 3 * int64_t(max_batch), c.moves, c.writes);
+}
+
+std::string engine_step_message(int32_t problem, int seq) {
+  const std::string who = "engine step: sequence " + std::to_string(seq) + " of the step ";
+  switch (problem) {
+    case kStepOk:
+      return "";
+    case kStepBadSlot:
+      return who + "has a window slot outside [0, max_sequences)";
+    case kStepBadLength:
+      return who + "has a negative length or count, or would hold more than the declared max_context tokens";
+    case kStepBadPage:
+      return who + "names a page outside the pool [0, max_pages) among those the step writes";
+    case kStepTooManyTokens:
+      return "engine step: more new tokens than the declared max_step_tokens";
+    default:
+      return "engine step: unknown problem " + std::to_string(problem);
+  }
 }
 
 StepPacking step_packing(const StepCapacity& c, int64_t ints, int64_t n_moves, int64_t n_writes) {

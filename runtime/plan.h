@@ -151,6 +151,9 @@ struct DeviceAppendPlan {
   // and n_writes above are capacities: they size the grid, so launches captured in a CUDA graph
   // stay valid for every later step within them.
   const int32_t* counts = nullptr;
+  // The counts were written by the kernel just before (a step planned on the device): read them
+  // after the wait on it, not before.
+  bool counts_after_wait = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -174,7 +177,10 @@ struct StepCapacity {
   int64_t ints = 0;                              // decode batch ints: seq_slot | seq_len | page_offset | page tables
   size_t counts_at = 0, ints_at = 0, bytes = 0;  // bytes: for the largest step
 };
-constexpr int kStepHeaderInts = 4;
+// Header ints: n_moves, n_writes, moves and writes byte offsets (from the header), and for a
+// step an engine's tables planned on the device (engine_step.h) its EngineStepProblem and the
+// first sequence that has it (-1: none), which Runtime::step_problem reads back.
+constexpr int kStepHeaderInts = 8;
 // Where a step's moves and window writes go (byte offsets from the header, 16-byte aligned), and
 // the bytes up to their end, for a step of `ints` decode ints, n_moves moves and n_writes writes.
 struct StepPacking {
@@ -185,6 +191,13 @@ StepPacking step_packing(const StepCapacity& c, int64_t ints, int64_t n_moves, i
 // tokens moves at most page_tokens·ceil(c / page_tokens) <= c + page_tokens - 1 tokens into
 // history; each new token is at most one window write.
 StepCapacity step_capacity(const KvGeometry& g, const StepLimits& limits);
+// Engine tables (engine_step.h): the device plans the step into the same table, its decode ints
+// 3·batch (seq_slot | seq_len | page_offset; the page table is the engine's block table) and its
+// moves and writes at fixed places, those of a step of max_batch sequences at the capacities.
+StepPacking engine_step_packing(const StepCapacity& c, int max_batch);
+// Sequences an engine step may hold: the device planner keeps three prefix arrays of them in
+// shared memory.
+constexpr int kEngineMaxBatch = 2048;
 // append_kv's workspace (the host plan's copy): byte offsets of the moves, the window writes and
 // the codecs; total bytes.
 struct AppendWorkspace {

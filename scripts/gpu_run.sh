@@ -8,8 +8,9 @@
 # (scripts/gpu_perf.sh) and adds its column and ratios to the report; BEFORE_TREE=dir does the
 # same with a whole older source tree (its own CMake build), for changes beyond decode.cu.
 # `graph` runs only the decode-step path: the CUDA-graph replay test, the bfloat16-activation test,
-# the append/decode and prefill GPU tests, the validation's device pool, memcheck on the graph and
-# activation tests, bench_step in its plain, fixed, graph and graph-bf16 modes, and the BF16-cache
+# the engine-tables test, the append/decode and prefill GPU tests, the validation's device pool,
+# memcheck on the graph, activation and engine tests, bench_step in its plain, fixed, graph,
+# graph-bf16 and engine-graph-bf16 modes, bench_decode's bare kernels, and the BF16-cache
 # step it is compared with (bench_sdpa.py --step-layers: cache write + SDPA per layer, in a graph)
 # (with BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
 # BEFORE_MODES: the bench_step modes the before tree runs (default plain; the tree must have them).
@@ -32,27 +33,32 @@ if [ "${1:-}" = graph ]; then
     before_pid=$!
   fi
   [ -n "${BEFORE_TREE:-}" ] && JOBS=$(( JOBS / 2 ))
-  gpu_cmake_build gpu_test_graph gpu_test_activations gpu_test_cache gpu_test_prefill gpu_test_compaction test_validate \
-    bench_step ${EXTRA_TARGETS:-} ||
+  gpu_cmake_build gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction \
+    test_validate bench_step bench_decode ${EXTRA_TARGETS:-} ||
     { echo "BUILD FAILED"; exit 1; }
   [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  for t in gpu_test_graph gpu_test_activations gpu_test_cache gpu_test_prefill gpu_test_compaction; do
-    "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 | grep -E '^\[  (FAILED|PASSED) |graph replay|Failure|error|Expected|Which is' | head -20
+  for t in gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction; do
+    "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 |
+      grep -E '^\[  (FAILED|PASSED) |graph replay|engine tables:|Failure|error|Expected|Which is' | head -20
     echo "$t exit: ${PIPESTATUS[0]}"
   done
   "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' 2>&1 | grep -E '^\[  (FAILED|PASSED) '
   echo "gpu validate test exit: ${PIPESTATUS[0]}"
   if command -v compute-sanitizer >/dev/null; then
-    for t in gpu_test_graph gpu_test_activations; do
+    for t in gpu_test_graph gpu_test_activations gpu_test_engine; do
       timeout 120 compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer_$t.txt" "$BUILD/tests/$t" >/dev/null
       echo "memcheck $t exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$t.txt" 2>/dev/null) clean summaries)"
     done
   fi
   STEP_CONFIGS=${STEP_CONFIGS:-32:8:1:32768,32:8:8:131072,32:8:64:32768}
-  "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,fixed,graph,graph-bf16 |
+  "$BUILD/bench/bench_step" --steps 200 --configs "$STEP_CONFIGS" --modes plain,fixed,graph,graph-bf16,engine-graph-bf16 |
     tee "$OUT/bench_step.txt"
   echo "bench_step exit: $?"
+  # The bare decode kernels (rotate q, attention, merge) on the same shapes: what the step adds.
+  "$BUILD/bench/bench_decode" --configs "$STEP_CONFIGS" --out "$OUT/bench_decode.jsonl" --reps 30 |
+    tee "$OUT/bench_decode.txt"
+  echo "bench_decode exit: $?"
   python3 bench/bench_sdpa.py --configs "$STEP_CONFIGS" --step-layers 4 --out "$OUT/sdpa_step.jsonl" |
     tee "$OUT/sdpa_step.txt"
   echo "sdpa step exit: $?"
