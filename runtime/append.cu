@@ -252,14 +252,22 @@ __global__ void __launch_bounds__(kAppThreads, 3)
 }
 
 // A step from an engine's tables planned on the device (engine_step.h): one block. Each thread
-// checks and counts its sequences (kEnginePlanSeqs of them), a block scan gives each sequence its
+// checks and counts its sequences (kEnginePlanSeqs of them; the block is as small as max_batch
+// allows, a warp for up to 64 sequences: the block's barriers cost a short step most of the
+// kernel's time), a block scan gives each sequence its
 // first move, write and row, then the threads fill the moves and writes (each finds its sequence
 // by a binary search of the prefixes) and the decode batch ints. A step with a problem plans no
 // moves or writes and zero lengths (decode then writes zeros), and says which in the header.
 constexpr int kEnginePlanThreads = 1024, kEnginePlanSeqs = kEngineMaxBatch / kEnginePlanThreads;
 static_assert(kEngineMaxBatch % kEnginePlanThreads == 0, "sequences per planning thread");
+// Threads of the planning block for steps of up to max_batch sequences.
+int engine_plan_threads(int max_batch) {
+  const int t = (max_batch + kEnginePlanSeqs - 1) / kEnginePlanSeqs;
+  return std::min(kEnginePlanThreads, std::max(32, (t + 31) / 32 * 32));
+}
 
-// Exclusive block scan of one value per thread (1024 threads); returns the block total too.
+// Exclusive block scan of one value per thread (any whole number of warps up to 1024); returns the
+// block total too.
 __device__ int32_t block_exclusive_scan(int32_t x, int32_t* warp_sums, int32_t& total) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   int32_t inc = x;
@@ -271,7 +279,7 @@ __device__ int32_t block_exclusive_scan(int32_t x, int32_t* warp_sums, int32_t& 
   if (lane == 31) warp_sums[w] = inc;
   __syncthreads();
   if (w == 0) {
-    int32_t s = warp_sums[lane], sinc = s;
+    int32_t s = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0, sinc = s;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int32_t y = __shfl_up_sync(0xffffffffu, sinc, o);
@@ -362,19 +370,19 @@ __global__ void __launch_bounds__(kEnginePlanThreads)
     header[4] = first_bad != INT_MAX ? first_bad % 8 : bad ? int32_t(kStepTooManyTokens) : int32_t(kStepOk);
     header[5] = first_bad != INT_MAX ? first_bad / 8 : bad ? B : -1;
   }
-  for (int i = t; i < B; i += kEnginePlanThreads) {
+  for (int i = t; i < B; i += blockDim.x) {
     ints[i] = bad ? 0 : s.slots[i];
     ints[B + i] = bad ? 0 : s.lengths[i] + s.counts[i];
     ints[2 * B + i] = bad ? 0 : i * s.stride;
   }
   if (bad) return;
-  for (int x = t; x < n_moves; x += kEnginePlanThreads) {
+  for (int x = t; x < n_moves; x += blockDim.x) {
     const int i = find_sequence(mv, B, x);
     const int64_t n0 = s.lengths[i];
     const EngineSeqItems it = engine_seq_items(g, n0, s.counts[i]);
     moves[x] = engine_move(g, it, s.slots[i], n0, rows[i], s.block_table + int64_t(i) * s.stride, x - mv[i]);
   }
-  for (int x = t; x < n_writes; x += kEnginePlanThreads) {
+  for (int x = t; x < n_writes; x += blockDim.x) {
     const int i = find_sequence(wr, B, x);
     const int64_t n0 = s.lengths[i];
     const EngineSeqItems it = engine_seq_items(g, n0, s.counts[i]);
@@ -497,7 +505,7 @@ void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapaci
                "engine step: a null table (slots, lengths, counts and block_table are all needed)");
   const StepPacking at = engine_step_packing(c, limits.max_batch);
   auto* header = reinterpret_cast<int32_t*>(step + c.counts_at);
-  plan_engine_step_kernel<<<1, kEnginePlanThreads, 0, stream>>>(
+  plan_engine_step_kernel<<<1, engine_plan_threads(limits.max_batch), 0, stream>>>(
       g, s, limits, max_sequences, max_pages, header, reinterpret_cast<int32_t*>(step + c.ints_at),
       reinterpret_cast<AppendMove*>(step + at.moves_at), reinterpret_cast<AppendWindowWrite*>(step + at.writes_at),
       int32_t(at.moves_at - c.counts_at), int32_t(at.writes_at - c.counts_at));

@@ -1,7 +1,8 @@
 // Steps from an engine's own tables on the device (RuntimeOptions::engine_tables):
 // 1. plan_engine_step's tables (header, moves, window writes, decode ints) are plan_append_moves'
 //    on the same lengths and block tables, entry for entry, for random ragged steps up to
-//    kEngineMaxBatch sequences; a step with a bad sequence plans nothing and names it.
+//    kEngineMaxBatch sequences and planning blocks of every size; a step with a bad sequence plans nothing and names
+//    it.
 // 2. A whole step, begin_step included, captured once in a CUDA graph and replayed for later
 //    steps (new lengths, counts, slots, block-table entries written into the same arrays) gives
 //    bit for bit the outputs of a Runtime keeping its own tables, uncaptured, and the same pool
@@ -107,7 +108,10 @@ TEST(GpuEngine, DevicePlanIsPlanAppendMoves) {
   for (int trial = 0; trial < 40; ++trial) {
     // Batches from 1 to kEngineMaxBatch; decode steps, prefills and empty sequences mixed.
     const int B = trial == 0 ? kEngineMaxBatch : trial == 1 ? 1 : 1 + int(rng() % 300);
-    const StepLimits lim{kEngineMaxBatch, 3000, kEngineMaxBatch * 40};
+    // The planning block's size follows max_batch (a warp up to 64 sequences, 1024 threads at
+    // kEngineMaxBatch): random maxima cover whole and partial warps.
+    const int max_batch = trial == 0 ? kEngineMaxBatch : std::min(kEngineMaxBatch, B + int(rng() % 100));
+    const StepLimits lim{max_batch, 3000, max_batch * 700};
     HostStep h;
     h.stride = int(history_pages(g, lim.max_context));
     std::vector<int32_t> slots(kEngineMaxBatch);
