@@ -17,6 +17,7 @@
 
 struct kvcc_runtime {
   std::unique_ptr<kvcc::Runtime> rt;
+  std::string problem;  // kvcc_step_problem's last message
 };
 
 namespace {
@@ -134,9 +135,10 @@ int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads,
                                   memory, rank, ranks, 0, 0, 0, KVCC_FLOAT32, out);
 }
 
-int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
-                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
-                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out) {
+namespace {
+int load_runtime(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim, int64_t max_pages,
+                 int max_sequences, int memory, int rank, int ranks, int max_batch, int64_t max_context,
+                 int max_step_tokens, int activations, bool engine_tables, kvcc_runtime** out) {
   if (bad(artifact_path, "artifact_path") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
   if (activations != KVCC_FLOAT32 && activations != KVCC_BFLOAT16) {
     last_error = "activations must be KVCC_FLOAT32 (0) or KVCC_BFLOAT16 (1), got " + std::to_string(activations);
@@ -151,6 +153,7 @@ int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_head
     o.max_context = max_context;
     o.max_step_tokens = max_step_tokens;
     o.activations = activations == KVCC_BFLOAT16 ? kvcc::Activations::BFloat16 : kvcc::Activations::Float32;
+    o.engine_tables = engine_tables;
     if (rank != 0 || ranks != 1) {  // one rank: the whole model (its shape is checked by the load)
       const kvcc::KvHeadRange slice = kvcc::kv_head_slice(n_kv_heads, rank, ranks);
       o.kv_begin = slice.begin;
@@ -160,6 +163,21 @@ int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_head
     h->rt = kvcc::Runtime::load(artifact_path, kvcc::EngineShape{n_layers, n_heads, n_kv_heads, head_dim}, o);
     *out = h.release();
   });
+}
+}  // namespace
+
+int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
+                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out) {
+  return load_runtime(artifact_path, n_layers, n_heads, n_kv_heads, head_dim, max_pages, max_sequences, memory, rank,
+                      ranks, max_batch, max_context, max_step_tokens, activations, false, out);
+}
+
+int kvcc_runtime_load_engine(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
+                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out) {
+  return load_runtime(artifact_path, n_layers, n_heads, n_kv_heads, head_dim, max_pages, max_sequences, memory, rank,
+                      ranks, max_batch, max_context, max_step_tokens, activations, true, out);
 }
 
 void kvcc_runtime_free(kvcc_runtime* rt) { delete rt; }
@@ -205,6 +223,30 @@ int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, con
   if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
     return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->prefill(layer, seq, T, q, k, v, out, stream); });
+}
+int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int32_t* lengths, const int32_t* counts,
+                    const int32_t* block_table, int stride, void* stream) {
+  if (bad(rt, "runtime")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    rt->rt->begin_step(kvcc::EngineStep{batch, slots, lengths, counts, block_table, stride}, stream);
+  });
+}
+int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void* stream) {
+  if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] { rt->rt->decode_step(layer, q, out, stream); });
+}
+int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int slot, int64_t length, const int32_t* pages, int T,
+                        const void* q, const void* k, const void* v, void* out, void* stream) {
+  if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
+    return KVCC_BAD_ARGUMENT;
+  return guarded([&] { rt->rt->prefill(layer, kvcc::EngineSequence{slot, length, pages}, T, q, k, v, out, stream); });
+}
+int kvcc_step_problem(kvcc_runtime* rt, void* stream, const char** message) {
+  if (bad(rt, "runtime") || bad(message, "message")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    rt->problem = rt->rt->step_problem(stream);
+    *message = rt->problem.c_str();
+  });
 }
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes) {
   if (bad(rt, "runtime") || bad(bytes, "bytes")) return KVCC_BAD_ARGUMENT;

@@ -32,6 +32,12 @@ int kvcc_runtime_load_rank(const char* artifact_path, int n_layers, int n_heads,
 int kvcc_runtime_load_limits(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
                              int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
                              int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out);
+/* The same, for an engine that keeps the page tables (RuntimeOptions::engine_tables): steps are
+ * opened by kvcc_begin_step; the Runtime's own sequences, kvcc_begin_append, kvcc_decode and
+ * kvcc_prefill are refused. max_context must be > 0 and max_batch <= 2048. */
+int kvcc_runtime_load_engine(const char* artifact_path, int n_layers, int n_heads, int n_kv_heads, int head_dim,
+                             int64_t max_pages, int max_sequences, int memory, int rank, int ranks, int max_batch,
+                             int64_t max_context, int max_step_tokens, int activations, kvcc_runtime** out);
 void kvcc_runtime_free(kvcc_runtime* rt);
 
 int kvcc_add_sequence(kvcc_runtime* rt, int* seq);
@@ -51,6 +57,20 @@ int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const 
 int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
                  void* stream);
 
+/* Engine tables (kvcc_runtime_load_engine; runtime/engine_step.h): a step of `batch` sequences
+ * given as int32 arrays, device pointers on a device pool: window slots, lengths before the step,
+ * new-token counts, and block_table [batch, stride] of history pages (kvcc_history_pages per
+ * sequence). Planned on the device on `stream`: capturable with the layers in one CUDA graph. */
+int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int32_t* lengths, const int32_t* counts,
+                    const int32_t* block_table, int stride, void* stream);
+/* Decode of the open step's sequences, in its order (either kind of step). */
+int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void* stream);
+/* kvcc_prefill for a sequence of the engine's tables: its slot, length and history pages. */
+int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int slot, int64_t length, const int32_t* pages, int T,
+                        const void* q, const void* k, const void* v, void* out, void* stream);
+/* Why the last kvcc_begin_step planned nothing, or "" (waits for `stream`); the string stays valid
+ * until the next call on rt. */
+int kvcc_step_problem(kvcc_runtime* rt, void* stream, const char** message);
 int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
 /* Token eviction (kvcc_runtime.h Runtime::evict_tokens): keeps the n_kept token positions kept[]
  * (ascending, distinct, each < the sequence's length) of seq and compacts the survivors into whole

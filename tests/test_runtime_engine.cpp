@@ -22,6 +22,7 @@
 #include "formats/kv_layout.h"
 #include "runtime/engine_step.h"
 #include "runtime/kv_cache.h"
+#include "runtime/kvcc_c.h"
 #include "runtime/kvcc_runtime.h"
 #include "runtime/plan.h"
 #include "cache_test_util.h"
@@ -362,6 +363,71 @@ TEST(RuntimeEngine, BadStepsAndTheOwnAllocatorAreRefused) {
   EXPECT_THROW(rt_own.begin_step(view()), Error);
   EXPECT_THROW(rt_own.prefill(0, EngineSequence{0, 0, table.data()}, 1, q.data(), q.data(), q.data(), out.data()),
                Error);
+}
+
+TEST(RuntimeEngine, TheCAbiServesTheSameSteps) {
+  const int L = 1, Hq = 4, Hkv = 2, d = 32;
+  const Artifact a = testing::small_runtime_artifact(L, Hq, Hkv, d);
+  const std::string path = ::testing::TempDir() + "kvcc_engine_c_test.kvcc.h5";
+  write_artifact(a, path);
+  RuntimeOptions o;
+  o.max_pages = 32;
+  o.max_sequences = 3;
+  o.memory = PoolMemory::Host;
+  o.max_batch = 2;
+  o.max_context = 200;
+  o.max_step_tokens = 100;
+  o.engine_tables = true;
+  Runtime cpp(a, EngineShape{L, Hq, Hkv, d}, o);
+  kvcc_runtime* c = nullptr;
+  ASSERT_EQ(kvcc_runtime_load_engine(path.c_str(), L, Hq, Hkv, d, 32, 3, 0, 0, 1, 2, 200, 100, KVCC_FLOAT32, &c),
+            KVCC_OK)
+      << kvcc_last_error();
+  kvcc_runtime* undeclared = nullptr;
+  EXPECT_EQ(kvcc_runtime_load_engine(path.c_str(), L, Hq, Hkv, d, 32, 3, 0, 0, 1, 0, 0, 0, KVCC_FLOAT32, &undeclared),
+            KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("max_context"), std::string::npos) << kvcc_last_error();
+  std::mt19937 rng(9);
+  const int stride = int(cpp.history_pages(200));
+  std::vector<int32_t> table(size_t(2 * stride));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(31 - i);  // the engine's own order
+  std::vector<int32_t> slots = {2, 0}, lengths = {0, 0};
+  for (const std::vector<int32_t>& counts : {std::vector<int32_t>{60, 40}, {1, 1}, {40, 1}, {1, 1}}) {
+    const int rows = counts[0] + counts[1];
+    const std::vector<float> k = random_rows(size_t(rows) * Hkv * d, rng), v = random_rows(size_t(rows) * Hkv * d, rng);
+    const std::vector<float> q = random_rows(size_t(counts[0]) * Hq * d, rng), qd = random_rows(2 * Hq * d, rng);
+    std::vector<float> pre_c(q.size()), pre_cpp(q.size()), out_c(qd.size()), out_cpp(qd.size());
+    const EngineStep st{2, slots.data(), lengths.data(), counts.data(), table.data(), stride};
+    cpp.begin_step(st);
+    ASSERT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), counts.data(), table.data(), stride, nullptr),
+              KVCC_OK)
+        << kvcc_last_error();
+    const char* problem = nullptr;
+    ASSERT_EQ(kvcc_step_problem(c, nullptr, &problem), KVCC_OK);
+    EXPECT_STREQ(problem, "");
+    // Sequence 0's new rows are the first counts[0] rows of k and v.
+    cpp.prefill(0, EngineSequence{slots[0], lengths[0], table.data()}, counts[0], q.data(), k.data(), v.data(),
+                pre_cpp.data());
+    ASSERT_EQ(kvcc_prefill_engine(c, 0, slots[0], lengths[0], table.data(), counts[0], q.data(), k.data(), v.data(),
+                                  pre_c.data(), nullptr),
+              KVCC_OK)
+        << kvcc_last_error();
+    cpp.append(0, k.data(), v.data());
+    ASSERT_EQ(kvcc_append(c, 0, k.data(), v.data(), nullptr), KVCC_OK) << kvcc_last_error();
+    cpp.decode_step(0, qd.data(), out_cpp.data());
+    ASSERT_EQ(kvcc_decode_step(c, 0, qd.data(), out_c.data(), nullptr), KVCC_OK) << kvcc_last_error();
+    EXPECT_EQ(0, std::memcmp(pre_c.data(), pre_cpp.data(), pre_c.size() * 4));
+    EXPECT_EQ(0, std::memcmp(out_c.data(), out_cpp.data(), out_c.size() * 4));
+    for (int i = 0; i < 2; ++i) lengths[size_t(i)] += counts[size_t(i)];
+  }
+  // A bad step is refused with the problem named; the Runtime's own calls are refused.
+  const std::vector<int32_t> too_many = {60, 41};
+  EXPECT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), too_many.data(), table.data(), stride, nullptr),
+            KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("max_step_tokens"), std::string::npos) << kvcc_last_error();
+  int seq = -1;
+  EXPECT_NE(kvcc_add_sequence(c, &seq), KVCC_OK);
+  kvcc_runtime_free(c);
 }
 
 }  // namespace
