@@ -1,11 +1,12 @@
 // Helpers shared by the cache tests (gpu_test_cache.cu, gpu_test_prefill.cu,
-// test_cache_runtime.cpp): random orthogonal rotations, their transposes, the relative error of an
-// output row, and the kernels' default geometry (d = 128, one group per row, 64-token pages, sink
-// 64, ring 256).
+// test_cache_runtime.cpp, the engine-table tests): random orthogonal rotations, their transposes,
+// the relative error of an output row, the kernels' default geometry (d = 128, one group per row,
+// 64-token pages, sink 64, ring 256), and an engine's page tables.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "formats/artifact.h"
 #include "formats/kv_layout.h"
 #include "formats/model_config.h"
+#include "runtime/engine_step.h"
 #include "formats_test_util.h"
 
 namespace kvcc::testing {
@@ -97,5 +99,47 @@ inline Artifact small_runtime_artifact(int layers, int heads, int kv, int d) {
   }
   return a;
 }
+
+// The engine's side of engine-table steps (test_runtime_engine.cpp, gpu_test_engine.cu): its own
+// window slot per sequence and its own page allocator (ids handed out in a shuffled order, so they
+// differ from the Runtime's), the block table [batch, stride].
+struct EngineTables {
+  int stride = 0;
+  std::vector<int32_t> free_pages;
+  std::vector<int32_t> slots, lengths;
+  std::vector<std::vector<int32_t>> pages;  // per sequence
+  EngineTables(int64_t pool, int stride_, std::vector<int32_t> slots_, std::mt19937& rng)
+      : stride(stride_), slots(std::move(slots_)), lengths(slots.size(), 0), pages(slots.size()) {
+    for (int32_t p = 0; p < int32_t(pool); ++p) free_pages.push_back(p);
+    std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  }
+  // Grows sequence i's pages for `count` new tokens; the step's tables for sequences `which`.
+  struct Step {
+    std::vector<int32_t> slots, lengths, counts, block_table;
+    EngineStep view(int stride) const {
+      return EngineStep{int(slots.size()), slots.data(), lengths.data(), counts.data(), block_table.data(), stride};
+    }
+  };
+  Step step(const KvGeometry& g, const std::vector<int>& which, const std::vector<int>& counts) {
+    Step s;
+    for (size_t j = 0; j < which.size(); ++j) {
+      const size_t i = size_t(which[j]);
+      while (int64_t(pages[i].size()) < history_pages(g, lengths[i] + counts[j])) {
+        pages[i].push_back(free_pages.back());
+        free_pages.pop_back();
+      }
+      s.slots.push_back(slots[i]);
+      s.lengths.push_back(lengths[i]);
+      s.counts.push_back(counts[j]);
+      std::vector<int32_t> row(size_t(stride), -7);  // entries past the sequence's pages: never read
+      std::copy(pages[i].begin(), pages[i].end(), row.begin());
+      s.block_table.insert(s.block_table.end(), row.begin(), row.end());
+    }
+    return s;
+  }
+  void commit(const std::vector<int>& which, const std::vector<int>& counts) {
+    for (size_t j = 0; j < which.size(); ++j) lengths[size_t(which[j])] += counts[j];
+  }
+};
 
 }  // namespace kvcc::testing

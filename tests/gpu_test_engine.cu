@@ -162,38 +162,7 @@ TEST(GpuEngine, DevicePlanIsPlanAppendMoves) {
                Error);
 }
 
-// The engine's allocator: shuffled page ids, its own slots, block table rows of `stride`.
-struct Engine {
-  int stride;
-  std::vector<int32_t> free_pages, slot_of, length;
-  std::vector<std::vector<int32_t>> pages;
-  Engine(int64_t pool, int stride_, std::vector<int32_t> slots, std::mt19937& rng)
-      : stride(stride_), slot_of(std::move(slots)), length(slot_of.size(), 0), pages(slot_of.size()) {
-    for (int32_t p = 0; p < pool; ++p) free_pages.push_back(p);
-    std::shuffle(free_pages.begin(), free_pages.end(), rng);
-  }
-  HostStep step(const KvGeometry& g, const std::vector<int>& which, const std::vector<int>& counts) {
-    HostStep h;
-    h.stride = stride;
-    for (size_t j = 0; j < which.size(); ++j) {
-      const size_t i = size_t(which[j]);
-      while (int64_t(pages[i].size()) < history_pages(g, length[i] + counts[j])) {
-        pages[i].push_back(free_pages.back());
-        free_pages.pop_back();
-      }
-      h.slots.push_back(slot_of[i]);
-      h.lengths.push_back(length[i]);
-      h.counts.push_back(counts[j]);
-      std::vector<int32_t> row(size_t(stride), 0);
-      std::copy(pages[i].begin(), pages[i].end(), row.begin());
-      h.table.insert(h.table.end(), row.begin(), row.end());
-    }
-    return h;
-  }
-  void commit(const std::vector<int>& which, const std::vector<int>& counts) {
-    for (size_t j = 0; j < which.size(); ++j) length[size_t(which[j])] += counts[j];
-  }
-};
+using testing::EngineTables;
 
 TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
   std::mt19937 rng(23);
@@ -218,7 +187,7 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
   std::vector<int> seqs;
   for (int i = 0; i < 3; ++i) seqs.push_back(own.cache().add_sequence());
   const int stride = int(eng.history_pages(o.max_context));
-  Engine engine(o.max_pages, stride, {3, 0, 2}, rng);
+  EngineTables engine(o.max_pages, stride, {3, 0, 2}, rng);
   cudaStream_t so, se;
   CUDA_OK(cudaStreamCreateWithFlags(&so, cudaStreamNonBlocking));
   CUDA_OK(cudaStreamCreateWithFlags(&se, cudaStreamNonBlocking));
@@ -249,11 +218,11 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
     }
     CUDA_OK(cudaDeviceSynchronize());
   };
-  auto upload_step = [&](const HostStep& h) {
+  auto upload_step = [&](const EngineTables::Step& h) {
     CUDA_OK(cudaMemcpy(d_slots.data(), h.slots.data(), h.slots.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_lengths.data(), h.lengths.data(), h.lengths.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_counts.data(), h.counts.data(), h.counts.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d_table.data(), h.table.data(), h.table.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_table.data(), h.block_table.data(), h.block_table.size() * 4, cudaMemcpyHostToDevice));
   };
   auto view = [&](int batch) {
     return EngineStep{batch, d_slots.data(), d_lengths.data(), d_counts.data(), d_table.data(), stride};
@@ -263,13 +232,13 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
   const std::vector<std::pair<int, int>> fills = {{0, 14}, {1, 78}, {2, 100}, {2, 105}, {0, 40}};
   for (const auto& [i, c] : fills) {
     set_inputs(c, c);
-    const HostStep h = engine.step(g, {i}, {c});
+    const EngineTables::Step h = engine.step(g, {i}, {c});
     upload_step(h);
     const EngineSequence es{h.slots[0], h.lengths[0], d_table.data()};
-    const EngineSequence es_host{h.slots[0], h.lengths[0], h.table.data()};
+    const EngineSequence es_host{h.slots[0], h.lengths[0], h.block_table.data()};
     own.begin_append({seqs[size_t(i)]}, {c}, so);
     eng.begin_step(view(1), se);
-    ref.begin_step(EngineStep{1, h.slots.data(), h.lengths.data(), h.counts.data(), h.table.data(), stride});
+    ref.begin_step(h.view(stride));
     for (int l = 0; l < kLayers; ++l) {
       own.prefill(l, seqs[size_t(i)], c, q[size_t(l)].data(), k[size_t(l)].data(), v[size_t(l)].data(),
                   pre_o[size_t(l)].data(), so);
@@ -312,7 +281,7 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
       own_seqs.push_back(seqs[size_t(st.which[j])]);
     }
     set_inputs(rows, int(st.which.size()));
-    const HostStep h = engine.step(g, st.which, st.counts);
+    const EngineTables::Step h = engine.step(g, st.which, st.counts);
     upload_step(h);
     own.begin_append(own_seqs, st.counts, so);
     for (int l = 0; l < kLayers; ++l) {
@@ -331,8 +300,7 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
       CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     }
     CUDA_OK(cudaGraphLaunch(exec, se));
-    ref.begin_step(
-        EngineStep{int(st.which.size()), h.slots.data(), h.lengths.data(), h.counts.data(), h.table.data(), stride});
+    ref.begin_step(h.view(stride));
     std::vector<std::vector<float>> want(kLayers, std::vector<float>(st.which.size() * q_row));
     for (int l = 0; l < kLayers; ++l) {
       ref.append(l, hk[size_t(l)].data(), hv[size_t(l)].data());
@@ -363,18 +331,18 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
   const size_t windows_at = size_t(o.max_pages) * g.page_bytes();
   for (int i = 0; i < 3; ++i) {
     const std::vector<int32_t>& op = own.cache().page_table(seqs[size_t(i)]);
-    ASSERT_EQ(op.size(), size_t(history_pages(g, engine.length[size_t(i)])));
+    ASSERT_EQ(op.size(), size_t(history_pages(g, engine.lengths[size_t(i)])));
     for (size_t p = 0; p < op.size(); ++p)
       ASSERT_EQ(0, std::memcmp(po.data() + size_t(op[p]) * g.page_bytes(),
                                pe.data() + size_t(engine.pages[size_t(i)][p]) * g.page_bytes(), g.page_bytes()))
           << "sequence " << i << " page " << p;
     ASSERT_EQ(0, std::memcmp(po.data() + windows_at + size_t(seqs[size_t(i)]) * g.window_slot_bytes(),
-                             pe.data() + windows_at + size_t(engine.slot_of[size_t(i)]) * g.window_slot_bytes(),
+                             pe.data() + windows_at + size_t(engine.slots[size_t(i)]) * g.window_slot_bytes(),
                              g.window_slot_bytes()))
         << "sequence " << i << " window slot";
   }
   // A bad step replayed: nothing written, zeros out, the sequence named.
-  HostStep bad = engine.step(g, {0, 1, 2}, {1, 1, 1});
+  EngineTables::Step bad = engine.step(g, {0, 1, 2}, {1, 1, 1});
   bad.lengths[1] = int32_t(o.max_context);
   upload_step(bad);
   CUDA_OK(cudaGraphLaunch(exec, se));

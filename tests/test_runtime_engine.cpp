@@ -158,46 +158,7 @@ TEST(EngineStepItems, ProblemsAreNamed) {
   EXPECT_TRUE(engine_step_message(kStepOk, -1).empty());
 }
 
-// The engine's side of a step: its own slot per sequence and its own page allocator (pages handed
-// out in a shuffled order, so they differ from the Runtime's), the block table [batch, stride].
-struct EngineTables {
-  int stride = 0;
-  std::vector<int32_t> free_pages;
-  std::vector<int32_t> slots, lengths;
-  std::vector<std::vector<int32_t>> pages;  // per sequence
-  EngineTables(int64_t pool, int stride_, std::vector<int32_t> slots_, std::mt19937& rng)
-      : stride(stride_), slots(std::move(slots_)), lengths(slots.size(), 0), pages(slots.size()) {
-    for (int32_t p = 0; p < pool; ++p) free_pages.push_back(p);
-    std::shuffle(free_pages.begin(), free_pages.end(), rng);
-  }
-  // Grows sequence i's pages for `count` new tokens; the step's tables for sequences `which`.
-  struct Step {
-    std::vector<int32_t> slots, lengths, counts, block_table;
-    EngineStep view(int stride) const {
-      return EngineStep{int(slots.size()), slots.data(), lengths.data(), counts.data(), block_table.data(), stride};
-    }
-  };
-  Step step(const KvGeometry& g, const std::vector<int>& which, const std::vector<int>& counts) {
-    Step s;
-    for (size_t j = 0; j < which.size(); ++j) {
-      const size_t i = size_t(which[j]);
-      while (int64_t(pages[i].size()) < history_pages(g, lengths[i] + counts[j])) {
-        pages[i].push_back(free_pages.back());
-        free_pages.pop_back();
-      }
-      s.slots.push_back(slots[i]);
-      s.lengths.push_back(lengths[i]);
-      s.counts.push_back(counts[j]);
-      std::vector<int32_t> row(size_t(stride), -7);  // entries past the sequence's pages: never read
-      std::copy(pages[i].begin(), pages[i].end(), row.begin());
-      s.block_table.insert(s.block_table.end(), row.begin(), row.end());
-    }
-    return s;
-  }
-  void commit(const std::vector<int>& which, const std::vector<int>& counts) {
-    for (size_t j = 0; j < which.size(); ++j) lengths[size_t(which[j])] += counts[j];
-  }
-};
+using testing::EngineTables;
 
 std::vector<float> random_rows(size_t n, std::mt19937& rng) {
   std::normal_distribution<float> n01;
