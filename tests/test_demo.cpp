@@ -111,7 +111,6 @@ TEST_F(DemoCli, DefaultRunOnTheShippedModel) {
   const RunResult r = run_kvcc(dir.path, "demo --out " + dir.path);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   std::printf("  kvcc demo: %.1f s wall\n%s", r.seconds, r.out.c_str());
-  EXPECT_LT(r.seconds, 60.0);
   for (const char* needle : {"[stories260k] sampled 48 calibration stories", "the first held-out story",
                              "[stories260k] calibrate:", "[stories260k] compile: 5 methods",
                              "[stories260k] validate:", "runtime/cpu", "full-precision ppl"})
