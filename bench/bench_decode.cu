@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "formats/kv_layout.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/device_buffer.h"
@@ -382,6 +383,52 @@ void bench_append(cudaStream_t s, std::FILE* out) {
   const double written = double(8) * (double(t.hist_tokens) * double(g.page_head_bytes()) / g.page_tokens +
                                       double(t.sink_count + t.ring_count) * 2 * kGpuBf16RowBytes);
   const double prefill_bytes = double(in_elems) * 4 * 2 + written;
+  const double bf16_bytes = double(in_elems) * 2 * 2 + written;
+  // The same append planned once, as a step's layers run it (Runtime::begin_append plans a step
+  // once for all layers; an engine step is planned on the device): the kernel alone per layer,
+  // median of 9 launches over the plan (rewriting the same pages), float32 and bfloat16 inputs.
+  double planned_us[2] = {0, 0};
+  {
+    const int id = cache.add_sequence();
+    cache.grow(id, tokens);
+    const AppendMoves m = plan_append_moves(g, AppendPlanHost{{id}, {0}, {tokens}, {0}, {cache.page_table(id)}});
+    DeviceBuffer<AppendMove> moves(m.moves);
+    DeviceBuffer<AppendWindowWrite> writes(m.writes);
+    DeviceBuffer<HeadCodec> d_codecs(codecs);
+    DeviceAppendPlan d;
+    d.moves = moves.data();
+    d.writes = writes.data();
+    d.n_moves = int(m.moves.size());
+    d.n_writes = int(m.writes.size());
+    DeviceBuffer<uint16_t> kb(in_elems), vb(in_elems);
+    {
+      std::vector<uint16_t> h(in_elems);
+      std::normal_distribution<float> nd;
+      for (auto& x : h) x = bf16_from_float(nd(rng));
+      kb.upload(h);
+      for (auto& x : h) x = bf16_from_float(nd(rng));
+      vb.upload(h);
+    }
+    for (const Activations act : {Activations::Float32, Activations::BFloat16}) {
+      const bool bf = act == Activations::BFloat16;
+      const void* kp = bf ? static_cast<const void*>(kb.data()) : k.data();
+      const void* vp = bf ? static_cast<const void*>(vb.data()) : v.data();
+      std::vector<float> lt;
+      for (int rep = 0; rep < 10; ++rep) {
+        CK(cudaEventRecord(a, s));
+        append_kv_planned(g, cache.pages_base(), cache.windows_base(), 0, d, d_codecs.data(), kp, vp, rk.data(),
+                          rv.data(), s, act);
+        CK(cudaEventRecord(b, s));
+        CK(cudaEventSynchronize(b));
+        float t1;
+        CK(cudaEventElapsedTime(&t1, a, b));
+        if (rep > 0) lt.push_back(t1);
+      }
+      std::sort(lt.begin(), lt.end());
+      planned_us[bf] = 1000.0 * lt[lt.size() / 2];
+    }
+    cache.free_sequence(id);
+  }
   // Decode steps: 64 sequences at 4096 tokens, 64 steps of one token each (every sequence
   // flushes one page in that window). Wall time per step includes the host planning.
   std::vector<int> ids;
@@ -410,12 +457,16 @@ void bench_append(cudaStream_t s, std::FILE* out) {
   const double step_us = 1000.0 * tsteps / steps;
   std::fprintf(out,
                "{\"kind\":\"append\",\"prefill_tokens\":%d,\"kv_heads\":8,\"prefill_us\":%.1f,\"prefill_gbps\":%.1f,"
+               "\"planned_f32_us\":%.1f,\"planned_f32_gbps\":%.1f,\"planned_bf16_us\":%.1f,\"planned_bf16_gbps\":%.1f,"
                "\"decode_step_batch\":64,\"decode_step_us\":%.1f}\n",
-               tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
+               tokens, prefill_us, prefill_bytes / prefill_us / 1e3, planned_us[0], prefill_bytes / planned_us[0] / 1e3,
+               planned_us[1], bf16_bytes / planned_us[1] / 1e3, step_us);
   std::printf(
       "append: prefill %d tokens x 8 kv heads: %.1f us (%.0f GB/s of fp32 input + cache written); "
+      "planned once, kernel per layer: fp32 %.1f us (%.0f GB/s), bf16 %.1f us (%.0f GB/s); "
       "decode step (batch 64, 1 token): %.1f us\n",
-      tokens, prefill_us, prefill_bytes / prefill_us / 1e3, step_us);
+      tokens, prefill_us, prefill_bytes / prefill_us / 1e3, planned_us[0], prefill_bytes / planned_us[0] / 1e3,
+      planned_us[1], bf16_bytes / planned_us[1] / 1e3, step_us);
 }
 
 }  // namespace

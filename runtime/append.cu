@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kEnginePlanThreads)
   __syncthreads();
   // Counts are summed in int32: their capacities (step_capacity) are, and a sequence beyond
   // max_context never reaches the sums.
-  const bool bad = first_bad != INT_MAX || n_rows > lim.max_step_tokens;
+  const bool bad = first_bad != INT_MAX || n_rows > (s.rows > 0 ? s.rows : lim.max_step_tokens);
   if (t == 0) {
     header[0] = bad ? 0 : n_moves;
     header[1] = bad ? 0 : n_writes;
@@ -501,6 +501,9 @@ void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapaci
   KVCC_REQUIRE(s.stride >= c.hist_pages, "engine step: block table rows of " + std::to_string(s.stride) +
                                              " pages, fewer than the " + std::to_string(c.hist_pages) +
                                              " a sequence of max_context tokens holds");
+  KVCC_REQUIRE(s.rows >= 0 && s.rows <= limits.max_step_tokens,
+               "engine step: " + std::to_string(s.rows) +
+                   " k / v rows, outside [0, max_step_tokens = " + std::to_string(limits.max_step_tokens) + "]");
   KVCC_REQUIRE(s.batch == 0 || (s.slots && s.lengths && s.counts && s.block_table),
                "engine step: a null table (slots, lengths, counts and block_table are all needed)");
   const StepPacking at = engine_step_packing(c, limits.max_batch);

@@ -26,6 +26,10 @@ struct EngineStep {
   const int32_t* counts = nullptr;       // [batch] new tokens
   const int32_t* block_table = nullptr;  // [batch, stride]
   int stride = 0;                        // block table row length, >= history_pages(max_context)
+  // Rows of the step's k and v (a host value, <= max_step_tokens; 0: max_step_tokens): a step
+  // whose counts sum above it plans nothing (kStepTooManyTokens), so an append never reads past
+  // the caller's tensors; rows beyond the counts' sum are padding, never read.
+  int rows = 0;
 };
 
 // One sequence of an engine's tables, for prefill: its slot, length before the new tokens and its
@@ -44,7 +48,7 @@ enum EngineStepProblem : int32_t {
   kStepBadSlot = 1,        // slot outside [0, max_sequences)
   kStepBadLength = 2,      // negative length or count, or more than max_context tokens after the step
   kStepBadPage = 3,        // a page the step writes outside [0, max_pages)
-  kStepTooManyTokens = 4,  // the step's new tokens above max_step_tokens
+  kStepTooManyTokens = 4,  // the step's new tokens above its rows (EngineStep::rows, max_step_tokens)
 };
 
 // The text of a problem of sequence `seq` (seq = batch: the step as a whole), for an Error.

@@ -225,10 +225,10 @@ int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, con
   return guarded([&] { rt->rt->prefill(layer, seq, T, q, k, v, out, stream); });
 }
 int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int32_t* lengths, const int32_t* counts,
-                    const int32_t* block_table, int stride, void* stream) {
+                    const int32_t* block_table, int stride, int rows, void* stream) {
   if (bad(rt, "runtime")) return KVCC_BAD_ARGUMENT;
   return guarded([&] {
-    rt->rt->begin_step(kvcc::EngineStep{batch, slots, lengths, counts, block_table, stride}, stream);
+    rt->rt->begin_step(kvcc::EngineStep{batch, slots, lengths, counts, block_table, stride, rows}, stream);
   });
 }
 int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void* stream) {

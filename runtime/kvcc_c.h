@@ -60,9 +60,11 @@ int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, con
 /* Engine tables (kvcc_runtime_load_engine; runtime/engine_step.h): a step of `batch` sequences
  * given as int32 arrays, device pointers on a device pool: window slots, lengths before the step,
  * new-token counts, and block_table [batch, stride] of history pages (kvcc_history_pages per
- * sequence). Planned on the device on `stream`: capturable with the layers in one CUDA graph. */
+ * sequence), and `rows`, the rows of the step's k and v (<= max_step_tokens; 0: max_step_tokens): a
+ * step whose counts sum above it plans nothing. Planned on the device on `stream`: capturable with
+ * the layers in one CUDA graph. */
 int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int32_t* lengths, const int32_t* counts,
-                    const int32_t* block_table, int stride, void* stream);
+                    const int32_t* block_table, int stride, int rows, void* stream);
 /* Decode of the open step's sequences, in its order (either kind of step). */
 int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void* stream);
 /* kvcc_prefill for a sequence of the engine's tables: its slot, length and history pages. */

@@ -387,6 +387,11 @@ void Runtime::begin_step(const EngineStep& s, void* stream) {
   KVCC_REQUIRE(s.stride >= history_pages(limits_.max_context),
                "runtime: block table rows of " + std::to_string(s.stride) + " pages, fewer than the " +
                    std::to_string(history_pages(limits_.max_context)) + " a sequence of max_context tokens holds");
+  KVCC_REQUIRE(s.rows >= 0 && s.rows <= limits_.max_step_tokens,
+               "runtime: a step of " + std::to_string(s.rows) +
+                   " k / v rows, outside [0, max_step_tokens = " + std::to_string(limits_.max_step_tokens) + "]");
+  // The step's new tokens are bounded by the rows the caller's tensors hold.
+  const int64_t step_rows = s.rows > 0 ? s.rows : limits_.max_step_tokens;
   KVCC_REQUIRE(s.batch == 0 || (s.slots && s.lengths && s.counts && s.block_table),
                "runtime: begin_step with a null table (slots, lengths, counts and block_table are all needed)");
   const KvGeometry& g = geometry();
@@ -404,7 +409,7 @@ void Runtime::begin_step(const EngineStep& s, void* stream) {
       seen[size_t(s.slots[i])] = 1;
       tokens += s.counts[i];
     }
-    KVCC_REQUIRE(tokens <= limits_.max_step_tokens, "runtime: " + engine_step_message(kStepTooManyTokens, s.batch));
+    KVCC_REQUIRE(tokens <= step_rows, "runtime: " + engine_step_message(kStepTooManyTokens, s.batch));
     pending_seqs_.assign(s.slots, s.slots + s.batch);
     pending_counts_.assign(s.counts, s.counts + s.batch);
     pending_old_.assign(s.lengths, s.lengths + s.batch);

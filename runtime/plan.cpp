@@ -253,7 +253,7 @@ std::string engine_step_message(int32_t problem, int seq) {
     case kStepBadPage:
       return who + "names a page outside the pool [0, max_pages) among those the step writes";
     case kStepTooManyTokens:
-      return "engine step: more new tokens than the declared max_step_tokens";
+      return "engine step: more new tokens than the step's k / v rows (EngineStep::rows, at most max_step_tokens)";
     default:
       return "engine step: unknown problem " + std::to_string(problem);
   }

@@ -153,7 +153,23 @@ TEST(GpuEngine, DevicePlanIsPlanAppendMoves) {
   EXPECT_EQ(header[5], 1);
   const int32_t* ints = reinterpret_cast<const int32_t*>(got.data() + cap.ints_at);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(ints[3 + i], 0) << "decode length of sequence " << i;
-  // The host sees the stride and the batch.
+  // Valid sequences with more new tokens than the step's rows: nothing planned, the step named;
+  // exactly as many rows plans them.
+  const std::vector<int32_t> fits = {5, 7, 1};
+  counts.upload(fits);
+  for (const int rows : {12, 13}) {
+    plan_engine_step(g, EngineStep{3, slots.data(), lengths.data(), counts.data(), table.data(), h.stride, rows}, cap,
+                     lim, 8, 64, step.data(), nullptr);
+    CUDA_OK(cudaMemcpy(header, step.data() + cap.counts_at, sizeof(header), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(header[4], rows == 12 ? kStepTooManyTokens : kStepOk) << rows << " rows";
+    EXPECT_EQ(header[5], rows == 12 ? 3 : -1) << rows << " rows";
+    EXPECT_EQ(header[1], rows == 13 ? 13 : 0) << rows << " rows: window writes";
+  }
+  // The host sees the stride, the batch and the rows.
+  EXPECT_THROW(
+      plan_engine_step(g, EngineStep{3, slots.data(), lengths.data(), counts.data(), table.data(), h.stride, 501}, cap,
+                       lim, 8, 64, step.data(), nullptr),
+      Error);
   EXPECT_THROW(plan_engine_step(g, EngineStep{3, slots.data(), lengths.data(), counts.data(), table.data(), 1}, cap,
                                 lim, 8, 64, step.data(), nullptr),
                Error);

@@ -291,6 +291,15 @@ TEST(RuntimeEngine, BadStepsAndTheOwnAllocatorAreRefused) {
   lengths = {30, 20};
   counts = {51, 0};
   refused(view(), "max_step_tokens");
+  // EngineStep::rows bounds the step's new tokens by the rows of the caller's k and v.
+  counts = {20, 10};
+  EngineStep padded = view();
+  padded.rows = 29;
+  refused(padded, "more new tokens than the step's k / v rows");
+  padded.rows = 51;
+  refused(padded, "51 k / v rows, outside [0, max_step_tokens = 50]");
+  padded.rows = -1;
+  refused(padded, "-1 k / v rows");
   counts = {-1, 1};
   refused(view(), "sequence 0 of the step has a negative length or count");
   counts = {1, 81};
@@ -358,9 +367,9 @@ TEST(RuntimeEngine, TheCAbiServesTheSameSteps) {
     const std::vector<float> k = random_rows(size_t(rows) * Hkv * d, rng), v = random_rows(size_t(rows) * Hkv * d, rng);
     const std::vector<float> q = random_rows(size_t(counts[0]) * Hq * d, rng), qd = random_rows(2 * Hq * d, rng);
     std::vector<float> pre_c(q.size()), pre_cpp(q.size()), out_c(qd.size()), out_cpp(qd.size());
-    const EngineStep st{2, slots.data(), lengths.data(), counts.data(), table.data(), stride};
+    const EngineStep st{2, slots.data(), lengths.data(), counts.data(), table.data(), stride, rows};
     cpp.begin_step(st);
-    ASSERT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), counts.data(), table.data(), stride, nullptr),
+    ASSERT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), counts.data(), table.data(), stride, rows, nullptr),
               KVCC_OK)
         << kvcc_last_error();
     const char* problem = nullptr;
@@ -383,9 +392,13 @@ TEST(RuntimeEngine, TheCAbiServesTheSameSteps) {
   }
   // A bad step is refused with the problem named; the Runtime's own calls are refused.
   const std::vector<int32_t> too_many = {60, 41};
-  EXPECT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), too_many.data(), table.data(), stride, nullptr),
+  EXPECT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), too_many.data(), table.data(), stride, 0, nullptr),
             KVCC_ERROR);
   EXPECT_NE(std::string(kvcc_last_error()).find("max_step_tokens"), std::string::npos) << kvcc_last_error();
+  const std::vector<int32_t> two = {1, 1};
+  EXPECT_EQ(kvcc_begin_step(c, 2, slots.data(), lengths.data(), two.data(), table.data(), stride, 1, nullptr),
+            KVCC_ERROR);
+  EXPECT_NE(std::string(kvcc_last_error()).find("k / v rows"), std::string::npos) << kvcc_last_error();
   int seq = -1;
   EXPECT_NE(kvcc_add_sequence(c, &seq), KVCC_OK);
   kvcc_runtime_free(c);

@@ -1,8 +1,10 @@
-"""The runtime's calls as PyTorch custom ops: torch.ops.kvcc.append / decode / prefill.
+"""The runtime's calls as PyTorch custom ops: torch.ops.kvcc.append / decode / prefill, and for
+an engine's own tables begin_step / decode_step / prefill_engine.
 
 Each takes the runtime's integer handle (Runtime.handle) and its state tensor (Runtime.state, a
-counter of appends): append declares that it mutates the state, decode and prefill read it, so
-torch.compile neither drops an append (it returns nothing) nor moves a read before it. Fake
+counter of appends and steps): append and begin_step declare that they mutate the state, the
+others read it, so torch.compile neither drops an append or a step (they return nothing) nor
+moves a read before them. Fake
 implementations give output shapes without running anything (torch.compile, FakeTensor).
 CUDA tensors run on torch.cuda.current_stream(); inputs are converted to the runtime's dtype
 (Runtime.dtype: float32 or bfloat16, what its C ABI was loaded to take), contiguous, and outputs
@@ -19,7 +21,7 @@ import torch
 
 from ._lib import KvccError
 
-__all__ = ["append", "decode", "prefill"]
+__all__ = ["append", "decode", "prefill", "begin_step", "decode_step", "prefill_engine"]
 
 _lock = threading.Lock()
 _next = itertools.count(1)
@@ -93,5 +95,46 @@ def prefill(handle: int, state: torch.Tensor, layer: int, seq: int, q: torch.Ten
 @prefill.register_fake
 def _prefill_fake(handle: int, state: torch.Tensor, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
+    _fake_check(handle, q=(q, "n_heads"), k=(k, "n_kv_heads"), v=(v, "n_kv_heads"))
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("kvcc::begin_step", mutates_args=("state",))
+def begin_step(handle: int, state: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+               block_table: torch.Tensor, rows: int) -> None:
+    """Opens a step from an engine's int32 tables (slots, lengths, counts [batch], block_table
+    [batch, stride]); the step's k and v hold `rows` rows."""
+    _get(handle)._begin_step_impl(slots, lengths, counts, block_table, rows)
+    state.add_(1)
+
+
+@begin_step.register_fake
+def _begin_step_fake(handle: int, state: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                     counts: torch.Tensor, block_table: torch.Tensor, rows: int) -> None:
+    return None
+
+
+@torch.library.custom_op("kvcc::decode_step", mutates_args=())
+def decode_step(handle: int, state: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+    """The open step's sequences, one query token each, in the step's order: q, out [batch, n_heads, d]."""
+    return _get(handle)._decode_step_impl(layer, q)
+
+
+@decode_step.register_fake
+def _decode_step_fake(handle: int, state: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+    _fake_check(handle, q=(q, "n_heads"))
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("kvcc::prefill_engine", mutates_args=())
+def prefill_engine(handle: int, state: torch.Tensor, layer: int, slot: int, length: int, pages: torch.Tensor,
+                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """prefill for a sequence of an engine's tables (window slot, length, history pages)."""
+    return _get(handle)._prefill_engine_impl(layer, slot, length, pages, q, k, v)
+
+
+@prefill_engine.register_fake
+def _prefill_engine_fake(handle: int, state: torch.Tensor, layer: int, slot: int, length: int, pages: torch.Tensor,
+                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     _fake_check(handle, q=(q, "n_heads"), k=(k, "n_kv_heads"), v=(v, "n_kv_heads"))
     return q.new_empty(q.shape)

@@ -8,6 +8,14 @@ kernels, Hopper GPUs). Shapes and semantics are runtime/kvcc_runtime.h's:
         out = rt.prefill(layer, seq, q, k, v)   # optional: T new tokens of one sequence
         rt.append(layer, k, v)        # k, v [sum(counts), n_kv, d], post-RoPE, unrotated
         out = rt.decode(layer, seqs, q)          # q [n_seqs, n_heads, d]
+
+An engine that keeps its own page tables (engine_tables=True; vLLM / FlashInfer block tables):
+
+    rt.begin_step(slots, lengths, counts, block_table, rows)   # int32 tensors on rt.device
+    for layer in range(n_layers):
+        out = rt.prefill_engine(layer, slot, length, pages, q, k, v)   # optional
+        rt.append(layer, k, v)        # k, v [rows, n_kv, d]
+        out = rt.decode_step(layer, q)           # q [batch, n_heads, d]
 """
 
 from __future__ import annotations
@@ -61,7 +69,11 @@ class Runtime:
     can be captured in a CUDA graph and replayed after each later begin_append; a step beyond
     them is refused (kvcc_runtime.h). dtype: what the kernels take and return, torch.float32 or
     torch.bfloat16 (a bfloat16 model's tensors then pass without conversion); tensors of another
-    dtype are converted to it, and outputs come back in q's dtype."""
+    dtype are converted to it, and outputs come back in q's dtype. engine_tables=True: the
+    engine keeps the page tables (runtime/engine_step.h): it gives each sequence a window slot in
+    [0, max_sequences) and kvcc.pages_for_tokens(rt, n) pool pages in [0, max_pages) for n tokens,
+    and opens steps with begin_step; the Runtime's own sequences (add_sequence, begin_append,
+    decode, prefill, fork, evict) are refused. It needs the maxima (max_context > 0)."""
 
     def __init__(
         self,
@@ -80,6 +92,7 @@ class Runtime:
         max_context: int = 0,
         max_step_tokens: int = 0,
         dtype: torch.dtype = torch.float32,
+        engine_tables: bool = False,
     ) -> None:
         self._ptr: int | None = None
         self.handle: int = -1
@@ -100,6 +113,8 @@ class Runtime:
         for name, value in (("max_batch", max_batch), ("max_context", max_context),
                             ("max_step_tokens", max_step_tokens)):
             _int(name, value)
+        if not isinstance(engine_tables, bool):
+            raise KvccError(f"engine_tables must be a bool, got {type(engine_tables).__name__}")
         if dtype not in _ACTIVATIONS:
             raise KvccError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         dev = torch.device(device)
@@ -115,9 +130,10 @@ class Runtime:
         self.device = dev
         self.dtype = dtype
         ptr = ctypes.c_void_p()
+        load = _lib.lib().kvcc_runtime_load_engine if engine_tables else _lib.lib().kvcc_runtime_load_limits
         with self._on_device():
             _lib.check(
-                _lib.lib().kvcc_runtime_load_limits(
+                load(
                     os.fsencode(self.path), shape["n_layers"], shape["n_heads"], shape["n_kv_heads"],
                     shape["head_dim"], max_pages, max_sequences, memory, rank, ranks, max_batch, max_context,
                     max_step_tokens, _ACTIVATIONS[dtype], ctypes.byref(ptr),
@@ -131,11 +147,15 @@ class Runtime:
         self.n_kv_heads = shape["n_kv_heads"] // ranks  # the slice's (the load checked divisibility)
         self.n_heads = shape["n_heads"] // ranks
         self.max_pages, self.max_sequences = max_pages, max_sequences
+        self.max_context = max_context
+        self.engine_tables = engine_tables
         # The ops declare that append mutates this counter (appends so far), so a compiled graph
         # keeps every append and orders decode / prefill (which read it) after them.
         self.state = torch.zeros(1, dtype=torch.int64, device=dev)
         self._rows: int | None = None  # rows append takes in the open step (None: no step)
+        self._batch = 0  # sequences of the open step (decode_step's q rows)
         self._counts: dict[int, int] = {}
+        self._tables: tuple[torch.Tensor, ...] = ()  # the open engine step's (its kernels read them)
 
         from . import ops
 
@@ -232,7 +252,39 @@ class Runtime:
             _lib.check(_lib.lib().kvcc_begin_append_stream(
                 self._p(), n, (ctypes.c_int * n)(*s), (ctypes.c_int * n)(*c), self._stream()))
         self._rows = sum(c)
+        self._batch = n
         self._counts = dict(zip(s, c))
+        self._tables = ()
+
+    def begin_step(self, slots: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+                   block_table: torch.Tensor, rows: int | None = None) -> None:
+        """Opens a step from the engine's tables (engine_tables=True): contiguous int32 tensors on
+        the runtime's device, slots, lengths (tokens before the step) and counts (new tokens) of
+        shape [batch], and block_table [batch, stride] (row i: sequence i's history pages; stride
+        >= kvcc.pages_for_tokens(rt, max_context)). rows: the rows the step's k and v hold (the
+        sequences' new tokens one after another; rows past sum(counts) are padding, never read);
+        for CPU tensors it defaults to sum(counts), for CUDA ones it must be given (reading counts
+        would synchronise). On CUDA a kernel on the current stream plans the step from the tables
+        when it runs, so begin_step and every layer's append + decode_step capture in one CUDA
+        graph, replayed after the engine writes the next step's values into the same tensors; a
+        bad step there plans nothing and decodes zeros, and step_problem() names it (CPU tensors:
+        KvccError, nothing changed). The tables must stay as they are until the step's last
+        decode_step (the runtime keeps a reference)."""
+        _tensors(slots=slots, lengths=lengths, counts=counts, block_table=block_table)
+        if rows is None:
+            if counts.device.type != "cpu":
+                raise KvccError("begin_step: give rows (the rows of the step's k and v) with CUDA tables: "
+                                "reading counts would synchronise the stream")
+            rows = int(counts.sum())
+        torch.ops.kvcc.begin_step(self.handle, self.state, slots, lengths, counts, block_table, _int("rows", rows))
+
+    def step_problem(self) -> str:
+        """Why the last begin_step planned nothing ("" when it planned): on CUDA it waits for the
+        current stream (not inside a graph capture)."""
+        msg = ctypes.c_char_p()
+        with self._on_device():
+            _lib.check(_lib.lib().kvcc_step_problem(self._p(), self._stream(), ctypes.byref(msg)))
+        return (msg.value or b"").decode("utf-8", "replace")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         _tensors(k=k, v=v)
@@ -246,6 +298,21 @@ class Runtime:
         _tensors(q=q, k=k, v=v)
         return torch.ops.kvcc.prefill(self.handle, self.state, layer, seq, q, k, v)
 
+    def decode_step(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Decode of the open step's sequences in its order (begin_step's or begin_append's):
+        q, out [batch, n_heads, d]."""
+        _tensors(q=q)
+        return torch.ops.kvcc.decode_step(self.handle, self.state, layer, q)
+
+    def prefill_engine(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """prefill for a sequence of the engine's tables: window slot `slot`, `length` tokens before
+        the T new ones, and pages (int32 on the runtime's device) its history pages
+        (>= kvcc.pages_for_tokens(rt, length) of them). Inside a step that appends the tokens, call
+        it before the layer's append, with the length the step starts from."""
+        _tensors(pages=pages, q=q, k=k, v=v)
+        return torch.ops.kvcc.prefill_engine(self.handle, self.state, layer, slot, length, pages, q, k, v)
+
     # -- what the ops run (ops.py) ---------------------------------------------------------------
     def _check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: bool = True) -> None:
         self._p()
@@ -253,7 +320,7 @@ class Runtime:
         if layer >= self.n_layers:
             raise KvccError(f"layer {layer} out of range (the model has {self.n_layers})")
         if self._rows is None:
-            raise KvccError("append before begin_append: open a step first")
+            raise KvccError("append without an open step: call begin_append (or begin_step) first")
         shape = (self._rows, self.n_kv_heads, self.head_dim)
         self._tensor("k", k, shape, device)
         self._tensor("v", v, shape, device)
@@ -305,6 +372,90 @@ class Runtime:
             with self._on_device():
                 _lib.check(_lib.lib().kvcc_prefill(self._p(), layer, seq, T, qa.data_ptr(), ka.data_ptr(),
                                                    va.data_ptr(), out.data_ptr(), self._stream()))
+        return out if q.dtype == self.dtype else out.to(q.dtype)
+
+    def _check_tables(self, **named: torch.Tensor) -> None:
+        for name, t in named.items():
+            _tensors(**{name: t})
+            if t.dtype != torch.int32:
+                raise KvccError(f"{name} must be an int32 tensor, got {t.dtype}")
+            if t.device != self.device:
+                raise KvccError(f"{name} is on {t.device}, the runtime's pool on {self.device}")
+            if not t.is_contiguous():
+                raise KvccError(f"{name} must be contiguous")
+
+    def _check_step(self, slots: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+                    block_table: torch.Tensor, rows: int) -> int:
+        self._p()
+        self._check_tables(slots=slots, lengths=lengths, counts=counts, block_table=block_table)
+        if slots.dim() != 1:
+            raise KvccError(f"slots must be a 1-D tensor [batch], got shape {tuple(slots.shape)}")
+        batch = int(slots.shape[0])
+        for name, t in (("lengths", lengths), ("counts", counts)):
+            if tuple(t.shape) != (batch,):
+                raise KvccError(f"{name} has shape {tuple(t.shape)}, expected ({batch},) as slots")
+        if block_table.dim() != 2 or int(block_table.shape[0]) != batch:
+            raise KvccError(f"block_table has shape {tuple(block_table.shape)}, expected [{batch}, stride]")
+        _int("rows", rows)
+        return batch
+
+    def _begin_step_impl(self, slots: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+                         block_table: torch.Tensor, rows: int) -> None:
+        batch = self._check_step(slots, lengths, counts, block_table, rows)
+        # A step refused by the host pool leaves nothing open (the C++ call changes nothing either).
+        self._rows, self._batch, self._tables = None, 0, ()
+        with self._on_device():
+            _lib.check(_lib.lib().kvcc_begin_step(
+                self._p(), batch, slots.data_ptr(), lengths.data_ptr(), counts.data_ptr(), block_table.data_ptr(),
+                int(block_table.shape[1]), rows, self._stream()))
+        self._rows, self._batch = rows, batch
+        self._counts = {}
+        self._tables = (slots, lengths, counts, block_table)
+
+    def _check_decode_step(self, layer: int, q: torch.Tensor, device: bool = True) -> None:
+        self._p()
+        _int("layer", layer)
+        if layer >= self.n_layers:
+            raise KvccError(f"layer {layer} out of range (the model has {self.n_layers})")
+        if self._rows is None:
+            raise KvccError("decode_step without an open step: call begin_step (or begin_append) first")
+        self._tensor("q", q, (self._batch, self.n_heads, self.head_dim), device)
+
+    def _decode_step_impl(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_decode_step(layer, q)
+        qa = self._act("q", q)
+        out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
+        if self._batch:
+            with self._on_device():
+                _lib.check(_lib.lib().kvcc_decode_step(self._p(), layer, qa.data_ptr(), out.data_ptr(),
+                                                       self._stream()))
+        return out if q.dtype == self.dtype else out.to(q.dtype)
+
+    def _check_prefill_engine(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, device: bool = True) -> None:
+        self._check_prefill(layer, slot, q, k, v, device)
+        _int("length", length)
+        if device:
+            self._check_tables(pages=pages)
+        if pages.dim() != 1:
+            raise KvccError(f"pages must be a 1-D tensor of page ids, got shape {tuple(pages.shape)}")
+        from .artifact import pages_for_tokens
+
+        need = pages_for_tokens(self.info, length)
+        if int(pages.shape[0]) < need:
+            raise KvccError(f"pages holds {int(pages.shape[0])} page ids; a sequence of {length} tokens has {need}")
+
+    def _prefill_engine_impl(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
+                             k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._check_prefill_engine(layer, slot, length, pages, q, k, v)
+        qa, ka, va = self._act("q", q), self._act("k", k), self._act("v", v)
+        out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
+        T = int(q.shape[0])
+        if T:
+            with self._on_device():
+                _lib.check(_lib.lib().kvcc_prefill_engine(self._p(), layer, slot, length, pages.data_ptr(), T,
+                                                          qa.data_ptr(), ka.data_ptr(), va.data_ptr(),
+                                                          out.data_ptr(), self._stream()))
         return out if q.dtype == self.dtype else out.to(q.dtype)
 
     # -- lifetime ------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def test_tensor_errors_and_cache_full():
     with pytest.raises(kvcc.CacheFull, match="sequence slots"):
         rt.add_sequence()
     good = torch.zeros(4, H, d)
-    with pytest.raises(kvcc.KvccError, match="before begin_append"):
+    with pytest.raises(kvcc.KvccError, match="without an open step"):
         rt.append(0, good, good)
     rt.begin_append([s], [4])
     for bad, what in [

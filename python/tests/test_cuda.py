@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvcc  # noqa: E402
+from engine_tables import EngineTables  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -149,3 +150,72 @@ def test_decode_step_in_a_cuda_graph_replays_later_steps():
 def _append_decode(rt, layer, seqs, k, v, q):
     rt.append(layer, k, v)
     return rt.decode(layer, seqs, q)
+
+
+def test_engine_step_in_a_cuda_graph_replays_later_steps():
+    """An engine's own device tables: begin_step and every layer's append + decode_step captured in
+    one graph; for each later step the engine writes the new lengths and block-table rows into the
+    same tensors and replays. A device Runtime keeping its own tables with the same maxima, run
+    eagerly on the same tokens, plans the same moves and grids (tests/gpu_test_engine.cu), so the
+    outputs must be equal bit for bit. A step outside the limits plans nothing: zeros out,
+    step_problem() names it."""
+    kw = dict(max_pages=32, max_sequences=4, device="cuda", max_batch=2, max_context=1024, max_step_tokens=600,
+              dtype=torch.bfloat16)
+    own, eng = kvcc.Runtime(GUT, **kw), kvcc.Runtime(GUT, **kw, engine_tables=True)
+    H, Hq, d, layers = own.n_kv_heads, own.n_heads, own.head_dim, own.n_layers
+    gen = torch.Generator().manual_seed(14)
+    so = [own.add_sequence(), own.add_sequence()]
+    tables = EngineTables(eng, [3, 1], seed=15)
+    counts = [400, 150]  # a prompt step, eager on both: into INT2 history for the first sequence
+    own.begin_append(so, counts)
+    eng.begin_step(*tables.step([0, 1], counts), rows=sum(counts))
+    for L in range(layers):
+        k = torch.randn(sum(counts), H, d, generator=gen).cuda()
+        v = torch.randn(sum(counts), H, d, generator=gen).cuda()
+        own.append(L, k, v)
+        eng.append(L, k, v)
+    tables.commit([0, 1], counts)
+    assert eng.step_problem() == ""
+    # The step's tensors at fixed addresses, as an engine keeps them for its graphs.
+    slots, lengths, cnt, table = (t.clone() for t in tables.step([0, 1], [1, 1]))
+    kb = torch.zeros(layers, 2, H, d, device="cuda", dtype=torch.bfloat16)
+    vb, qb = torch.zeros_like(kb), torch.zeros(layers, 2, Hq, d, device="cuda", dtype=torch.bfloat16)
+    stream, graph, out = torch.cuda.Stream(), torch.cuda.CUDAGraph(), None
+    for step in range(5):
+        kn, vn = (torch.randn(layers, 2, H, d, generator=gen).bfloat16() for _ in range(2))
+        qn = torch.randn(layers, 2, Hq, d, generator=gen).bfloat16()
+        own.begin_append(so, [1, 1])
+        want = torch.stack([_append_decode(own, L, so, kn[L].cuda(), vn[L].cuda(), qn[L].cuda())
+                            for L in range(layers)])
+        _, new_lengths, _, new_table = tables.step([0, 1], [1, 1])
+        with torch.cuda.stream(stream):
+            lengths.copy_(new_lengths)
+            table.copy_(new_table)
+            kb.copy_(kn)
+            vb.copy_(vn)
+            qb.copy_(qn)
+            if out is None:
+                with torch.cuda.graph(graph, stream=stream):
+                    eng.begin_step(slots, lengths, cnt, table, rows=2)
+                    out = torch.stack([_append_decode_step(eng, L, kb[L], vb[L], qb[L]) for L in range(layers)])
+            graph.replay()
+        torch.cuda.synchronize()
+        assert eng.step_problem() == "", f"step {step}"
+        assert torch.equal(out, want), f"step {step}: max |graph - eager| {float((out - want).float().abs().max()):.3g}"
+        tables.commit([0, 1], [1, 1])
+    assert [own.length(s) for s in so] == tables.lengths == [405, 155]
+    # A length beyond max_context: nothing planned, zeros, the sequence named.
+    with torch.cuda.stream(stream):
+        lengths.copy_(torch.tensor([1024, 155], dtype=torch.int32))
+        out.fill_(1.0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert "sequence 0 of the step" in eng.step_problem()
+    assert not bool(out.any())
+    own.close()
+    eng.close()
+
+
+def _append_decode_step(rt, layer, k, v, q):
+    rt.append(layer, k, v)
+    return rt.decode_step(layer, q)

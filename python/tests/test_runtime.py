@@ -26,6 +26,7 @@ pytest.importorskip("h5py")
 
 import kvcc  # noqa: E402
 import kvcc_reference as ref  # noqa: E402
+from engine_tables import EngineTables  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -483,3 +484,171 @@ def test_tensor_parallel_ranks_concatenate_to_the_whole_model():
             rt.append(L, k[:, r:r + 1].contiguous(), v[:, r:r + 1].contiguous())
             parts.append(rt.decode(L, [s], q[:, 2 * r:2 * r + 2].contiguous()))
         assert torch.equal(torch.cat(parts, dim=1), want)
+
+
+# --------------------------------------------------------------------------------------------
+# (e) an engine's own page tables (engine_tables=True)
+
+
+ENGINE_STEPS = [  # (sequences, new tokens): ragged prefills into INT2 history, then decode steps
+    ([0, 1, 2], [5, 140, 420]), ([1, 0], [300, 77]), ([2], [63]), ([0, 1, 2], [1, 1, 1]),
+    ([0, 2], [1, 1]), ([2, 0, 1], [1, 1, 1]), ([1], [17]), ([0, 1, 2], [1, 1, 1]),
+]
+
+
+def test_engine_tables_serve_what_the_runtimes_own_tables_serve():
+    """A Runtime fed an engine's tables (its own slots and a shuffled page order) serves, bit for
+    bit, what a Runtime keeping its own tables serves on the same tokens: prefill of each new
+    chunk, then decode of the step's sequences (the same CPU kernels over the same bytes; only
+    where they live differs). A padded step (rows beyond the counts' sum) reads none of the padding."""
+    kw = dict(max_pages=64, max_sequences=5)
+    own = kvcc.Runtime(UNIFORM, **kw)
+    eng = kvcc.Runtime(UNIFORM, **kw, max_batch=3, max_context=1200, max_step_tokens=800, engine_tables=True)
+    gen = torch.Generator().manual_seed(21)
+    seqs = [own.add_sequence() for _ in range(3)]
+    tables = EngineTables(eng, [4, 1, 2], seed=22)  # not the Runtime's slots 0, 1, 2
+    H, Hq, d = eng.n_kv_heads, eng.n_heads, eng.head_dim
+    for si, (which, counts) in enumerate(ENGINE_STEPS):
+        pad = 3 if si % 2 else 0
+        slots, lengths, cnt, table = tables.step(which, counts)
+        own.begin_append([seqs[i] for i in which], counts)
+        eng.begin_step(slots, lengths, cnt, table, rows=sum(counts) + pad)
+        assert eng.step_problem() == ""
+        for L in range(eng.n_layers):
+            ks, vs = [], []
+            for j, (i, c) in enumerate(zip(which, counts)):
+                q, k, v = torch.randn(c, Hq, d, generator=gen), torch.randn(c, H, d, generator=gen), \
+                    torch.randn(c, H, d, generator=gen)
+                want = own.prefill(L, seqs[i], q, k, v)
+                got = eng.prefill_engine(L, tables.slots[i], tables.lengths[i], tables.pages_of(i), q, k, v)
+                assert torch.equal(got, want), f"step {si} layer {L}: prefill of sequence {i}"
+                ks.append(k)
+                vs.append(v)
+            own.append(L, torch.cat(ks), torch.cat(vs))
+            # padding rows far from any token: read, they would change every output
+            ks.append(1e3 * torch.randn(pad, H, d, generator=gen))
+            vs.append(1e3 * torch.randn(pad, H, d, generator=gen))
+            eng.append(L, torch.cat(ks), torch.cat(vs))
+            q = torch.randn(len(which), Hq, d, generator=gen)
+            want = own.decode(L, [seqs[i] for i in which], q)
+            assert torch.equal(eng.decode_step(L, q), want), f"step {si} layer {L}: decode"
+            assert torch.equal(own.decode_step(L, q), want)  # the own step's sequences, the same
+        tables.commit(which, counts)
+    assert [own.length(s) for s in seqs] == tables.lengths
+    assert sum(kvcc.pages_for_tokens(eng, n) > 0 for n in tables.lengths) >= 2  # INT2 history
+    own.close()
+    eng.close()
+
+
+def _engine(**kw):
+    return kvcc.Runtime(UNIFORM, max_pages=16, max_sequences=3, max_batch=2, max_context=600, max_step_tokens=300,
+                        engine_tables=True, **kw)
+
+
+def test_engine_tables_refuse_bad_steps_and_the_own_allocator():
+    with pytest.raises(kvcc.KvccError, match="max_context"):
+        kvcc.Runtime(UNIFORM, max_pages=16, max_sequences=3, engine_tables=True)
+    rt = _engine()
+    tables = EngineTables(rt, [0, 2], seed=3)
+    slots, lengths, counts, table = tables.step([0, 1], [30, 20])
+    H, d = rt.n_kv_heads, rt.head_dim
+
+    def refused(match, *args, rows=None):
+        with pytest.raises(kvcc.KvccError, match=match):
+            rt.begin_step(*args, rows=rows)
+
+    refused("int32", slots.long(), lengths, counts, table)
+    refused("int32", slots, lengths, counts, table.long())
+    refused(r"lengths has shape \(3,\)", slots, torch.zeros(3, dtype=torch.int32), counts, table)
+    refused("block_table has shape", slots, lengths, counts, table[:1])
+    refused("contiguous", slots, lengths, counts, table.t().contiguous().t())
+    refused("block table rows of", slots, lengths, counts, table[:, :-1].contiguous())
+    refused("k / v rows", slots, lengths, counts, table, rows=49)  # counts sum to 50
+    refused("outside \\[0, max_step_tokens = 300\\]", slots, lengths, counts, table, rows=301)
+    refused("rows must be >= 0", slots, lengths, counts, table, rows=-1)
+    refused("window slot", torch.tensor([0, 3], dtype=torch.int32), lengths, counts, table)
+    refused("given to two sequences", torch.tensor([2, 2], dtype=torch.int32), lengths, counts, table)
+    refused("negative length or count", slots, lengths, torch.tensor([-1, 1], dtype=torch.int32), table)
+    refused("max_batch", *tables.step([0, 1, 0], [1, 1, 1]))
+    # nothing was opened by a refused step
+    with pytest.raises(kvcc.KvccError, match="without an open step"):
+        rt.append(0, torch.zeros(50, H, d), torch.zeros(50, H, d))
+    rt.begin_step(slots, lengths, counts, table)  # rows: sum(counts) on the CPU
+    with pytest.raises(kvcc.KvccError, match=r"shape \(49,"):
+        rt.append(0, torch.zeros(49, H, d), torch.zeros(49, H, d))
+    with pytest.raises(kvcc.KvccError, match="q has shape"):
+        rt.decode_step(0, torch.zeros(3, rt.n_heads, d))
+    with pytest.raises(kvcc.KvccError, match="pages holds 1 page ids"):
+        rt.prefill_engine(0, 0, 590, torch.zeros(1, dtype=torch.int32), *(torch.zeros(1, n, d) for n in
+                                                                             (rt.n_heads, H, H)))
+    assert rt.step_problem() == ""  # a host pool refuses at begin_step instead
+    # the Runtime's own allocator and calls are off; the engine calls need engine_tables
+    for call in (rt.add_sequence, lambda: rt.begin_append([0], [1]),
+                 lambda: rt.decode(0, [0], torch.zeros(1, rt.n_heads, d)),
+                 lambda: rt.prefill(0, 0, *(torch.zeros(1, n, d) for n in (rt.n_heads, H, H)))):
+        with pytest.raises(kvcc.KvccError):
+            call()
+    with kvcc.Runtime(UNIFORM, max_pages=16, max_sequences=3) as own:
+        with pytest.raises(kvcc.KvccError, match="engine_tables"):
+            own.begin_step(slots, lengths, counts, table)
+        with pytest.raises(kvcc.KvccError, match="engine_tables"):
+            own.prefill_engine(0, 0, 0, torch.zeros(1, dtype=torch.int32),
+                               *(torch.zeros(1, n, d) for n in (rt.n_heads, H, H)))
+    with pytest.raises(kvcc.KvccError, match="engine_tables must be a bool"):
+        kvcc.Runtime(UNIFORM, max_pages=1, max_sequences=1, engine_tables=1)
+    rt.close()
+
+
+def test_opcheck_engine_ops():
+    from torch.library import opcheck
+
+    rt = _engine()
+    tables = EngineTables(rt, [1], seed=4)
+    gen = torch.Generator().manual_seed(6)
+    step = tables.step([0], [12])
+    # Within the windows the same step may be opened, and the same rows appended, any number of times.
+    opcheck(torch.ops.kvcc.begin_step.default, (rt.handle, rt.state, *step, 12))
+    H, Hq, d = rt.n_kv_heads, rt.n_heads, rt.head_dim
+    qp, kp = torch.randn(12, Hq, d, generator=gen), torch.randn(12, H, d, generator=gen)
+    opcheck(torch.ops.kvcc.prefill_engine.default, (rt.handle, rt.state, 0, 1, 0, tables.pages_of(0), qp, kp,
+                                                    kp.clone()))
+    rt.append(0, kp, kp)
+    opcheck(torch.ops.kvcc.decode_step.default, (rt.handle, rt.state, 0, torch.randn(1, Hq, d, generator=gen)))
+    rt.close()
+
+
+def test_engine_step_under_torch_compile_equals_eager():
+    """A whole step (begin_step, then per layer prefill_engine + append + decode_step) compiled with
+    fullgraph=True gives what it gives eagerly, and every begin_step and append ran."""
+    torch._dynamo.reset()
+    eager, comp = _engine(), _engine()
+    te, tc = EngineTables(eager, [2, 0], seed=7), EngineTables(comp, [2, 0], seed=7)
+    H, Hq, d = eager.n_kv_heads, eager.n_heads, eager.head_dim
+
+    def step(rt, tables_step, rows, lengths, pages, ks, vs, qs, qps):
+        rt.begin_step(*tables_step, rows=rows)
+        outs = []
+        for L in range(rt.n_layers):
+            pre = rt.prefill_engine(L, 2, lengths[0], pages, qps[L], ks[L][:rows - 1], vs[L][:rows - 1])
+            rt.append(L, ks[L], vs[L])
+            outs.append(torch.cat([rt.decode_step(L, qs[L]).flatten(), pre.flatten()]))
+        return torch.stack(outs)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(8)
+    for counts in ([150, 1], [1, 1], [70, 1]):
+        rows = sum(counts)
+        nl = eager.n_layers
+        ks = [torch.randn(rows, H, d, generator=gen) for _ in range(nl)]
+        vs = [torch.randn(rows, H, d, generator=gen) for _ in range(nl)]
+        qs = [torch.randn(2, Hq, d, generator=gen) for _ in range(nl)]
+        qps = [torch.randn(counts[0], Hq, d, generator=gen) for _ in range(nl)]
+        se, sc = te.step([0, 1], counts), tc.step([0, 1], counts)
+        want = step(eager, se, rows, te.lengths, te.pages_of(0), ks, vs, qs, qps)
+        got = compiled(comp, sc, rows, tc.lengths, tc.pages_of(0), ks, vs, qs, qps)
+        assert torch.equal(got, want)
+        te.commit([0, 1], counts)
+        tc.commit([0, 1], counts)
+    assert int(comp.state) == int(eager.state) == 3 * (1 + eager.n_layers)
+    eager.close()
+    comp.close()
