@@ -62,36 +62,6 @@ __device__ float warp_kth_smallest(float a[4], int k) {
   return __shfl_sync(0xffffffffu, mine, e >> 2);
 }
 
-// The k-th smallest of a warp's 128 values |x| (>= 0, 4 per lane). Non-negative floats order as
-// their bit patterns, so the warp's largest is one redux.sync; the k-th smallest is the
-// (129 - k)-th largest, found by taking the largest and zeroing one copy of it 128 - k times (a
-// copy replaced by 0 never outranks what is left). Fitted clip ratios near 1 put k near the top:
-// up to kTopRanks rounds (~16 instructions each) cost less than the sort (~400); deeper ranks
-// sort. (A 32K-token append was issue-bound, integer pipe busiest: ncu.)
-constexpr int kTopRanks = 24;
-__device__ float warp_kth_smallest_abs(float a[4], int k) {
-  const int m = 4 * 32 + 1 - k;  // rank from the top, warp-uniform
-  if (m > kTopRanks) return warp_kth_smallest(a, k);
-  const int lane = threadIdx.x & 31;
-  uint32_t u[4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) u[r] = __float_as_uint(a[r]);
-  uint32_t top = 0;
-  for (int round = 1;; ++round) {
-    const uint32_t mine = max(max(u[0], u[1]), max(u[2], u[3]));
-    top = __reduce_max_sync(0xffffffffu, mine);
-    if (round == m) break;
-    const unsigned holders = __ballot_sync(0xffffffffu, mine == top);
-    if (lane == __ffs(holders) - 1) {
-      if (u[0] == top) u[0] = 0;
-      else if (u[1] == top) u[1] = 0;
-      else if (u[2] == top) u[2] = 0;
-      else u[3] = 0;
-    }
-  }
-  return __uint_as_float(top);
-}
-
 // One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
 // l holds channels 4l .. 4l + 3, i.e. code byte l.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
@@ -127,7 +97,7 @@ __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page
     float a[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
-    const float thr = warp_kth_smallest_abs(a, clip_rank(double(codec.clip_ratio), kD));
+    const float thr = warp_kth_smallest(a, clip_rank(double(codec.clip_ratio), kD));
     float lo = INFINITY, hi = -INFINITY, c[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
