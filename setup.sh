@@ -5,7 +5,8 @@
 # --with-python also makes (or reuses) the virtualenv ${KVCC_VENV:-~/.cache/kvcc/venv}, installs
 # into it what the Python package and its tests need when an import fails (torch from the CPU
 # wheel index KVCC_TORCH_INDEX, default https://download.pytorch.org/whl/cpu, else from PyPI;
-# transformers, safetensors, h5py, numpy, pytest and scikit-build-core from PyPI), runs
+# transformers, safetensors, h5py, numpy, pytest, scikit-build-core and hqq, the backend of
+# transformers' quantized cache that kvcc.bench_generate compares with, from PyPI), runs
 # `pip install ./python` into it and points ctest's Python tests at it (CMake's KVCC_PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -54,9 +55,9 @@ if ((with_python)); then
   py="$venv/bin/python"
   # pip runs only for what is missing (a re-run with everything importable touches nothing).
   declare -A pip_name=([torch]=torch [transformers]=transformers [safetensors]=safetensors [h5py]=h5py
-                       [numpy]=numpy [pytest]=pytest [scikit_build_core]=scikit-build-core)
+                       [numpy]=numpy [pytest]=pytest [scikit_build_core]=scikit-build-core [hqq]=hqq)
   missing_py=()
-  for mod in torch transformers safetensors h5py numpy pytest scikit_build_core; do
+  for mod in torch transformers safetensors h5py numpy pytest scikit_build_core hqq; do
     "$py" -c "import $mod" >/dev/null 2>&1 || missing_py+=("$mod")
   done
   if [[ " ${missing_py[*]} " == *" torch "* ]]; then

@@ -8,7 +8,10 @@ Two models run through transformers (the same engine for both caches):
 Caches: "int2" = kvcc.hf.KvccCache (the runtime's paged INT2 cache, CUDA kernels); "bf16" =
 transformers SDPA over a BF16 cache (--bf16-cache: "prealloc", a cache preallocated for the whole
 run whose layers hand SDPA views of the filled length, so decode reads the cache once without a
-mask; or "dynamic", transformers' DynamicCache, which copies each layer's cache at every step).
+mask; or "dynamic", transformers' DynamicCache, which copies each layer's cache at every step);
+with --caches ...,hqq2 also "hqq2" = transformers' own 2-bit cache (QuantizedCache, HQQ backend:
+2 bits, groups of 64, the last 128 tokens in BF16; it dequantizes each layer's whole cache for
+SDPA at every step; needs the hqq package). No largest-batch search for it (no memory model).
 
 Per model, context L and cache: time to first token (a real prefill of L tokens, where asked),
 time per output token over greedy decode steps, tokens/s (batch / TPOT), peak GPU memory (torch's
@@ -82,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvcc.bench_generate", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gutenberg,8b", help="comma list of gutenberg, 8b (default both)")
+    p.add_argument("--caches", default="bf16,int2", help="comma list of bf16, int2, hqq2 (default bf16,int2; "
+                   "hqq2: transformers' QuantizedCache with the HQQ backend at 2 bits)")
     p.add_argument("--gutenberg", metavar="DIR", help="gutenberg-27m model directory")
     p.add_argument("--gutenberg-artifact", metavar="FILE", help="its kvcc artifact")
     p.add_argument("--gutenberg-context", type=_tokens, default=1920, help="prompt tokens for gutenberg-27m "
@@ -252,6 +257,10 @@ class Bench:
             self._set_attn(model, hf.ATTN_IMPLEMENTATION)
             return hf.KvccCache(info, model.config, max_batch_size=batch, max_tokens=capacity, max_sequences=batch)
         self._set_attn(model, "sdpa")
+        if kind == "hqq2":
+            from transformers.cache_utils import QuantizedCache
+
+            return QuantizedCache(backend="hqq", config=model.config, nbits=2, q_group_size=64, residual_length=128)
         if self.args.bf16_cache == "dynamic":
             from transformers import DynamicCache
 
@@ -293,6 +302,14 @@ class Bench:
             for layer in cache.layers:
                 layer.length += tokens
             return
+        if kind == "hqq2":
+            # Through the cache's own update: the rows are quantised as generation would.
+            B = int(self._batch)
+            for layer in cache.layers:
+                k = torch.randn(B, shape.n_kv_heads, tokens, shape.head_dim, generator=gen, device=self.device,
+                                dtype=model.dtype)
+                layer.update(k, torch.randn_like(k))
+            return
         for layer in cache.layers:
             if self.args.bf16_cache == "prealloc":
                 n = layer.n
@@ -319,6 +336,7 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         used0 = self.used_bytes()
         cache = self._make_cache(model, kind, info, batch, context + steps + 1)
+        self._batch = batch
         rec: dict[str, Any] = dict(model=model_name, cache=kind, context=context, batch=batch,
                                    fill="prefill" if real_prefill else "prefix+synthetic", prefix_tokens=prefix)
         try:
@@ -356,6 +374,9 @@ class Bench:
                            device_used_bytes=self.used_bytes(), device_used_before_bytes=used0)
             if kind == "int2":
                 rec["cache_bytes_in_use"] = cache.bytes_in_use()
+            elif kind == "hqq2":
+                rec["cache_bytes_in_use"] = _tensor_bytes([(la._quantized_keys, la._quantized_values, la.keys, la.values)
+                                                           for la in cache.layers])
             else:
                 rec["cache_bytes_in_use"] = _bf16_bytes_per_sequence(_shape(model), cache.get_seq_length()) * batch
         finally:
@@ -395,6 +416,30 @@ class Bench:
             b -= max(1, b // 32)
         return dict(model=model_name, cache=kind, context=context, largest=True, computed_batch=computed, batch=0,
                     failed_batches=tried)
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of every distinct tensor storage in obj (nested lists, tuples, dicts)."""
+    import torch
+
+    seen, total = set(), 0
+
+    def walk(x):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return total
 
 
 def _is_oom(e: Exception) -> bool:
@@ -511,6 +556,16 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         if m not in ("gutenberg", "8b"):
             raise SystemExit(f"--models: unknown model {m!r} (gutenberg, 8b)")
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    for c in caches:
+        if c not in ("bf16", "int2", "hqq2"):
+            raise SystemExit(f"--caches: unknown cache {c!r} (bf16, int2, hqq2)")
+    if "hqq2" in caches:
+        try:
+            import hqq  # noqa: F401
+        except ImportError:
+            raise SystemExit("--caches hqq2 needs the hqq package (pip install hqq): transformers' QuantizedCache "
+                             "uses it as its backend") from None
     if args.decode_steps < 2:
         raise SystemExit("--decode-steps must be >= 2 (the first step is a warm-up)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -551,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             model = hf.from_pretrained(args.gutenberg, device=args.device, dtype=torch.bfloat16)
             info = kvcc.load_artifact(args.gutenberg_artifact)
             hf.check_artifact_for_model(info, hf.model_shape(model.config))
-            for kind in ("bf16", "int2"):
+            for kind in caches:
                 for b in args.batches:
                     record(lambda: bench.run(model, "gutenberg-27m", kind, info, args.gutenberg_context, b, True,
                                              model.config.vocab_size),
@@ -568,12 +623,12 @@ def main(argv: list[str] | None = None) -> int:
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             print(f"weights: {weights / GIB:.2f} GiB", flush=True)
             for context in contexts:
-                for kind in ("bf16", "int2"):
+                for kind in caches:
                     for b in args.batches:
                         record(lambda: bench.run(model, "llama-8b-shape", kind, info, context, b,
                                                  b == 1 and context in ttft_contexts, model.config.vocab_size),
                                model="llama-8b-shape", cache=kind, context=context, batch=b)
-                    if not args.no_capacity:
+                    if not args.no_capacity and kind != "hqq2":
                         record(lambda: bench.largest_batch(model, "llama-8b-shape", kind, info, context,
                                                            model.config.vocab_size),
                                model="llama-8b-shape", cache=kind, context=context, largest=True)
@@ -582,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = dict(device=torch.cuda.get_device_name() if bench.cuda else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
-                  transformers=transformers.__version__, kvcc=kvcc.__version__, bf16_cache=args.bf16_cache,
+                  transformers=transformers.__version__, kvcc=kvcc.__version__, caches=caches, bf16_cache=args.bf16_cache,
                   cudnn_sdpa=bool(args.allow_cudnn_sdpa),
                   decode_steps=args.decode_steps - 1, narrow_8b=args.narrow_8b, prefix_tokens=args.prefix, reserve_gib=args.reserve_gib,
                   command=" ".join([sys.executable, "-m", "kvcc.bench_generate"] + (argv or sys.argv[1:])),

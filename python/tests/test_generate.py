@@ -94,12 +94,13 @@ def test_bench_generate_cpu_smoke(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kvcc.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-m", "kvcc.bench_generate", "--device", "cpu", "--models", "gutenberg",
                         "--gutenberg", str(MODEL), "--gutenberg-artifact", artifact, "--gutenberg-context", "100",
-                        "--decode-steps", "2", "--no-capacity", "--json", str(out)], capture_output=True, text=True,
+                        "--decode-steps", "2", "--no-capacity", "--caches", "bf16,int2,hqq2", "--json", str(out)],
+                       capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     runs = {run["cache"]: run for run in res["runs"]}
-    assert set(runs) == {"bf16", "int2"}
+    assert set(runs) == {"bf16", "int2", "hqq2"}
     info = kvcc.load_artifact(artifact)
     for run in runs.values():
         assert "error" not in run
@@ -110,6 +111,10 @@ def test_bench_generate_cpu_smoke(tmp_path):
     # 102 tokens: all in the BF16 windows, so the INT2 pool holds one window slot per row and no page.
     assert runs["int2"]["cache_bytes_in_use"] == heads * (info.sink + info.recent) * info.head_dim * 2 * 2
     assert runs["bf16"]["cache_bytes_in_use"] == heads * 102 * info.head_dim * 2 * 2
+    # transformers' 2-bit cache: 2 bits per element at least, plus a scale and zero per group of 64
+    # and the BF16 residual; a cache holding 4 or more bits per element is not what was asked for.
+    assert runs["bf16"]["cache_bytes_in_use"] * 2 / 16 <= runs["hqq2"]["cache_bytes_in_use"]
+    assert runs["hqq2"]["cache_bytes_in_use"] < runs["bf16"]["cache_bytes_in_use"] * 4 / 16
     assert "| gutenberg-27m | int2 | 100 | 1 | prefill |" in r.stdout
 
 
