@@ -564,7 +564,12 @@ const float* Runtime::host_input(int i, const void* p, size_t n) {
 void Runtime::append(int layer, const void* k, const void* v, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
-  if (!appended_.empty()) appended_[size_t(layer)] = 1;  // prefill must not read this layer's step any more
+  // Once every layer has appended, the step is over: another append would replay its moves over
+  // the windows it already rewrote (a refused begin_append leaves the last step's plan in place).
+  KVCC_REQUIRE(std::find(appended_.begin(), appended_.end(), 0) != appended_.end(),
+               "runtime: append without an open step (every layer of the last step has appended; open the next "
+               "with begin_append or begin_step)");
+  appended_[size_t(layer)] = 1;  // prefill must not read this layer's step any more
   if (cache_->memory() == PoolMemory::Host) {
     int64_t rows = 0;
     for (int c : pending_counts_) rows += c;

@@ -147,6 +147,8 @@ class Runtime {
   int max_step_tokens() const { return limits_.max_step_tokens; }
   // The tensors are RuntimeOptions::activations (float32 by default).
   Activations activations() const { return options_.activations; }
+  // The open step's new tokens of one layer (k, v [rows, n_kv, d]); once every layer has appended
+  // the step is over and append is refused until the next begin_append / begin_step.
   void append(int layer, const void* k, const void* v, void* stream = nullptr);
   void decode(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream = nullptr);
   // Decode of the open step's sequences, in the step's order (begin_append's or begin_step's).

@@ -338,6 +338,14 @@ TEST_F(RuntimeAndReference, PrefillReadsTheCacheBeforeTheStep) {
   }
   std::vector<float> q(size_t(kHeads) * kD, 0.1f), k(size_t(kKv) * kD, 0.2f), out(q.size());
   EXPECT_THROW(rt->prefill(kLayers, a, 1, q.data(), k.data(), k.data(), out.data()), Error);
+  // Every layer has appended: the step is over, and so it stays after a refused begin_append
+  // (nothing changes in the pool either way).
+  const std::vector<uint8_t> pool(rt->cache().pages_base(), rt->cache().pages_base() + ref.pool_bytes());
+  std::vector<float> kk(size_t(kKv) * kD * 64, 0.3f);
+  EXPECT_THROW(rt->append(0, kk.data(), kk.data()), Error);
+  EXPECT_THROW(rt->begin_append({a, b}, {1, -1}), Error);
+  EXPECT_THROW(rt->append(0, kk.data(), kk.data()), Error);
+  EXPECT_EQ(std::memcmp(rt->cache().pages_base(), pool.data(), pool.size()), 0);
   // The C ABI over the same call.
   kvcc_runtime* c = nullptr;
   ASSERT_EQ(kvcc_runtime_load(artifact_path().c_str(), kLayers, kHeads, kKv, kD, 4, 2, 0, &c), KVCC_OK);
