@@ -248,6 +248,7 @@ class Runtime:
         if len(set(s)) != len(s):
             raise KvccError(f"begin_append: a sequence is listed twice in {s}")
         n = len(s)
+        self._rows, self._batch, self._tables = None, 0, ()  # a refused step leaves none open
         with self._on_device():
             _lib.check(_lib.lib().kvcc_begin_append_stream(
                 self._p(), n, (ctypes.c_int * n)(*s), (ctypes.c_int * n)(*c), self._stream()))

@@ -222,6 +222,9 @@ def test_tensor_errors_and_cache_full():
     with pytest.raises(kvcc.CacheFull, match="out of pages"):
         rt.begin_append([s], [1])
     assert rt.length(s) == rt.info.sink + rt.info.recent
+    # the refused step opened nothing, and the one before it is not resumed either
+    with pytest.raises(kvcc.KvccError, match="without an open step"):
+        rt.append(0, torch.zeros(room, H, d), torch.zeros(room, H, d))
     rt.close()
     with pytest.raises(kvcc.KvccError, match="closed"):
         rt.length(s)
