@@ -14,6 +14,8 @@ Per config, on a kvcc.Runtime of the artifact (bfloat16 activations, maxima decl
 The sequences are first filled to the context with random K/V through the same runtime
 (prefill appends of 8192 tokens a step). Reported per layer ("kind": "torch_step").
 usage: bench_step_torch.py --artifact A.kvcc.h5 --configs Hq:Hkv:batch:ctx,... --out F.jsonl [--steps 200]
+An artifact of the 8B attention shape with 4 layers (what bench_step times):
+    python -m kvcc.bench_generate --make-artifact-8b A.kvcc.h5 --method-8b oscar --layers-8b 4
 """
 import argparse
 import json

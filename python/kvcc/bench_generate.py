@@ -117,8 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write all measurements as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the tables as markdown")
     p.add_argument("--make-artifact-8b", metavar="OUT", help="only produce an 8B-shape artifact at OUT and exit")
-    p.add_argument("--method-8b", default="hadamard", choices=["hadamard", "identity"],
+    p.add_argument("--method-8b", default="hadamard", choices=["hadamard", "identity", "oscar"],
                    help="compile method for --make-artifact-8b (default hadamard: the runtime's rotation cost)")
+    p.add_argument("--layers-8b", type=int, default=32, help="layers of the --make-artifact-8b model (default 32, "
+                   "the 8B model's; bench/bench_step_torch.py takes a 4-layer one)")
     p.add_argument("--kvcc-cli", default=os.environ.get("KVCC_CLI", "build/cli/kvcc"),
                    help="the kvcc executable for --make-artifact-8b")
     return p
@@ -127,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 # --- an artifact for the 8B shape ---------------------------------------------------------------------
 
 
-def make_artifact_8b(out: str, cli: str, method: str = "hadamard") -> None:
+def make_artifact_8b(out: str, cli: str, method: str = "hadamard", layers: int = 32) -> None:
     """Calibrates a narrow random Llama with Llama-3.1-8B's attention shape (32 layers, 32 / 8 heads,
     head_dim 128; hidden 256) on random token ids and compiles `method` at 2 bits. The runtime
     checks only layers, heads and head_dim, so the artifact serves the full 8B shape; its clip
@@ -139,7 +141,10 @@ def make_artifact_8b(out: str, cli: str, method: str = "hadamard") -> None:
 
     if not (os.path.isfile(cli) and os.access(cli, os.X_OK)):
         raise SystemExit(f"--kvcc-cli {cli}: not an executable (build the CLI, or pass its path)")
-    cfg = dict(LLAMA_8B, hidden_size=256, intermediate_size=256, vocab_size=256, tie_word_embeddings=True)
+    if layers < 1:
+        raise SystemExit(f"--layers-8b must be >= 1, got {layers}")
+    cfg = dict(LLAMA_8B, hidden_size=256, intermediate_size=256, vocab_size=256, tie_word_embeddings=True,
+               num_hidden_layers=layers)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).save_pretrained(os.path.join(tmp, "model"))
@@ -543,7 +548,7 @@ def goals(runs: list[dict[str, Any]], long_context: int) -> list[dict[str, Any]]
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.make_artifact_8b:
-        make_artifact_8b(args.make_artifact_8b, args.kvcc_cli, args.method_8b)
+        make_artifact_8b(args.make_artifact_8b, args.kvcc_cli, args.method_8b, args.layers_8b)
         return 0
     import torch
     import transformers
