@@ -26,6 +26,9 @@ Prefill reads the cache as it was before the step's tokens and the new tokens ca
 appended (the new token in the BF16 ring). The runtime's softmax scale is 1/sqrt(head_dim); a
 model whose attention scales differently is refused.
 
+kvcc.hf.DecodeGraph(model, cache) replays each later decode step (the whole forward of one token
+a row) from one CUDA graph, after the step is opened on the host; see its docstring.
+
 Scope: decoder-only models whose attention calls `cache.update(k, v, layer_idx)` and then the
 registered attention function (Llama, Mistral, Qwen2, Qwen3 and their relatives). Every batch row
 must have the same length: padded batches (an attention mask with zeros) are refused, since the
@@ -54,6 +57,7 @@ from ._lib import CacheFull, KvccError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "DecodeGraph",
     "KvccCache",
     "ModelShape",
     "cache_kwargs",
@@ -185,13 +189,13 @@ class KvccCache(Cache):
     """
 
     def __init__(self, artifact: str | os.PathLike | ArtifactInfo, config: Any, *, max_batch_size: int | None = None,
-                 max_tokens: int | None = None, max_sequences: int | None = None):
+                 max_tokens: int | None = None, max_sequences: int | None = None, max_step_tokens: int | None = None):
         config = getattr(config, "config", config)  # a model is accepted too
         self.info = _as_info(artifact)
         self.shape = model_shape(config)
         check_artifact_for_model(self.info, self.shape)
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens", max_tokens),
-                            ("max_sequences", max_sequences)):
+                            ("max_sequences", max_sequences), ("max_step_tokens", max_step_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if max_tokens is None:
@@ -200,11 +204,13 @@ class KvccCache(Cache):
         self._max_tokens = max_tokens
         self._max_batch = max_batch_size
         self._max_sequences = max_sequences
+        self._max_step_tokens = max_step_tokens
         super().__init__(layers=[_KvccLayer(self, i) for i in range(self.shape.n_layers)])
         self.runtime = None
         self.rows: list[int] = []
         self._step_tokens = 0  # T of the open step (0: none open)
         self._appended = 0  # layers whose attention ran in the open step
+        self._driven = False  # the open step was opened by a DecodeGraph, which keeps the lengths
 
     @classmethod
     def for_model(cls, model: Any, artifact: str | os.PathLike | ArtifactInfo, **kwargs) -> "KvccCache":
@@ -226,12 +232,13 @@ class KvccCache(Cache):
         if n_kv != self.shape.n_kv_heads or d != self.shape.head_dim:
             raise KvccError(f"kvcc cache: keys of {n_kv} heads x {d} channels, the artifact serves "
                             f"{self.shape.n_kv_heads} x {self.shape.head_dim}")
-        if layer.layer_idx == 0:
+        if layer.layer_idx == 0 and not self._driven:
             self._begin_step(B, T, key_states.device, key_states.dtype)
         elif T != self._step_tokens or B != len(self.rows):
             raise KvccError(f"kvcc cache: layer {layer.layer_idx} got {B} rows x {T} tokens in a step opened with "
                             f"{len(self.rows)} x {self._step_tokens}")
-        layer.length += T
+        if not self._driven:
+            layer.length += T
         # The attention function finds this cache and layer through the key tensor it is given.
         key_states._kvcc_step = (self, layer.layer_idx)
         return key_states, value_states
@@ -249,11 +256,18 @@ class KvccCache(Cache):
         if window is not None and length + T > window:
             raise KvccError(f"kvcc cache: the model attends over a sliding window of {window} tokens and the kvcc "
                             f"runtime attends over the whole context: {length + T} tokens exceed the window")
+        sizing = (f"kvcc cache sized for {self._pool_rows} rows of {self._max_tokens} tokens, {length + T} tokens "
+                  "needed: pass a larger max_tokens / max_batch_size")
+        if length + T > self._max_tokens:
+            raise CacheFull(f"a step to {length + T} tokens a row ({sizing})")
+        if B * T > self.runtime.max_step_tokens:
+            raise KvccError(f"kvcc cache: a step of {B} rows x {T} tokens, above the cache's max_step_tokens "
+                            f"{self.runtime.max_step_tokens} (new tokens of one forward, all rows together: pass a "
+                            "larger max_step_tokens, or prefill the prompt in shorter blocks)")
         try:
             self.runtime.begin_append(self.rows, [T] * B)
         except CacheFull as e:
-            raise CacheFull(f"{e} (kvcc cache sized for {self._pool_rows} rows of {self._max_tokens} tokens, "
-                            f"{length + T} tokens needed: pass a larger max_tokens / max_batch_size)") from e
+            raise CacheFull(f"{e} ({sizing})") from e
         self._step_tokens, self._appended = T, 0
 
     def _make_runtime(self, B: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -266,9 +280,16 @@ class KvccCache(Cache):
             raise KvccError(f"kvcc cache: a batch of {B} rows on a cache made for max_batch_size={rows}")
         self._pool_rows = rows
         s = self.shape
+        # The maxima are declared (a step of at most `rows` rows and max_step_tokens new tokens, rows of
+        # at most max_tokens): the runtime sizes its step tables once, so a decode step can be
+        # captured in a CUDA graph (DecodeGraph). Default step bound: a whole prompt of one row, or
+        # 4096 tokens of every row.
+        step = self._max_step_tokens or max(rows * min(self._max_tokens, 4096), self._max_tokens)
         self.runtime = Runtime(self.info.path, n_layers=s.n_layers, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads,
                                head_dim=s.head_dim, max_pages=max(1, rows * pages_for_tokens(self.info, self._max_tokens)),
-                               max_sequences=self._max_sequences or 2 * rows, device=device, dtype=act)
+                               max_sequences=self._max_sequences or 2 * rows, device=device, dtype=act,
+                               max_batch=rows, max_context=self._max_tokens,
+                               max_step_tokens=min(step, rows * self._max_tokens))
         self.rows = [self.runtime.add_sequence() for _ in range(B)]
 
     def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -360,6 +381,23 @@ class KvccCache(Cache):
         """Bytes of the runtime pool in use (pages + window slots), 0 before the first step."""
         return self.runtime.bytes_in_use() if self.runtime is not None else 0
 
+    # --- a decode step driven by a DecodeGraph ---------------------------------------------------
+
+    def open_graph_step(self) -> None:
+        """Opens a decode step of one token a row for a DecodeGraph (outside the graph): the runtime
+        plans it and uploads its tables to the fixed addresses the graph's kernels read."""
+        if self.runtime is None or not self.rows:
+            raise KvccError("kvcc DecodeGraph: the cache is empty: prefill the prompt first (an eager forward)")
+        self._begin_step(len(self.rows), 1, self.runtime.device, self.runtime.dtype)
+        self._driven = True
+
+    def close_graph_step(self) -> None:
+        """Closes the step a DecodeGraph ran: every layer one token longer."""
+        self._driven = False
+        self._appended = self.shape.n_layers
+        for layer in self.layers:
+            layer.length += 1
+
 
 def kvcc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -398,6 +436,91 @@ def cache_kwargs(model: Any, cache: Cache) -> dict[str, Cache]:
     `cache`, 5.17 `past_key_values`."""
     params = inspect.signature(model.forward).parameters
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+class DecodeGraph:
+    """Decode steps of a model replayed from one CUDA graph: the whole forward of one new token a
+    row (projections, RoPE, every layer's append + decode, MLPs, the last position's logits) is one
+    graph launch, so the host no longer paces the GPU.
+
+        cache = kvcc.hf.KvccCache.for_model(model, artifact, max_tokens=prompt_len + new_tokens)
+        logits = model(prompt, **kvcc.hf.cache_kwargs(model, cache)).logits[:, -1]   # prefill, eager
+        step = kvcc.hf.DecodeGraph(model, cache)
+        for _ in range(new_tokens):
+            logits = step(logits.argmax(-1, keepdim=True))   # [batch, vocab]
+
+    Each call opens the step outside the graph (cache.open_graph_step(): for a KvccCache the
+    runtime's begin_append, which plans the step on the host and uploads its tables to fixed device
+    addresses), then runs the forward: eagerly at the first call (it warms up what libraries make
+    lazily), captured at the second and replayed from then on. The graph reads what it was captured
+    with: the batch is fixed, the cache's runtime must have declared maxima (a KvccCache always
+    does), and the step's tokens sit at position cache.get_seq_length() of every row (rows of equal
+    length, as KvccCache serves). ids: [batch, 1] token ids; the logits returned are a new tensor.
+    Everything runs on the object's own stream, ordered after and before the caller's. Eager
+    forwards of the same cache may come between calls. A cache class other than KvccCache serves
+    too if it has open_graph_step(), close_graph_step() and graph_kwargs() (extra forward
+    arguments, e.g. a static attention mask). CUDA only: on the CPU, step the model eagerly.
+    """
+
+    def __init__(self, model: Any, cache: Cache):
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise KvccError(f"kvcc DecodeGraph captures CUDA graphs and the model is on {device}: step the model "
+                            "eagerly there (model(ids, **kvcc.hf.cache_kwargs(model, cache)))")
+        for name in ("open_graph_step", "close_graph_step"):
+            if not callable(getattr(cache, name, None)):
+                raise KvccError(f"kvcc DecodeGraph: a {type(cache).__name__} cannot be stepped by a graph (it has no "
+                                f"{name}()): use a kvcc.hf.KvccCache")
+        self.model, self.cache, self.device = model, cache, device
+        self.stream = torch.cuda.Stream(device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.steps = 0  # calls so far (the first ran eagerly)
+        self._ids = self._positions = self._logits = None
+
+    def _forward(self) -> torch.Tensor:
+        extra = self.cache.graph_kwargs() if callable(getattr(self.cache, "graph_kwargs", None)) else {}
+        out = self.model(self._ids, position_ids=self._positions, use_cache=True, logits_to_keep=1,
+                         **extra, **cache_kwargs(self.model, self.cache))
+        return out.logits[:, -1]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            raise KvccError(f"kvcc DecodeGraph: ids must be a [batch, 1] tensor of token ids, got "
+                            f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        if self._ids is not None and ids.shape != self._ids.shape:
+            raise KvccError(f"kvcc DecodeGraph: a step of {ids.shape[0]} rows on a graph of {self._ids.shape[0]} rows "
+                            "(the batch of a graph is fixed: make a new DecodeGraph)")
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            length = self.cache.get_seq_length()
+            self.cache.open_graph_step()
+            try:
+                if self._ids is None:  # what the graph reads its inputs from
+                    self._ids = torch.zeros(ids.shape, dtype=torch.long, device=self.device)
+                    self._positions = torch.zeros_like(self._ids)
+                self._ids.copy_(ids)
+                self._positions.fill_(length)
+                if self.steps == 0:
+                    logits = self._forward()
+                else:
+                    if self.graph is None:
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, stream=self.stream):
+                            self._logits = self._forward()
+                        self.graph = graph
+                    self.graph.replay()
+                    logits = self._logits
+                out = logits.clone()
+            finally:
+                # The rows grew when the step opened, so the step closes even if the forward raised
+                # (a failed capture ran nothing: that token's K/V are then unwritten, and what the
+                # cache holds from there on is undefined; reset it).
+                self.cache.close_graph_step()
+        caller.wait_stream(self.stream)
+        out.record_stream(caller)
+        self.steps += 1
+        return out
 
 
 def from_pretrained(model_dir: str | os.PathLike, artifact: str | os.PathLike | ArtifactInfo | None = None, *,

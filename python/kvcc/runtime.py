@@ -148,6 +148,9 @@ class Runtime:
         self.n_heads = shape["n_heads"] // ranks
         self.max_pages, self.max_sequences = max_pages, max_sequences
         self.max_context = max_context
+        # The declared maxima as the library resolves them (0 without max_context: no bound declared).
+        self.max_batch = (max_batch or max_sequences) if max_context else 0
+        self.max_step_tokens = (max_step_tokens or self.max_batch) if max_context else 0
         self.engine_tables = engine_tables
         # The ops declare that append mutates this counter (appends so far), so a compiled graph
         # keeps every append and orders decode / prefill (which read it) after them.

@@ -219,3 +219,118 @@ def test_engine_step_in_a_cuda_graph_replays_later_steps():
 def _append_decode_step(rt, layer, k, v, q):
     rt.append(layer, k, v)
     return rt.decode_step(layer, q)
+
+
+def _random_llama(seed: int = 0):
+    """A random-weight BF16 Llama with the gutenberg artifact's attention shape (8 layers, 4 query
+    and 2 KV heads of 128 channels), small elsewhere, with kvcc attention."""
+    import kvcc.hf  # noqa: F401 (registers the "kvcc" attention)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    info = kvcc.load_artifact(GUT)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=info.n_layers,
+                      num_attention_heads=info.n_heads, num_key_value_heads=info.n_kv_heads, head_dim=info.head_dim,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.config._attn_implementation = "kvcc"
+    return model
+
+
+def test_decode_graph_steps_equal_eager_steps():
+    """kvcc.hf.DecodeGraph (the whole forward of a decode step in one CUDA graph, replayed after
+    each begin_append) computes what eager forwards compute: the same kernels on the same inputs,
+    so the logits are bit for bit equal, step after step (the tokens are teacher-forced alike), and
+    the cache lengths agree; an eager step after graph steps still matches (the graph left the
+    cache as eager steps would). Rows run past the sink and recent windows into INT2 pages."""
+    import kvcc.hf as hf
+
+    model = _random_llama()
+    info = kvcc.load_artifact(GUT)
+    batch, prompt, steps = 3, info.sink + info.recent + 40, 12
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (batch, prompt), generator=gen).cuda()
+    forced = torch.randint(0, 512, (steps + 1, batch, 1), generator=gen).cuda()
+    caches = [hf.KvccCache.for_model(model, GUT, max_tokens=prompt + steps + 1) for _ in range(2)]
+    with torch.no_grad():
+        first = [model(ids, use_cache=True, **hf.cache_kwargs(model, c)).logits[:, -1] for c in caches]
+        assert torch.equal(first[0], first[1])
+        graph = hf.DecodeGraph(model, caches[1])
+        for s in range(steps):
+            pos = torch.full((batch, 1), prompt + s, device="cuda")
+            a = model(forced[s], position_ids=pos, use_cache=True, logits_to_keep=1,
+                      **hf.cache_kwargs(model, caches[0])).logits[:, -1]
+            b = graph(forced[s])
+            assert b.shape == a.shape and bool(torch.isfinite(b).all())
+            assert torch.equal(a, b), f"step {s}: max |eager - graph| {float((a.float() - b.float()).abs().max()):.3g}"
+            assert caches[0].get_seq_length() == caches[1].get_seq_length() == prompt + s + 1
+        assert graph.graph is not None and graph.steps == steps
+        pos = torch.full((batch, 1), prompt + steps, device="cuda")
+        a, b = (model(forced[steps], position_ids=pos, use_cache=True, logits_to_keep=1,
+                      **hf.cache_kwargs(model, c)).logits[:, -1] for c in caches)
+        assert torch.equal(a, b)
+        for c in caches:
+            assert [c.runtime.length(r) for r in c.rows] == [prompt + steps + 1] * batch
+        # The cache is full: the next step is refused before anything is captured or replayed.
+        with pytest.raises(kvcc.CacheFull, match="max_tokens"):
+            graph(forced[0])
+    for c in caches:
+        c.runtime.close()
+
+
+def test_decode_graph_refuses_what_it_cannot_replay():
+    import kvcc.hf as hf
+
+    model = _random_llama()
+    cache = hf.KvccCache.for_model(model, GUT, max_tokens=64)
+    with pytest.raises(kvcc.KvccError, match="prefill the prompt first"):
+        hf.DecodeGraph(model, cache)(torch.zeros(1, 1, dtype=torch.long, device="cuda"))
+    with torch.no_grad():
+        model(torch.zeros(2, 5, dtype=torch.long, device="cuda"), use_cache=True, **hf.cache_kwargs(model, cache))
+    graph = hf.DecodeGraph(model, cache)
+    with pytest.raises(kvcc.KvccError, match=r"\[batch, 1\]"):
+        graph(torch.zeros(2, 3, dtype=torch.long, device="cuda"))
+    graph(torch.zeros(2, 1, dtype=torch.long, device="cuda"))
+    with pytest.raises(kvcc.KvccError, match="batch of a graph is fixed"):
+        graph(torch.zeros(3, 1, dtype=torch.long, device="cuda"))
+    assert cache.get_seq_length() == 6
+    cache.runtime.close()
+
+
+def test_bench_bf16_graph_cache_attends_as_sdpa():
+    """The BF16 competitor of bench_generate's graph runs ("bf16-graph": a preallocated token-major
+    cache, FlashAttention varlen with seqused_k, steps from a DecodeGraph) computes what SDPA over
+    transformers' DynamicCache computes. Both are BF16 attention with float32 accumulation, so they
+    differ by BF16 rounding of each layer's output (2^-9 relative) carried through 8 layers: the
+    bound, 3e-2 of the logits' norm, is twice 8 x 2^-9. A wrong length, position or causal
+    alignment is an O(1) error."""
+    from transformers import DynamicCache
+
+    import kvcc.hf as hf
+    from kvcc import bench_generate as bg
+
+    model = _random_llama(seed=3)
+    cfg = model.config
+    batch, prompt, steps = 2, 70, 6
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 512, (batch, prompt), generator=gen).cuda()
+    forced = torch.randint(0, 512, (steps, batch, 1), generator=gen).cuda()
+    _, StaticCache = bg._static_bf16_classes()
+    with torch.no_grad():
+        cfg._attn_implementation = "sdpa"
+        ref = DynamicCache(config=cfg)
+        ref_logits = [model(ids, use_cache=True, **hf.cache_kwargs(model, ref)).logits[:, -1]]
+        for s in range(steps):
+            pos = torch.full((batch, 1), prompt + s, device="cuda")
+            ref_logits.append(model(forced[s], position_ids=pos, use_cache=True,
+                                    **hf.cache_kwargs(model, ref)).logits[:, -1])
+        cfg._attn_implementation = bg.STATIC_ATTENTION
+        cache = StaticCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, prompt + steps, cfg.head_dim,
+                            torch.bfloat16, "cuda")
+        got = [model(ids, use_cache=True, **hf.cache_kwargs(model, cache)).logits[:, -1]]
+        graph = hf.DecodeGraph(model, cache)
+        got += [graph(forced[s]) for s in range(steps)]
+    assert graph.graph is not None and cache.get_seq_length() == prompt + steps
+    for s, (a, b) in enumerate(zip(ref_logits, got)):
+        rel = float((a.float() - b.float()).norm() / a.float().norm())
+        assert rel < 3e-2, f"step {s}: relative {rel:.3g}"

@@ -115,7 +115,52 @@ def test_bench_generate_cpu_smoke(tmp_path):
     # and the BF16 residual; a cache holding 4 or more bits per element is not what was asked for.
     assert runs["bf16"]["cache_bytes_in_use"] * 2 / 16 <= runs["hqq2"]["cache_bytes_in_use"]
     assert runs["hqq2"]["cache_bytes_in_use"] < runs["bf16"]["cache_bytes_in_use"] * 4 / 16
+    # The bytes a step reads at least: the same weights for every cache, plus the cache in use.
+    weights = {run["read_bytes_per_step"] - run["cache_bytes_in_use"] for run in runs.values()}
+    assert len(weights) == 1 and weights.pop() > 0
+    for run in runs.values():
+        assert run["read_bytes_per_s"] == pytest.approx(run["read_bytes_per_step"] / run["tpot_s"])
     assert "| gutenberg-27m | int2 | 100 | 1 | prefill |" in r.stdout
+
+
+def test_bench_generate_goals_pair_the_modes():
+    """goals(): "best" takes each cache's faster mode and names it; "eager" and "graph" pair the
+    same modes. Ratios recomputed here from the runs' batches and TPOTs."""
+    from kvcc.bench_generate import goals
+
+    def run(cache, context, batch, tpot, largest=False):
+        return dict(model="llama-8b-shape", cache=cache, context=context, batch=batch, tpot_s=tpot,
+                    tokens_per_s=batch / tpot, largest=largest)
+
+    L = 102400
+    runs = [run("bf16", L, 9, 0.040, True), run("bf16-graph", L, 9, 0.042, True), run("int2", L, 65, 0.050, True),
+            run("int2-graph", L, 64, 0.044, True), run("bf16", 32768, 1, 0.024), run("bf16-graph", 32768, 1, 0.008),
+            run("int2", 32768, 1, 0.026), run("int2-graph", 32768, 1, 0.007)]
+    out = goals(runs, L)
+    by = {(g["pairing"], g["goal"].split(",")[0].split(" (")[0]): g for g in out}
+    conc = by[("best", "concurrent sequences at 102400")]
+    assert "(int2 / bf16)" in conc["goal"] and conc["measured"].startswith("65 / 9") and conc["met"]
+    assert not any(g["goal"].startswith("concurrent") for g in out if g["pairing"] != "best")
+    tps = by[("best", "decode tokens/s at each cache's largest batch")]
+    # int2-graph's 64 / 0.044 s beats int2's 65 / 0.050 s; bf16 (eager) beats bf16-graph.
+    assert "(int2-graph / bf16)" in tps["goal"] and f"{(64 / 0.044) / (9 / 0.040):.2f}x" in tps["measured"]
+    eager = by[("eager", "decode tokens/s at each cache's largest batch")]
+    assert f"{(65 / 0.050) / (9 / 0.040):.2f}x" in eager["measured"] and eager["met"] == ((65 / 0.050) / (9 / 0.040) >= 6)
+    graph = by[("graph", "decode tokens/s at each cache's largest batch")]
+    assert f"{(64 / 0.044) / (9 / 0.042):.2f}x" in graph["measured"]
+    b1 = by[("best", "TPOT at batch 1 / 32K")]
+    assert "(int2-graph / bf16-graph)" in b1["goal"] and b1["met"]
+    assert not by[("eager", "TPOT at batch 1 / 32K")]["met"]  # 26 ms against 24 ms
+
+
+def test_bench_generate_refuses_graphs_on_the_cpu():
+    import kvcc
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kvcc.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "kvcc.bench_generate", "--device", "cpu", "--caches", "int2-graph",
+                        "--no-capacity"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "needs --device cuda" in r.stderr
 
 
 @needs_model

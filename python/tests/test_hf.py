@@ -368,3 +368,24 @@ def test_bad_sizes_and_missing_paths(kv_model, artifact, tmp_path):
     sdpa = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="sdpa")
     with pytest.raises(kvcc.KvccError, match="attn_implementation"):
         khf.KvccCache.for_model(sdpa, artifact)
+
+
+def test_step_beyond_max_step_tokens_is_refused_before_anything_changes(tokens, kv_model, artifact):
+    """The runtime's step tables are sized once for max_step_tokens (so a step can be replayed
+    from a CUDA graph): a longer forward is refused with the remedy, and the cache is unchanged
+    (a shorter block then goes through)."""
+    cache = khf.KvccCache.for_model(kv_model, artifact, max_tokens=400, max_step_tokens=100)
+    with torch.no_grad():
+        with pytest.raises(kvcc.KvccError, match="max_step_tokens 100"):
+            kv_model(torch.tensor([tokens[:150]]), **khf.cache_kwargs(kv_model, cache))
+        assert cache.get_seq_length() == 0 and cache.runtime.length(cache.rows[0]) == 0
+        kv_model(torch.tensor([tokens[:100]]), **khf.cache_kwargs(kv_model, cache))
+    assert cache.get_seq_length() == 100 == cache.runtime.length(cache.rows[0])
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        khf.KvccCache.for_model(kv_model, artifact, max_step_tokens=0)
+
+
+def test_decode_graph_needs_cuda(tokens, kv_model, artifact):
+    cache = khf.KvccCache.for_model(kv_model, artifact, max_tokens=64)
+    with pytest.raises(kvcc.KvccError, match="CUDA graphs"):
+        khf.DecodeGraph(kv_model, cache)
