@@ -145,7 +145,8 @@ def test_bench_generate_goals_pair_the_modes():
     # int2-graph's 64 / 0.044 s beats int2's 65 / 0.050 s; bf16 (eager) beats bf16-graph.
     assert "(int2-graph / bf16)" in tps["goal"] and f"{(64 / 0.044) / (9 / 0.040):.2f}x" in tps["measured"]
     eager = by[("eager", "decode tokens/s at each cache's largest batch")]
-    assert f"{(65 / 0.050) / (9 / 0.040):.2f}x" in eager["measured"] and eager["met"] == ((65 / 0.050) / (9 / 0.040) >= 6)
+    eager_ratio = (65 / 0.050) / (9 / 0.040)
+    assert f"{eager_ratio:.2f}x" in eager["measured"] and eager["met"] == (eager_ratio >= 6)
     graph = by[("graph", "decode tokens/s at each cache's largest batch")]
     assert f"{(64 / 0.044) / (9 / 0.042):.2f}x" in graph["measured"]
     b1 = by[("best", "TPOT at batch 1 / 32K")]
