@@ -218,6 +218,7 @@ def _bf16_cache_classes():
     return PreallocLayer, PreallocCache
 
 
+INT2_CACHES = ("int2", "int2-graph")  # the kvcc cache, stepped eagerly or from a graph
 STATIC_ATTENTION = "kvcc_bench_bf16_static"
 _static_classes = None
 
@@ -376,7 +377,7 @@ class Bench:
         from . import hf
 
         shape = hf.model_shape(model.config)
-        if kind in ("int2", "int2-graph"):
+        if kind in INT2_CACHES:
             self._set_attn(model, hf.ATTN_IMPLEMENTATION)
             return hf.KvccCache(info, model.config, max_batch_size=batch, max_tokens=capacity, max_sequences=batch)
         if kind == "bf16-graph":
@@ -414,7 +415,7 @@ class Bench:
 
         shape = hf.model_shape(model.config)
         gen = torch.Generator(device=self.device).manual_seed(1)
-        if kind in ("int2", "int2-graph"):
+        if kind in INT2_CACHES:
             rt = cache.runtime
             chunk = 8192
             for seq in cache.rows:
@@ -510,12 +511,12 @@ class Bench:
             if self.cuda:
                 torch_peak = torch.cuda.max_memory_allocated()
                 pool = 0
-                if kind in ("int2", "int2-graph"):
+                if kind in INT2_CACHES:
                     page, slot, _ = _kvcc_bytes_per_sequence(info, 0)
                     pool = cache.runtime.max_pages * page + cache.runtime.max_sequences * slot
                 rec.update(peak_torch_bytes=torch_peak, kvcc_pool_bytes=pool, peak_bytes=torch_peak + pool,
                            device_used_bytes=self.used_bytes(), device_used_before_bytes=used0)
-            if kind in ("int2", "int2-graph"):
+            if kind in INT2_CACHES:
                 rec["cache_bytes_in_use"] = cache.bytes_in_use()
             elif kind == "hqq2":
                 rec["cache_bytes_in_use"] = _tensor_bytes([(la._quantized_keys, la._quantized_values, la.keys, la.values)
@@ -526,7 +527,7 @@ class Bench:
             rec["read_bytes_per_step"] = weights + rec["cache_bytes_in_use"]
             rec["read_bytes_per_s"] = rec["read_bytes_per_step"] / tpot
         finally:
-            if kind in ("int2", "int2-graph") and cache.runtime is not None:
+            if kind in INT2_CACHES and cache.runtime is not None:
                 cache.runtime.close()
             del cache
             self.clean()
@@ -537,7 +538,7 @@ class Bench:
         torch = self.torch
         shape = _shape(model)
         capacity = context + max(2, self.args.decode_steps) + _warm_steps(kind)
-        per_seq = (_kvcc_bytes_per_sequence(info, capacity)[2] if kind in ("int2", "int2-graph")
+        per_seq = (_kvcc_bytes_per_sequence(info, capacity)[2] if kind in INT2_CACHES
                    else _bf16_bytes_per_sequence(shape, capacity))
         self.clean()
         free, total = torch.cuda.mem_get_info()
@@ -686,7 +687,7 @@ def goals(runs: list[dict[str, Any]], long_context: int) -> list[dict[str, Any]]
         found = [r for r in (find(c, **where) for c in caches) if r]
         return max(found, key=key) if found else None
 
-    pairings = [("best", ("bf16", "bf16-graph"), ("int2", "int2-graph")), ("eager", ("bf16",), ("int2",)),
+    pairings = [("best", ("bf16", "bf16-graph"), INT2_CACHES), ("eager", ("bf16",), ("int2",)),
                 ("graph", ("bf16-graph",), ("int2-graph",))]
     out = []
     for pairing, bf, i2s in pairings:
