@@ -28,6 +28,13 @@ void mirror_upper(std::vector<double>& m, int d) {
     for (int j = 0; j < i; ++j) m[size_t(i) * d + j] = m[size_t(j) * d + i];
 }
 
+const ModelConfig& checked_heads(const ModelConfig& config) {
+  KVCC_REQUIRE(
+      config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 && config.n_heads % config.n_kv_heads == 0,
+      "stats accumulator: model config has invalid head counts");
+  return config;
+}
+
 }  // namespace
 
 uint64_t reservoir_priority(uint64_t seed, uint32_t doc, int32_t position) {
@@ -35,22 +42,154 @@ uint64_t reservoir_priority(uint64_t seed, uint32_t doc, int32_t position) {
   return splitmix64(splitmix64(seed) ^ splitmix64(token ^ 0xA0761D6478BD642Full));
 }
 
-StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity, uint64_t seed)
-    : config_(config), d_(config.head_dim), group_(config.group()), seed_(seed) {
-  KVCC_REQUIRE(
-      config.n_layers > 0 && config.n_kv_heads > 0 && config.head_dim > 0 && config.n_heads % config.n_kv_heads == 0,
-      "stats accumulator: model config has invalid head counts");
-  KVCC_REQUIRE(reservoir_capacity >= 0, "stats accumulator: negative reservoir capacity");
-  const size_t n = size_t(config.n_layers) * size_t(config.n_kv_heads);
-  heads_.resize(n);
-  for (auto& h : heads_) h.resize(d_);
-  reservoirs_.resize(n);
+ReservoirSampler::ReservoirSampler(const ModelConfig& config, int capacity, uint64_t seed)
+    : n_heads_(config.n_heads),
+      n_kv_(config.n_kv_heads),
+      d_(config.head_dim),
+      group_(config.group()),
+      capacity_(capacity),
+      seed_(seed) {
+  KVCC_REQUIRE(capacity >= 0, "stats accumulator: negative reservoir capacity");
+  reservoirs_.resize(size_t(config.n_layers) * size_t(config.n_kv_heads));
   for (auto& r : reservoirs_) {
-    r.capacity = reservoir_capacity;
+    r.capacity = capacity;
     r.group = group_;
     r.d = d_;
   }
   pending_ = reservoirs_;
+}
+
+uint64_t ReservoirSampler::threshold(size_t index) const {
+  const Reservoir& res = reservoirs_[index];
+  return int(res.size()) >= capacity_ ? *std::max_element(res.priority.begin(), res.priority.end()) : UINT64_MAX;
+}
+
+void ReservoirSampler::preselect(const std::vector<std::pair<uint32_t, int>>& sequences) {
+  struct Token {
+    uint64_t priority;
+    uint32_t doc;
+    int position;
+  };
+  std::vector<Token> tokens;
+  for (const auto& [doc, T] : sequences)
+    for (int t = 0; t < T; ++t) tokens.push_back({reservoir_priority(seed_, doc, t), doc, t});
+  // Stable: on equal priorities the earlier sequence's token comes first and the later is dropped.
+  std::stable_sort(tokens.begin(), tokens.end(),
+                   [](const Token& a, const Token& b) { return a.priority < b.priority; });
+  kept_.clear();
+  size_t kept = 0;
+  for (size_t i = 0; i < tokens.size() && kept < size_t(capacity_); ++i) {
+    if (i > 0 && tokens[i].priority == tokens[i - 1].priority) continue;
+    kept_[tokens[i].doc].push_back(tokens[i].position);
+    ++kept;
+  }
+  preselected_ = true;
+}
+
+std::vector<int> ReservoirSampler::candidates(int layer, uint32_t doc, int T) const {
+  if (capacity_ == 0 || T <= 0) return {};
+  if (preselected_) {
+    const auto it = kept_.find(doc);
+    return it == kept_.end() ? std::vector<int>{} : it->second;
+  }
+  std::vector<uint64_t> priority(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) priority[size_t(t)] = reservoir_priority(seed_, doc, t);
+  std::vector<int> order(static_cast<size_t>(T));
+  std::iota(order.begin(), order.end(), 0);
+  const size_t keep = std::min(size_t(capacity_), size_t(T));
+  std::partial_sort(order.begin(), order.begin() + ptrdiff_t(keep), order.end(),
+                    [&](int a, int b) { return priority[size_t(a)] < priority[size_t(b)]; });
+  order.resize(keep);
+  // Only rows below a full reservoir's largest priority can enter it; thresholds only fall as
+  // rows are offered, so cutting at the highest one of the layer keeps every row that can enter.
+  uint64_t limit = 0;
+  for (int h = 0; h < n_kv_; ++h) limit = std::max(limit, threshold(size_t(layer * n_kv_ + h)));
+  size_t n = 0;
+  while (n < order.size() && priority[size_t(order[n])] < limit) ++n;
+  order.resize(n);
+  return order;
+}
+
+void ReservoirSampler::offer(int layer, uint32_t doc, const std::vector<int>& positions, bool packed, const float* q,
+                             const float* key_pre, const float* key, const float* value) {
+  if (capacity_ == 0 || positions.empty()) return;
+  KVCC_REQUIRE(key_pre != nullptr, "stats accumulator: reservoir sampling needs pre-RoPE keys");
+  const int64_t q_stride = int64_t(n_heads_) * d_;
+  const int64_t kv_stride = int64_t(n_kv_) * d_;
+  const uint8_t heldout = is_heldout_doc(doc) ? 1 : 0;
+  const size_t batch = size_t(capacity_) / 4 + 1;
+  for (int h = 0; h < n_kv_; ++h) {
+    const size_t index = size_t(layer * n_kv_ + h);
+    // Preselected rows go straight into the reservoir (sorted once in move_into).
+    Reservoir& add = preselected_ ? reservoirs_[index] : pending_[index];
+    uint64_t limit = preselected_ ? UINT64_MAX : threshold(index);
+    for (size_t i = 0; i < positions.size(); ++i) {
+      const int t = positions[i];
+      const uint64_t p = reservoir_priority(seed_, doc, t);
+      if (p >= limit) break;  // positions are ascending in priority
+      const int64_t row = packed ? int64_t(i) : int64_t(t);
+      const float* qr = q + row * q_stride + int64_t(h) * group_ * d_;
+      add.q.insert(add.q.end(), qr, qr + int64_t(group_) * d_);
+      const float* kp = key_pre + row * kv_stride + int64_t(h) * d_;
+      add.key_pre.insert(add.key_pre.end(), kp, kp + d_);
+      const float* k = key + row * kv_stride + int64_t(h) * d_;
+      add.key.insert(add.key.end(), k, k + d_);
+      const float* v = value + row * kv_stride + int64_t(h) * d_;
+      add.value.insert(add.value.end(), v, v + d_);
+      add.position.push_back(t);
+      add.doc.push_back(doc);
+      add.priority.push_back(p);
+      add.heldout.push_back(heldout);
+      if (!preselected_ && add.size() >= batch) {
+        flush_pending(index);
+        limit = threshold(index);
+      }
+    }
+  }
+}
+
+void ReservoirSampler::flush_pending(size_t index) {
+  Reservoir& add = pending_[index];
+  if (add.size() == 0) return;
+  reservoir_merge(reservoirs_[index], add);
+  Reservoir empty;  // frees the batch's memory rather than keeping its capacity around
+  empty.capacity = add.capacity;
+  empty.group = add.group;
+  empty.d = add.d;
+  add = std::move(empty);
+}
+
+void ReservoirSampler::move_into(Stats& stats) && {
+  for (size_t i = 0; i < reservoirs_.size(); ++i) {
+    if (preselected_) {  // rows in ascending priority, as reservoir_merge leaves them
+      Reservoir sorted;
+      sorted.capacity = reservoirs_[i].capacity;
+      sorted.group = reservoirs_[i].group;
+      sorted.d = reservoirs_[i].d;
+      reservoir_merge(sorted, reservoirs_[i]);
+      reservoirs_[i] = std::move(sorted);
+    }
+    flush_pending(i);
+  }
+  stats.reservoirs = std::move(reservoirs_);
+}
+
+void mirror_upper_triangles(HeadStats& hs, int d) {
+  mirror_upper(hs.query_m2, d);
+  mirror_upper(hs.output_m2, d);
+  mirror_upper(hs.p2_m2, d);
+  mirror_upper(hs.key_m2, d);
+  mirror_upper(hs.value_m2, d);
+}
+
+StatsAccumulator::StatsAccumulator(const ModelConfig& config, int reservoir_capacity, uint64_t seed)
+    : config_(checked_heads(config)),
+      d_(config.head_dim),
+      group_(config.group()),
+      sampler_(config, reservoir_capacity, seed) {
+  const size_t n = size_t(config.n_layers) * size_t(config.n_kv_heads);
+  heads_.resize(n);
+  for (auto& h : heads_) h.resize(d_);
   block_.resize(size_t(kSyrkBlockRows) * size_t(d_));
 }
 
@@ -106,7 +245,8 @@ void StatsAccumulator::on_qkv(const SequenceTaps& taps) {
       }
     }
   }
-  sample_reservoir(taps);
+  sampler_.offer(taps.layer, taps.doc, sampler_.candidates(taps.layer, taps.doc, T), false, taps.q, taps.key_pre,
+                 taps.key, taps.value);
 }
 
 void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const float* probs, const float* output) {
@@ -139,71 +279,6 @@ void StatsAccumulator::on_probs(const SequenceTaps& taps, int q_head, const floa
   }
 }
 
-void StatsAccumulator::sample_reservoir(const SequenceTaps& taps) {
-  const int capacity = reservoirs_.front().capacity;
-  if (capacity == 0) return;
-  const int T = taps.T;
-  const int n_kv = config_.n_kv_heads;
-  KVCC_REQUIRE(taps.key_pre != nullptr, "stats accumulator: reservoir sampling needs pre-RoPE keys");
-
-  // Priorities do not depend on layer or head, so one candidate list serves every KV head:
-  // this sequence's `capacity` smallest priorities that could enter the reservoir.
-  std::vector<uint64_t> priority(static_cast<size_t>(T));
-  for (int t = 0; t < T; ++t) priority[size_t(t)] = reservoir_priority(seed_, taps.doc, t);
-  std::vector<int> order(static_cast<size_t>(T));
-  std::iota(order.begin(), order.end(), 0);
-  const size_t keep = std::min(size_t(capacity), size_t(T));
-  std::partial_sort(order.begin(), order.begin() + ptrdiff_t(keep), order.end(),
-                    [&](int a, int b) { return priority[size_t(a)] < priority[size_t(b)]; });
-  order.resize(keep);
-
-  const int64_t q_stride = int64_t(config_.n_heads) * d_;
-  const int64_t kv_stride = int64_t(n_kv) * d_;
-  const uint8_t heldout = is_heldout_doc(taps.doc) ? 1 : 0;
-  const size_t batch = size_t(capacity) / 4 + 1;
-  for (int h = 0; h < n_kv; ++h) {
-    const size_t index = size_t(taps.layer * n_kv + h);
-    const Reservoir& res = reservoirs_[index];
-    Reservoir& add = pending_[index];
-    // Only rows below the largest kept priority can enter a full reservoir.
-    auto threshold = [&] {
-      return int(res.size()) >= capacity ? *std::max_element(res.priority.begin(), res.priority.end()) : UINT64_MAX;
-    };
-    uint64_t limit = threshold();
-    for (int t : order) {
-      const uint64_t p = priority[size_t(t)];
-      if (p >= limit) break;  // `order` is ascending in priority
-      const float* q = taps.q + t * q_stride + int64_t(h) * group_ * d_;
-      add.q.insert(add.q.end(), q, q + int64_t(group_) * d_);
-      const float* kp = taps.key_pre + t * kv_stride + int64_t(h) * d_;
-      add.key_pre.insert(add.key_pre.end(), kp, kp + d_);
-      const float* k = taps.key + t * kv_stride + int64_t(h) * d_;
-      add.key.insert(add.key.end(), k, k + d_);
-      const float* v = taps.value + t * kv_stride + int64_t(h) * d_;
-      add.value.insert(add.value.end(), v, v + d_);
-      add.position.push_back(t);
-      add.doc.push_back(taps.doc);
-      add.priority.push_back(p);
-      add.heldout.push_back(heldout);
-      if (add.size() >= batch) {
-        flush_pending(index);
-        limit = threshold();
-      }
-    }
-  }
-}
-
-void StatsAccumulator::flush_pending(size_t index) {
-  Reservoir& add = pending_[index];
-  if (add.size() == 0) return;
-  reservoir_merge(reservoirs_[index], add);
-  Reservoir empty;  // frees the batch's memory rather than keeping its capacity around
-  empty.capacity = add.capacity;
-  empty.group = add.group;
-  empty.d = add.d;
-  add = std::move(empty);
-}
-
 void StatsAccumulator::export_into(Stats& stats) const {
   StatsAccumulator copy = *this;
   std::move(copy).move_into(stats);
@@ -214,15 +289,8 @@ void StatsAccumulator::move_into(Stats& stats) && {
                    stats.config.head_dim == config_.head_dim,
                "stats accumulator: exporting into stats of a different model shape");
   stats.heads = std::move(heads_);
-  for (auto& hs : stats.heads) {
-    mirror_upper(hs.query_m2, d_);
-    mirror_upper(hs.output_m2, d_);
-    mirror_upper(hs.p2_m2, d_);
-    mirror_upper(hs.key_m2, d_);
-    mirror_upper(hs.value_m2, d_);
-  }
-  for (size_t i = 0; i < reservoirs_.size(); ++i) flush_pending(i);
-  stats.reservoirs = std::move(reservoirs_);
+  for (auto& hs : stats.heads) mirror_upper_triangles(hs, d_);
+  std::move(sampler_).move_into(stats);
 }
 
 }  // namespace kvcc

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
+#include <future>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -12,6 +14,7 @@
 #include <utility>
 
 #include "calibrate/accumulators.h"
+#include "calibrate/gpu_layers.h"
 #include "calibrate/layer_sensitivity.h"
 #include "calibrate/mpi_reduce.h"
 #include "formats/error.h"
@@ -75,6 +78,40 @@ uint64_t layer_bytes(const LayerWeights& w) {
                         &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down})
     n += v->size() * sizeof(float);
   return n;
+}
+
+LayerTensors tensors_of(const LayerWeights& w) {
+  auto p = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  LayerTensors t;
+  t.attn_norm = p(w.attn_norm);
+  t.wq = p(w.wq);
+  t.wk = p(w.wk);
+  t.wv = p(w.wv);
+  t.wo = p(w.wo);
+  t.bq = p(w.bq);
+  t.bk = p(w.bk);
+  t.bv = p(w.bv);
+  t.q_norm = p(w.q_norm);
+  t.k_norm = p(w.k_norm);
+  t.mlp_norm = p(w.mlp_norm);
+  t.w_gate = p(w.w_gate);
+  t.w_up = p(w.w_up);
+  t.w_down = p(w.w_down);
+  return t;
+}
+
+// "cpu" -> -1; "gpu" -> device 0, or under mpirun the rank's local rank (one GPU per rank);
+// "gpu:N" -> N. The runner refuses a device the machine does not have.
+int parse_device(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "gpu") {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    return local ? std::max(0, std::atoi(local)) : 0;
+  }
+  if (device.rfind("gpu:", 0) == 0 && device.size() > 4 &&
+      device.find_first_not_of("0123456789", 4) == std::string::npos && device.size() < 10)
+    return std::stoi(device.substr(4));
+  throw Error("--device '" + device + "' is not cpu, gpu or gpu:N");
 }
 
 }  // namespace
@@ -149,6 +186,9 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
                "shard " + std::to_string(options.shard_index) + "/" + std::to_string(options.shard_count) +
                    " is invalid (want I/N with 0 <= I < N)");
   KVCC_REQUIRE(options.reservoir >= 0, "--reservoir must not be negative");
+  const int gpu = parse_device(options.device);
+  KVCC_REQUIRE(gpu < 0 || gpu_calibration_built(),
+               "--device " + options.device + ": this kvcc was built without CUDA (rebuild where nvcc is installed)");
   const ModelFile model = ModelFile::open(options.model_path);
   const ModelConfig& config = model.config();
   const CalibrationSet set = prepare_calibration_set(options, config);
@@ -187,18 +227,39 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   }
   report("embed", 0, local_tokens);
 
-  StatsAccumulator accumulator(config, options.reservoir, options.seed);
+  StatsAccumulator accumulator(config, gpu < 0 ? options.reservoir : 0, options.seed);
   TimedObserver observer(accumulator);
+  ReservoirSampler gpu_sampler(config, gpu < 0 ? 0 : options.reservoir, options.seed);
+  std::unique_ptr<GpuLayerRunner> runner;
+  std::vector<GpuSequence> gpu_sequences;
+  if (gpu >= 0 && local_tokens > 0) {
+    for (size_t i = 0; i < local.size(); ++i)
+      gpu_sequences.push_back({set.doc_index[local[i]], int(set.sequences[local[i]].size()), offset[i]});
+    std::vector<std::pair<uint32_t, int>> docs;
+    for (const GpuSequence& g : gpu_sequences) docs.emplace_back(g.doc, g.T);
+    gpu_sampler.preselect(docs);
+    runner = std::make_unique<GpuLayerRunner>(config, x, longest, gpu);
+    std::vector<float>().swap(x);  // the hidden states live on the device now
+  }
   const int d = config.head_dim;
   // Scratch for the last layer, whose MLP nobody reads: only its attention runs.
   std::vector<float> q, key_pre, key, value, attn;
   uint64_t max_layer_bytes = 0;
   const auto forward_t0 = Clock::now();
   const double forward_c0 = process_cpu_seconds();
+  // On the GPU the next layer's weights are read and converted while the current one runs.
+  std::future<LayerWeights> next;
+  if (runner) next = std::async(std::launch::async, [&] { return load_layer(model, 0); });
   for (int layer = 0; layer < config.n_layers && local_tokens > 0; ++layer) {
-    const LayerWeights weights = load_layer(model, layer);
+    const LayerWeights weights = runner ? next.get() : load_layer(model, layer);
     max_layer_bytes = std::max(max_layer_bytes, layer_bytes(weights));
     const bool last = layer == config.n_layers - 1;
+    if (runner) {
+      if (!last) next = std::async(std::launch::async, [&, layer] { return load_layer(model, layer + 1); });
+      runner->run_layer(layer, tensors_of(weights), gpu_sequences, last, gpu_sampler,
+                        [&](uint64_t done) { report("layer", layer, done); });
+      continue;
+    }
     if (last) {
       q.resize(size_t(longest) * config.n_heads * d);
       attn.resize(q.size());
@@ -233,7 +294,12 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   const double layers_cpu_seconds = process_cpu_seconds() - forward_c0;
 
   Stats stats = make_empty_stats(config, model.fingerprint(), options.reservoir);
-  std::move(accumulator).move_into(stats);
+  if (gpu < 0) {
+    std::move(accumulator).move_into(stats);
+  } else {
+    if (runner) stats.heads = runner->head_stats();
+    std::move(gpu_sampler).move_into(stats);
+  }
   stats.producer = std::string("kvcc ") + KVCC_VERSION;
   stats.created = h5::utc_now_iso8601();
   stats.command = options.command;
@@ -258,11 +324,13 @@ Stats calibrate_model(const CalibrationOptions& options, CalibrationSummary* sum
   if (summary) {
     summary->tokens = local_tokens;
     summary->sequences = local.size();
-    summary->stats_seconds = observer.seconds();
-    summary->forward_seconds = layers_seconds - observer.seconds();
+    const double stats_seconds = runner ? runner->stats_seconds() : observer.seconds();
+    summary->stats_seconds = stats_seconds;
+    summary->forward_seconds = layers_seconds - stats_seconds;
     summary->stats_cpu_seconds = observer.cpu_seconds();
     summary->forward_cpu_seconds = layers_cpu_seconds - observer.cpu_seconds();
-    summary->hidden_state_bytes = uint64_t(x.size()) * sizeof(float);
+    summary->hidden_state_bytes = uint64_t(local_tokens) * hidden * sizeof(float);
+    summary->device = runner ? runner->device_name() : gpu >= 0 ? options.device : "cpu";
     summary->layer_weight_bytes = max_layer_bytes;
     summary->seconds = seconds_since(t0);
     summary->peak_rss_kib = peak_rss_kib();

@@ -43,6 +43,9 @@ struct CalibrationOptions {
   int sensitivity_block = 0;
   int sensitivity_sink = 4;
   uint64_t sensitivity_tokens = 16384;
+  // "cpu" (OpenBLAS), "gpu" or "gpu:N" (calibrate/gpu_layers.h: the layers on CUDA device N, 0 by
+  // default; under mpirun "gpu" gives each rank the device of its local rank).
+  std::string device = "cpu";
   std::string command;                                       // recorded in the stats file
   std::function<void(const CalibrationProgress&)> progress;  // optional
 };
@@ -66,13 +69,14 @@ struct CalibrationSummary {
   uint64_t sequences = 0;
   double seconds = 0.0;              // wall time of the whole run
   double forward_seconds = 0.0;      // model layers (this process), statistics excluded
-  double stats_seconds = 0.0;        // inside the statistics observer (this process)
+  double stats_seconds = 0.0;        // inside the statistics observer, or GPU time of the statistics
   double forward_cpu_seconds = 0.0;  // the same two as process CPU time (all threads), which a
   double stats_cpu_seconds = 0.0;    // busy shared machine disturbs less than wall time
   long peak_rss_kib = 0;             // getrusage maximum resident set of this process
   uint64_t hidden_state_bytes = 0;   // the calibration set's hidden states (this process)
   uint64_t layer_weight_bytes = 0;   // the largest single layer's float32 weights
   int ranks = 1;                     // MPI processes (1 without mpirun)
+  std::string device;                // "cpu", or the GPU's name
   bool wrote_output = false;         // false on MPI ranks other than 0
 };
 

@@ -161,6 +161,10 @@ Command reg{
                      "With --layer-sensitivity: measure on the first documents holding at least this many tokens")
           ->transform(whole_number(1, ~0ULL))
           ->capture_default_str();
+      app.add_option("--device", o.device,
+                     "Where the layers run: cpu (OpenBLAS), gpu or gpu:N (CUDA device N: cuBLAS in float32, "
+                     "statistics in float64 on the device; the same statistics to float32 rounding)")
+          ->capture_default_str();
       app.add_option("-o,--output", flags->output, "Statistics file to write (HDF5)")->required();
       app.footer(
           "Runs the model one layer at a time over every calibration token (memory: one layer's\n"
@@ -176,6 +180,9 @@ Command reg{
           "  kvcc calibrate-model --model ../shared/models/tinystories-656k \\\n"
           "      --data ../shared/text/tinystories_valid_100.txt --tokens 20000 -o stats.h5\n"
           "  kvcc compile stats.h5 --method oscar --key-bits 2 --value-bits 2 -o model.kvcc.h5\n\n"
+          "On a GPU: `--device gpu` keeps the hidden states on the device and uploads one layer's\n"
+          "weights at a time (the next one is read while the current one runs), so a model larger\n"
+          "than the GPU's memory still calibrates; --layer-sensitivity's extra runs stay on the CPU.\n\n"
           "Scale-out: `mpirun -n 4 kvcc calibrate-model ...` splits documents over ranks and rank 0\n"
           "writes the reduced file; or run `--shard 0/2` and `--shard 1/2` anywhere and\n"
           "`kvcc merge-stats a.h5 b.h5 -o stats.h5` (equal to one run up to float64 rounding).");
@@ -197,6 +204,7 @@ Command reg{
         if (options.separator != CalibrationOptions{}.separator)
           options.command += " --separator '" + options.separator + "'";
         if (!flags->shard.empty()) options.command += " --shard " + flags->shard;
+        if (options.device != "cpu") options.command += " --device " + options.device;
         if (options.sensitivity_block > 0) {
           KVCC_REQUIRE(options.sensitivity_block >= 2, "--layer-sensitivity must be 0 (off) or at least 2 tokens");
           options.command += " --layer-sensitivity " + std::to_string(options.sensitivity_block) +
@@ -211,14 +219,19 @@ Command reg{
         if (!s.wrote_output) return 0;
         const double mib = 1024.0 * 1024.0;
         const double cpu = s.forward_cpu_seconds + s.stats_cpu_seconds;
-        std::fprintf(stderr,
-                     "calibrated %" PRIu64 " tokens in %" PRIu64
-                     " sequences%s in %.1f s (%.0f tok/s)\n"
-                     "  this process: CPU time forward %.2f s, statistics %.2f s (%.0f%% of the layers' "
-                     "time); peak memory %.1f MiB (largest layer %.1f MiB + hidden states %.1f MiB)\n",
+        std::fprintf(stderr, "calibrated %" PRIu64 " tokens in %" PRIu64 " sequences%s in %.1f s (%.0f tok/s) on %s\n",
                      s.tokens, s.sequences, s.ranks > 1 ? (" on " + std::to_string(s.ranks) + " ranks").c_str() : "",
-                     s.seconds, s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0, s.forward_cpu_seconds,
-                     s.stats_cpu_seconds, cpu > 0 ? 100.0 * s.stats_cpu_seconds / cpu : 0.0,
+                     s.seconds, s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0, s.device.c_str());
+        if (s.device == "cpu")
+          std::fprintf(stderr,
+                       "  this process: CPU time forward %.2f s, statistics %.2f s (%.0f%% of the layers' time)",
+                       s.forward_cpu_seconds, s.stats_cpu_seconds, cpu > 0 ? 100.0 * s.stats_cpu_seconds / cpu : 0.0);
+        else  // the GPU's statistics time is device time (events), the forward the rest of the layers' wall time
+          std::fprintf(stderr,
+                       "  this process: layers forward %.2f s, statistics %.2f s on the GPU (%.0f%% of the forward)",
+                       s.forward_seconds, s.stats_seconds,
+                       s.forward_seconds > 0 ? 100.0 * s.stats_seconds / s.forward_seconds : 0.0);
+        std::fprintf(stderr, "; peak memory %.1f MiB on the host (largest layer %.1f MiB + hidden states %.1f MiB)\n",
                      double(s.peak_rss_kib) / 1024.0, double(s.layer_weight_bytes) / mib,
                      double(s.hidden_state_bytes) / mib);
         std::printf("wrote %s\n", flags->output.c_str());

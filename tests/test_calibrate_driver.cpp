@@ -326,6 +326,19 @@ TEST(CalibrateDriver, BadInputGivesClearErrors) {
   o.shard_count = 2;
   EXPECT_NE(message_of(o).find("shard"), std::string::npos);
 
+  // Devices: a name that is none of cpu / gpu / gpu:N, and a GPU no machine has (refused for a
+  // build without CUDA, a machine without a GPU and one with fewer GPUs alike), nothing written.
+  for (const char* bad : {"tpu", "gpu:", "gpu:-1", "gpu:1x", "GPU"}) {
+    o = small_options();
+    o.device = bad;
+    EXPECT_NE(message_of(o).find(std::string("--device '") + bad + "'"), std::string::npos) << message_of(o);
+  }
+  o = small_options();
+  o.device = "gpu:4096";
+  EXPECT_NE(message_of(o, dir / "gpu.h5").find("--device gpu:4096"), std::string::npos)
+      << message_of(o, dir / "gpu.h5");
+  EXPECT_FALSE(fs::exists(dir / "gpu.h5"));
+
   // The CLI prints the error on one line and exits 1.
   std::string log;
   EXPECT_EQ(run_command(shell_quote(KVCC_BINARY) + " calibrate-model --model " + shell_quote(dir / "nope") +

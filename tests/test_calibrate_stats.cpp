@@ -295,6 +295,48 @@ TEST(CalibrateStats, ReservoirLargerThanDataKeepsEverything) {
   }
 }
 
+// The GPU path's sampler: tokens chosen up front (preselect) and their rows offered packed, one
+// sequence at a time, must give the reservoirs that merging every candidate gives, bit for bit.
+TEST(CalibrateStats, PreselectedSamplerEqualsMergingEveryCandidate) {
+  const Fixture f = make_fixture(6, kDocs);
+  const ModelConfig& c = f.config;
+  const int qdim = c.n_heads * c.head_dim, kvdim = c.n_kv_heads * c.head_dim;
+  for (int capacity : {1, 7, 20, 1000}) {
+    ReservoirSampler merging(c, capacity, 77), preselected(c, capacity, 77);
+    preselected.preselect(kDocs);
+    for (int l = 0; l < c.n_layers; ++l)
+      for (const Sequence& s : f.per_layer[size_t(l)]) {
+        merging.offer(l, s.doc, merging.candidates(l, s.doc, s.T), false, s.q.data(), s.key_pre.data(), s.key.data(),
+                      s.value.data());
+        const std::vector<int> kept = preselected.candidates(l, s.doc, s.T);
+        std::vector<float> q, kp, k, v;  // the kept rows packed, as the GPU gathers them
+        for (int t : kept) {
+          q.insert(q.end(), s.q.begin() + ptrdiff_t(t) * qdim, s.q.begin() + ptrdiff_t(t + 1) * qdim);
+          kp.insert(kp.end(), s.key_pre.begin() + ptrdiff_t(t) * kvdim, s.key_pre.begin() + ptrdiff_t(t + 1) * kvdim);
+          k.insert(k.end(), s.key.begin() + ptrdiff_t(t) * kvdim, s.key.begin() + ptrdiff_t(t + 1) * kvdim);
+          v.insert(v.end(), s.value.begin() + ptrdiff_t(t) * kvdim, s.value.begin() + ptrdiff_t(t + 1) * kvdim);
+        }
+        preselected.offer(l, s.doc, kept, true, q.data(), kp.data(), k.data(), v.data());
+      }
+    Stats a, b;
+    std::move(merging).move_into(a);
+    std::move(preselected).move_into(b);
+    ASSERT_EQ(a.reservoirs.size(), b.reservoirs.size());
+    for (size_t i = 0; i < a.reservoirs.size(); ++i) {
+      const Reservoir &x = a.reservoirs[i], &y = b.reservoirs[i];
+      EXPECT_EQ(x.size(), size_t(std::min(capacity, 36))) << capacity;
+      EXPECT_EQ(x.priority, y.priority) << capacity;
+      EXPECT_EQ(x.position, y.position);
+      EXPECT_EQ(x.doc, y.doc);
+      EXPECT_EQ(x.heldout, y.heldout);
+      EXPECT_EQ(x.q, y.q);
+      EXPECT_EQ(x.key_pre, y.key_pre);
+      EXPECT_EQ(x.key, y.key);
+      EXPECT_EQ(x.value, y.value);
+    }
+  }
+}
+
 TEST(CalibrateStats, PriorityIsAHashOfSeedDocPosition) {
   // Distinct tokens and seeds give distinct priorities (a collision here would mean a weak mix).
   std::set<uint64_t> seen;

@@ -237,10 +237,26 @@ class _StopForward(Exception):
     the last layer's MLP)."""
 
 
+def _gram(x, chunk: int = 256):
+    """Σ over rows of x xᵀ for x [..., n, d] (float64), as a split-K batch of products of `chunk`
+    rows added in order: one [d, n] x [n, d] product per head spreads only d × d outputs over a
+    GPU."""
+    import torch
+
+    n, d = x.shape[-2], x.shape[-1]
+    if n <= chunk:
+        return x.transpose(-1, -2) @ x
+    pad = (-n) % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    x = x.reshape(*x.shape[:-2], (n + pad) // chunk, chunk, d)
+    return (x.transpose(-1, -2) @ x).sum(dim=-3)
+
+
 class StatsCollector:
     """Per-layer float64 accumulators on the model's device, and the reservoir rows."""
 
-    def __init__(self, config: ModelConfig, device, sampled: dict, block_bytes: int):
+    def __init__(self, config: ModelConfig, device, sampled: dict, block_bytes: int, fused: bool = True):
         import torch
 
         self.torch = torch
@@ -260,6 +276,8 @@ class StatsCollector:
         self.seq = -1
         self.pending_pre_key = None  # (input k, output k) of the last apply_rotary_pos_emb call
         self.stats_seconds = 0.0
+        self.sample_index = (-1, None)  # (sequence, its reservoir positions on the device)
+        self.fused = None if fused else False  # None: decided on the first layer (_fused_attention)
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The registered attention function: returns the model's attention output and accumulates."""
@@ -284,43 +302,29 @@ class StatsCollector:
         k = key[0].to(cdt)
         v = value[0].to(cdt)
         q64, k64, v64 = q.double(), k.double(), v.double()
-        qg = q64.reshape(K, r * T, d)
-        self.m2["query_m2"][layer] += qg.transpose(1, 2) @ qg
-        self.m2["key_m2"][layer] += k64.transpose(1, 2) @ k64
-        self.m2["value_m2"][layer] += v64.transpose(1, 2) @ v64
+        self.m2["query_m2"][layer] += _gram(q64.reshape(K, r * T, d))
+        self.m2["key_m2"][layer] += _gram(k64)
+        self.m2["value_m2"][layer] += _gram(v64)
         self.mins["key_min"][layer] = torch.minimum(self.mins["key_min"][layer], k64.amin(dim=1))
         self.maxs["key_max"][layer] = torch.maximum(self.maxs["key_max"][layer], k64.amax(dim=1))
         self.mins["value_min"][layer] = torch.minimum(self.mins["value_min"][layer], v64.amin(dim=1))
         self.maxs["value_max"][layer] = torch.maximum(self.maxs["value_max"][layer], v64.amax(dim=1))
         self.kv_count[layer] += T
 
-        # Blocks of query rows: one block holds K·r·b·T probabilities (float32 and float64).
-        b = max(1, min(T, self.block_bytes // max(1, K * r * T * 12)))
-        out = torch.empty((K, r, T, d), dtype=cdt, device=q.device)
-        w = torch.zeros((K, T), dtype=torch.float64, device=q.device)
-        pos = torch.arange(T, device=q.device)
-        for i0 in range(0, T, b):
-            i1 = min(T, i0 + b)
-            j1 = i1  # causal: keys after the block's last row get zero probability
-            s = (q[:, :, i0:i1] @ k[:, None, :j1].transpose(-1, -2)) * scale  # [K, r, b, j1]
-            rows, cols = pos[i0:i1, None], pos[None, :j1]
-            masked = cols > rows
-            if window is not None:
-                masked = masked | (rows - cols >= int(window))
-            s = s.masked_fill(masked, -math.inf)
-            p = torch.softmax(s, dim=-1)
-            o = p @ v[:, None, :j1]  # [K, r, b, d]
-            out[:, :, i0:i1] = o
-            o64 = o.double().reshape(K, r * (i1 - i0), d)
-            self.m2["output_m2"][layer] += o64.transpose(1, 2) @ o64
-            w[:, :j1] += p.double().square().sum(dim=(1, 2))
+        if self._fused_attention(query, window):
+            out, w = self._flash_attention(query, key, value, scale, r)
+            self.m2["output_m2"][layer] += _gram(out.double().reshape(K, r * T, d))
+        else:
+            out, w = self._exact_attention(layer, q, k, v, scale, window)
         vw = v64 * w.sqrt()[:, :, None]
-        self.m2["p2_m2"][layer] += vw.transpose(1, 2) @ vw
+        self.m2["p2_m2"][layer] += _gram(vw)
         self.p2_weight[layer] += w.sum(dim=1)
 
         sample = self.sampled.get(self.seq)
         if sample is not None:
-            idx = torch.as_tensor(sample[0], device=q.device)
+            if self.sample_index[0] != self.seq:  # uploaded once per sequence, not per layer
+                self.sample_index = (self.seq, torch.as_tensor(sample[0], device=q.device))
+            idx = self.sample_index[1]
             pre = self._pre_rope_key(key, layer)
             self.rows[layer].append((
                 self.seq,
@@ -335,6 +339,62 @@ class StatsCollector:
             raise _StopForward()
         return result, None
 
+    def _exact_attention(self, layer, q, k, v, scale, window):
+        """Causal attention in the activations' float precision over blocks of query rows (the
+        probabilities of one block materialised, as the C++ forward does): returns the output
+        [K, r, T, d] and the p2 column weights w [K, T] (float64); accumulates output_m2."""
+        torch = self.torch
+        K, r, T, d = q.shape
+        # One block holds K·r·b·T probabilities (float32 and float64).
+        b = max(1, min(T, self.block_bytes // max(1, K * r * T * 12)))
+        out = torch.empty((K, r, T, d), dtype=q.dtype, device=q.device)
+        w = torch.zeros((K, T), dtype=torch.float64, device=q.device)
+        pos = torch.arange(T, device=q.device)
+        for i0 in range(0, T, b):
+            i1 = min(T, i0 + b)
+            j1 = i1  # causal: keys after the block's last row get zero probability
+            s = (q[:, :, i0:i1] @ k[:, None, :j1].transpose(-1, -2)) * scale  # [K, r, b, j1]
+            rows, cols = pos[i0:i1, None], pos[None, :j1]
+            masked = cols > rows
+            if window is not None:
+                masked = masked | (rows - cols >= int(window))
+            s = s.masked_fill(masked, -math.inf)
+            p = torch.softmax(s, dim=-1)
+            o = p @ v[:, None, :j1]  # [K, r, b, d]
+            out[:, :, i0:i1] = o
+            self.m2["output_m2"][layer] += _gram(o.double().reshape(K, r * (i1 - i0), d))
+            w[:, :j1] += p.double().square().sum(dim=(1, 2))
+        return out, w
+
+    def _fused_attention(self, query, window) -> bool:
+        """BF16/FP16 activations on a CUDA GPU that has flash attention: the model's kind of
+        attention kernel gives the output (rounded to the activations' dtype, as the model's own
+        attention returns it) and a Triton pass recomputes the probabilities for w, so no T × T
+        matrix is materialised. Float32 keeps the exact path (the CPU path's rounding)."""
+        if self.fused is None:
+            torch = self.torch
+            d = query.shape[-1]
+            self.fused = False
+            if query.is_cuda and torch.cuda.get_device_capability(query.device) >= (8, 0) and 16 <= d <= 256 \
+                    and d & (d - 1) == 0:
+                try:
+                    import triton  # noqa: F401  (torch's CUDA wheels bring it)
+                    self.fused = True
+                except ImportError:
+                    pass
+        return self.fused and query.dtype in (self.torch.bfloat16, self.torch.float16) and window is None
+
+    def _flash_attention(self, query, key, value, scale, r):
+        from kvcc._p2_triton import p2_column_weights
+
+        torch = self.torch
+        _, H, T, d = query.shape
+        k, v = (key, value) if r == 1 else (key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1))
+        res = torch.ops.aten._scaled_dot_product_flash_attention(query, k, v, 0.0, True, False, scale=scale)
+        out, lse = res[0], res[1]  # [1, H, T, d] in query's dtype, [1, H, T] float32 (natural log)
+        w = p2_column_weights(query[0], key[0], lse[0], scale, r)
+        return out[0].reshape(H // r, r, T, d), w
+
     def _pre_rope_key(self, key, layer):
         pending = self.pending_pre_key
         self.pending_pre_key = None
@@ -345,22 +405,23 @@ class StatsCollector:
 
     def heads(self):
         """Per (layer, KV head) dicts for the writer: matrices mirrored from the upper triangle."""
-        torch = self.torch
+        m2 = {name: m.cpu().numpy() for name, m in self.m2.items()}  # one copy each, not one per head
+        ranges = {name: m.cpu().numpy() for src in (self.mins, self.maxs) for name, m in src.items()}
+        p2_weight = self.p2_weight.cpu().numpy()
         out = []
         for layer in range(self.c.n_layers):
             row = []
             for h in range(self.c.n_kv_heads):
                 hs = {}
-                for name, m in self.m2.items():
-                    upper = torch.triu(m[layer, h])
-                    hs[name] = (upper + torch.triu(upper, 1).transpose(0, 1)).cpu().numpy()
-                for src in (self.mins, self.maxs):
-                    for name, m in src.items():
-                        hs[name] = m[layer, h].cpu().numpy()
+                for name, m in m2.items():
+                    upper = np.triu(m[layer, h])
+                    hs[name] = upper + np.triu(upper, 1).T
+                for name, m in ranges.items():
+                    hs[name] = m[layer, h].copy()
                 hs["query_count"] = self.kv_count[layer] * self.c.group
                 hs["output_count"] = self.kv_count[layer] * self.c.group
                 hs["kv_count"] = self.kv_count[layer]
-                hs["p2_weight"] = float(self.p2_weight[layer, h].item())
+                hs["p2_weight"] = float(p2_weight[layer, h])
                 row.append(hs)
             out.append(row)
         return out
@@ -573,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="Precision of the model's forward pass (default float32, as `kvcc calibrate-model`); "
                         "statistics are float64 whatever this is")
+    p.add_argument("--attention", default="auto", choices=("auto", "exact"),
+                   help="auto: with --dtype bfloat16/float16 on a CUDA GPU, flash attention gives the output and a "
+                        "Triton pass recomputes the probabilities for the p2 target (no T x T matrix); exact: "
+                        "probabilities materialised in float32 blocks for every dtype (what float32 always does)")
     p.add_argument("--block-mib", type=whole(1), default=256,
                    help="Memory for one block of attention probabilities (default 256 MiB)")
     p.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
@@ -730,7 +795,7 @@ def _run(args, argv, job: _Distributed, shard_index: int, shard_count: int) -> d
     try:
         _register_attention()
         model = load_model(args.model, config, str(device), args.dtype)
-        collector = StatsCollector(config, device, sampled, args.block_mib << 20)
+        collector = StatsCollector(config, device, sampled, args.block_mib << 20, fused=args.attention == "auto")
         _ACTIVE.append(collector)
         patched = _hook_rope(model, collector)
         ranks = f", {job.world} ranks ({job.backend})" if job.world > 1 else ""

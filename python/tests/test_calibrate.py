@@ -227,3 +227,44 @@ def test_refuses_bad_input(cli, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     refused("--model", bad, "--data", data, "--tokens", 100, "-o", out, expect=f"tensor {name}")
     assert not any(p.name.startswith("s.h5.tmp-") for p in tmp_path.iterdir()), "temporary file left behind"
+
+
+P2_INTERPRETED = r"""
+import sys
+import torch
+sys.path.insert(0, {python!r})
+from kvcc._p2_triton import p2_column_weights
+torch.manual_seed(0)
+for K, r, T, d in ((2, 2, 150, 16), (1, 3, 64, 32), (3, 1, 1, 16)):
+    q = torch.randn(K * r, T, d) * 2.0
+    k = torch.randn(K, T, d)
+    scale = d ** -0.5
+    # Reference in float64: the causal softmax of each head, its squared probabilities by column.
+    s = (q.double() @ k.double().repeat_interleave(r, dim=0).transpose(1, 2)) * scale
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    want = (torch.softmax(s, dim=-1) ** 2).sum(dim=1).view(K, r, T).sum(dim=1)
+    got = p2_column_weights(q, k, lse.float(), scale, r)
+    # Every term is positive, so the sum's relative error is at most the terms': p = exp(s - lse)
+    # with a float32 score (d products: ~d·max|s|·2^-24 absolute) and lse rounded to float32
+    # (max|lse|·2^-24), squared (twice that), plus the float32 sum of a 64-row block (64·2^-24).
+    smax, lmax = float(s[s.isfinite()].abs().max()), float(lse.abs().max())
+    bound = 4 * (2 * (d * smax + lmax) + 64) * 2.0 ** -24
+    err = ((got - want).abs() / want.abs().clamp_min(1e-300)).max().item()
+    assert got.dtype == torch.float64 and got.shape == (K, T), got.shape
+    assert err < bound, (K, r, T, d, err, bound)
+    print(K, r, T, d, f"{{err:.1e}}")
+"""
+
+
+def test_p2_column_weights_kernel_under_the_triton_interpreter(tmp_path):
+    """The BF16/FP16 GPU path's Triton kernel (kvcc._p2_triton), run by Triton's CPU interpreter on
+    float32 inputs against the float64 softmax: column sums of squared causal probabilities, for
+    GQA groups, T not a multiple of the 64-row blocks, and T = 1."""
+    pytest.importorskip("triton")
+    script = tmp_path / "p2.py"
+    script.write_text(P2_INTERPRETED.format(python=str(PYTHON_DIR)))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(res.stdout.split("\n")) >= 3, res.stdout
