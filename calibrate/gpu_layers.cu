@@ -300,8 +300,7 @@ struct GpuLayerRunner::Impl {
   }
   // C += Aᵀ A for n rows widened into rows64 [n, d], as a split-K batch: one d×d product per
   // kGramRows rows, then the chunks added in order (one DSYRK spreads only d×d outputs over the
-  // GPU: statistics took half as long as an 8B forward that way). Full matrices; the export
-  // mirrors one triangle.
+  // GPU). Full matrices; the export mirrors one triangle.
   void gram(double* cm, int n) {
     const int chunks = (n + kGramRows - 1) / kGramRows, padded = chunks * kGramRows;
     if (padded > n)
