@@ -5,8 +5,9 @@ Runs a transformers model over calibration text and writes the attention statist
 ``merge-stats`` and the zoo read it unchanged. The model's attention is replaced by a function
 registered with transformers' AttentionInterface that sees the post-RoPE queries and keys and the
 values of every layer; it computes the attention probabilities blockwise (float32, as the C++
-forward pass), returns the attention output to the model, and accumulates in float64 on the
-model's device:
+forward pass; for BF16/FP16 on a CUDA GPU, flash attention's output and a Triton pass for the p2
+weights instead, see --attention), returns the attention output to the model, and accumulates in
+float64 on the model's device:
 
 - query_m2 (Σ q qᵀ over the r query heads of a KV head), key_m2, value_m2, per-channel ranges;
 - the value targets output_m2 (Σ o oᵀ per query head) and p2_m2 (Σ_j w_j v_j v_jᵀ with
