@@ -55,7 +55,9 @@ def p2_column_weights(q, k, lse, scale: float, group: int):
                          f"do not fit group {group}")
     if d & (d - 1) or d < 16:
         raise ValueError(f"p2_column_weights: head_dim {d} is not a power of two >= 16")
-    q, k, lse = q.contiguous(), k.contiguous(), lse.float().contiguous()
+    # Rows may be strided (the model's [T, H, d] layout seen as [H, T, d]): only the last dim must be dense.
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    lse = lse.float().contiguous()
     w = torch.empty((H, T), dtype=torch.float64, device=q.device)
     block_m, block_n = 64, 64
     grid = (triton.cdiv(T, block_n), H)

@@ -257,6 +257,9 @@ def _gram(x, chunk: int = 256):
 class StatsCollector:
     """Per-layer float64 accumulators on the model's device, and the reservoir rows."""
 
+    M2_NAMES = ("query_m2", "output_m2", "key_m2", "value_m2", "p2_m2")  # the order of `sums`
+    PINNED_ROWS_BYTES = 8 << 30  # above: each sequence's rows copied to pageable memory, waiting
+
     def __init__(self, config: ModelConfig, device, sampled: dict, block_bytes: int, fused: bool = True):
         import torch
 
@@ -265,19 +268,23 @@ class StatsCollector:
         self.device = device
         L, K, d = config.n_layers, config.n_kv_heads, config.head_dim
         f64 = dict(dtype=torch.float64, device=device)
-        self.m2 = {name: torch.zeros((L, K, d, d), **f64)
-                   for name in ("query_m2", "output_m2", "p2_m2", "key_m2", "value_m2")}
-        self.mins = {name: torch.full((L, K, d), math.inf, **f64) for name in ("key_min", "value_min")}
-        self.maxs = {name: torch.full((L, K, d), -math.inf, **f64) for name in ("key_max", "value_max")}
+        # One tensor per kind, so a layer's sums take two additions and the ranks reduce three tensors.
+        self.sums = torch.zeros((L, len(self.M2_NAMES), K, d, d), **f64)
+        self.lo = torch.full((L, 2, K, d), math.inf, **f64)  # key, value
+        self.hi = torch.full((L, 2, K, d), -math.inf, **f64)
         self.p2_weight = torch.zeros((L, K), **f64)
         self.kv_count = [0] * L
         self.sampled = sampled  # sequence index -> (positions int64 array, priorities uint64 array)
         self.rows: list[list[tuple]] = [[] for _ in range(L)]  # per layer: (seq, q, key_pre, key, value)
+        # Reservoir rows on their way to the host: this sequence's per layer on the device, then one
+        # asynchronous copy per sequence (a synchronous copy per layer would stall the host's launches).
+        self.seq_rows: list = []
+        self.copied_rows: list[tuple] = []  # (seq, host tensor [L, n, H + 3K, d])
+        self._place_reservoir(device)
         self.block_bytes = block_bytes
         self.seq = -1
         self.pending_pre_key = None  # (input k, output k) of the last apply_rotary_pos_emb call
         self.stats_seconds = 0.0
-        self.sample_index = (-1, None)  # (sequence, its reservoir positions on the device)
         self.fused = None if fused else False  # None: decided on the first layer (_fused_attention)
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -298,47 +305,108 @@ class StatsCollector:
         scale = float(scaling) if scaling is not None else d ** -0.5
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
 
-        cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
-        q = query[0].to(cdt).reshape(K, r, T, d)
-        k = key[0].to(cdt)
-        v = value[0].to(cdt)
-        q64, k64, v64 = q.double(), k.double(), v.double()
-        self.m2["query_m2"][layer] += _gram(q64.reshape(K, r * T, d))
-        self.m2["key_m2"][layer] += _gram(k64)
-        self.m2["value_m2"][layer] += _gram(v64)
-        self.mins["key_min"][layer] = torch.minimum(self.mins["key_min"][layer], k64.amin(dim=1))
-        self.maxs["key_max"][layer] = torch.maximum(self.maxs["key_max"][layer], k64.amax(dim=1))
-        self.mins["value_min"][layer] = torch.minimum(self.mins["value_min"][layer], v64.amin(dim=1))
-        self.maxs["value_max"][layer] = torch.maximum(self.maxs["value_max"][layer], v64.amax(dim=1))
-        self.kv_count[layer] += T
-
-        if self._fused_attention(query, window):
+        fused = self._fused_attention(query, window)
+        if fused:
             out, w = self._flash_attention(query, key, value, scale, r)
-            self.m2["output_m2"][layer] += _gram(out.double().reshape(K, r * T, d))
         else:
-            out, w = self._exact_attention(layer, q, k, v, scale, window)
-        vw = v64 * w.sqrt()[:, :, None]
-        self.m2["p2_m2"][layer] += _gram(vw)
-        self.p2_weight[layer] += w.sum(dim=1)
-
-        sample = self.sampled.get(self.seq)
-        if sample is not None:
-            if self.sample_index[0] != self.seq:  # uploaded once per sequence, not per layer
-                self.sample_index = (self.seq, torch.as_tensor(sample[0], device=q.device))
-            idx = self.sample_index[1]
-            pre = self._pre_rope_key(key, layer)
-            self.rows[layer].append((
-                self.seq,
-                query[0].float().reshape(K, r, T, d)[:, :, idx].permute(2, 0, 1, 3).cpu(),  # [n, K, r, d]
-                pre[0].float()[:, idx].permute(1, 0, 2).cpu(),  # [n, K, d]
-                key[0].float()[:, idx].permute(1, 0, 2).cpu(),
-                value[0].float()[:, idx].permute(1, 0, 2).cpu(),
-            ))
+            cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
+            out, w = self._exact_attention(layer, query[0].to(cdt).reshape(K, r, T, d), key[0].to(cdt),
+                                           value[0].to(cdt), scale, window)
+        self._accumulate(layer, query[0], key[0], value[0], out if fused else None, w)
+        self._gather_rows(layer, query, key, value)
         result = out.reshape(H, T, d).transpose(0, 1).unsqueeze(0).to(query.dtype)
         self.stats_seconds += time.perf_counter() - t0
         if layer == c.n_layers - 1:
             raise _StopForward()
         return result, None
+
+    def _accumulate(self, layer, q, k, v, out, w):
+        """Adds one sequence's sums to layer `layer`: q [H, T, d], k and v [K, T, d] in the
+        activations' dtype, out [K, r, T, d] or None (the exact path added output_m2 itself), w [K, T]
+        float64. Each operand is converted once, straight into a float64 buffer the Grams read."""
+        torch = self.torch
+        H, T, d = q.shape
+        K = k.shape[0]
+        qo = torch.empty((H if out is None else 2 * H, T, d), dtype=torch.float64, device=q.device)
+        qo[:H].copy_(q)
+        if out is not None:
+            qo[H:].copy_(out.reshape(H, T, d))
+        kvw = torch.empty((3 * K, T, d), dtype=torch.float64, device=q.device)
+        kvw[:K].copy_(k)
+        kvw[K:2 * K].copy_(v)
+        torch.mul(kvw[K:2 * K], w.sqrt()[:, :, None], out=kvw[2 * K:])  # rows of p2_m2: sqrt(w_j) v_j
+        g = _gram(qo.view(-1, (H // K) * T, d))
+        if out is None:
+            self.sums[layer, 0] += g
+        else:
+            self.sums[layer, 0:2] += g.view(2, K, d, d)
+        self.sums[layer, 2:5] += _gram(kvw).view(3, K, d, d)
+        lo, hi = torch.aminmax(kvw[:2 * K].view(2, K, T, d), dim=2)
+        torch.minimum(self.lo[layer], lo, out=self.lo[layer])
+        torch.maximum(self.hi[layer], hi, out=self.hi[layer])
+        self.p2_weight[layer] += w.sum(dim=1)
+        self.kv_count[layer] += T
+
+    def _gather_rows(self, layer, query, key, value):
+        """This sequence's reservoir rows of one layer, kept on the device; after the last layer they
+        leave for the host in one asynchronous copy (finish() waits for it)."""
+        torch = self.torch
+        sample = self.sampled.get(self.seq)
+        if sample is None:
+            return
+        if not self.seq_rows:
+            self.seq_index = self.positions[self.slots[self.seq][0]:self.slots[self.seq][1]]
+        pre = self._pre_rope_key(key, layer)
+        self.seq_rows.append(torch.cat([t[0][:, self.seq_index].to(query.dtype) for t in (query, pre, key, value)]))
+        if layer == self.c.n_layers - 1:
+            # float32 [L, n, H + 3K, d] made on the device: the host then only slices it.
+            rows = torch.stack(self.seq_rows).float().permute(0, 2, 1, 3).contiguous()
+            self.seq_rows = []
+            if self.host_rows is not None:  # this sequence's block of the flat buffer (contiguous)
+                a, b = self.slots[self.seq]
+                width = rows[0, 0].numel()
+                host = self.host_rows[rows.shape[0] * a * width:rows.shape[0] * b * width].view(rows.shape)
+                host.copy_(rows, non_blocking=True)
+                rows = host
+            elif rows.is_cuda:
+                rows = rows.cpu()
+            self.copied_rows.append((self.seq, rows))
+
+    def _place_reservoir(self, device):
+        """Every sampled position uploaded once, before the forward passes, and (on a GPU) one pinned
+        host buffer for all reservoir rows, which each sequence's rows are copied into without
+        waiting: a pinned allocation or a pageable copy per sequence would stall the device's queue."""
+        torch = self.torch
+        c = self.c
+        self.slots, n = {}, 0
+        for s in sorted(self.sampled):
+            self.slots[s] = (n, n + len(self.sampled[s][0]))
+            n = self.slots[s][1]
+        flat = np.concatenate([self.sampled[s][0] for s in sorted(self.sampled)]) if n else np.zeros(0, np.int64)
+        positions = torch.as_tensor(flat.astype(np.int64))
+        self.host_rows = None
+        nbytes = 4 * c.n_layers * n * (c.n_heads + 3 * c.n_kv_heads) * c.head_dim
+        if device.type == "cuda":
+            positions = positions.pin_memory().to(device, non_blocking=True)
+            if 0 < nbytes <= self.PINNED_ROWS_BYTES:
+                self.host_rows = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+        self.positions = positions
+
+    def finish(self):
+        """Waits for the device (and so for the reservoir rows' copies) and files the rows per layer
+        as float32 views [n, K, r, d] / [n, K, d] (what reservoirs() and the ranks' gather read)."""
+        torch = self.torch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        c = self.c
+        H, K, d = c.n_heads, c.n_kv_heads, c.head_dim
+        for seq, rows in self.copied_rows:
+            n = rows.shape[1]
+            for layer in range(c.n_layers):
+                x = rows[layer]
+                self.rows[layer].append((seq, x[:, :H].reshape(n, K, H // K, d), x[:, H:H + K], x[:, H + K:H + 2 * K],
+                                         x[:, H + 2 * K:]))
+        self.copied_rows = []
 
     def _exact_attention(self, layer, q, k, v, scale, window):
         """Causal attention in the activations' float precision over blocks of query rows (the
@@ -363,7 +431,7 @@ class StatsCollector:
             p = torch.softmax(s, dim=-1)
             o = p @ v[:, None, :j1]  # [K, r, b, d]
             out[:, :, i0:i1] = o
-            self.m2["output_m2"][layer] += _gram(o.double().reshape(K, r * (i1 - i0), d))
+            self.sums[layer, 1] += _gram(o.double().reshape(K, r * (i1 - i0), d))
             w[:, :j1] += p.double().square().sum(dim=(1, 2))
         return out, w
 
@@ -406,8 +474,9 @@ class StatsCollector:
 
     def heads(self):
         """Per (layer, KV head) dicts for the writer: matrices mirrored from the upper triangle."""
-        m2 = {name: m.cpu().numpy() for name, m in self.m2.items()}  # one copy each, not one per head
-        ranges = {name: m.cpu().numpy() for src in (self.mins, self.maxs) for name, m in src.items()}
+        sums, lo, hi = (t.cpu().numpy() for t in (self.sums, self.lo, self.hi))  # one copy each, not per head
+        m2 = {name: sums[:, i] for i, name in enumerate(self.M2_NAMES)}
+        ranges = {"key_min": lo[:, 0], "value_min": lo[:, 1], "key_max": hi[:, 0], "value_max": hi[:, 1]}
         p2_weight = self.p2_weight.cpu().numpy()
         out = []
         for layer in range(self.c.n_layers):
@@ -726,12 +795,9 @@ def _reduce_to_rank0(job: _Distributed, collector: StatsCollector, all_sampled: 
     """Sums, ranges, counts and reservoir rows of every rank into rank 0's collector (merge-stats'
     addition: the reservoir is the union of the ranks' rows, which were chosen globally)."""
     torch = collector.torch
-    for m in collector.m2.values():
-        job.reduce(m, "sum")
-    for m in collector.mins.values():
-        job.reduce(m, "min")
-    for m in collector.maxs.values():
-        job.reduce(m, "max")
+    job.reduce(collector.sums, "sum")
+    job.reduce(collector.lo, "min")
+    job.reduce(collector.hi, "max")
     job.reduce(collector.p2_weight, "sum")
     counts = torch.tensor(collector.kv_count, dtype=torch.int64, device=collector.p2_weight.device)
     job.reduce(counts, "sum")
@@ -832,8 +898,7 @@ def _run(args, argv, job: _Distributed, shard_index: int, shard_count: int) -> d
             _ACTIVE.remove(collector)
             for mod, fn in patched:
                 setattr(mod, "apply_rotary_pos_emb", fn)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        collector.finish()  # waits for the device and the reservoir rows' copies
         seconds_layers = time.perf_counter() - t0
     except Exception as e:  # raised again below, once every rank knows
         failure = e
