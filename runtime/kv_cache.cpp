@@ -258,12 +258,11 @@ CompactionPlan KvCache::plan_compaction(int seq, const std::vector<int64_t>& kep
     plan.fresh_pages.push_back(page);
     plan.new_pages[size_t(k)] = page;
   }
-  for (size_t q = 0; q < s.pages.size(); ++q) {
-    const int32_t page = s.pages[q];
-    if (refcount_[size_t(page)] == 1 &&
-        std::find(plan.new_pages.begin(), plan.new_pages.end(), page) == plan.new_pages.end())
-      ++plan.pages_released;
-  }
+  // Marks over the pool, not a search of the new table per old page (quadratic at 128K tokens).
+  std::vector<char> in_new(refcount_.size(), 0);
+  for (const int32_t page : plan.new_pages) in_new[size_t(page)] = 1;
+  for (const int32_t page : s.pages)
+    if (refcount_[size_t(page)] == 1 && !in_new[size_t(page)]) ++plan.pages_released;
   for (int64_t j = 0; j < plan.new_length; ++j) {
     const RowAt src = row_at(g, t0, s.pages, kept[size_t(j)]);
     const RowAt dst = row_at(g, t1, plan.new_pages, j);
@@ -287,8 +286,10 @@ void KvCache::commit_compaction(const CompactionPlan& plan) {
     ++pages_in_use_;
   }
   // Old pages the new table keeps (reused or rewritten) keep their reference; the rest drop it.
-  for (int32_t page : s.pages) {
-    if (std::find(plan.new_pages.begin(), plan.new_pages.end(), page) != plan.new_pages.end()) continue;
+  std::vector<char> in_new(refcount_.size(), 0);
+  for (const int32_t page : plan.new_pages) in_new[size_t(page)] = 1;
+  for (const int32_t page : s.pages) {
+    if (in_new[size_t(page)]) continue;
     if (--refcount_[size_t(page)] == 0) {
       free_pages_.push_back(page);
       --pages_in_use_;

@@ -103,7 +103,7 @@ struct Runtime::DeviceState {
   DeviceBuffer<int32_t> batch;     // prefill's page table, and a decode batch outside a step
   DeviceBuffer<uint8_t> step;      // the step's plan: append moves | window writes | decode batch
   DeviceBuffer<uint8_t> ws;        // the step's decode workspace (stream order)
-  DeviceBuffer<uint8_t> other_ws;  // prefill, and decode outside the step: never the step's buffers
+  DeviceBuffer<uint8_t> other_ws;  // prefill, decode outside the step, compaction: never the step's buffers
   // Maxima declared: `step` and `ws` are sized at load for `cap` and never reallocated (a captured
   // graph holds their addresses), and decode's split plan is the one for cap.hist_pages.
   bool fixed = false;
@@ -771,7 +771,7 @@ int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* s
   KVCC_REQUIRE(!geometry().per_channel_keys(), kPerChannelEvictionRefusal);
   if (cache_->memory() == PoolMemory::Host) return compact_ref(*cache_, seq, kept, codecs_.data());
 #if defined(KVCC_HAVE_CUDA)
-  return compact_device(*cache_, seq, kept, dev_->codecs.data(), stream);
+  return compact_device(*cache_, seq, kept, dev_->codecs.data(), dev_->other_ws, stream);
 #else
   (void)stream;
   throw Error("runtime: built without CUDA");

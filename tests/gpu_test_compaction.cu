@@ -115,16 +115,46 @@ TEST(GpuCompaction, DevicePoolEqualsHostReferenceBytes) {
   const int64_t n = w.host.length(a);
   const std::vector<int64_t> half = random_keep(n, n / 2, rng);
   const int64_t rh = compact_ref(w.host, a, half, w.codecs.data());
-  const int64_t rd = compact_device(w.dev, a, half, w.dcodecs.data(), nullptr);
+  const int64_t rd = compact_device(w.dev, a, half, w.dcodecs.data(), w.ws, nullptr);
   EXPECT_EQ(rh, rd);
   w.expect_same({a, b});
   w.append(a, 300);  // rows that left history go back in
   w.expect_same({a, b});
   // 90% of b's tokens, b alone holding most of its pages now.
   const std::vector<int64_t> tenth = random_keep(n, n / 10, rng);
-  EXPECT_EQ(compact_ref(w.host, b, tenth, w.codecs.data()), compact_device(w.dev, b, tenth, w.dcodecs.data(), nullptr));
+  EXPECT_EQ(compact_ref(w.host, b, tenth, w.codecs.data()),
+            compact_device(w.dev, b, tenth, w.dcodecs.data(), w.ws, nullptr));
   w.expect_same({a, b});
   EXPECT_EQ(w.host.pages_in_use(), w.dev.pages_in_use());
+}
+
+// Staging one layer at a time (the chunked path a long sequence takes) and all layers at once
+// move the same bytes, over five layers and every kind of move: 50 sink rows, 20 history rows and
+// the whole ring kept, so 14 history rows are dequantised into the sink and 58 ring rows are
+// quantised into the one new history page.
+TEST(GpuCompaction, LayerChunksEqualHostReferenceBytes) {
+  const KvGeometry g = test_geometry(5, 2);
+  for (const size_t stage : {size_t(1), kCompactStageBytes}) {
+    Twin w(g, 64, 2);
+    const int a = w.add();
+    w.append(a, 64 + 7 * 64 + 256);
+    std::mt19937 rng(23);
+    std::vector<int64_t> kept(50);
+    std::iota(kept.begin(), kept.end(), 0);
+    for (int64_t t : random_keep(7 * 64, 20, rng)) kept.push_back(64 + t);
+    for (int64_t t = 64 + 7 * 64; t < w.host.length(a); ++t) kept.push_back(t);
+    int kinds[2][2] = {};  // [from a page][to a page]
+    for (const CompactRowMove& m : w.dev.plan_compaction(a, kept).moves)
+      ++kinds[m.src_page != kCompactWindow][m.dst_page != kCompactWindow];
+    ASSERT_TRUE(kinds[0][0] > 0 && kinds[0][1] > 0 && kinds[1][0] > 0 && kinds[1][1] > 0)
+        << kinds[0][0] << " " << kinds[0][1] << " " << kinds[1][0] << " " << kinds[1][1];
+    EXPECT_EQ(compact_ref(w.host, a, kept, w.codecs.data()),
+              compact_device(w.dev, a, kept, w.dcodecs.data(), w.ws, nullptr, stage))
+        << "stage bytes " << stage;
+    w.expect_same({a});
+    w.append(a, 70);
+    w.expect_same({a});
+  }
 }
 
 }  // namespace
