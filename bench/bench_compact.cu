@@ -4,7 +4,9 @@
 // token, per layer append + decode), and (b) evict_tokens keeping a random `keep` fraction of the
 // positions, wall time to the stream's end, on a fork of the sequence (every page shared, so all
 // kept rows go to fresh pages) and on a sequence of its own filled afresh per repetition (the
-// same rows move each time). The issue's goal: (b) on its own sequence < (a).
+// same rows move each time), and (c) the tokens' attention scores over an observation window of
+// 32 queries (Runtime::attention_scores) for every layer. The issue's goal: (b) on its own
+// sequence < (a).
 //
 // usage: bench_compact [--ctx N] [--layers L] [--hq H] [--hkv H] [--keep F] [--reps R]
 #include <cuda_runtime.h>
@@ -173,6 +175,23 @@ int main(int argc, char** argv) {
   ck(cudaStreamSynchronize(s), "steps");
   const double step_s = seconds_since(t2) / steps;
 
+  // (c) SnapKV's token scores read from the cache (attention_scores over an observation window of
+  // W = 32 queries), every layer of the same sequence: what ranking the tokens costs before (b).
+  const int W = 32;
+  const int64_t n_scored = rt.cache().length(seq2);
+  float* qw = device_random(size_t(W) * hq * d, rng);
+  float* scores = nullptr;
+  ck(cudaMalloc(&scores, size_t(hkv) * size_t(n_scored) * sizeof(float)), "cudaMalloc");
+  auto score_all = [&] {
+    for (int l = 0; l < layers; ++l) rt.attention_scores(l, seq2, W, qw, scores, s);
+  };
+  score_all();
+  ck(cudaStreamSynchronize(s), "warm-up scores");
+  const auto t3 = std::chrono::steady_clock::now();
+  for (int r = 0; r < reps; ++r) score_all();
+  ck(cudaStreamSynchronize(s), "scores");
+  const double scores_s = seconds_since(t3) / reps;
+
   std::printf(
       "compact %d/%d heads, %d layers, ctx %d, keep %.2f (%zu tokens): evict_tokens %.1f us on a fork "
       "(shared pages; returned %lld), %.1f us on a sequence of its own (host returns after %.1f us, stream "
@@ -181,9 +200,13 @@ int main(int argc, char** argv) {
       hq, hkv, layers, ctx, keep, kept.size(), compact_s / reps * 1e6, static_cast<long long>(released), own_s * 1e6,
       own_host_s * 1e6, own_gpu_s * 1e6, static_cast<long long>(released_own), static_cast<long long>(pages_before),
       plan_s * 1e6, ctx, step_s * 1e6, own_s / step_s);
+  std::printf(
+      "scores %d/%d heads, %d layers, ctx %lld, W %d: attention_scores %.1f us for all layers (%.1f us a layer); "
+      "ratio to one decode step %.2f\n",
+      hq, hkv, layers, static_cast<long long>(n_scored), W, scores_s * 1e6, scores_s * 1e6 / layers, scores_s / step_s);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  for (float* p : {kv, q, k1, out}) cudaFree(p);
+  for (float* p : {kv, q, k1, out, qw, scores}) cudaFree(p);
   cudaStreamDestroy(s);
   return 0;
 }

@@ -153,6 +153,8 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "with standard errors across conversations.\n\n"
                   "Scores: window (StreamingLLM: sink + newest), h2o (accumulated attention), snapkv\n"
                   "(attention of the last --observation history queries, max-pooled over --pool),\n"
+                  "emitted (snapkv's score over the history as the cache holds it, as the runtime's\n"
+                  "attention_scores emits it: on int2 rows, over the quantised keys),\n"
                   "qmoment (k^T E[q q^T] k from --stats: no attention matrix), qgauss (log E[exp(q.k/sqrt d)]\n"
                   "for a Gaussian query fitted to --stats), keynorm (|k|^2), epicache (EpiCache: the\n"
                   "history's --block-token blocks clustered into --episodes episodes; per episode a\n"

@@ -32,6 +32,8 @@ const char* eviction_score_name(EvictionScore score) {
       return "h2o";
     case EvictionScore::SnapKV:
       return "snapkv";
+    case EvictionScore::Emitted:
+      return "emitted";
     case EvictionScore::QueryMoment:
       return "qmoment";
     case EvictionScore::QueryGaussian:
@@ -45,8 +47,8 @@ const char* eviction_score_name(EvictionScore score) {
 }
 
 std::vector<EvictionScore> all_eviction_scores() {
-  return {EvictionScore::Window,        EvictionScore::H2O,     EvictionScore::SnapKV,  EvictionScore::QueryMoment,
-          EvictionScore::QueryGaussian, EvictionScore::KeyNorm, EvictionScore::EpiCache};
+  return {EvictionScore::Window,      EvictionScore::H2O,           EvictionScore::SnapKV,  EvictionScore::Emitted,
+          EvictionScore::QueryMoment, EvictionScore::QueryGaussian, EvictionScore::KeyNorm, EvictionScore::EpiCache};
 }
 
 std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi) {
@@ -209,6 +211,30 @@ Clusters cosine_kmeans(const std::vector<double>& rows, int n, int dim, int k) {
   return out;
 }
 
+std::vector<double> observation_scores(const ModelConfig& c, const float* q, int W, const float* keys, int64_t n,
+                                       int g) {
+  KVCC_REQUIRE(W >= 1 && W <= n, cat("observation scores: ", W, " queries over ", n, " tokens"));
+  const int d = c.head_dim, r = c.group();
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> out(static_cast<size_t>(n), 0.0), w(static_cast<size_t>(n));
+  for (int i = 0; i < W; ++i)
+    for (int h = g * r; h < (g + 1) * r; ++h) {
+      const float* qi = q + size_t(i) * qdim + size_t(h) * d;
+      const int64_t last = n - W + i;
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j <= last; ++j) {
+        const float* kj = keys + size_t(j) * kvdim + size_t(g) * d;
+        double dot = 0;
+        for (int a = 0; a < d; ++a) dot += double(qi[a]) * kj[a];
+        mx = std::max(mx, w[size_t(j)] = dot * scale);
+      }
+      for (int64_t j = 0; j <= last; ++j) sum += (w[size_t(j)] = std::exp(w[size_t(j)] - mx));
+      for (int64_t j = 0; j <= last; ++j) out[size_t(j)] += w[size_t(j)] / sum;
+    }
+  return out;
+}
+
 std::vector<double> max_pool(const std::vector<double>& x, int width) {
   KVCC_REQUIRE(width >= 1 && width % 2 == 1, cat("max_pool: the width must be odd and positive, got ", width));
   const int64_t n = int64_t(x.size()), h = width / 2;
@@ -296,10 +322,12 @@ struct HistoryObserver : AttentionObserver {
   const ModelConfig& c;
   int observation;
   std::vector<std::vector<float>> keys, values;             // [layer] [H, kvdim]
+  std::vector<std::vector<float>> last_q;                   // [layer] [observation, qdim]
   std::vector<std::vector<std::vector<double>>> h2o, snap;  // [layer][kv head] [H]
   HistoryObserver(const ModelConfig& config, int obs) : c(config), observation(obs) {
     keys.resize(size_t(c.n_layers));
     values.resize(size_t(c.n_layers));
+    last_q.resize(size_t(c.n_layers));
     h2o.assign(size_t(c.n_layers), std::vector<std::vector<double>>(size_t(c.n_kv_heads)));
     snap = h2o;
   }
@@ -307,6 +335,8 @@ struct HistoryObserver : AttentionObserver {
     const size_t n = size_t(t.T) * c.n_kv_heads * c.head_dim;
     keys[size_t(t.layer)].assign(t.key, t.key + n);
     values[size_t(t.layer)].assign(t.value, t.value + n);
+    const size_t qdim = size_t(c.n_heads) * c.head_dim;
+    last_q[size_t(t.layer)].assign(t.q + size_t(t.T - observation) * qdim, t.q + size_t(t.T) * qdim);
   }
   void on_probs(const SequenceTaps& t, int q_head, const float* probs, const float*) override {
     const int g = q_head / c.group(), T = t.T;
@@ -518,7 +548,14 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     }
 
     // Kept sets of one score and budget, per layer and KV head.
-    auto kept_sets = [&](const std::string& score, double ratio) {
+    std::vector<std::vector<float>> qkeys, qvalues;  // the history through the INT2 codec
+    if (int2) {
+      qkeys = obs.keys;
+      qvalues = obs.values;
+      for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, qkeys[size_t(l)], qvalues[size_t(l)], H);
+    }
+    // quantised: the cache holds the history through the INT2 codec (what "emitted" reads).
+    auto kept_sets = [&](const std::string& score, double ratio, bool quantised) {
       const int64_t budget = int64_t(std::ceil(double(H) / ratio));
       const std::vector<int64_t> budgets =
           o.layer_budgets.empty() ? std::vector<int64_t>(size_t(c.n_layers), budget)
@@ -531,6 +568,10 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
           const float* keys = obs.keys[size_t(l)].data() + size_t(g) * d;
           if (score == "h2o") sc = obs.h2o[size_t(l)][size_t(g)];
           else if (score == "snapkv") sc = max_pool(obs.snap[size_t(l)][size_t(g)], o.pool);
+          else if (score == "emitted")
+            sc = max_pool(observation_scores(c, obs.last_q[size_t(l)].data(), o.observation,
+                                             (quantised ? qkeys : obs.keys)[size_t(l)].data(), H, g),
+                          o.pool);
           else if (score == "qmoment")
             sc = query_moment_scores(moment[size_t(l) * c.n_kv_heads + g], keys, H, kvdim, d);
           else if (score == "qgauss") {
@@ -552,12 +593,6 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         }
       return kept;
     };
-    std::vector<std::vector<float>> qkeys, qvalues;  // the history through the INT2 codec
-    if (int2) {
-      qkeys = obs.keys;
-      qvalues = obs.values;
-      for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, qkeys[size_t(l)], qvalues[size_t(l)], H);
-    }
     // The continuation over a kept history: log-probabilities of its C predictions.
     auto continuation = [&](const std::vector<std::vector<std::vector<int32_t>>>& kept, bool quantised,
                             std::vector<double>& out) {
@@ -587,14 +622,14 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         for (int u = 0; u < V; ++u) out[size_t(t) * V + u] = double(row[u]) - lse;
       }
     };
-    const auto all = kept_sets("full", 1.0);
+    const auto all = kept_sets("full", 1.0, false);
     continuation(all, false, lp_ref);
     double nll = 0;
     for (int t = 0; t < C; ++t) nll -= lp_ref[size_t(t) * V + conv[size_t(H + t + 1)]];
     ref_nll.push_back(nll / C);
     for (size_t vi = 0; vi < variants.size(); ++vi) {
       const Variant& var = variants[vi];
-      continuation(var.score == "full" ? all : kept_sets(var.score, var.ratio), var.int2, lp);
+      continuation(var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2), var.int2, lp);
       double kl = 0, dn = 0, top1 = 0;
       for (int t = 0; t < C; ++t) {
         const double* a = lp_ref.data() + size_t(t) * V;

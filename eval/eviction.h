@@ -18,6 +18,9 @@
 //   h2o        : Σ_i p_ij over every history query i ≥ j (H2O's accumulated attention)
 //   snapkv     : Σ_i p_ij over the last `observation` history queries, max-pooled over `pool`
 //                neighbouring positions (SnapKV)
+//   emitted    : SnapKV's score as the runtime emits it (Runtime::attention_scores): the same
+//                queries' softmax over the history as the cache holds it (through the INT2 codec
+//                on "+int2" rows), no attention matrix kept; without INT2 it is snapkv
 //   qmoment    : kⱼᵀ E[q qᵀ] kⱼ with E[q qᵀ] the calibrated query second moment of the layer and
 //                KV head (stats.h5): the expected squared logit of the key — no query, no
 //                attention matrix
@@ -48,8 +51,9 @@
 
 namespace kvcc {
 
-enum class EvictionScore { Window, H2O, SnapKV, QueryMoment, QueryGaussian, KeyNorm, EpiCache };
-const char* eviction_score_name(EvictionScore score);  // window | h2o | snapkv | qmoment | qgauss | keynorm | epicache
+enum class EvictionScore { Window, H2O, SnapKV, Emitted, QueryMoment, QueryGaussian, KeyNorm, EpiCache };
+// window | h2o | snapkv | emitted | qmoment | qgauss | keynorm | epicache
+const char* eviction_score_name(EvictionScore score);
 std::vector<EvictionScore> all_eviction_scores();
 
 // The positions kept from n history tokens: the first `sink`, the last `recent`, then the
@@ -81,6 +85,12 @@ Clusters cosine_kmeans(const std::vector<double>& rows, int n, int dim, int k);
 // rounded by largest remainder (ties to the lower layer). The counts sum to total clamped to
 // [L·lo, L·hi].
 std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi);
+
+// The emitted score of KV head g: the W observation queries q [W, n_heads·d] (post-RoPE, at
+// positions n−W..n−1) attend causally over keys [n, n_kv·d]; per position, the softmax weights
+// summed over the queries and the group's query heads (1/√d scale, float64).
+std::vector<double> observation_scores(const ModelConfig& c, const float* q, int W, const float* keys, int64_t n,
+                                       int g);
 
 // Max-pool with window `width` (odd, centred; 1: unchanged).
 std::vector<double> max_pool(const std::vector<double>& x, int width);

@@ -156,4 +156,37 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
     }
 }
 
+void attention_scores_ref(const KvCache& cache, int layer, int seq, int W, const float* q, int n_heads,
+                          const float* rot_k, const HeadCodec* codecs, float sm_scale, float* scores) {
+  const KvGeometry& g = cache.geometry();
+  const int d = g.head_dim, H = g.n_kv_heads;
+  KVCC_REQUIRE(n_heads % H == 0, "attention scores: query heads not a multiple of KV heads");
+  const int64_t n = cache.length(seq);
+  KVCC_REQUIRE(W >= 1 && W <= n, "attention scores: the observation window (" + std::to_string(W) +
+                                     ") must be in [1, the sequence's length " + std::to_string(n) + "]");
+  const int r = n_heads / H;
+  std::vector<float> keys, values;
+  gather_sequence(cache, layer, seq, codecs, keys, values);
+  std::vector<double> q_rot(static_cast<size_t>(d)), s(static_cast<size_t>(n)), acc(size_t(H) * size_t(n), 0.0);
+  for (int i = 0; i < W; ++i) {
+    const int64_t last = n - W + i;  // the query's position: it sees 0..last
+    for (int qh = 0; qh < n_heads; ++qh) {
+      const int h = qh / r;
+      rotate(q + (size_t(i) * size_t(n_heads) + size_t(qh)) * size_t(d),
+             rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false, q_rot.data());
+      double mx = -std::numeric_limits<double>::infinity(), l = 0.0;
+      for (int64_t j = 0; j <= last; ++j) {
+        const float* kr = keys.data() + (size_t(j) * size_t(H) + size_t(h)) * size_t(d);
+        double dot = 0.0;
+        for (int c = 0; c < d; ++c) dot += q_rot[size_t(c)] * double(kr[c]);
+        s[size_t(j)] = dot * double(sm_scale);
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      for (int64_t j = 0; j <= last; ++j) l += s[size_t(j)] = std::exp(s[size_t(j)] - mx);
+      for (int64_t j = 0; j <= last; ++j) acc[size_t(h) * size_t(n) + size_t(j)] += s[size_t(j)] / l;
+    }
+  }
+  for (size_t i = 0; i < acc.size(); ++i) scores[i] = float(acc[i]);
+}
+
 }  // namespace kvcc

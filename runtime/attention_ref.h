@@ -31,4 +31,12 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
                  int n_heads, const float* rot_k, const float* rot_v, const HeadCodec* codecs, float sm_scale,
                  float* out, int64_t length = -1);
 
+// Attention-based token scores (SnapKV's observation window, over the cache as stored): the W
+// queries of the sequence's last W tokens (positions n−W..n−1, already in the cache) attend
+// causally to its n tokens; scores[h][j] = Σ over those queries and KV head h's query heads of
+// the softmax weight on position j. q: [W, n_heads, d] post-RoPE, unrotated; scores: [n_kv, n]
+// (n = cache.length(seq)). Each query's weights sum to 1, so each head's scores sum to W·r.
+void attention_scores_ref(const KvCache& cache, int layer, int seq, int W, const float* q, int n_heads,
+                          const float* rot_k, const HeadCodec* codecs, float sm_scale, float* scores);
+
 }  // namespace kvcc

@@ -116,5 +116,20 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
                   const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                   Activations act = Activations::Float32);
 
+// Attention-based token scores of one sequence (runtime/scores.cu; reference:
+// attention_scores_ref): the W queries of its last W tokens (positions length−W..length−1, already
+// appended) attend causally to the cache as stored; scores: device float32 [n_kv, length], the
+// softmax weights on each position summed over the W queries and each KV head's query heads
+// (SnapKV's observation-window score, read from the INT2 pages themselves). No [W, length] matrix
+// is stored: two passes over the cache in 64-token tiles, the first writing per-tile (max, Σ exp)
+// of each query's logits, the second summing the weights. q: device [W, n_heads, d] post-RoPE,
+// unrotated (act); rot_k: device [n_kv, d, d] or null; page_table: device, the sequence's history
+// pages; codecs: DEVICE [n_kv] of this layer. Scope: prefill's (served.h, kGpuPrefill).
+size_t attention_scores_workspace_bytes(const KvGeometry& g, int64_t length, int W, int n_heads);
+void attention_scores_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
+                           int64_t length, const int32_t* page_table, int W, const HeadCodec* codecs, int n_heads,
+                           float sm_scale, const void* q, const float* rot_k, float* scores, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
+
 }  // namespace kvcc
 #endif

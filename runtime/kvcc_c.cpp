@@ -252,6 +252,10 @@ int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes) {
   if (bad(rt, "runtime") || bad(bytes, "bytes")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { *bytes = int64_t(rt->rt->cache().bytes_in_use()); });
 }
+int kvcc_attention_scores(kvcc_runtime* rt, int layer, int seq, int W, const void* q, float* scores, void* stream) {
+  if (bad(rt, "runtime") || bad(q, "q") || bad(scores, "scores")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] { rt->rt->attention_scores(layer, seq, W, q, scores, stream); });
+}
 int kvcc_evict_tokens(kvcc_runtime* rt, int seq, int64_t n_kept, const int64_t* kept, void* stream, int64_t* released) {
   if (bad(rt, "runtime") || (n_kept > 0 && bad(kept, "kept"))) return KVCC_BAD_ARGUMENT;
   if (n_kept < 0) {

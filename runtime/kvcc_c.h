@@ -78,6 +78,11 @@ int kvcc_bytes_in_use(kvcc_runtime* rt, int64_t* bytes);
  * (ascending, distinct, each < the sequence's length) of seq and compacts the survivors into whole
  * pages; *released (may be NULL) = pages returned to the pool. Not inside an open step. */
 int kvcc_evict_tokens(kvcc_runtime* rt, int seq, int64_t n_kept, const int64_t* kept, void* stream, int64_t* released);
+/* Token scores for eviction (Runtime::attention_scores): the W queries q [W, n_heads, d] of seq's
+ * last W tokens attend causally to the cache as stored; scores (float32 [n_kv, length]) = each
+ * position's softmax weights summed over the queries and each KV head's query heads. Device
+ * pointers on a device pool. Between steps only. */
+int kvcc_attention_scores(kvcc_runtime* rt, int layer, int seq, int W, const void* q, float* scores, void* stream);
 const char* kvcc_last_error(void);
 
 /* The library's version, "major.minor.patch" (the CMake project version). */

@@ -762,6 +762,38 @@ void Runtime::prefill_slot(int layer, int seq, int T, const void* q, const void*
 #endif
 }
 
+void Runtime::attention_scores(int layer, int seq, int W, const void* q, float* scores, void* stream) {
+  const KvGeometry& g = geometry();
+  KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: attention_scores reads the Runtime's own sequences (not engine_tables')");
+  const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
+  KVCC_REQUIRE(!step_open, "runtime: attention_scores inside an open step (finish every layer's append first)");
+  const int64_t n = cache_->length(seq);
+  KVCC_REQUIRE(W >= 1 && W <= n, "runtime: attention_scores over an observation window of " + std::to_string(W) +
+                                     " tokens; it must be in [1, the sequence's length " + std::to_string(n) + "]");
+  if (cache_->memory() == PoolMemory::Host) {
+    const size_t nq = size_t(W) * size_t(n_heads_) * size_t(g.head_dim);
+    attention_scores_ref(*cache_, layer, seq, W, host_input(0, q, nq), n_heads_, rot_k(layer), codecs(layer),
+                         options_.sm_scale, scores);
+    return;
+  }
+#if defined(KVCC_HAVE_CUDA)
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const std::vector<int32_t>& pt = cache_->page_table(seq);
+  const int32_t* table = dev_->upload_batch(std::vector<int32_t>(pt.begin(), pt.begin() + history_pages(n)), s);
+  dev_->other_ws.reserve(attention_scores_workspace_bytes(g, n, W, n_heads_));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  attention_scores_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, n, table, W,
+                        dev_->codecs.data() + size_t(layer) * g.n_kv_heads, n_heads_, options_.sm_scale, q,
+                        DeviceState::at(dev_->rot_k, off), scores, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
+                        options_.activations);
+#else
+  (void)q, (void)stream;
+  throw Error("runtime: built without CUDA");
+#endif
+}
+
 int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream) {
   const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
   KVCC_REQUIRE(!step_open, "runtime: evict_tokens inside an open step (finish every layer's append first)");

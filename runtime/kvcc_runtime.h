@@ -172,6 +172,16 @@ class Runtime {
   // moves on `stream` (runtime/compact.h) and needs no synchronisation before the next call on it.
   int64_t evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream = nullptr);
 
+  // Token scores for eviction (SnapKV's, without the attention matrix): the W queries of the
+  // sequence's last W tokens (q [W, n_heads, d] post-RoPE, unrotated, the activations type; those
+  // tokens already appended) attend causally to what the cache holds of layer `layer`, and
+  // scores (float32 [n_kv, length], a device pointer on a device pool) receives, per KV head and
+  // position, the softmax weights summed over the W queries and the head's query heads (each
+  // head's scores sum to W·n_heads/n_kv). Read from the INT2 pages and BF16 windows as decode
+  // reads them, so a caller ranks tokens by what the cache would give them; max-pool and keep
+  // the top ones, then evict_tokens. The Runtime's own sequences, between steps (not inside one).
+  void attention_scores(int layer, int seq, int W, const void* q, float* scores, void* stream = nullptr);
+
  private:
   struct DeviceState;
   EngineShape engine_;

@@ -33,12 +33,12 @@ if [ "${1:-}" = graph ]; then
     before_pid=$!
   fi
   [ -n "${BEFORE_TREE:-}" ] && JOBS=$(( JOBS / 2 ))
-  gpu_cmake_build gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction \
+  gpu_cmake_build gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction gpu_test_scores \
     test_validate bench_step bench_decode ${EXTRA_TARGETS:-} ||
     { echo "BUILD FAILED"; exit 1; }
   [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  for t in gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction; do
+  for t in gpu_test_graph gpu_test_activations gpu_test_engine gpu_test_cache gpu_test_prefill gpu_test_compaction gpu_test_scores; do
     "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 |
       grep -E '^\[  (FAILED|PASSED) |graph replay|engine tables:|Failure|error|Expected|Which is' | head -20
     echo "$t exit: ${PIPESTATUS[0]}"
@@ -77,7 +77,7 @@ TEST=$BUILD/tests/gpu_test_cache
 PREFILL_TEST=$BUILD/tests/gpu_test_prefill
 BENCH=$BUILD/bench/bench_decode
 t0=$(date +%s)
-gpu_cmake_build gpu_test_cache gpu_test_prefill gpu_test_graph gpu_test_compaction test_validate bench_decode bench_prefill \
+gpu_cmake_build gpu_test_cache gpu_test_prefill gpu_test_graph gpu_test_compaction gpu_test_scores test_validate bench_decode bench_prefill \
   bench_step ||
   { echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
@@ -92,6 +92,9 @@ echo "gpu graph test exit: $?"
 # Token eviction's page compaction on the device pool against the host reference's bytes.
 "$BUILD/tests/gpu_test_compaction" --gtest_output=xml:"$OUT/gpu_tests_compaction.xml"
 echo "gpu compaction test exit: $?"
+# Token scores from the cache (attention_scores) against the host reference on the device's bytes.
+"$BUILD/tests/gpu_test_scores" --gtest_output=xml:"$OUT/gpu_tests_scores.xml"
+echo "gpu scores test exit: $?"
 # kvcc validate through the device pool (its CPU tests run in CI; this one needs the GPU).
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.DevicePool*' --gtest_output=xml:"$OUT/gpu_tests_validate.xml"
 echo "gpu validate test exit: $?"

@@ -314,6 +314,51 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   EXPECT_GT(r.reference_nll, 0.0);
 }
 
+// The emitted score (the runtime's attention_scores over the cache as stored) without INT2 reads
+// the history the model attended to, so it keeps what SnapKV keeps: the same rows. Through an
+// identity codec too. Its softmax is recomputed from the stored queries and keys (float64) rather
+// than taken from the model's probabilities, so this checks the observation window's queries,
+// positions and causality.
+TEST_F(EvictionRun, EmittedScoresOverAFullPrecisionCacheAreSnapKVs) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {2, 4};
+  o.conversations = 2;
+  o.sink = 2;  // budgets of 24 and 12 tokens leave room for the scores to choose
+  o.recent = 4;
+  o.observation = 8;
+  o.pool = 3;
+  o.scores = {EvictionScore::SnapKV, EvictionScore::Emitted, EvictionScore::KeyNorm};
+  o.block = 8;
+  o.route = 4;
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  CacheScheme identity;
+  identity.sink = 4;
+  identity.recent = 8;
+  identity.page_size = 8;
+  identity.path = CodecPath{
+      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
+  auto row = [&](const std::string& score, double ratio, bool int2) {
+    for (const EvictionRow& x : r.rows)
+      if (x.score == score && x.ratio == ratio && x.int2 == int2) return x;
+    ADD_FAILURE() << "no row " << score;
+    return EvictionRow{};
+  };
+  for (const bool int2 : {false, true})
+    for (const double ratio : o.ratios) {
+      const EvictionRow snap = row("snapkv", ratio, int2), emitted = row("emitted", ratio, int2);
+      EXPECT_GT(snap.kl, 0.0);
+      EXPECT_EQ(emitted.kl, snap.kl) << ratio << (int2 ? " int2" : "");
+      EXPECT_EQ(emitted.delta_nll, snap.delta_nll);
+      // Another score keeps other tokens (the comparison above can tell rows apart).
+      EXPECT_NE(row("keynorm", ratio, int2).kl, snap.kl);
+    }
+}
+
 // Equal layer budgets are the uniform split (the same kept sets, so the same rows bit for bit);
 // unequal ones move tokens between the layers and change what the continuation sees.
 TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {

@@ -68,6 +68,8 @@ _SIGNATURES = {
     "kvcc_step_problem": (ctypes.c_int, [_rt_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]),
     "kvcc_bytes_in_use": (ctypes.c_int, [_rt_p, _c_i64_p]),
     "kvcc_evict_tokens": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int64, _c_i64_p, ctypes.c_void_p, _c_i64_p]),
+    "kvcc_attention_scores": (ctypes.c_int, [_rt_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _c_tensor_p,
+                                             _c_tensor_p, ctypes.c_void_p]),
     "kvcc_last_error": (ctypes.c_char_p, []),
     "kvcc_version": (ctypes.c_char_p, []),
     "kvcc_artifact_describe": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]),

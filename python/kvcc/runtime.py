@@ -237,6 +237,24 @@ class Runtime:
                                                 self._stream(), ctypes.byref(out)))
         return int(out.value)
 
+    def attention_scores(self, layer: int, seq: int, q: torch.Tensor) -> torch.Tensor:
+        """SnapKV's token scores read from the cache (Runtime::attention_scores): q [W, n_heads, d]
+        holds the queries of seq's last W tokens (post-RoPE, those tokens already appended); returns
+        float32 [n_kv_heads, length] on the runtime's device, each position's softmax weights summed
+        over the W queries and each KV head's query heads. Between steps only. Max-pool, keep the
+        best, then evict()."""
+        _tensors(q=q)
+        if q.dim() != 3:
+            raise KvccError(f"q must be [W, n_heads, head_dim], got shape {tuple(q.shape)}")
+        self._tensor("q", q, (q.shape[0], self.n_heads, self.head_dim))
+        x = self._act("q", q)
+        out = torch.empty(self.n_kv_heads, self.length(seq), dtype=torch.float32, device=self.device)
+        with self._on_device():
+            _lib.check(_lib.lib().kvcc_attention_scores(self._p(), _int("layer", layer), self._check_seq(seq),
+                                                        int(q.shape[0]), x.data_ptr(), out.data_ptr(),
+                                                        self._stream()))
+        return out
+
     def bytes_in_use(self) -> int:
         out = ctypes.c_int64()
         _lib.check(_lib.lib().kvcc_bytes_in_use(self._p(), ctypes.byref(out)))

@@ -234,6 +234,50 @@ def test_evict_to_bf16_rows_equals_sdpa_over_the_kept_rows(device):
         assert rt.length(a) == len(kept) + 21  # refusals change nothing
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_scores_are_causal_softmaxes_over_the_stored_keys(device):
+    """Runtime.attention_scores through the C ABI on a sequence held in the BF16 windows: each
+    position's softmax weights summed over the last W queries and each KV head's query heads equal
+    a float64 causal softmax over the keys as stored (bf16(k·R_k), scored against q·R_k), and each
+    head's scores sum to W·r. The CPU runtime rotates exactly as the reference does (float64, then
+    rounded); the device's float32 rotation may store the other BF16 neighbour, which moves a
+    logit by at most Δs = sm·||q||·max||k||·2^-8 and a weight by a factor exp(±2Δs)."""
+    art = ref.read_artifact(GUT)
+    n, W = 200, 16
+    assert art.sink + art.recent >= n  # every key stays BF16
+    with kvcc.Runtime(GUT, max_pages=4, max_sequences=2, device=device) as rt:
+        S = Sequences(rt, seed=5)
+        a = S.add()
+        S.step({a: n})
+        r = rt.n_heads // rt.n_kv_heads
+        sm = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(rt.head_dim)).sqrt())
+        for layer in range(rt.n_layers):
+            q = S.randn(W, rt.n_heads, rt.head_dim)
+            got = rt.attention_scores(layer, a, q.to(device)).cpu().double()
+            assert got.shape == (rt.n_kv_heads, n)
+            k, _ = S.tokens(a, layer)
+            want = torch.zeros(rt.n_kv_heads, n, dtype=torch.float64)
+            visible = torch.arange(n)[None, :] <= (n - W + torch.arange(W))[:, None]  # [W, n]
+            for h in range(rt.n_kv_heads):
+                rk = art.key[layer][h].rot
+                kr = ref.rotate_round(k[:, h], rk).double()  # [n, d] as stored
+                for qh in range(h * r, (h + 1) * r):
+                    qr = q[:, qh].double() @ rk.double() if rk is not None else q[:, qh].double()
+                    s = (qr @ kr.T) * sm
+                    want[h] += torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).sum(0)
+            if device == "cpu":
+                tol = 1e-6 * (1 + want)
+            else:
+                ds = sm * float(q.double().norm(dim=-1).max()) * float(k.double().norm(dim=-1).max()) * 2.0 ** -8
+                tol = math.expm1(2 * ds) * want + 1e-5 * W * r
+            err = (got - want).abs()
+            assert bool((err <= tol).all()), f"layer {layer}: worst |scores - softmax| {float(err.max()):.3g}"
+            assert torch.allclose(got.sum(1), torch.full((rt.n_kv_heads,), float(W * r), dtype=torch.float64),
+                                  rtol=1e-5)
+        with pytest.raises(kvcc.KvccError):
+            rt.attention_scores(0, a, S.randn(n + 1, rt.n_heads, rt.head_dim).to(device))  # W beyond the length
+
+
 def gpu_tol(q: torch.Tensor, k: torch.Tensor, v_stored: torch.Tensor) -> float:
     """Bound on |CUDA runtime - SDPA| per output element. The device rotates K/V with its own fp32
     GEMM, so a stored BF16 element may round to the other neighbour (|Δk_j| <= 2^-8·||k_j||, the
