@@ -60,22 +60,72 @@ __global__ void rotate_rows(const T* q, const float* rot_k, int n_heads, int r, 
   q_rot[(size_t(h) * R + row) * kD + j] = acc * sm_scale;
 }
 
-// Key of position p, channel c, as the cache holds it.
-__device__ float cached_key(const ScoreArgs& a, const KvTiers& t, int h, int64_t p, int c) {
+// A tile's 64 keys as the cache holds them, into K (float). Row sources first (one thread per
+// row: a BF16 window row, or an INT2 code row with its (scale, zero)), then every row as 16
+// segments of 8 channels (a uint4 of BF16, or 2 bytes of codes), a thread's 8 segments loaded
+// before any is decoded so that their global loads are in flight together (group = head_dim:
+// one pair per row, the kernels' scope).
+constexpr int kSegs = kD / 8;
+constexpr int kSegsPerThread = kTile * kSegs / kThreads;
+__device__ void load_tile_keys(const ScoreArgs& a, int h, int64_t p0, float* K, const void** src, float2* sz) {
   const KvGeometry& g = a.g;
-  const uint16_t* win = a.windows + g.window_block_elem(a.slot, a.layer, h);
-  if (p < t.sink_count) return float_from_bf16(win[g.k_sink_elem() + size_t(p) * kD + c]);
-  const int64_t post = p - t.sink_count;
-  if (post >= t.hist_tokens) return float_from_bf16(win[g.k_ring_elem() + size_t(ring_slot(g, post)) * kD + c]);
-  const uint8_t* blk = a.pages + g.page_block_offset(a.page_table[post / g.page_tokens], a.layer, h);
-  const int row = int(post % g.page_tokens);
-  const uint8_t code = unpack_code(blk + g.k_codes_offset() + size_t(row) * g.code_row_bytes(), c);
-  const uint16_t* ps = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset()) + size_t(row) * 2 * g.groups();
-  const int grp = c / g.group;
-  const SideCodec& sc = a.codecs[h].key;
-  const float scale = float_from_f16(ps[2 * grp]);
-  return sc.use_table ? table_dequant(code, scale, sc.levels)
-                      : uniform_dequant(code, scale, float_from_f16(ps[2 * grp + 1]));
+  const int tid = threadIdx.x;
+  if (tid < kTile) {
+    const int64_t p = p0 + tid;
+    const KvTiers t = tiers_of(g, a.n);
+    const uint16_t* win = a.windows + g.window_block_elem(a.slot, a.layer, h);
+    const void* ptr = nullptr;
+    float2 pz = make_float2(0.0f, 0.0f);
+    if (p >= a.n) {
+      ptr = nullptr;
+    } else if (p < t.sink_count) {
+      ptr = win + g.k_sink_elem() + size_t(p) * kD;
+    } else if (p - t.sink_count >= t.hist_tokens) {
+      ptr = win + g.k_ring_elem() + size_t(ring_slot(g, p - t.sink_count)) * kD;
+    } else {
+      const int64_t post = p - t.sink_count;
+      const uint8_t* blk = a.pages + g.page_block_offset(a.page_table[post / g.page_tokens], a.layer, h);
+      const int row = int(post % g.page_tokens);
+      const uint16_t* ps = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset()) + size_t(row) * 2;
+      pz = make_float2(float_from_f16(ps[0]), float_from_f16(ps[1]));
+      // Marked by the low bit (code rows are 32-byte aligned, BF16 rows 256-byte aligned).
+      ptr = reinterpret_cast<const uint8_t*>(blk + g.k_codes_offset() + size_t(row) * g.code_row_bytes()) + 1;
+    }
+    src[tid] = ptr;
+    sz[tid] = pz;
+  }
+  __syncthreads();
+  const SideCodec sc = a.codecs[h].key;
+  uint4 raw[kSegsPerThread];
+#pragma unroll
+  for (int k = 0; k < kSegsPerThread; ++k) {
+    const int item = tid + k * kThreads, row = item / kSegs, seg = item % kSegs;
+    const uintptr_t ptr = reinterpret_cast<uintptr_t>(src[row]);
+    raw[k] = make_uint4(0, 0, 0, 0);
+    if (ptr & 1u) raw[k].x = reinterpret_cast<const uint16_t*>(ptr - 1)[seg];
+    else if (ptr) raw[k] = reinterpret_cast<const uint4*>(ptr)[seg];
+  }
+#pragma unroll
+  for (int k = 0; k < kSegsPerThread; ++k) {
+    const int item = tid + k * kThreads, row = item / kSegs, seg = item % kSegs;
+    const uintptr_t ptr = reinterpret_cast<uintptr_t>(src[row]);
+    float x[8];
+    if (ptr & 1u) {
+      const float2 pz = sz[row];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t code = uint8_t((raw[k].x >> (2 * j)) & 3u);  // unpack_code's order
+        x[j] = sc.use_table ? table_dequant(code, pz.x, sc.levels) : uniform_dequant(code, pz.x, pz.y);
+      }
+    } else {
+      const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = float_from_bf16(uint16_t(w[j / 2] >> (16 * (j % 2))));
+    }
+    float4* dst = reinterpret_cast<float4*>(K + row * kKeyStride + seg * 8);
+    dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+    dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+  }
 }
 
 // kPass 0: each row's (max, Σ exp) over the tile; 1: the tile's scores from the rows' lse.
@@ -84,13 +134,11 @@ __global__ void __launch_bounds__(kThreads) score_tiles(ScoreArgs a) {
   __shared__ __align__(16) float K[kTile * kKeyStride];
   __shared__ __align__(16) float Q[kChunk * kD];
   __shared__ float S[kChunk * kTile];
+  __shared__ const void* src[kTile];
+  __shared__ float2 sz[kTile];
   const int tile = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int64_t p0 = int64_t(tile) * kTile;
-  const KvTiers tiers = tiers_of(a.g, a.n);
-  for (int e = tid; e < kTile * kD; e += kThreads) {
-    const int t = e / kD, c = e % kD;
-    K[t * kKeyStride + c] = p0 + t < a.n ? cached_key(a, tiers, h, p0 + t, c) : 0.0f;
-  }
+  load_tile_keys(a, h, p0, K, src, sz);
   const int t = tid % kTile, half = tid / kTile;
   const int64_t p = p0 + t;
   float colsum = 0.0f;
