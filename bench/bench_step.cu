@@ -13,6 +13,7 @@
 //
 // usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
 //                   [--modes plain,fixed,graph,graph-bf16,engine-graph-bf16]
+//                   [--step-tokens N (declared max_step_tokens, 8192)] [--append-only 0|1]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -94,8 +95,11 @@ void begin_step(R& rt, const std::vector<int>& seqs, const std::vector<int>& cou
 enum class Mode { Plain, Fixed, Graph, GraphBf16, EngineGraphBf16 };
 
 // New tokens per fill step: the declared max_step_tokens too (so the decode steps' append grids
-// are sized for a step of 8192 tokens, as an engine's that also prefills through this Runtime).
-constexpr int kChunk = 8192;
+// are sized for a step of that many tokens, as an engine's that also prefills through this
+// Runtime); --step-tokens.
+int kChunk = 8192;
+// --append-only: the steps run every layer's append and no decode (what a step's append costs).
+bool g_append_only = false;
 
 // The maxima, where this tree's RuntimeOptions has them; false where it does not (an older tree:
 // plain mode only).
@@ -109,6 +113,13 @@ auto declare(O& o, int batch, int64_t context, int) -> decltype(o.max_context, b
 template <class O>
 bool declare(O&, int, int64_t, long) {
   return false;
+}
+
+const char* what() {
+  static char buf[64];
+  std::snprintf(buf, sizeof buf, g_append_only ? "append only, step tokens %d" : "append + decode, step tokens %d",
+                kChunk);
+  return buf;
 }
 
 #if defined(KVCC_BENCH_ENGINE)
@@ -163,7 +174,7 @@ void run_engine(const Artifact& art, const EngineShape& e, const RuntimeOptions&
     rt.begin_step(step, s);
     for (int l = 0; l < layers; ++l) {
       rt.append(l, k1, v1, s);
-      rt.decode_step(l, q, out, s);
+      if (!g_append_only) rt.decode_step(l, q, out, s);
     }
     ck(cudaStreamEndCapture(s, &g), "capture end");
     ck(cudaGraphInstantiate(&exec, g, 0), "graph instantiate");
@@ -206,9 +217,9 @@ void run_engine(const Artifact& art, const EngineShape& e, const RuntimeOptions&
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   const std::string after = rt.step_problem(s);
   std::printf(
-      "step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included) "
+      "step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (%s, host work included) "
       "[engine-graph-bf16]%s\n",
-      hq, hkv, batch, ctx, layers, us / steps / layers, after.empty() ? "" : (" " + after).c_str());
+      hq, hkv, batch, ctx, layers, us / steps / layers, what(), after.empty() ? "" : (" " + after).c_str());
   for (cudaEvent_t ev : done) cudaEventDestroy(ev);
   cudaGraphExecDestroy(exec);
   for (void* p : {kv, k1, v1, q, out}) cudaFree(p);
@@ -281,7 +292,7 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
     begin_step(rt, seqs, ones, s, 0);
     for (int l = 0; l < layers; ++l) {
       rt.append(l, k1, v1, s);
-      rt.decode(l, seqs, q, out, s);
+      if (!g_append_only) rt.decode(l, seqs, q, out, s);
     }
   };
   // Graph mode: the first step's layers captured once; each step is then begin_append (host plan,
@@ -294,7 +305,7 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
       ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
       for (int l = 0; l < layers; ++l) {
         rt.append(l, k1, v1, s);
-        rt.decode(l, seqs, q, out, s);
+        if (!g_append_only) rt.decode(l, seqs, q, out, s);
       }
       ck(cudaStreamEndCapture(s, &g), "capture end");
       ck(cudaGraphInstantiate(&exec, g, 0), "graph instantiate");
@@ -313,8 +324,8 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
                      : mode == Mode::Fixed ? " [fixed]"
                      : mode == Mode::Graph ? " [graph]"
                                            : " [graph-bf16]";
-  std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (append + decode, host work included)%s\n", hq,
-              hkv, batch, ctx, layers, us / steps / layers, name);
+  std::printf("step %d/%d b=%-3d ctx=%-7d %d layers: %.1f us per layer (%s, host work included)%s\n", hq, hkv, batch,
+              ctx, layers, us / steps / layers, what(), name);
   if (exec) cudaGraphExecDestroy(exec);
   for (void* p : {kv, k1, v1, q, out}) cudaFree(p);
   cudaStreamDestroy(s);
@@ -331,6 +342,12 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--modes")) modes = argv[i + 1];
     if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--step-tokens")) kChunk = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--append-only")) g_append_only = std::atoi(argv[i + 1]) != 0;
+  }
+  if (kChunk < 1) {
+    std::fprintf(stderr, "--step-tokens must be >= 1\n");
+    return 1;
   }
   std::stringstream ss(configs);
   std::string item;
