@@ -14,6 +14,7 @@
 // usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
 //                   [--modes plain,fixed,graph,graph-bf16,engine-graph-bf16]
 //                   [--step-tokens N (declared max_step_tokens, 8192)] [--append-only 0|1]
+//                   [--prefill-tokens P (chunked-prefill steps; plain and fixed modes)]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -100,6 +101,9 @@ enum class Mode { Plain, Fixed, Graph, GraphBf16, EngineGraphBf16 };
 int kChunk = 8192;
 // --append-only: the steps run every layer's append and no decode (what a step's append costs).
 bool g_append_only = false;
+// --prefill-tokens P (plain and fixed modes): chunked-prefill steps instead of decode steps, every
+// sequence P new tokens, per layer prefill(layer, seq, P) for each sequence, then append(layer).
+int g_prefill_tokens = 0;
 
 // The maxima, where this tree's RuntimeOptions has them; false where it does not (an older tree:
 // plain mode only).
@@ -116,9 +120,13 @@ bool declare(O&, int, int64_t, long) {
 }
 
 const char* what() {
-  static char buf[64];
-  std::snprintf(buf, sizeof buf, g_append_only ? "append only, step tokens %d" : "append + decode, step tokens %d",
-                kChunk);
+  static char buf[96];
+  if (g_prefill_tokens > 0)
+    std::snprintf(buf, sizeof buf, "prefill + append of %d tokens a sequence, step tokens %d", g_prefill_tokens,
+                  kChunk);
+  else
+    std::snprintf(buf, sizeof buf, g_append_only ? "append only, step tokens %d" : "append + decode, step tokens %d",
+                  kChunk);
   return buf;
 }
 
@@ -247,11 +255,18 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
   }
   const EngineShape e{layers, hq, hkv, d};
   RuntimeOptions o;
-  o.max_pages = int64_t(batch) * ((ctx + steps + 64) / 64 + 1);
+  const int per = g_prefill_tokens > 0 ? g_prefill_tokens : 1;  // new tokens per sequence and step
+  if (g_prefill_tokens > 0 && (mode == Mode::Graph || mode == Mode::GraphBf16 || mode == Mode::EngineGraphBf16)) {
+    std::printf("step %d/%d b=%-3d ctx=%-7d: --prefill-tokens runs in plain and fixed modes only\n", hq, hkv, batch,
+                ctx);
+    return;
+  }
+  const int64_t grown = int64_t(steps + 8) * per;  // warm-up, timed steps, the captured one
+  o.max_pages = int64_t(batch) * ((ctx + grown + 64) / 64 + 1);
   o.max_sequences = batch;
   o.memory = PoolMemory::Device;
   // Room for the warm-up, the timed steps and (graph) the captured one.
-  if (mode != Mode::Plain && !declare(o, batch, int64_t(ctx) + steps + 8, 0)) {
+  if (mode != Mode::Plain && !declare(o, batch, int64_t(ctx) + grown, 0)) {
     std::printf("step %d/%d b=%-3d ctx=%-7d: this Runtime has no declared maxima\n", hq, hkv, batch, ctx);
     return;
   }
@@ -282,15 +297,24 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
       for (int l = 0; l < layers; ++l) rt.append(l, kv, kv, s);
     }
   ck(cudaStreamSynchronize(s), "fill");
-  void* k1 = device_random(size_t(batch) * hkv * d, rng, bf16);
-  void* v1 = device_random(size_t(batch) * hkv * d, rng, bf16);
-  void* q = device_random(size_t(batch) * hq * d, rng, bf16);
+  void* k1 = device_random(size_t(batch) * per * hkv * d, rng, bf16);
+  void* v1 = device_random(size_t(batch) * per * hkv * d, rng, bf16);
+  void* q = device_random(size_t(batch) * per * hq * d, rng, bf16);
   void* out = nullptr;
-  ck(cudaMalloc(&out, size_t(batch) * hq * d * sizeof(float)), "cudaMalloc");
-  const std::vector<int> ones(size_t(batch), 1);
+  ck(cudaMalloc(&out, size_t(batch) * per * hq * d * sizeof(float)), "cudaMalloc");
+  const std::vector<int> ones(size_t(batch), per);
+  const size_t el = bf16 ? 2 : 4;
+  auto at = [&](void* base, size_t elems) { return static_cast<void*>(static_cast<char*>(base) + elems * el); };
   auto step = [&] {
     begin_step(rt, seqs, ones, s, 0);
-    for (int l = 0; l < layers; ++l) {
+    for (int l = 0; l < layers && g_prefill_tokens > 0; ++l) {
+      for (int b = 0; b < batch; ++b) {
+        const size_t qo = size_t(b) * per * hq * d, kvo = size_t(b) * per * hkv * d;
+        rt.prefill(l, seqs[size_t(b)], per, at(q, qo), at(k1, kvo), at(v1, kvo), at(out, qo), s);
+      }
+      rt.append(l, k1, v1, s);
+    }
+    for (int l = 0; l < layers && g_prefill_tokens == 0; ++l) {
       rt.append(l, k1, v1, s);
       if (!g_append_only) rt.decode(l, seqs, q, out, s);
     }
@@ -344,9 +368,10 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--step-tokens")) kChunk = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--append-only")) g_append_only = std::atoi(argv[i + 1]) != 0;
+    if (!std::strcmp(argv[i], "--prefill-tokens")) g_prefill_tokens = std::atoi(argv[i + 1]);
   }
-  if (kChunk < 1) {
-    std::fprintf(stderr, "--step-tokens must be >= 1\n");
+  if (kChunk < 1 || g_prefill_tokens < 0) {
+    std::fprintf(stderr, "--step-tokens must be >= 1 and --prefill-tokens >= 0\n");
     return 1;
   }
   std::stringstream ss(configs);

@@ -112,7 +112,8 @@ struct Runtime::DeviceState {
   // The step planned by begin_append (valid until the next one): its sequences, the append plan
   // and the decode batch of those sequences, all in `step`.
   std::vector<int> step_seqs;
-  uint64_t step_version = 0;  // the cache's version the plan was made at
+  std::vector<int32_t> step_page_offsets;  // [step_seqs]: each one's page table in decode.page_table
+  uint64_t step_version = 0;               // the cache's version the plan was made at
   DeviceAppendPlan append;
   DeviceBatch decode;
   // One stream per Runtime is the contract; a call on another stream than the step's waits for
@@ -519,6 +520,7 @@ void Runtime::plan_step(void* stream_ptr) {
   int max_pages = 0;
   const std::vector<int32_t> ints = decode_batch_ints(*cache_, pending_seqs_, max_pages);
   DeviceState& d = *dev_;
+  d.step_page_offsets.assign(ints.begin() + 2 * pending_seqs_.size(), ints.begin() + 3 * pending_seqs_.size());
   d.make_events();
   if (d.used_elsewhere) check_cuda(cudaStreamWaitEvent(stream, d.used, 0), "runtime: stream wait");
   d.used_elsewhere = false;
@@ -747,9 +749,19 @@ void Runtime::prefill_slot(int layer, int seq, int T, const void* q, const void*
   }
 #if defined(KVCC_HAVE_CUDA)
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const std::vector<int32_t>& pt = cache_->page_table(seq);
-  const std::vector<int32_t> hist(pt.begin(), pt.begin() + kvcc::history_pages(g, length));
-  const int32_t* table = dev_->upload_batch(hist, s);
+  // A sequence of the step begin_append planned has its page table on the device already (the
+  // step's decode batch, whose first pages are those before the step's tokens): no copy.
+  DeviceState& d = *dev_;
+  const auto it = std::find(d.step_seqs.begin(), d.step_seqs.end(), seq);
+  const bool planned = it != d.step_seqs.end() && cache_->version() == d.step_version;
+  const int32_t* table;
+  if (planned) {
+    table = d.decode.page_table + d.step_page_offsets[size_t(it - d.step_seqs.begin())];
+    d.before_use(s);
+  } else {
+    const std::vector<int32_t>& pt = cache_->page_table(seq);
+    table = d.upload_batch(std::vector<int32_t>(pt.begin(), pt.begin() + kvcc::history_pages(g, length)), s);
+  }
   const PrefillShape shape{n_heads_, options_.sm_scale};
   dev_->other_ws.reserve(prefill_workspace_bytes(g, length, T, shape));
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
@@ -757,6 +769,7 @@ void Runtime::prefill_slot(int layer, int seq, int T, const void* q, const void*
                k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
                DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
                options_.activations);
+  if (planned) d.after_use(s);
 #else
   throw Error("runtime: built without CUDA");
 #endif

@@ -18,7 +18,9 @@
 // Prefill / extend of one sequence by T tokens: prefill(layer, seq, T, q, k, v, out, stream) with
 // q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets). It
 // reads the cache as it was before these tokens, so call it before begin_append, or after
-// begin_append (T = the sequence's count) and before append(layer).
+// begin_append (T = the sequence's count) and before append(layer). On a device pool a sequence
+// of the step begin_append planned is read through the step's device page tables (no copy);
+// another sequence's page table is uploaded by the call.
 //
 // Tensor parallelism: RuntimeOptions::kv_begin / kv_end (e.g. from kv_head_slice(rank, ranks))
 // make the Runtime serve one slice of the model's KV heads [kv_begin, kv_end): it holds only
@@ -124,7 +126,7 @@ class Runtime {
   // begin_append (same number of sequences; any ids, lengths and counts within the maxima) and
   // replays the graph on the same stream. The graph reads the k, v, q and out addresses it was
   // captured with. prefill and decode of other sequences than the step's never touch the step's
-  // tables or workspace.
+  // tables or workspace (prefill of the step's sequences reads their page tables there).
   void begin_append(const std::vector<int>& seqs, const std::vector<int>& counts, void* stream = nullptr);
   // Opens a step from the engine's tables (RuntimeOptions::engine_tables; EngineStep's arrays are
   // device pointers on a device pool, host pointers on a host pool). The engine has allocated
