@@ -81,12 +81,12 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   const double flops = 4.0 * n_heads * kD * keys;
   for (int w : warps) {
     PrefillShape shape{n_heads, 1.0f / std::sqrt(float(kD)), 0, w};
-    const size_t wsb = prefill_workspace_bytes(g, ctx, T, shape);
+    const std::vector<PrefillSequence> one{{seq, ctx, table.data(), T}};
+    const size_t wsb = prefill_workspace_bytes(g, one, shape);
     DeviceBuffer<uint8_t> ws(wsb);
     auto call = [&] {
-      prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, seq, ctx, table.data(), T, codecs.data(), shape,
-                   dq.data(), dkv.data(), dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(),
-                   wsb, nullptr);
+      prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, one, codecs.data(), shape, dq.data(), dkv.data(),
+                   dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(), wsb, nullptr);
     };
     for (int i = 0; i < 3; ++i) call();
     CK(cudaDeviceSynchronize());

@@ -15,6 +15,7 @@
 //                   [--modes plain,fixed,graph,graph-bf16,engine-graph-bf16]
 //                   [--step-tokens N (declared max_step_tokens, 8192)] [--append-only 0|1]
 //                   [--prefill-tokens P (chunked-prefill steps; plain and fixed modes)]
+//                   [--prefill-batched 1|0 (one ragged prefill per layer, or one per sequence)]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -102,8 +103,10 @@ int kChunk = 8192;
 // --append-only: the steps run every layer's append and no decode (what a step's append costs).
 bool g_append_only = false;
 // --prefill-tokens P (plain and fixed modes): chunked-prefill steps instead of decode steps, every
-// sequence P new tokens, per layer prefill(layer, seq, P) for each sequence, then append(layer).
+// sequence P new tokens, per layer one prefill(layer, seqs, counts) of the whole batch (a ragged
+// batch), or with --prefill-batched 0 prefill(layer, seq, P) for each sequence; then append(layer).
 int g_prefill_tokens = 0;
+bool g_prefill_batched = true;
 
 // The maxima, where this tree's RuntimeOptions has them; false where it does not (an older tree:
 // plain mode only).
@@ -120,10 +123,10 @@ bool declare(O&, int, int64_t, long) {
 }
 
 const char* what() {
-  static char buf[96];
+  static char buf[128];
   if (g_prefill_tokens > 0)
-    std::snprintf(buf, sizeof buf, "prefill + append of %d tokens a sequence, step tokens %d", g_prefill_tokens,
-                  kChunk);
+    std::snprintf(buf, sizeof buf, "prefill (%s) + append of %d tokens a sequence, step tokens %d",
+                  g_prefill_batched ? "ragged batch" : "per sequence", g_prefill_tokens, kChunk);
   else
     std::snprintf(buf, sizeof buf, g_append_only ? "append only, step tokens %d" : "append + decode, step tokens %d",
                   kChunk);
@@ -308,7 +311,8 @@ void run(int hq, int hkv, int batch, int ctx, int layers, int steps, Mode mode) 
   auto step = [&] {
     begin_step(rt, seqs, ones, s, 0);
     for (int l = 0; l < layers && g_prefill_tokens > 0; ++l) {
-      for (int b = 0; b < batch; ++b) {
+      if (g_prefill_batched) rt.prefill(l, seqs, ones, q, k1, v1, out, s);
+      for (int b = 0; b < batch && !g_prefill_batched; ++b) {
         const size_t qo = size_t(b) * per * hq * d, kvo = size_t(b) * per * hkv * d;
         rt.prefill(l, seqs[size_t(b)], per, at(q, qo), at(k1, kvo), at(v1, kvo), at(out, qo), s);
       }
@@ -369,6 +373,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--step-tokens")) kChunk = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--append-only")) g_append_only = std::atoi(argv[i + 1]) != 0;
     if (!std::strcmp(argv[i], "--prefill-tokens")) g_prefill_tokens = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--prefill-batched")) g_prefill_batched = std::atoi(argv[i + 1]) != 0;
   }
   if (kChunk < 1 || g_prefill_tokens < 0) {
     std::fprintf(stderr, "--step-tokens must be >= 1 and --prefill-tokens >= 0\n");

@@ -93,25 +93,35 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
 void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapacity& c, const StepLimits& limits,
                       int max_sequences, int64_t max_pages, uint8_t* step, cudaStream_t stream);
 
-// Prefill / extend attention (one layer, one sequence; runtime/prefill.cu; reference:
-// prefill_ref). T new tokens at positions length..length+T-1 attend causally to the cache as
-// stored (BF16 sink, INT2 history, BF16 ring) and to themselves, rotated and BF16-rounded as the
-// ring will hold them. Does not modify the cache (append the tokens afterwards). Scope: head_dim
-// 128, group = head_dim, 64-token pages, any sink / recent sizes, any query-head group, uniform
-// grid and level-table codecs, up to kPrefillMaxKvHeads KV heads (served.h).
-// q: device [T, n_heads, d], k, v: device [T, n_kv, d], post-RoPE, unrotated.
-// page_table: device, the sequence's first history_pages(length) page ids. rot_k, rot_v, rot_v_t:
-// device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity). out: device [T, n_heads, d].
-// codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same arguments.
+// Prefill / extend attention (one layer, a ragged batch of sequences; runtime/prefill.cu;
+// reference: prefill_ref per sequence). Sequence i's T new tokens at positions
+// length..length+T-1 attend causally to its cache as stored (BF16 sink, INT2 history, BF16 ring)
+// and to themselves, rotated and BF16-rounded as the ring will hold them. Does not modify the
+// cache (append the tokens afterwards). Scope: head_dim 128, group = head_dim, 64-token pages,
+// any sink / recent sizes, any query-head group, uniform grid and level-table codecs, up to
+// kPrefillMaxKvHeads KV heads (served.h).
+// q: device [ΣT, n_heads, d], k, v: device [ΣT, n_kv, d], post-RoPE, unrotated, the sequences'
+// tokens one after another in the list's order (FlashInfer's ragged layout; out likewise).
+// rot_k, rot_v, rot_v_t: device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity).
+// codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same lengths and
+// counts (page tables are not read there). Up to 64 sequences per launch set; no host-to-device
+// copy (their descriptors are kernel parameters).
 struct PrefillShape {
   int n_heads = 0;     // query heads, a multiple of the KV heads
   float sm_scale = 0;  // softmax scale, usually 1/sqrt(d)
   int splits = 0;      // key-range splits per query tile (0: the kernel's plan; tests, tuning)
   int warps = 0;       // query rows per CTA / 16: 4 or 8 (0: the kernel's choice; tuning)
 };
-size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape);
-void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
-                  int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
+struct PrefillSequence {
+  int seq_slot = 0;                     // its window slot in the cache
+  int64_t length = 0;                   // tokens cached before the new ones
+  const int32_t* page_table = nullptr;  // device: its first history_pages(length) page ids
+  int T = 0;                            // new tokens (0: skipped)
+};
+size_t prefill_workspace_bytes(const KvGeometry& g, const std::vector<PrefillSequence>& seqs,
+                               const PrefillShape& shape);
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
+                  const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
                   const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
                   const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                   Activations act = Activations::Float32);

@@ -119,6 +119,11 @@ bool bad(const void* p, const char* what) {
   last_error = std::string("null argument: ") + what;
   return true;
 }
+bool negative(int n, const char* what) {
+  if (n >= 0) return false;
+  last_error = std::string(what) + " " + std::to_string(n) + " is negative";
+  return true;
+}
 }  // namespace
 
 extern "C" {
@@ -218,11 +223,16 @@ int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const 
     return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->decode(layer, std::vector<int>(seqs, seqs + n_seqs), q, out, stream); });
 }
-int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
-                 void* stream) {
-  if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
+int kvcc_prefill(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const int* counts, const void* q,
+                 const void* k, const void* v, void* out, void* stream) {
+  if (bad(rt, "runtime") || (n_seqs > 0 && (bad(seqs, "seqs") || bad(counts, "counts"))) ||
+      (n_seqs > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
     return KVCC_BAD_ARGUMENT;
-  return guarded([&] { rt->rt->prefill(layer, seq, T, q, k, v, out, stream); });
+  if (negative(n_seqs, "kvcc_prefill: n_seqs")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    rt->rt->prefill(layer, std::vector<int>(seqs, seqs + n_seqs), std::vector<int>(counts, counts + n_seqs), q, k, v,
+                    out, stream);
+  });
 }
 int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int32_t* lengths, const int32_t* counts,
                     const int32_t* block_table, int stride, int rows, void* stream) {
@@ -235,11 +245,19 @@ int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void
   if (bad(rt, "runtime") || bad(q, "q") || bad(out, "out")) return KVCC_BAD_ARGUMENT;
   return guarded([&] { rt->rt->decode_step(layer, q, out, stream); });
 }
-int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int slot, int64_t length, const int32_t* pages, int T,
-                        const void* q, const void* k, const void* v, void* out, void* stream) {
-  if (bad(rt, "runtime") || (T > 0 && (bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
+int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int n_seqs, const int* slots, const int64_t* lengths,
+                        const int32_t* const* pages, const int* counts, const void* q, const void* k, const void* v,
+                        void* out, void* stream) {
+  if (bad(rt, "runtime") ||
+      (n_seqs > 0 && (bad(slots, "slots") || bad(lengths, "lengths") || bad(pages, "pages") || bad(counts, "counts") ||
+                      bad(q, "q") || bad(k, "k") || bad(v, "v") || bad(out, "out"))))
     return KVCC_BAD_ARGUMENT;
-  return guarded([&] { rt->rt->prefill(layer, kvcc::EngineSequence{slot, length, pages}, T, q, k, v, out, stream); });
+  if (negative(n_seqs, "kvcc_prefill_engine: n_seqs")) return KVCC_BAD_ARGUMENT;
+  return guarded([&] {
+    std::vector<kvcc::EngineSequence> seqs(static_cast<size_t>(n_seqs));
+    for (int i = 0; i < n_seqs; ++i) seqs[size_t(i)] = {slots[i], lengths[i], pages[i]};
+    rt->rt->prefill(layer, seqs, std::vector<int>(counts, counts + n_seqs), q, k, v, out, stream);
+  });
 }
 int kvcc_step_problem(kvcc_runtime* rt, void* stream, const char** message) {
   if (bad(rt, "runtime") || bad(message, "message")) return KVCC_BAD_ARGUMENT;

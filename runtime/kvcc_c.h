@@ -51,11 +51,14 @@ int kvcc_begin_append(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* 
 int kvcc_begin_append_stream(kvcc_runtime* rt, int n_seqs, const int* seqs, const int* counts, void* stream);
 int kvcc_append(kvcc_runtime* rt, int layer, const void* k, const void* v, void* stream);
 int kvcc_decode(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const void* q, void* out, void* stream);
-/* T new tokens of one sequence attend to its cache and causally to themselves (see kvcc_runtime.h):
- * q, out [T, n_heads, d], k, v [T, n_kv, d]. Before kvcc_begin_append, or between it and
- * kvcc_append of this layer. */
-int kvcc_prefill(kvcc_runtime* rt, int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
-                 void* stream);
+/* Prefill / extend of n_seqs sequences in one set of launches (a ragged batch; see kvcc_runtime.h):
+ * sequence seqs[i] gets counts[i] new tokens, which attend to its cache and causally to each other;
+ * q, out [sum(counts), n_heads, d], k, v [sum(counts), n_kv, d], the sequences' rows one after
+ * another in seqs' order (for the open step's sequences in its order: append's k and v). Each
+ * sequence at most once. Before kvcc_begin_append, or between it and kvcc_append of this layer.
+ * seqs and counts are host arrays. */
+int kvcc_prefill(kvcc_runtime* rt, int layer, int n_seqs, const int* seqs, const int* counts, const void* q,
+                 const void* k, const void* v, void* out, void* stream);
 
 /* Engine tables (kvcc_runtime_load_engine; runtime/engine_step.h): a step of `batch` sequences
  * given as int32 arrays, device pointers on a device pool: window slots, lengths before the step,
@@ -67,9 +70,13 @@ int kvcc_begin_step(kvcc_runtime* rt, int batch, const int32_t* slots, const int
                     const int32_t* block_table, int stride, int rows, void* stream);
 /* Decode of the open step's sequences, in its order (either kind of step). */
 int kvcc_decode_step(kvcc_runtime* rt, int layer, const void* q, void* out, void* stream);
-/* kvcc_prefill for a sequence of the engine's tables: its slot, length and history pages. */
-int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int slot, int64_t length, const int32_t* pages, int T,
-                        const void* q, const void* k, const void* v, void* out, void* stream);
+/* kvcc_prefill for sequences of the engine's tables: sequence i is window slot slots[i] with
+ * lengths[i] tokens before its counts[i] new ones and history pages pages[i] (an int32 array of at
+ * least kvcc_history_pages(lengths[i]) ids; a device pointer on a device pool). slots, lengths,
+ * pages and counts themselves are host arrays of n_seqs entries. */
+int kvcc_prefill_engine(kvcc_runtime* rt, int layer, int n_seqs, const int* slots, const int64_t* lengths,
+                        const int32_t* const* pages, const int* counts, const void* q, const void* k, const void* v,
+                        void* out, void* stream);
 /* Why the last kvcc_begin_step planned nothing, or "" (waits for `stream`); the string stays valid
  * until the next call on rt. */
 int kvcc_step_problem(kvcc_runtime* rt, void* stream, const char** message);

@@ -684,38 +684,49 @@ int64_t Runtime::prefill_length(int layer, int seq, int T) const {
 
 void Runtime::prefill(int layer, const EngineSequence& seq, int T, const void* q, const void* k, const void* v,
                       void* out, void* stream) {
+  prefill(layer, std::vector<EngineSequence>{seq}, std::vector<int>{T}, q, k, v, out, stream);
+}
+
+void Runtime::prefill(int layer, const std::vector<EngineSequence>& seqs, const std::vector<int>& counts, const void* q,
+                      const void* k, const void* v, void* out, void* stream) {
   KVCC_REQUIRE(options_.engine_tables, "runtime: prefill(layer, EngineSequence, ...) needs engine_tables");
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
-  KVCC_REQUIRE(T >= 0 && seq.length >= 0 && seq.length + T <= limits_.max_context,
-               "runtime: prefill of " + std::to_string(T) + " tokens after " + std::to_string(seq.length) +
-                   ": negative, or beyond the declared max_context");
-  KVCC_REQUIRE(seq.slot >= 0 && seq.slot < options_.max_sequences,
-               "runtime: window slot " + std::to_string(seq.slot) + " outside [0, max_sequences)");
-  KVCC_REQUIRE(seq.pages || history_pages(seq.length) == 0, "runtime: prefill with a null page list");
-  // Inside a step that appends these tokens, the same order rules as prefill(layer, seq, ...).
-  const auto it = std::find(pending_seqs_.begin(), pending_seqs_.end(), seq.slot);
+  KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: prefill of " + std::to_string(seqs.size()) + " sequences with " +
+                                                 std::to_string(counts.size()) + " counts");
   const bool step_open = std::find(appended_.begin(), appended_.end(), 0) != appended_.end();
+  std::vector<int> slots(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const EngineSequence& seq = seqs[i];
+    const int T = counts[i];
+    KVCC_REQUIRE(T >= 0 && seq.length >= 0 && seq.length + T <= limits_.max_context,
+                 "runtime: prefill of " + std::to_string(T) + " tokens after " + std::to_string(seq.length) +
+                     ": negative, or beyond the declared max_context");
+    KVCC_REQUIRE(seq.slot >= 0 && seq.slot < options_.max_sequences,
+                 "runtime: window slot " + std::to_string(seq.slot) + " outside [0, max_sequences)");
+    KVCC_REQUIRE(seq.pages || history_pages(seq.length) == 0, "runtime: prefill with a null page list");
+    slots[i] = seq.slot;
+  }
+  require_distinct(slots);
   if (cache_->memory() == PoolMemory::Host) {
-    if (!step_open || it == pending_seqs_.end()) {
-      cache_->mirror_sequence(seq.slot, seq.length, seq.pages, history_pages(seq.length));
-    } else {
-      KVCC_REQUIRE(pending_old_[size_t(it - pending_seqs_.begin())] == seq.length,
-                   "runtime: prefill after " + std::to_string(seq.length) + " tokens of window slot " +
-                       std::to_string(seq.slot) + ", which the open step holds at another length");
+    for (const EngineSequence& seq : seqs) {
+      // Inside a step that appends these tokens, the same order rules as prefill(layer, seq, ...).
+      const auto it = std::find(pending_seqs_.begin(), pending_seqs_.end(), seq.slot);
+      if (!step_open || it == pending_seqs_.end()) {
+        cache_->mirror_sequence(seq.slot, seq.length, seq.pages, history_pages(seq.length));
+      } else {
+        KVCC_REQUIRE(pending_old_[size_t(it - pending_seqs_.begin())] == seq.length,
+                     "runtime: prefill after " + std::to_string(seq.length) + " tokens of window slot " +
+                         std::to_string(seq.slot) + ", which the open step holds at another length");
+      }
     }
-    prefill_slot(layer, seq.slot, T, q, k, v, out, stream);
+    prefill_slots(layer, slots, counts, q, k, v, out, stream);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const PrefillShape shape{n_heads_, options_.sm_scale};
-  dev_->other_ws.reserve(prefill_workspace_bytes(g, seq.length, T, shape));
-  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
-  prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq.slot, seq.length, seq.pages, T,
-               codecs(layer), shape, q, k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
-               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
-               options_.activations);
+  std::vector<PrefillSequence> batch(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) batch[i] = {seqs[i].slot, seqs[i].length, seqs[i].pages, counts[i]};
+  prefill_device(layer, batch, q, k, v, out, stream);
 #else
   (void)q, (void)k, (void)v, (void)out, (void)stream;
   throw Error("runtime: built without CUDA");
@@ -723,57 +734,105 @@ void Runtime::prefill(int layer, const EngineSequence& seq, int T, const void* q
 }
 
 void Runtime::prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out, void* stream) {
-  KVCC_REQUIRE(!options_.engine_tables,
-               "runtime: with engine_tables prefill takes the engine's sequence: prefill(layer, EngineSequence, ...)");
-  prefill_slot(layer, seq, T, q, k, v, out, stream);
+  prefill(layer, std::vector<int>{seq}, std::vector<int>{T}, q, k, v, out, stream);
 }
 
-// Prefill of the cache's sequence `seq` (the Runtime's own, or one mirrored from the engine's
+void Runtime::prefill(int layer, const std::vector<int>& seqs, const std::vector<int>& counts, const void* q,
+                      const void* k, const void* v, void* out, void* stream) {
+  KVCC_REQUIRE(!options_.engine_tables,
+               "runtime: with engine_tables prefill takes the engine's sequences: prefill(layer, EngineSequence, ...)");
+  prefill_slots(layer, seqs, counts, q, k, v, out, stream);
+}
+
+void Runtime::require_distinct(const std::vector<int>& seqs) const {
+  std::vector<int> sorted(seqs);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  KVCC_REQUIRE(dup == sorted.end(), "runtime: sequence " + std::to_string(dup == sorted.end() ? 0 : *dup) +
+                                        " twice in one prefill (give each sequence's tokens once)");
+}
+
+// Prefill of the cache's sequences `seqs` (the Runtime's own, or ones mirrored from the engine's
 // tables on a host pool).
-void Runtime::prefill_slot(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
-                           void* stream) {
+void Runtime::prefill_slots(int layer, const std::vector<int>& seqs, const std::vector<int>& counts, const void* q,
+                            const void* k, const void* v, void* out, void* stream) {
   const KvGeometry& g = geometry();
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "runtime: layer " + std::to_string(layer) + " out of range");
-  KVCC_REQUIRE(T >= 0, "runtime: negative token count");
-  const int64_t length = prefill_length(layer, seq, T);
+  KVCC_REQUIRE(seqs.size() == counts.size(), "runtime: prefill of " + std::to_string(seqs.size()) + " sequences with " +
+                                                 std::to_string(counts.size()) + " counts");
+  require_distinct(seqs);
+  std::vector<int64_t> lengths(seqs.size());
+  int64_t tokens = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    KVCC_REQUIRE(counts[i] >= 0, "runtime: negative token count");
+    lengths[i] = prefill_length(layer, seqs[i], counts[i]);
+    tokens += counts[i];
+  }
   if (cache_->memory() == PoolMemory::Host) {
-    const size_t nq = size_t(T) * size_t(n_heads_) * size_t(g.head_dim);
-    const size_t nkv = size_t(T) * size_t(g.n_kv_heads) * size_t(g.head_dim);
+    const size_t q_row = size_t(n_heads_) * size_t(g.head_dim), kv_row = size_t(g.n_kv_heads) * size_t(g.head_dim);
+    const size_t nq = size_t(tokens) * q_row;
     const bool f32 = options_.activations == Activations::Float32;
     if (!f32) host_out_.resize(nq);
     float* o = f32 ? static_cast<float*>(out) : host_out_.data();
-    prefill_ref(*cache_, layer, seq, T, host_input(0, q, nq), host_input(1, k, nkv), host_input(2, v, nkv), n_heads_,
-                rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale, o, length);
+    const float* hq = host_input(0, q, nq);
+    const float* hk = host_input(1, k, size_t(tokens) * kv_row);
+    const float* hv = host_input(2, v, size_t(tokens) * kv_row);
+    size_t t0 = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      prefill_ref(*cache_, layer, seqs[i], counts[i], hq + t0 * q_row, hk + t0 * kv_row, hv + t0 * kv_row, n_heads_,
+                  rot_k(layer), rot_v(layer), codecs(layer), options_.sm_scale, o + t0 * q_row, lengths[i]);
+      t0 += size_t(counts[i]);
+    }
     if (!f32) store_activations(o, nq, options_.activations, out);
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // A sequence of the step begin_append planned has its page table on the device already (the
-  // step's decode batch, whose first pages are those before the step's tokens): no copy.
+  // step's decode batch, whose first pages are those before the step's tokens): no copy. The
+  // others' tables are uploaded together.
   DeviceState& d = *dev_;
-  const auto it = std::find(d.step_seqs.begin(), d.step_seqs.end(), seq);
-  const bool planned = it != d.step_seqs.end() && cache_->version() == d.step_version;
-  const int32_t* table;
-  if (planned) {
-    table = d.decode.page_table + d.step_page_offsets[size_t(it - d.step_seqs.begin())];
-    d.before_use(s);
-  } else {
-    const std::vector<int32_t>& pt = cache_->page_table(seq);
-    table = d.upload_batch(std::vector<int32_t>(pt.begin(), pt.begin() + kvcc::history_pages(g, length)), s);
+  std::vector<PrefillSequence> batch(seqs.size());
+  std::vector<int32_t> upload;
+  std::vector<int64_t> uploaded_at(seqs.size(), -1);
+  bool planned_any = false;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    batch[i] = {seqs[i], lengths[i], nullptr, counts[i]};
+    const auto it = std::find(d.step_seqs.begin(), d.step_seqs.end(), seqs[i]);
+    if (it != d.step_seqs.end() && cache_->version() == d.step_version) {
+      batch[i].page_table = d.decode.page_table + d.step_page_offsets[size_t(it - d.step_seqs.begin())];
+      planned_any = true;
+    } else {
+      const std::vector<int32_t>& pt = cache_->page_table(seqs[i]);
+      uploaded_at[i] = int64_t(upload.size());
+      upload.insert(upload.end(), pt.begin(), pt.begin() + kvcc::history_pages(g, lengths[i]));
+    }
   }
-  const PrefillShape shape{n_heads_, options_.sm_scale};
-  dev_->other_ws.reserve(prefill_workspace_bytes(g, length, T, shape));
-  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
-  prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seq, length, table, T, codecs(layer), shape, q,
-               k, v, DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
-               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(), s,
-               options_.activations);
-  if (planned) d.after_use(s);
+  const int32_t* tables = d.upload_batch(upload, s);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (uploaded_at[i] >= 0) batch[i].page_table = tables + uploaded_at[i];
+  if (planned_any) d.before_use(s);
+  prefill_device(layer, batch, q, k, v, out, stream);
+  if (planned_any) d.after_use(s);
 #else
+  (void)q, (void)k, (void)v, (void)out, (void)stream, (void)tokens;
   throw Error("runtime: built without CUDA");
 #endif
 }
+
+#if defined(KVCC_HAVE_CUDA)
+void Runtime::prefill_device(int layer, const std::vector<PrefillSequence>& seqs, const void* q, const void* k,
+                             const void* v, void* out, void* stream) {
+  const KvGeometry& g = geometry();
+  const PrefillShape shape{n_heads_, options_.sm_scale};
+  dev_->other_ws.reserve(prefill_workspace_bytes(g, seqs, shape));
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seqs, codecs(layer), shape, q, k, v,
+               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
+               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(),
+               static_cast<cudaStream_t>(stream), options_.activations);
+}
+#endif
 
 void Runtime::attention_scores(int layer, int seq, int W, const void* q, float* scores, void* stream) {
   const KvGeometry& g = geometry();

@@ -16,7 +16,8 @@
 // widened on load, outputs rounded to nearest even, so a bfloat16 call equals the float32 one on
 // the widened inputs with its output rounded).
 // Prefill / extend of one sequence by T tokens: prefill(layer, seq, T, q, k, v, out, stream) with
-// q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets). It
+// q, out [T, n_heads, d] and k, v [T, n_kv, d] (the sequence's rows of what append gets), or of
+// several at once: prefill(layer, seqs, counts, ...) (a ragged batch, one set of launches). It
 // reads the cache as it was before these tokens, so call it before begin_append, or after
 // begin_append (T = the sequence's count) and before append(layer). On a device pool a sequence
 // of the step begin_append planned is read through the step's device page tables (no copy);
@@ -43,6 +44,8 @@
 #include "runtime/plan.h"
 
 namespace kvcc {
+
+struct PrefillSequence;  // runtime/kv_kernels.h
 
 // What the engine says the model is; an artifact that disagrees is refused.
 struct EngineShape {
@@ -157,12 +160,20 @@ class Runtime {
   void decode_step(int layer, const void* q, void* out, void* stream = nullptr);
   void prefill(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out,
                void* stream = nullptr);
+  // Several sequences at once (a ragged batch: one set of launches for all of them, e.g. a
+  // chunked-prefill step's): seqs[i] extended by counts[i] tokens; q, out [Σcounts, n_heads, d],
+  // k, v [Σcounts, n_kv, d], the sequences' rows one after another in seqs' order (for the open
+  // step's sequences in its order, exactly append's k and v). Each sequence at most once.
+  void prefill(int layer, const std::vector<int>& seqs, const std::vector<int>& counts, const void* q, const void* k,
+               const void* v, void* out, void* stream = nullptr);
   // The same for a sequence of the engine's tables (engine_tables; pages: a device pointer on a
   // device pool): the T new tokens after seq.length attend to what the cache holds of its first
   // seq.length tokens and to themselves. Call it before the layer's append of a step that appends
   // them, as above.
   void prefill(int layer, const EngineSequence& seq, int T, const void* q, const void* k, const void* v, void* out,
                void* stream = nullptr);
+  void prefill(int layer, const std::vector<EngineSequence>& seqs, const std::vector<int>& counts, const void* q,
+               const void* k, const void* v, void* out, void* stream = nullptr);
 
   // Token eviction: keeps only the tokens at positions `kept` (strictly increasing, < length) of
   // `seq`, in every layer and KV head, and compacts them into whole pages so that freed pages
@@ -201,7 +212,11 @@ class Runtime {
   // The length prefill reads: before the open step's tokens (checked), else the current one.
   int64_t prefill_length(int layer, int seq, int T) const;
   void plan_step(void* stream);
-  void prefill_slot(int layer, int seq, int T, const void* q, const void* k, const void* v, void* out, void* stream);
+  void prefill_slots(int layer, const std::vector<int>& seqs, const std::vector<int>& counts, const void* q,
+                     const void* k, const void* v, void* out, void* stream);
+  void require_distinct(const std::vector<int>& seqs) const;
+  void prefill_device(int layer, const std::vector<PrefillSequence>& seqs, const void* q, const void* k, const void* v,
+                      void* out, void* stream);  // device pool only (kv_kernels.h)
   void decode_sequences(int layer, const std::vector<int>& seqs, const void* q, void* out, void* stream);
   // Host pool with bfloat16 activations: the widened inputs and the float outputs of the reference.
   std::vector<float> host_x_[3], host_out_;

@@ -118,36 +118,89 @@ size_t decode_workspace_bytes(const DecodeGpu& gpu, const KvGeometry& g, int bat
 }
 
 // Key-range splits only when the query tiles alone leave the GPU idle (short extends over long
-// contexts); each split keeps at least 4 key tiles.
-PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, int64_t length, int T, int n_heads, int splits,
-                         int warps) {
-  PrefillPlan p{};
-  p.rows = T * (n_heads / g.n_kv_heads);
+// contexts, batches of few tokens): each CTA gets about (the batch's key tiles) / (CTAs resident)
+// key tiles, and at least 4.
+PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::vector<int64_t>& lengths,
+                         const std::vector<int>& counts, int n_heads, int splits, int warps) {
+  KVCC_REQUIRE(lengths.size() == counts.size(), "prefill (CUDA): lengths and counts differ in size");
+  KVCC_REQUIRE(warps == 0 || warps == 4 || warps == 8, "prefill (CUDA): warps must be 4 or 8");
+  const int r = n_heads / g.n_kv_heads;
+  PrefillPlan p;
+  p.seqs.resize(counts.size());
   // 8 warps (128 rows, one CTA per SM) use each key tile for twice the rows: 9-14% faster on the
   // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
-  // half empty (docs/runtime.md).
-  p.warps = warps > 0 ? warps : (p.rows >= 128 ? 8 : 4);
-  KVCC_REQUIRE(p.warps == 4 || p.warps == 8, "prefill (CUDA): warps must be 4 or 8");
-  p.row_tiles = (p.rows + 16 * p.warps - 1) / (16 * p.warps);
-  const KvTiers t = tiers_of(g, length);
-  p.n_pages = int(t.hist_tokens / kPrefillKeyTile);
-  p.win_rows = t.sink_count + t.ring_count;
-  const int max_units = p.n_pages + (p.win_rows + T + kPrefillKeyTile - 1) / kPrefillKeyTile;
-  if (splits <= 0) {
-    const int ctas = std::max(1, p.row_tiles * g.n_kv_heads);
-    const int resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
-    splits = std::min((resident + ctas - 1) / ctas, std::max(1, max_units / 4));
+  // half empty (docs/runtime.md). A batch takes 8 when most of its rows are in such sequences.
+  int64_t rows_all = 0, rows_big = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    KVCC_REQUIRE(counts[i] >= 0 && lengths[i] >= 0, "prefill (CUDA): negative length or token count");
+    const int64_t rows = int64_t(counts[i]) * r;
+    rows_all += rows;
+    rows_big += rows >= 128 ? rows : 0;
   }
-  splits = std::min(splits, kPrefillMaxSplits);
-  p.units_per_split = (max_units + splits - 1) / splits;
-  p.splits = (max_units + p.units_per_split - 1) / p.units_per_split;
+  p.warps = warps > 0 ? warps : (rows_all > 0 && 2 * rows_big >= rows_all ? 8 : 4);
+  std::vector<int> units(counts.size());
+  int64_t work = 0;  // key tiles over the batch's query-tile CTAs
+  for (size_t i = 0; i < counts.size(); ++i) {
+    PrefillSeqPlan& s = p.seqs[i];
+    s.T = counts[i];
+    s.rows = s.T * r;
+    s.row_tiles = (s.rows + 16 * p.warps - 1) / (16 * p.warps);
+    const KvTiers t = tiers_of(g, lengths[i]);
+    s.n_pages = int(t.hist_tokens / kPrefillKeyTile);
+    s.win_rows = t.sink_count + t.ring_count;
+    units[i] = s.T > 0 ? s.n_pages + (s.win_rows + s.T + kPrefillKeyTile - 1) / kPrefillKeyTile : 0;
+    work += int64_t(s.row_tiles) * g.n_kv_heads * units[i];
+  }
+  const int64_t resident = std::max(1, p.warps == 4 ? gpu.resident4 : gpu.resident8);
+  // Sequence i's splits when each CTA takes about per_cta key tiles.
+  const auto splits_of = [&](size_t i, int64_t per_cta) {
+    const int u = std::max(1, units[i]);
+    int n = splits > 0 ? splits : int(std::min<int64_t>((u + per_cta - 1) / per_cta, std::max(1, u / 4)));
+    n = std::max(1, std::min(n, kPrefillMaxSplits));
+    const int per_split = (u + n - 1) / n;
+    return (u + per_split - 1) / per_split;  // no empty split
+  };
+  const auto ctas_of = [&](int64_t per_cta) {
+    int64_t n = 0;
+    for (size_t i = 0; i < counts.size(); ++i) n += int64_t(p.seqs[i].row_tiles) * g.n_kv_heads * splits_of(i, per_cta);
+    return n;
+  };
+  int64_t per_cta = std::max<int64_t>(4, (work + resident - 1) / resident);
+  // The rounding up of each sequence's splits can leave a few CTAs for a second wave, as long as
+  // the first (16 splits x 8 heads and 4 more on 132 SMs: the extend took 1.37x as long). Longer
+  // splits that fit one wave are cheaper while they are less than 1.5x as long: the smallest such.
+  if (splits <= 0 && ctas_of(per_cta) > resident) {
+    int64_t lo = per_cta + 1, hi = per_cta + per_cta / 2;
+    if (hi >= lo && ctas_of(hi) <= resident) {
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ctas_of(mid) <= resident) hi = mid;
+        else lo = mid + 1;
+      }
+      per_cta = hi;
+    }
+  }
+  for (size_t i = 0; i < counts.size(); ++i) {
+    PrefillSeqPlan& s = p.seqs[i];
+    const int u = std::max(1, units[i]);
+    const int n = splits_of(i, per_cta);
+    s.units_per_split = (u + n - 1) / n;
+    s.splits = (u + s.units_per_split - 1) / s.units_per_split;
+    s.token0 = p.tokens;
+    s.kv0 = p.kv_rows;
+    s.part0 = p.part_rows;
+    p.tokens += s.T;
+    p.kv_rows += s.win_rows + s.T;
+    p.part_rows += int64_t(s.splits) * g.n_kv_heads * s.rows;
+    p.max_splits = std::max(p.max_splits, s.splits);
+  }
   return p;
 }
 
-PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan& p) {
+PrefillWorkspace prefill_workspace(const KvGeometry& g, const PrefillPlan& p, int n_heads) {
   constexpr size_t kD = kGpuHeadDim;
-  const size_t rows_all = size_t(p.rows) * g.n_kv_heads;  // T · n_heads
-  const size_t kv = size_t(p.win_rows + T) * g.n_kv_heads * kD;
+  const size_t rows_all = size_t(p.tokens) * n_heads;
+  const size_t kv = size_t(p.kv_rows) * g.n_kv_heads * kD;
   PrefillWorkspace w{};
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -158,8 +211,8 @@ PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan
   w.q = take(rows_all * kD * 2);
   w.k = take(kv * 2);
   w.v = take(kv * 2);
-  w.part_o = take(size_t(p.splits) * rows_all * kD * 4);
-  w.part_ml = take(size_t(p.splits) * rows_all * 2 * 4);
+  w.part_o = take(size_t(p.part_rows) * kD * 4);
+  w.part_ml = take(size_t(p.part_rows) * 2 * 4);
   w.bytes = off;
   return w;
 }

@@ -88,21 +88,36 @@ struct PrefillGpu {
   int resident4 = 0, resident8 = 0;
 };
 
-struct PrefillPlan {
-  int warps, rows, row_tiles, splits, units_per_split;
+// A batch of sequences prefilled together (FlashInfer's ragged layout: q, k, v and out hold the
+// sequences' tokens one after another). Sequence i: T new tokens after lengths[i] cached ones.
+struct PrefillSeqPlan {
+  int T, rows, row_tiles;  // rows = T·(n_heads / n_kv) query rows per KV head, in tiles of 16·warps
+  int splits, units_per_split;
   int n_pages, win_rows;  // INT2 pages; BF16 window rows staged ahead of the new tokens
+  int64_t token0;         // its first token in q, k, v and out
+  int64_t kv0;            // its first staged key/value row (window rows, then the T new ones)
+  int64_t part0;          // its first partial row: [splits][n_kv][rows] rows from here
 };
-// T new tokens after `length` cached ones, n_heads query heads; splits and warps are
-// PrefillShape's overrides (0: the plan's). Throws Error for warps other than 0, 4 and 8.
-PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, int64_t length, int T, int n_heads, int splits,
-                         int warps);
+struct PrefillPlan {
+  int warps = 0;  // one build per launch
+  std::vector<PrefillSeqPlan> seqs;
+  int64_t tokens = 0, kv_rows = 0, part_rows = 0;  // totals over the batch
+  int max_splits = 0;
+};
+// splits and warps are PrefillShape's overrides (0: the plan's). The splits are planned for the
+// whole batch: every sequence's key range is cut into splits of about the same number of key
+// tiles, so that the batch's CTAs fill the GPU about once and a short extend over a long history
+// is not one long CTA behind the others. Throws Error for warps other than 0, 4 and 8, for
+// mismatched lists and for negative lengths or counts.
+PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::vector<int64_t>& lengths,
+                         const std::vector<int>& counts, int n_heads, int splits, int warps);
 
-// Prefill's workspace: byte offsets of the rotated fp16 queries, keys and values (window rows
-// first), the splits' partial outputs and (max, sum); total bytes.
+// Prefill's workspace: byte offsets of the rotated fp16 queries ([n_kv][tokens·r][d]), keys and
+// values ([n_kv][kv_rows][d]), the splits' partial outputs and (max, sum); total bytes.
 struct PrefillWorkspace {
   size_t q, k, v, part_o, part_ml, bytes;
 };
-PrefillWorkspace prefill_workspace(const KvGeometry& g, int T, const PrefillPlan& p);
+PrefillWorkspace prefill_workspace(const KvGeometry& g, const PrefillPlan& p, int n_heads);
 
 // ---------------------------------------------------------------------------------------------
 // Append (runtime/append.cu).

@@ -1,22 +1,23 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
-// runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"). Four kernels, six launches
-// (rotate_in runs for q, k and v):
+// runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
+// (their new tokens one after another in q, k, v and out). Four kernels, six launches for up to
+// kLaunchSeqs sequences (rotate_in runs for q, k and v); the batch's sequences and their offsets
+// are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
 //  1. rotate_in: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
 //     query row is a (new token, query head of the group) pair). k and v are rounded to BF16 first
 //     (what the ring will hold), so their fp16 copies are those BF16 values exactly.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
-//  3. prefill_kernel: flash-attention style. One CTA = (tile of 16·kWarps query rows, KV head,
-//     key-range split); every query head of the group shares the CTA's K/V tiles. Each warp owns
-//     16 rows; key tiles of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask)
-//     pass through shared memory (cp.async ahead, one barrier per tile); S = Q·Kᵀ and O += P·V run
-//     on mma.sync m16n8k16 in fp16 with fp32 accumulation (fp16 carries 3 more mantissa bits than
-//     bf16: with a bf16 query the logits' rounding alone gave 1-4% output error on the tests'
-//     peaked softmax), with an online softmax in registers. INT2 pages are expanded to their code
-//     values (exact: 0..3, or the level table rounded to fp16) and the per-token scale and zero are
-//     folded in once per token (DESIGN.md): q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z.
-//     fp16 rows use s = 1, z = 0, so one code path serves every tier.
+//  3. prefill_kernel: flash-attention style. One CTA = (sequence, key-range split, tile of
+//     16·kWarps query rows, KV head: the fastest); every query head of the group shares the CTA's K/V tiles. Each warp
+//     owns 16 rows; key tiles of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask) pass through
+//     shared memory (cp.async ahead, one barrier per tile); S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 in fp16 with
+//     fp32 accumulation (fp16 carries 3 more mantissa bits than bf16: with a bf16 query the logits' rounding alone gave
+//     1-4% output error on the tests' peaked softmax), with an online softmax in registers. INT2 pages are expanded to
+//     their code values (exact: 0..3, or the level table rounded to fp16) and the per-token scale and zero are folded
+//     in once per token (DESIGN.md): q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0,
+//     so one code path serves every tier.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation, ·R_vᵀ.
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "formats/error.h"
 #include "formats/kv_layout.h"
@@ -47,6 +49,7 @@ constexpr int kStride = kD + 8;  // shared row stride in 16-bit elements: 272 B,
 constexpr int kPageBytes = kGpuPageBytes;         // one (page, layer, head) block (served.h)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kRotRows = 32;                      // rows per CTA of the rotation kernels
+constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
 
 // fp16 with saturation instead of overflow to infinity.
@@ -89,14 +92,25 @@ __device__ __forceinline__ void rotate_tile(const float (&xs)[kRotRows][kD], con
   }
 }
 
-// dst[h][offset + p] = fp16(x[token, head] · R[h]) (through bf16 when round_bf16), dst rows
-// [n_kv][dst_rows][d]; grid (row tiles, n_kv), kD threads.
+// Where rotate_in's rows go: row p (of the launch's range) to dst row p + shift[i], i the last
+// entry with first[i] <= p (the staging keeps each sequence's window rows ahead of its new keys).
+struct RowShift {
+  int n = 0;
+  int64_t first[kLaunchSeqs];
+  int64_t shift[kLaunchSeqs];
+};
+
+// dst[h][p + shift] = fp16(x[token, head] · R[h]) (through bf16 when round_bf16) for rows p in
+// [row0, row0 + rows), dst rows [n_kv][dst_rows][d]; grid (row tiles, n_kv), kD threads.
+// Row indices fit 32 bits (check_scope: tokens · n_heads < 2^31), so p / r is a 32-bit division.
 template <typename In, int kBatch>
-__global__ void __launch_bounds__(kD) rotate_in(const In* x, const float* rot, int rows, int n_kv, int r,
-                                                int round_bf16, __half* dst, int dst_rows, int offset) {
+__global__ void __launch_bounds__(kD)
+    rotate_in(const In* x, const float* rot, int row0, int rows, int n_kv, int r, int round_bf16, __half* dst,
+              int64_t dst_rows, const __grid_constant__ RowShift shift) {
   __shared__ float xs[kRotRows][kD];
-  const int h = blockIdx.y, p0 = blockIdx.x * kRotRows, j = threadIdx.x;
-  const int n = min(kRotRows, rows - p0);
+  const int h = blockIdx.y, j = threadIdx.x;
+  const int p0 = row0 + int(blockIdx.x) * kRotRows;
+  const int n = min(kRotRows, row0 + rows - p0);
   for (int i = 0; i < kRotRows; ++i) {
     const int p = p0 + i;
     xs[i][j] = i < n ? load_activation(x + ((size_t(p / r) * n_kv + h) * r + p % r) * kD + j) : 0.0f;
@@ -104,11 +118,56 @@ __global__ void __launch_bounds__(kD) rotate_in(const In* x, const float* rot, i
   __syncthreads();
   float acc[kRotRows];
   rotate_tile<kBatch>(xs, rot ? rot + size_t(h) * kD * kD : nullptr, j, acc);
+  int e = 0;
+  while (e + 1 < shift.n && shift.first[e + 1] <= p0) ++e;
 #pragma unroll
   for (int i = 0; i < kRotRows; ++i)
-    if (i < n)
-      dst[(size_t(h) * dst_rows + offset + p0 + i) * kD + j] =
+    if (i < n) {
+      while (e + 1 < shift.n && shift.first[e + 1] <= p0 + i) ++e;
+      dst[(size_t(h) * dst_rows + p0 + i + shift.shift[e]) * kD + j] =
           to_half(round_bf16 ? __bfloat162float(__float2bfloat16_rn(acc[i])) : acc[i]);
+    }
+}
+
+// One sequence of a launch: where its rows are in the staging, the partials and the output, and
+// which CTAs of the attention and finish grids are its.
+struct SeqArgs {
+  const int32_t* page_table;   // its history pages
+  int64_t hist_tokens;         // tokens in INT2 history (the ring's position)
+  int64_t token0, kv0, part0;  // first token of q/k/v/out, staged key row, partial row (PrefillSeqPlan)
+  int seq_slot, sink_count, T, rows, row_tiles, n_pages, win_rows, splits, units_per_split;
+  int cta0, fin0;  // its first CTA (x) of prefill_kernel's and finish's grids
+};
+
+struct PrefillArgs {
+  const uint8_t* pages;
+  KvGeometry geo;
+  int layer, r, n_kv;
+  int64_t q_rows, kv_rows;  // staged query rows (the batch's tokens · r) and key/value rows per KV head
+  __half* q;                // [n_kv][q_rows][d] rotated
+  __half* k;                // [n_kv][kv_rows][d] rotated, BF16 values (window rows, then new keys)
+  __half* v;
+  float* part_o;   // [part rows][d]: sequence i's [splits][n_kv][rows] from part0
+  float* part_ml;  // [part rows][2] (running max in log2 units, sum)
+  float sm_scale_log2;
+  // Per (KV head, side): the value x_c each 2-bit code stands for (c, or the level table) and
+  // whether the stored zero applies (uniform grid) or not (level table: x̂ = s·level[c]).
+  float code_value[kPrefillMaxKvHeads][2][4];
+  int use_zero[kPrefillMaxKvHeads][2];
+  int n_seqs;
+  SeqArgs seq[kLaunchSeqs];
+};
+
+// The launch's sequence of CTA x: the last one whose first CTA (cta0 or fin0) is <= x.
+template <class First>
+__device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, First first) {
+  int lo = 0, hi = a.n_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first(a.seq[mid]) <= x) lo = mid;
+    else hi = mid - 1;
+  }
+  return a.seq[lo];
 }
 
 // out[token, head] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ[h]. kFinRows rows per CTA,
@@ -118,22 +177,24 @@ __global__ void __launch_bounds__(kD) rotate_in(const In* x, const float* rot, i
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
 template <int kChunk, typename Out>
-__global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const float* part_ml, int splits, int rows,
-                                                      int n_kv, int r, const float* rot_v_t, Out* out) {
+__global__ void __launch_bounds__(kFinThreads)
+    finish(const __grid_constant__ PrefillArgs a, const float* rot_v_t, Out* out) {
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
   __shared__ float ov[kFinRows][kD];
-  const int h = blockIdx.y, p0 = blockIdx.x * kFinRows, tid = threadIdx.x;
+  const SeqArgs& sq = seq_of(a, blockIdx.x, [](const SeqArgs& e) { return e.fin0; });
+  const int rows = sq.rows, splits = sq.splits, r = a.r, n_kv = a.n_kv;
+  const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * kFinRows, tid = threadIdx.x;
   const int j = tid % kD, slice = tid / kD;
   const int n = min(kFinRows, rows - p0);
-  // Split s of row i: entry (s·n_kv + h)·rows + p0 + i of the partials (PrefillArgs::part_o, part_ml).
+  // Split s of row i: partial row part0 + (s·n_kv + h)·rows + p0 + i.
   const size_t split_stride = size_t(n_kv) * rows;
   for (int i = 0; i < kFinRows; ++i) {
     float m = -INFINITY, l = 0.0f, acc = 0.0f;
     if (i < n) {
-      const size_t row = size_t(h) * rows + p0 + i;
+      const size_t row = size_t(sq.part0) + size_t(h) * rows + p0 + i;
       merge_run<kChunk, kD>(
-          part_o, part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
+          a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
           kSlices, m, l, acc);
     }
     part[slice][i][j] = acc;
@@ -163,7 +224,7 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
   __syncthreads();
   for (int i = slice; i < n; i += kSlices) {
     const int p = p0 + i;
-    store_activation(out + ((size_t(p / r) * n_kv + h) * r + p % r) * kD + j,
+    store_activation(out + ((size_t(sq.token0 + p / r) * n_kv + h) * r + p % r) * kD + j,
                      (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]));
   }
 }
@@ -172,44 +233,27 @@ __global__ void __launch_bounds__(kFinThreads) finish(const float* part_o, const
 // Attention.
 
 // The BF16 windows of one layer and sequence in logical order (sink rows, then the ring oldest
-// first), widened to fp16 into the first win_rows rows of the key/value staging, ahead of the new
-// tokens (exact within fp16's range; beyond ±65504 they saturate). grid (win_rows, n_kv), 32
-// threads: 16-byte chunks of the K and V rows.
+// first), widened to fp16 into the sequence's first win_rows rows of the key/value staging, ahead
+// of its new tokens (exact within fp16's range; beyond ±65504 they saturate). grid (the launch's
+// most window rows, n_kv, sequences), 32 threads: 16-byte chunks of the K and V rows.
 __global__ void __launch_bounds__(32)
-    stage_windows(const __nv_bfloat16* windows, KvGeometry geo, int layer, int seq_slot, int sink_count,
-                  int64_t hist_tokens, int kv_rows, __half* k_dst, __half* v_dst) {
+    stage_windows(const __grid_constant__ PrefillArgs a, const __nv_bfloat16* windows) {
+  const SeqArgs& sq = a.seq[blockIdx.z];
   const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
-  const __nv_bfloat16* win = windows + geo.window_block_elem(seq_slot, layer, h);
-  const __nv_bfloat16* src = i < sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
-                                            : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
-                                                  size_t(ring_slot(geo, hist_tokens + (i - sink_count))) * kD;
+  if (i >= sq.win_rows) return;
+  const KvGeometry& geo = a.geo;
+  const __nv_bfloat16* win = windows + geo.window_block_elem(sq.seq_slot, a.layer, h);
+  const __nv_bfloat16* src = i < sq.sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
+                                               : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
+                                                     size_t(ring_slot(geo, sq.hist_tokens + (i - sq.sink_count))) * kD;
   uint4 u = reinterpret_cast<const uint4*>(src)[chunk];
   u.x = bf16x2_to_half2(u.x);
   u.y = bf16x2_to_half2(u.y);
   u.z = bf16x2_to_half2(u.z);
   u.w = bf16x2_to_half2(u.w);
-  reinterpret_cast<uint4*>((side ? v_dst : k_dst) + (size_t(h) * kv_rows + i) * kD)[chunk] = u;
+  __half* dst = side ? a.v : a.k;
+  reinterpret_cast<uint4*>(dst + (size_t(h) * a.kv_rows + sq.kv0 + i) * kD)[chunk] = u;
 }
-
-struct PrefillArgs {
-  const uint8_t* pages;
-  KvGeometry geo;
-  int layer, T, r, n_kv, rows;  // rows = T·r query rows per KV head
-  int n_pages;                  // INT2 history pages
-  int win_rows, kv_rows;        // staged keys per head: win_rows window rows, then the T new ones
-  const int32_t* page_table;
-  const __half* q;  // [n_kv][rows][d] rotated
-  const __half* k;  // [n_kv][kv_rows][d] rotated, BF16 values
-  const __half* v;
-  float* part_o;   // [splits][n_kv][rows][d]
-  float* part_ml;  // [splits][n_kv][rows][2] (running max in log2 units, sum)
-  int units_per_split;
-  float sm_scale_log2;
-  // Per (KV head, side): the value x_c each 2-bit code stands for (c, or the level table) and
-  // whether the stored zero applies (uniform grid) or not (level table: x̂ = s·level[c]).
-  float code_value[kPrefillMaxKvHeads][2][4];
-  int use_zero[kPrefillMaxKvHeads][2];
-};
 
 // One pipeline stage: a 64-token key tile as fp16 MMA operands.
 struct Stage {
@@ -227,21 +271,33 @@ constexpr size_t kSmemBytes = sizeof(Smem);
 // (windows, then new tokens) up to the CTA's last query token. Unit u is computed in iteration u
 // from stage u % 2; its bytes were requested one iteration earlier (a page's raw bytes two
 // iterations earlier, expanded one iteration earlier), so each iteration needs one barrier.
-// 4 warps: two CTAs per SM (registers <= 255); 8 warps: one.
-template <int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kernel(PrefillArgs a) {
+// 4 warps: two CTAs per SM (registers <= 255); 8 warps: one. kOne: the launch has one sequence,
+// whose fields are then constant-bank operands rather than registers (what a sequence indexed at
+// run time costs: 1.5-2.5% at T = 2048 on the H200).
+template <int kWarps, bool kOne>
+__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
+    prefill_kernel(const __grid_constant__ PrefillArgs a) {
   constexpr int kThreads = 32 * kWarps, kBM = 16 * kWarps;
   extern __shared__ uint4 smem_u4[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_u4);
   __shared__ uint32_t lut[2][16];  // two codes (4 bits) -> their two fp16 x values
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int h = blockIdx.y, split = blockIdx.z;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // the tiles with the most new tokens start first
+  // The KV head varies fastest over the grid, so a sequence's last (shortest) split of every head
+  // is what the GPU runs last.
+  const int h = int(blockIdx.x % unsigned(a.n_kv)), cta = int(blockIdx.x / unsigned(a.n_kv));
+  const SeqArgs& sq = kOne ? a.seq[0] : seq_of(a, cta, [](const SeqArgs& e) { return e.cta0; });
+  const int rows = sq.rows, r = a.r, n_pages = sq.n_pages, win_rows = sq.win_rows, kv_rows = win_rows + sq.T;
+  const int32_t* page_table = sq.page_table;
+  const int local = cta - sq.cta0;
+  const int tile = sq.row_tiles - 1 - local % sq.row_tiles;  // the tiles with the most new tokens start first
+  const int split = local / sq.row_tiles;
   const int row0 = tile * kBM;
-  const int last_token = (min(row0 + kBM, a.rows) - 1) / a.r;
-  const int n_units = a.n_pages + (a.win_rows + last_token) / kBN + 1;
-  const int u0 = split * a.units_per_split, u1 = min(n_units, u0 + a.units_per_split);
+  const int last_token = (min(row0 + kBM, rows) - 1) / r;
+  const int n_units = n_pages + (win_rows + last_token) / kBN + 1;
+  const int u0 = split * sq.units_per_split, u1 = min(n_units, u0 + sq.units_per_split);
+  const __half* kst = a.k + (size_t(h) * a.kv_rows + sq.kv0) * kD;  // this sequence's staged rows
+  const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
 
   if (tid < 32) {
     const int side = tid >> 4, i = tid & 15;
@@ -249,24 +305,24 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
   }
 
   auto issue_raw = [&](int u) {  // an INT2 page's block into raw[u % 2]
-    if (u >= u1 || u >= a.n_pages) return;
-    const uint8_t* src = a.pages + a.geo.page_block_offset(a.page_table[u], a.layer, h);
+    if (u >= u1 || u >= n_pages) return;
+    const uint8_t* src = a.pages + a.geo.page_block_offset(page_table[u], a.layer, h);
     uint8_t* dst = sm.raw[(u - u0) & 1];
     for (int i = tid; i < kPageBytes / 16; i += kThreads) cp_async16(dst + 16 * i, src + 16 * i, 16);
   };
   auto issue_tile = [&](int u) {  // kBN staged fp16 rows straight into the stage (zeros past the end)
-    if (u >= u1 || u < a.n_pages) return;
+    if (u >= u1 || u < n_pages) return;
     Stage& s = sm.stage[(u - u0) & 1];
-    const int key0 = (u - a.n_pages) * kBN;
+    const int key0 = (u - n_pages) * kBN;
     for (int i = tid; i < 2 * kBN * (kD / 8); i += kThreads) {
       const int side = i / (kBN * (kD / 8)), row = (i / (kD / 8)) % kBN, chunk = i % (kD / 8);
-      const bool ok = key0 + row < a.kv_rows;
-      const __half* src = (side ? a.v : a.k) + (size_t(h) * a.kv_rows + (ok ? key0 + row : 0)) * kD + 8 * chunk;
+      const bool ok = key0 + row < kv_rows;
+      const __half* src = (side ? vst : kst) + size_t(ok ? key0 + row : 0) * kD + 8 * chunk;
       cp_async16(side ? &s.v[row][8 * chunk] : &s.k[row][8 * chunk], src, ok ? 16 : 0);
     }
   };
   auto expand = [&](int u) {  // raw[u % 2] -> code values and (scale, zero) in the stage
-    if (u >= u1 || u >= a.n_pages) return;
+    if (u >= u1 || u >= n_pages) return;
     Stage& s = sm.stage[(u - u0) & 1];
     const uint8_t* raw = sm.raw[(u - u0) & 1];
     for (int i = tid; i < 2 * kBN * kCodeWords; i += kThreads) {
@@ -302,9 +358,10 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int p = row0 + 16 * warp + g + 8 * rr;
-    const bool ok = p < a.rows;
-    qtok[rr] = (ok ? p : a.rows - 1) / a.r;
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (size_t(h) * a.rows + (ok ? p : 0)) * kD);
+    const bool ok = p < rows;
+    qtok[rr] = (ok ? p : rows - 1) / r;
+    const uint32_t* qrow =
+        reinterpret_cast<const uint32_t*>(a.q + (size_t(h) * a.q_rows + size_t(sq.token0) * r + (ok ? p : 0)) * kD);
     float s = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
@@ -343,8 +400,8 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
     cp_async_commit();
     expand(u + 1);
     const Stage& s = sm.stage[(u - u0) & 1];
-    const bool page = u < a.n_pages;
-    const int key0 = (u - a.n_pages) * kBN - a.win_rows;  // new-token index of the tile's row 0
+    const bool page = u < n_pages;
+    const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
     // S = Q·Kᵀ: 16 rows × 64 tokens per warp.
     float sc[kBN / 8][4];
 #pragma unroll
@@ -434,8 +491,8 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
     spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 1);
     spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 2);
     const int p = row0 + 16 * warp + g + 8 * rr;
-    if (p >= a.rows) continue;
-    const size_t row = (size_t(split) * a.n_kv + h) * a.rows + p;
+    if (p >= rows) continue;
+    const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
     float* dst = a.part_o + row * kD;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n)
@@ -448,10 +505,12 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1) prefill_kern
 void prepare_prefill_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
-    check_cuda(cudaFuncSetAttribute(prefill_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
-               "prefill (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(prefill_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
-               "prefill (CUDA): shared memory attribute");
+    for (const void* kernel : {reinterpret_cast<const void*>(prefill_kernel<4, false>),
+                               reinterpret_cast<const void*>(prefill_kernel<4, true>),
+                               reinterpret_cast<const void*>(prefill_kernel<8, false>),
+                               reinterpret_cast<const void*>(prefill_kernel<8, true>)})
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
+                 "prefill (CUDA): shared memory attribute");
   });
 }
 
@@ -465,88 +524,162 @@ const PrefillGpu& prefill_gpu() {
       return std::max(1, per_sm) * multiprocessors();
     };
     PrefillGpu p;
-    p.resident4 = resident(prefill_kernel<4>, 32 * 4);
-    p.resident8 = resident(prefill_kernel<8>, 32 * 8);
+    p.resident4 = resident(prefill_kernel<4, false>, 32 * 4);
+    p.resident8 = resident(prefill_kernel<8, false>, 32 * 8);
     return p;
   }();
   return gpu;
 }
 
 // (Explicit splits need nothing of the device.)
-PrefillPlan plan_of(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
-  return plan_prefill(shape.splits > 0 ? PrefillGpu{} : prefill_gpu(), g, length, T, shape.n_heads, shape.splits,
+PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
+  std::vector<int64_t> lengths(seqs.size());
+  std::vector<int> counts(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    lengths[i] = seqs[i].length;
+    counts[i] = seqs[i].T;
+  }
+  return plan_prefill(shape.splits > 0 ? PrefillGpu{} : prefill_gpu(), g, lengths, counts, shape.n_heads, shape.splits,
                       shape.warps);
 }
 
-// The queries and the new keys and values rotated into the fp16 staging (k and v through bf16, as
-// the ring will hold them).
+// Rows [row0, row0 + rows) of x rotated into the fp16 staging (rotate_in).
 template <typename In>
-void rotate_inputs(const In* q, const In* k, const In* v, const float* rot_k, const float* rot_v, const KvGeometry& g,
-                   const PrefillPlan& plan, const PrefillArgs& a, __half* wq, __half* wk, __half* wv,
-                   cudaStream_t stream) {
-  const dim3 rot_grid_q((plan.rows + kRotRows - 1) / kRotRows, g.n_kv_heads);
-  const dim3 rot_grid_kv((a.T + kRotRows - 1) / kRotRows, g.n_kv_heads);
+void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16,
+                 __half* dst, int64_t dst_rows, const RowShift& shift, cudaStream_t stream) {
+  if (rows == 0) return;
+  const dim3 grid(unsigned((rows + kRotRows - 1) / kRotRows), n_kv);
   // Fewer CTAs than SMs: R's loads in batches of 32 (rotate_tile); else of 4.
-  const auto rot = [](const dim3& grid) {
-    return int(grid.x * grid.y) < multiprocessors() ? rotate_in<In, 32> : rotate_in<In, 4>;
-  };
-  rot(rot_grid_q)<<<rot_grid_q, kD, 0, stream>>>(q, rot_k, plan.rows, g.n_kv_heads, a.r, 0, wq, plan.rows, 0);
-  rot(rot_grid_kv)<<<rot_grid_kv, kD, 0, stream>>>(k, rot_k, a.T, g.n_kv_heads, 1, 1, wk, a.kv_rows, a.win_rows);
-  rot(rot_grid_kv)<<<rot_grid_kv, kD, 0, stream>>>(v, rot_v, a.T, g.n_kv_heads, 1, 1, wv, a.kv_rows, a.win_rows);
+  const auto kernel = int64_t(grid.x) * grid.y < multiprocessors() ? rotate_in<In, 32> : rotate_in<In, 4>;
+  kernel<<<grid, kD, 0, stream>>>(x, rot, int(row0), int(rows), n_kv, r, round_bf16, dst, dst_rows, shift);
 }
 
-void check_scope(const KvGeometry& g, int layer, int64_t length, int T, const PrefillShape& shape) {
+void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
   require_gpu_served(g, shape.n_heads, kGpuPrefill, true, "prefill (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "prefill (CUDA): layer out of range");
-  KVCC_REQUIRE(
-      T >= 0 && length >= 0 && length + T < (int64_t(1) << 31) && int64_t(T) * shape.n_heads < (int64_t(1) << 31),
-      "prefill (CUDA): length or token count out of range");
+  int64_t tokens = 0;
+  for (const PrefillSequence& s : seqs) {
+    KVCC_REQUIRE(s.T >= 0 && s.length >= 0 && s.length + s.T < (int64_t(1) << 31),
+                 "prefill (CUDA): length or token count out of range");
+    tokens += s.T;
+  }
+  KVCC_REQUIRE(tokens * shape.n_heads < (int64_t(1) << 31), "prefill (CUDA): the batch's token count out of range");
+}
+
+template <typename In, typename Out>
+void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vector<PrefillSequence>& seqs,
+                    const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
+                    const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
+  const int n_kv = g.n_kv_heads;
+  RowShift none;
+  none.n = 1;
+  none.first[0] = none.shift[0] = 0;
+  rotate_rows(q, rot_k, 0, a.q_rows, n_kv, a.r, 0, a.q, a.q_rows, none, stream);
+  std::vector<int> live;  // sequences with new tokens
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].T > 0) live.push_back(int(i));
+  prepare_prefill_kernels();
+  for (size_t c0 = 0; c0 < live.size(); c0 += kLaunchSeqs) {
+    const size_t c1 = std::min(live.size(), c0 + kLaunchSeqs);
+    // The new keys and values of these sequences (consecutive tokens), each sequence's shifted
+    // past its window rows in the staging.
+    RowShift shift;
+    shift.n = int(c1 - c0);
+    for (size_t e = c0; e < c1; ++e) {
+      const PrefillSeqPlan& sp = plan.seqs[size_t(live[e])];
+      shift.first[e - c0] = sp.token0;
+      shift.shift[e - c0] = sp.kv0 + sp.win_rows - sp.token0;
+    }
+    const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
+    const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
+    const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
+    rotate_rows(k, rot_k, tok0, toks, n_kv, 1, 1, a.k, a.kv_rows, shift, stream);
+    rotate_rows(v, rot_v, tok0, toks, n_kv, 1, 1, a.v, a.kv_rows, shift, stream);
+    // The launch's sequences, those with the longest splits first (they start first).
+    std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
+    std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
+      return plan.seqs[size_t(x)].units_per_split > plan.seqs[size_t(y)].units_per_split;
+    });
+    a.n_seqs = int(order.size());
+    int ctas = 0, fin_ctas = 0, max_win = 0, max_splits = 0;
+    for (size_t e = 0; e < order.size(); ++e) {
+      const PrefillSequence& s = seqs[size_t(order[e])];
+      const PrefillSeqPlan& sp = plan.seqs[size_t(order[e])];
+      KVCC_REQUIRE(s.page_table || sp.n_pages == 0, "prefill (CUDA): a null page table for a sequence with history");
+      const KvTiers t = tiers_of(g, s.length);
+      SeqArgs& d = a.seq[e];
+      d.page_table = s.page_table;
+      d.hist_tokens = t.hist_tokens;
+      d.token0 = sp.token0;
+      d.kv0 = sp.kv0;
+      d.part0 = sp.part0;
+      d.seq_slot = s.seq_slot;
+      d.sink_count = t.sink_count;
+      d.T = sp.T;
+      d.rows = sp.rows;
+      d.row_tiles = sp.row_tiles;
+      d.n_pages = sp.n_pages;
+      d.win_rows = sp.win_rows;
+      d.splits = sp.splits;
+      d.units_per_split = sp.units_per_split;
+      d.cta0 = ctas;
+      d.fin0 = fin_ctas;
+      ctas += sp.row_tiles * sp.splits;
+      fin_ctas += (sp.rows + kFinRows - 1) / kFinRows;
+      max_win = std::max(max_win, sp.win_rows);
+      max_splits = std::max(max_splits, sp.splits);
+    }
+    if (max_win > 0)
+      stage_windows<<<dim3(max_win, n_kv, a.n_seqs), 32, 0, stream>>>(a,
+                                                                      reinterpret_cast<const __nv_bfloat16*>(windows));
+    KVCC_REQUIRE(int64_t(ctas) * n_kv < (int64_t(1) << 31), "prefill (CUDA): too many query tiles in one launch");
+    const dim3 grid(unsigned(ctas * n_kv));
+    const bool one = a.n_seqs == 1;
+    const auto kernel = plan.warps == 4 ? (one ? prefill_kernel<4, true> : prefill_kernel<4, false>)
+                                        : (one ? prefill_kernel<8, true> : prefill_kernel<8, false>);
+    kernel<<<grid, 32 * plan.warps, kSmemBytes, stream>>>(a);
+    const int chunk = merge_slice_chunk(max_splits);
+    const auto fin = chunk == 1 ? finish<1, Out> : chunk == 4 ? finish<4, Out> : finish<12, Out>;
+    fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a, rot_v_t, out);
+  }
 }
 
 }  // namespace
 
-size_t prefill_workspace_bytes(const KvGeometry& g, int64_t length, int T, const PrefillShape& shape) {
-  check_scope(g, 0, length, T, shape);
-  return prefill_workspace(g, T, plan_of(g, length, T, shape)).bytes;
+size_t prefill_workspace_bytes(const KvGeometry& g, const std::vector<PrefillSequence>& seqs,
+                               const PrefillShape& shape) {
+  check_scope(g, 0, seqs, shape);
+  return prefill_workspace(g, plan_of(g, seqs, shape), shape.n_heads).bytes;
 }
 
-void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer, int seq_slot,
-                  int64_t length, const int32_t* page_table, int T, const HeadCodec* codecs, const PrefillShape& shape,
+void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
+                  const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
                   const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
                   const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                   Activations act) {
   require_hopper();
-  check_scope(g, layer, length, T, shape);
+  check_scope(g, layer, seqs, shape);
   KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
                "prefill (CUDA): give all three rotations or none");
-  if (T == 0) return;
-  const PrefillPlan plan = plan_of(g, length, T, shape);
-  const PrefillWorkspace lay = prefill_workspace(g, T, plan);
+  const PrefillPlan plan = plan_of(g, seqs, shape);
+  if (plan.tokens == 0) return;
+  const PrefillWorkspace lay = prefill_workspace(g, plan, shape.n_heads);
   KVCC_REQUIRE(workspace && workspace_bytes >= lay.bytes, "prefill (CUDA): workspace too small");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  __half* wq = reinterpret_cast<__half*>(ws + lay.q);
-  __half* wk = reinterpret_cast<__half*>(ws + lay.k);
-  __half* wv = reinterpret_cast<__half*>(ws + lay.v);
-  float* part_o = reinterpret_cast<float*>(ws + lay.part_o);
-  float* part_ml = reinterpret_cast<float*>(ws + lay.part_ml);
-  PrefillArgs a{};
+  static thread_local PrefillArgs a;  // ~9 KB of kernel parameters
+  a = PrefillArgs{};
   a.pages = pages;
   a.geo = g;
   a.layer = layer;
-  a.T = T;
   a.r = shape.n_heads / g.n_kv_heads;
   a.n_kv = g.n_kv_heads;
-  a.rows = plan.rows;
-  a.n_pages = plan.n_pages;
-  a.win_rows = plan.win_rows;
-  a.kv_rows = plan.win_rows + T;
-  a.page_table = page_table;
-  a.q = wq;
-  a.k = wk;
-  a.v = wv;
-  a.part_o = part_o;
-  a.part_ml = part_ml;
-  a.units_per_split = plan.units_per_split;
+  a.q_rows = plan.tokens * a.r;
+  a.kv_rows = plan.kv_rows;
+  a.q = reinterpret_cast<__half*>(ws + lay.q);
+  a.k = reinterpret_cast<__half*>(ws + lay.k);
+  a.v = reinterpret_cast<__half*>(ws + lay.v);
+  a.part_o = reinterpret_cast<float*>(ws + lay.part_o);
+  a.part_ml = reinterpret_cast<float*>(ws + lay.part_ml);
   a.sm_scale_log2 = shape.sm_scale * kLog2e;
   for (int h = 0; h < g.n_kv_heads; ++h)
     for (int side = 0; side < 2; ++side) {
@@ -554,36 +687,13 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
       for (int i = 0; i < 4; ++i) a.code_value[h][side][i] = c.use_table ? c.levels[i] : float(i);
       a.use_zero[h][side] = c.use_table ? 0 : 1;
     }
-
   if (act == Activations::BFloat16)
-    rotate_inputs(static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k),
-                  static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, g, plan, a, wq, wk, wv, stream);
+    launch_prefill(g, windows, seqs, plan, a, static_cast<const __nv_bfloat16*>(q),
+                   static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, rot_v_t,
+                   static_cast<__nv_bfloat16*>(out), stream);
   else
-    rotate_inputs(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), rot_k,
-                  rot_v, g, plan, a, wq, wk, wv, stream);
-  if (plan.win_rows > 0) {
-    const KvTiers t = tiers_of(g, length);
-    stage_windows<<<dim3(plan.win_rows, g.n_kv_heads), 32, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(windows),
-                                                                        g, layer, seq_slot, t.sink_count, t.hist_tokens,
-                                                                        a.kv_rows, wk, wv);
-  }
-  const dim3 grid(plan.row_tiles, g.n_kv_heads, plan.splits);
-  prepare_prefill_kernels();
-  if (plan.warps == 4) prefill_kernel<4><<<grid, 128, kSmemBytes, stream>>>(a);
-  else prefill_kernel<8><<<grid, 256, kSmemBytes, stream>>>(a);
-  const dim3 fin_grid((plan.rows + kFinRows - 1) / kFinRows, g.n_kv_heads);
-  const int chunk = merge_slice_chunk(plan.splits);
-  if (act == Activations::BFloat16) {
-    const auto fin = chunk == 1   ? finish<1, __nv_bfloat16>
-                     : chunk == 4 ? finish<4, __nv_bfloat16>
-                                  : finish<12, __nv_bfloat16>;
-    fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t,
-                                              static_cast<__nv_bfloat16*>(out));
-  } else {
-    const auto fin = chunk == 1 ? finish<1, float> : chunk == 4 ? finish<4, float> : finish<12, float>;
-    fin<<<fin_grid, kFinThreads, 0, stream>>>(part_o, part_ml, plan.splits, plan.rows, g.n_kv_heads, a.r, rot_v_t,
-                                              static_cast<float*>(out));
-  }
+    launch_prefill(g, windows, seqs, plan, a, static_cast<const float*>(q), static_cast<const float*>(k),
+                   static_cast<const float*>(v), rot_k, rot_v, rot_v_t, static_cast<float*>(out), stream);
   check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
 }
 

@@ -345,7 +345,9 @@ TEST(GpuServed, LaunchersRefuseWhatTheTableRefuses) {
   });
   EXPECT_NE(append.find("group 32"), std::string::npos) << append;
   g = test_geometry(1, 72);
-  const std::string prefill = message([&] { prefill_workspace_bytes(g, 0, 4, PrefillShape{72, 0.1f}); });
+  const std::string prefill = message([&] {
+    prefill_workspace_bytes(g, {{0, 0, nullptr, 4}}, PrefillShape{72, 0.1f});
+  });
   EXPECT_NE(prefill.find("72 KV heads"), std::string::npos) << prefill;
 }
 

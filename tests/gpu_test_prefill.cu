@@ -76,9 +76,56 @@ struct Case {
   int seq, T;
 };
 
-// Prefill of every case on the GPU against prefill_ref; returns the worst per-head error.
+// One GPU prefill of `cases` as one ragged batch (their inputs one after another): NaN sentinels
+// in the output and the workspace, run twice; every element written, the runs bit-identical.
+std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
+                             const std::vector<const std::vector<float>*>& in, const PrefillShape& shape, int layer,
+                             const DeviceBuffer<float>& drk, const DeviceBuffer<float>& drv,
+                             const DeviceBuffer<float>& drvt, bool rotate) {
+  const KvGeometry& g = c.g;
+  std::vector<float> q, k, v;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    q.insert(q.end(), in[3 * i]->begin(), in[3 * i]->end());
+    k.insert(k.end(), in[3 * i + 1]->begin(), in[3 * i + 1]->end());
+    v.insert(v.end(), in[3 * i + 2]->begin(), in[3 * i + 2]->end());
+  }
+  std::vector<DeviceBuffer<int32_t>> tables;
+  std::vector<PrefillSequence> seqs;
+  for (const Case& cs : cases) {
+    const int64_t len = c.host.length(cs.seq);
+    const auto& pt = c.dev.page_table(cs.seq);
+    tables.emplace_back(std::vector<int32_t>(pt.begin(), pt.begin() + history_pages(g, len)));
+    seqs.push_back({cs.seq, len, tables.back().data(), cs.T});
+  }
+  DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size());
+  const size_t wsb = prefill_workspace_bytes(g, seqs, shape);
+  DeviceBuffer<uint8_t> ws(wsb);
+  const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
+  std::vector<float> got(q.size()), again(q.size());
+  for (int rep = 0; rep < 2; ++rep) {
+    EXPECT_EQ(cudaMemset(dout.data(), 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
+    EXPECT_EQ(cudaMemset(ws.data(), 0xff, wsb), cudaSuccess);
+    prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, seqs, cod, shape, dq.data(), dk.data(), dv.data(),
+                 rotate ? drk.data() : nullptr, rotate ? drv.data() : nullptr, rotate ? drvt.data() : nullptr,
+                 dout.data(), ws.data(), wsb, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
+  size_t unwritten = 0;
+  for (float x : got) unwritten += !std::isfinite(x);
+  EXPECT_EQ(unwritten, 0u) << cases.size() << " sequences: outputs not written";
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "repeated runs differ";
+  return got;
+}
+
+// Prefill of every case on the GPU against prefill_ref, each case alone and then all of them
+// (repeated `ragged_copies` times, with fresh inputs, so a batch can span several launches) as one
+// ragged batch; returns the worst per-head error. With `bitwise` (splits and warps given, and every
+// case's splits giving the same merge as the batch's) the batch equals the single launches bit for
+// bit: each sequence's CTAs do the same work wherever they sit in the grid.
 double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int layer, int splits, int warps,
-                     bool rotate) {
+                     bool rotate, int ragged_copies = 1, bool bitwise = false) {
   const KvGeometry& g = c.g;
   std::mt19937 rng(17 + n_heads + splits);
   std::vector<float> rk, rv, rvt;
@@ -91,51 +138,60 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
   const float scale = 1.0f / std::sqrt(float(kD));
   const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
   const PrefillShape shape{n_heads, scale, splits, warps};
-  double worst = 0;
-  for (const Case& cs : cases) {
+  std::vector<Case> all;
+  for (int copy = 0; copy < ragged_copies; ++copy) all.insert(all.end(), cases.begin(), cases.end());
+  // Inputs and the reference of every entry of `all` (the first cases.size() are the single runs').
+  std::vector<std::vector<float>> in, want;
+  for (const Case& cs : all) {
     const int T = cs.T;
-    const int64_t len = c.host.length(cs.seq);
     auto q = random_rows(size_t(T) * n_heads * kD, rng, false);
     for (auto& x : q) x *= 3.0f;
-    const auto k = random_rows(size_t(T) * g.n_kv_heads * kD, rng, true);
-    const auto v = random_rows(k.size(), rng, false);
-    std::vector<float> want(q.size());
+    auto k = random_rows(size_t(T) * g.n_kv_heads * kD, rng, true);
+    auto v = random_rows(k.size(), rng, false);
+    want.emplace_back(q.size());
     prefill_ref(c.host, layer, cs.seq, T, q.data(), k.data(), v.data(), n_heads, rotate ? rk.data() : nullptr,
-                rotate ? rv.data() : nullptr, cod, scale, want.data());
-
-    const auto& pt = c.dev.page_table(cs.seq);
-    DeviceBuffer<int32_t> table(std::vector<int32_t>(pt.begin(), pt.begin() + history_pages(g, len)));
-    DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size());
-    const size_t wsb = prefill_workspace_bytes(g, len, T, shape);
-    DeviceBuffer<uint8_t> ws(wsb);
-    std::vector<float> got(q.size()), again(q.size());
-    for (int rep = 0; rep < 2; ++rep) {
-      EXPECT_EQ(cudaMemset(dout.data(), 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
-      EXPECT_EQ(cudaMemset(ws.data(), 0xff, wsb), cudaSuccess);
-      prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, cs.seq, len, table.data(), T, cod, shape,
-                   dq.data(), dk.data(), dv.data(), rotate ? drk.data() : nullptr, rotate ? drv.data() : nullptr,
-                   rotate ? drvt.data() : nullptr, dout.data(), ws.data(), wsb, nullptr);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-    }
-    size_t unwritten = 0;
-    for (float x : got) unwritten += !std::isfinite(x);
-    EXPECT_EQ(unwritten, 0u) << "len " << len << " T " << T << ": outputs not written";
-    EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0)
-        << "len " << len << " T " << T << ": repeated runs differ";
-    double worst_case = 0;
-    for (int j = 0; j < T; ++j)
-      for (int h = 0; h < n_heads; ++h) {
-        const size_t off = (size_t(j) * n_heads + h) * kD;
-        const double e = rel(got.data() + off, want.data() + off, kD);
-        worst_case = std::max(worst_case, e);
-        EXPECT_LT(e, 1e-2) << "len " << len << " T " << T << " token " << j << " head " << h;
-      }
-    std::printf("  len %5lld T %4d: worst per-head relative error %.2e\n", (long long)len, T, worst_case);
-    worst = std::max(worst, worst_case);
+                rotate ? rv.data() : nullptr, cod, scale, want.back().data());
+    in.push_back(std::move(q));
+    in.push_back(std::move(k));
+    in.push_back(std::move(v));
   }
-  return worst;
+  auto inputs = [&in](size_t first, size_t n) {
+    std::vector<const std::vector<float>*> p;
+    for (size_t i = 3 * first; i < 3 * (first + n); ++i) p.push_back(&in[i]);
+    return p;
+  };
+  // Worst per-head error of entries [first, first + n) of `all` in `got` (their outputs in order).
+  auto compare = [&](const std::vector<float>& got, size_t first, size_t n, const char* how) {
+    double worst = 0;
+    size_t off = 0;
+    for (size_t i = first; i < first + n; ++i) {
+      const Case& cs = all[i];
+      for (int row = 0; row < cs.T * n_heads; ++row) {
+        const double e = rel(got.data() + off + size_t(row) * kD, want[i].data() + size_t(row) * kD, kD);
+        worst = std::max(worst, e);
+        EXPECT_LT(e, 1e-2) << how << ": len " << c.host.length(cs.seq) << " T " << cs.T << " row " << row;
+      }
+      off += want[i].size();
+    }
+    return worst;
+  };
+  double worst = 0;
+  std::vector<float> singles;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::vector<float> got = run_batch(c, {cases[i]}, inputs(i, 1), shape, layer, drk, drv, drvt, rotate);
+    const double e = compare(got, i, 1, "alone");
+    std::printf("  len %5lld T %4d: worst per-head relative error %.2e\n", (long long)c.host.length(cases[i].seq),
+                cases[i].T, e);
+    worst = std::max(worst, e);
+    singles.insert(singles.end(), got.begin(), got.end());
+  }
+  const std::vector<float> batch = run_batch(c, all, inputs(0, all.size()), shape, layer, drk, drv, drvt, rotate);
+  const double e = compare(batch, 0, all.size(), "ragged batch");
+  std::printf("  ragged batch of %zu sequences: worst per-head relative error %.2e\n", all.size(), e);
+  if (bitwise)
+    EXPECT_EQ(std::memcmp(batch.data(), singles.data(), singles.size() * 4), 0)
+        << "the batch's first sequences differ from the same sequences alone";
+  return std::max(worst, e);
 }
 
 // Sequences of every tier shape; returns (seq, T) cases covering T = 1 to several tiles.
@@ -153,7 +209,8 @@ std::vector<Case> standard_cases(Caches& c) {
 TEST(GpuPrefill, MatchesReferenceGqa4) {
   Caches c(test_geometry(2, 4), 256, 10, false);
   const auto cases = standard_cases(c);
-  const double worst = check_prefill(c, cases, 16, 1, 0, 0, true);
+  // 6 copies: 78 sequences, two launches.
+  const double worst = check_prefill(c, cases, 16, 1, 0, 0, true, 6);
   std::printf("prefill, 4 heads per KV head, default plan: worst %.2e\n", worst);
 }
 
@@ -167,7 +224,7 @@ TEST(GpuPrefill, MatchesReferenceGqa8EightWarpsSplits) {
 TEST(GpuPrefill, MatchesReferenceGqa5LevelTablesOneSplitNoRotation) {
   Caches c(test_geometry(1, 4), 256, 10, true);
   const auto cases = standard_cases(c);
-  const double worst = check_prefill(c, cases, 20, 0, 1, 4, false);
+  const double worst = check_prefill(c, cases, 20, 0, 1, 4, false, 6, true);
   std::printf("prefill, 5 heads per KV head, level tables, 1 split, identity rotation: worst %.2e\n", worst);
 }
 
@@ -188,13 +245,15 @@ TEST(GpuPrefill, RefusesOutOfScope) {
   KvGeometry g = test_geometry(1, 2);
   g.head_dim = 64;
   g.group = 64;
-  EXPECT_THROW(prefill_workspace_bytes(g, 0, 4, PrefillShape{4, 0.1f}), Error);
+  const std::vector<PrefillSequence> one{{0, 0, nullptr, 4}};
+  EXPECT_THROW(prefill_workspace_bytes(g, one, PrefillShape{4, 0.1f}), Error);
   g = test_geometry(1, 2);
   g.group = 32;
-  EXPECT_THROW(prefill_workspace_bytes(g, 0, 4, PrefillShape{4, 0.1f}), Error);
+  EXPECT_THROW(prefill_workspace_bytes(g, one, PrefillShape{4, 0.1f}), Error);
   g = test_geometry(1, 2);
-  EXPECT_THROW(prefill_workspace_bytes(g, 0, 4, PrefillShape{3, 0.1f}), Error);  // 3 heads over 2 KV heads
-  EXPECT_THROW(prefill_workspace_bytes(g, 0, 4, PrefillShape{4, 0.1f, 0, 6}), Error);
+  EXPECT_THROW(prefill_workspace_bytes(g, one, PrefillShape{3, 0.1f}), Error);  // 3 heads over 2 KV heads
+  EXPECT_THROW(prefill_workspace_bytes(g, one, PrefillShape{4, 0.1f, 0, 6}), Error);
+  EXPECT_THROW(prefill_workspace_bytes(g, {{0, 0, nullptr, 4}, {1, 10, nullptr, -1}}, PrefillShape{4, 0.1f}), Error);
 }
 
 // The Runtime's device pool against its host pool, prefill called inside steps (after
@@ -246,11 +305,17 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
         kvoff += size_t(T) * kKv * kD;
       }
       CUDA_OK(cudaMemcpy(got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
-      for (size_t row = 0; row < size_t(rows) * kHeads; ++row) {
-        const double e = rel(got.data() + row * kD, want.data() + row * kD, kD);
-        worst = std::max(worst, e);
-        ASSERT_LT(e, 1e-2) << "layer " << l << " row " << row;
-      }
+      // Both sequences in one call (the ragged batch) on fresh NaN sentinels.
+      std::vector<float> got_batch(q.size());
+      CUDA_OK(cudaMemset(dout.data(), 0xff, q.size() * 4));
+      dev.prefill(l, {a, b}, counts, dq.data(), dk.data(), dv.data(), dout.data());
+      CUDA_OK(cudaMemcpy(got_batch.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
+      for (size_t row = 0; row < size_t(rows) * kHeads; ++row)
+        for (const std::vector<float>* g : {&got, &got_batch}) {
+          const double e = rel(g->data() + row * kD, want.data() + row * kD, kD);
+          worst = std::max(worst, e);
+          ASSERT_LT(e, 1e-2) << "layer " << l << " row " << row << (g == &got ? " alone" : " batched");
+        }
       host.append(l, k.data(), v.data());
       dev.append(l, dk.data(), dv.data());
       CUDA_OK(cudaDeviceSynchronize());
@@ -260,6 +325,8 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
   dev.begin_append({a}, {4});
   DeviceBuffer<float> dq(size_t(4) * kHeads * kD), dk(size_t(4) * kKv * kD), dout(size_t(4) * kHeads * kD);
   EXPECT_THROW(dev.prefill(0, a, 5, dq.data(), dk.data(), dk.data(), dout.data()), Error);  // not the step's count
+  EXPECT_THROW(dev.prefill(0, {a, a}, {4, 4}, dq.data(), dk.data(), dk.data(), dout.data()), Error);  // twice
+  EXPECT_THROW(dev.prefill(0, {a, b}, {4}, dq.data(), dk.data(), dk.data(), dout.data()), Error);     // counts
   dev.append(0, dk.data(), dk.data());
   EXPECT_THROW(dev.prefill(0, a, 4, dq.data(), dk.data(), dk.data(), dout.data()), Error);
   CUDA_OK(cudaDeviceSynchronize());

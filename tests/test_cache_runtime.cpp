@@ -352,13 +352,20 @@ TEST_F(RuntimeAndReference, PrefillReadsTheCacheBeforeTheStep) {
   int s = -1;
   ASSERT_EQ(kvcc_add_sequence(c, &s), KVCC_OK);
   out.assign(out.size(), NAN);
-  ASSERT_EQ(kvcc_prefill(c, 0, s, 1, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_OK) << kvcc_last_error();
+  const int one = 1;
+  ASSERT_EQ(kvcc_prefill(c, 0, 1, &s, &one, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_OK)
+      << kvcc_last_error();
   // One token over an empty cache attends to itself alone: the output is its value.
   for (int hh = 0; hh < kHeads; ++hh)
     for (int ch = 0; ch < kD; ++ch) EXPECT_NEAR(out[size_t(hh) * kD + ch], 0.2f, 3e-3f);
-  EXPECT_EQ(kvcc_prefill(c, 0, s, 1, nullptr, k.data(), k.data(), out.data(), nullptr), KVCC_BAD_ARGUMENT);
-  EXPECT_EQ(kvcc_prefill(c, 9, s, 1, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_ERROR);
+  EXPECT_EQ(kvcc_prefill(c, 0, 1, &s, &one, nullptr, k.data(), k.data(), out.data(), nullptr), KVCC_BAD_ARGUMENT);
+  EXPECT_EQ(kvcc_prefill(c, 0, 1, &s, nullptr, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_BAD_ARGUMENT);
+  EXPECT_EQ(kvcc_prefill(c, 0, -1, &s, &one, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_BAD_ARGUMENT);
+  EXPECT_NE(std::string(kvcc_last_error()).find("negative"), std::string::npos) << kvcc_last_error();
+  EXPECT_EQ(kvcc_prefill(c, 9, 1, &s, &one, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_ERROR);
   EXPECT_NE(std::string(kvcc_last_error()).find("layer"), std::string::npos) << kvcc_last_error();
+  const int twice[2] = {s, s}, ones[2] = {1, 1};
+  EXPECT_EQ(kvcc_prefill(c, 0, 2, twice, ones, q.data(), k.data(), k.data(), out.data(), nullptr), KVCC_ERROR);
   kvcc_runtime_free(c);
 }
 

@@ -385,6 +385,28 @@ TEST(DecodePlanning, WorkspaceHoldsEveryBuffer) {
 // ---------------------------------------------------------------------------------------------
 // Prefill's plan.
 
+// One sequence's plan against the rules: tiles cover its rows, splits cover its key tiles.
+void expect_covers(const PrefillSeqPlan& p, const KvGeometry& g, int64_t length, int T, int r, int warps,
+                   const std::string& where) {
+  EXPECT_EQ(p.T, T) << where;
+  EXPECT_EQ(p.rows, T * r) << where;
+  EXPECT_GE(p.row_tiles * 16 * warps, p.rows) << where;
+  EXPECT_LT((p.row_tiles - 1) * 16 * warps, p.rows) << where;
+  const KvTiers t = tiers_of(g, length);
+  EXPECT_EQ(p.n_pages, history_pages(g, length)) << where;
+  EXPECT_EQ(p.win_rows, t.sink_count + t.ring_count) << where;
+  // Key tiles: the pages, then 64-row tiles of the staged window rows and new tokens.
+  const int units = T > 0 ? p.n_pages + ceil_div(p.win_rows + T, kPrefillKeyTile) : 1;
+  EXPECT_GE(int64_t(p.splits) * p.units_per_split, units) << where;
+  EXPECT_LT(int64_t(p.splits - 1) * p.units_per_split, units) << where;
+  EXPECT_LE(p.splits, kPrefillMaxSplits) << where;
+}
+// The plan's own splits (no override) keep at least 4 key tiles each.
+void expect_four_tiles(const PrefillSeqPlan& p, const std::string& where) {
+  const int units = p.T > 0 ? p.n_pages + ceil_div(p.win_rows + p.T, kPrefillKeyTile) : 1;
+  EXPECT_TRUE(units < 4 || p.units_per_split >= 4) << where;
+}
+
 TEST(PrefillPlanning, TilesAndSplitsCoverEveryKey) {
   const PrefillGpu gpu = h200_prefill();
   for (auto [n_heads, n_kv] : {std::pair{16, 4}, std::pair{32, 8}, std::pair{20, 4}, std::pair{8, 2}})
@@ -393,33 +415,112 @@ TEST(PrefillPlanning, TilesAndSplitsCoverEveryKey) {
         for (int splits : {0, 1, 3, 40, 500})
           for (int warps : {0, 4, 8}) {
             KvGeometry g = gpu_geometry(1, n_kv);
-            const PrefillPlan p = plan_prefill(gpu, g, length, T, n_heads, splits, warps);
+            const PrefillPlan p = plan_prefill(gpu, g, {length}, {T}, n_heads, splits, warps);
             const std::string where = "len " + std::to_string(length) + " T " + std::to_string(T) + " heads " +
                                       std::to_string(n_heads) + " splits " + std::to_string(splits) + " warps " +
                                       std::to_string(warps);
             const int r = n_heads / n_kv;
-            EXPECT_EQ(p.rows, T * r) << where;
+            ASSERT_EQ(p.seqs.size(), 1u);
             EXPECT_EQ(p.warps, warps ? warps : (T * r >= 128 ? 8 : 4)) << where;
-            EXPECT_GE(p.row_tiles * 16 * p.warps, p.rows) << where;
-            EXPECT_LT((p.row_tiles - 1) * 16 * p.warps, p.rows) << where;
-            const KvTiers t = tiers_of(g, length);
-            EXPECT_EQ(p.n_pages, history_pages(g, length)) << where;
-            EXPECT_EQ(p.win_rows, t.sink_count + t.ring_count) << where;
-            // Key tiles: the pages, then 64-row tiles of the staged window rows and new tokens.
-            const int units = p.n_pages + ceil_div(p.win_rows + T, kPrefillKeyTile);
-            EXPECT_GE(int64_t(p.splits) * p.units_per_split, units) << where;
-            EXPECT_LT(int64_t(p.splits - 1) * p.units_per_split, units) << where;
-            EXPECT_LE(p.splits, kPrefillMaxSplits) << where;
+            const PrefillSeqPlan& s = p.seqs[0];
+            expect_covers(s, g, length, T, r, p.warps, where);
+            EXPECT_EQ(p.tokens, T);
+            EXPECT_EQ(p.kv_rows, s.win_rows + T);
+            EXPECT_EQ(p.part_rows, int64_t(s.splits) * n_kv * s.rows);
             if (splits > 0) {
-              EXPECT_LE(p.splits, splits) << where;
+              EXPECT_LE(s.splits, splits) << where;
               continue;
             }
-            const int ctas = p.row_tiles * n_kv, resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
-            EXPECT_TRUE(ctas < resident || p.splits == 1) << where;     // the query tiles fill the GPU
-            EXPECT_TRUE(units < 4 || p.units_per_split >= 4) << where;  // each split keeps >= 4 key tiles
-            EXPECT_LE(int64_t(p.splits) * ctas, std::max(int64_t(ctas), int64_t(resident) + ctas)) << where;
+            expect_four_tiles(s, where);
+            const int ctas = s.row_tiles * n_kv, resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
+            EXPECT_TRUE(ctas < resident || s.splits == 1) << where;  // the query tiles fill the GPU
+            EXPECT_LE(int64_t(s.splits) * ctas, std::max(int64_t(ctas), int64_t(resident) + ctas)) << where;
           }
-  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), 0, 4, 4, 0, 6), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {4}, 4, 0, 6), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0, 5}, {4}, 4, 0, 0), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {-1}, {4}, 4, 0, 0), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {-4}, 4, 0, 0), Error);
+}
+
+// A ragged batch: each sequence planned by the same rules, its rows placed after the earlier
+// sequences' (tokens, staged rows, partials), the splits sized for the whole batch: about one
+// wave of CTAs, and each CTA about the batch's mean key tiles (so a short extend over a long
+// history is split even when other sequences fill the GPU).
+TEST(PrefillPlanning, RaggedBatchesPlaceEverySequenceAndBalanceTheSplits) {
+  const PrefillGpu gpu = h200_prefill();
+  const KvGeometry g = gpu_geometry(1, 8);
+  const int n_heads = 32, r = 4;
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> batches = {
+      {{4096, 0, 131072, 300, 70000}, {16, 2048, 16, 0, 1}},
+      {{32768, 32768, 32768, 32768}, {16, 16, 16, 16}},
+      {std::vector<int64_t>(100, 8192), std::vector<int>(100, 64)},
+      {{131072, 100}, {4096, 4096}},
+  };
+  for (const auto& [lengths, counts] : batches) {
+    const PrefillPlan p = plan_prefill(gpu, g, lengths, counts, n_heads, 0, 0);
+    ASSERT_EQ(p.seqs.size(), counts.size());
+    int64_t tokens = 0, kv = 0, part = 0, ctas = 0, work = 0, rows_all = 0, rows_big = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      const PrefillSeqPlan& s = p.seqs[i];
+      const std::string where = "batch of " + std::to_string(counts.size()) + ", sequence " + std::to_string(i);
+      expect_covers(s, g, lengths[i], counts[i], r, p.warps, where);
+      expect_four_tiles(s, where);
+      EXPECT_EQ(s.token0, tokens) << where;
+      EXPECT_EQ(s.kv0, kv) << where;
+      EXPECT_EQ(s.part0, part) << where;
+      tokens += s.T;
+      kv += s.win_rows + s.T;
+      part += int64_t(s.splits) * g.n_kv_heads * s.rows;
+      ctas += int64_t(s.row_tiles) * g.n_kv_heads * s.splits;
+      const int units = s.T > 0 ? s.n_pages + ceil_div(s.win_rows + s.T, kPrefillKeyTile) : 0;
+      work += int64_t(s.row_tiles) * g.n_kv_heads * units;
+      rows_all += s.rows;
+      rows_big += s.rows >= 128 ? s.rows : 0;
+    }
+    EXPECT_EQ(p.tokens, tokens);
+    EXPECT_EQ(p.kv_rows, kv);
+    EXPECT_EQ(p.part_rows, part);
+    EXPECT_EQ(p.warps, 2 * rows_big >= rows_all ? 8 : 4);
+    const int64_t resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
+    // The longest split is within 4 tiles or one mean share of the batch's key tiles per CTA, or
+    // within 1.5 shares when that fits the batch in one wave.
+    const int64_t mean = std::max<int64_t>(4, ceil_div(work, resident));
+    for (const PrefillSeqPlan& s : p.seqs) {
+      if (s.splits == kPrefillMaxSplits) continue;
+      EXPECT_LE(s.units_per_split, mean + mean / 2) << "units " << s.units_per_split;
+      if (s.units_per_split > mean) {
+        EXPECT_LE(ctas, resident) << "units " << s.units_per_split;
+      }
+    }
+    int64_t query_ctas = 0;
+    for (const PrefillSeqPlan& s : p.seqs) query_ctas += int64_t(s.row_tiles) * g.n_kv_heads;
+    EXPECT_LE(ctas, resident + query_ctas);
+  }
+}
+
+// A split plan fits one wave where it can: 16 tokens over 32K with 8 KV heads on 132 SMs are 16
+// splits a head (128 CTAs), not 17 (136: four CTAs of a second wave, each as long as the first).
+TEST(PrefillPlanning, SplitsFitOneWave) {
+  const PrefillGpu gpu = h200_prefill();
+  const KvGeometry g = gpu_geometry(1, 8);
+  for (int warps : {4, 8})
+    for (int64_t length : {4096, 32768, 131072})
+      for (int T : {1, 16, 30}) {
+        const PrefillPlan p = plan_prefill(gpu, g, {length}, {T}, 32, 0, warps);
+        const PrefillSeqPlan& s = p.seqs[0];
+        const int64_t resident = warps == 4 ? gpu.resident4 : gpu.resident8, ctas = int64_t(s.splits) * s.row_tiles * 8;
+        const std::string where =
+            "len " + std::to_string(length) + " T " + std::to_string(T) + " warps " + std::to_string(warps);
+        EXPECT_LE(ctas, resident) << where;
+        // and most of it, where the 4-tile minimum does not bind (32K: 512 tiles)
+        if (length >= 32768 && s.splits < kPrefillMaxSplits) {
+          EXPECT_GE(2 * ctas, resident) << where;
+        }
+      }
+  // 8 sequences: 4 splits each (256 CTAs of 4 warps on 264), not 5 (320).
+  const PrefillPlan p = plan_prefill(gpu, g, std::vector<int64_t>(8, 32768), std::vector<int>(8, 16), 32, 0, 0);
+  ASSERT_EQ(p.warps, 4);
+  for (const PrefillSeqPlan& s : p.seqs) EXPECT_EQ(s.splits, 4);
 }
 
 TEST(PrefillPlanning, WorkspaceHoldsEveryBuffer) {
@@ -428,16 +529,20 @@ TEST(PrefillPlanning, WorkspaceHoldsEveryBuffer) {
     for (int T : {1, 77, 2048}) {
       const KvGeometry g = gpu_geometry(1, 4);
       const int n_heads = 20;
-      const PrefillPlan p = plan_prefill(gpu, g, length, T, n_heads, 0, 0);
-      const PrefillWorkspace w = prefill_workspace(g, T, p);
+      const std::vector<int64_t> lengths{length, 100, 70000};
+      const std::vector<int> counts{T, 3, 16};
+      const PrefillPlan p = plan_prefill(gpu, g, lengths, counts, n_heads, 0, 0);
+      const PrefillWorkspace w = prefill_workspace(g, p, n_heads);
       for (size_t off : {w.q, w.k, w.v, w.part_o, w.part_ml, w.bytes}) EXPECT_EQ(off % 256, 0u);
-      const size_t rows = size_t(T) * n_heads, kv = size_t(p.win_rows + T) * g.n_kv_heads * kGpuHeadDim;
+      const size_t rows = size_t(T + 3 + 16) * n_heads, kv = size_t(p.kv_rows) * g.n_kv_heads * kGpuHeadDim;
+      size_t part = 0;
+      for (const PrefillSeqPlan& s : p.seqs) part += size_t(s.splits) * g.n_kv_heads * s.rows;
       EXPECT_EQ(w.q, 0u);
       EXPECT_GE(w.k - w.q, rows * kGpuHeadDim * 2);
       EXPECT_GE(w.v - w.k, kv * 2);
       EXPECT_GE(w.part_o - w.v, kv * 2);
-      EXPECT_GE(w.part_ml - w.part_o, size_t(p.splits) * rows * kGpuHeadDim * 4);
-      EXPECT_GE(w.bytes - w.part_ml, size_t(p.splits) * rows * 2 * 4);
+      EXPECT_GE(w.part_ml - w.part_o, part * kGpuHeadDim * 4);
+      EXPECT_GE(w.bytes - w.part_ml, part * 2 * 4);
     }
 }
 

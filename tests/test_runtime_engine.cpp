@@ -365,7 +365,7 @@ TEST(RuntimeEngine, TheCAbiServesTheSameSteps) {
   for (const std::vector<int32_t>& counts : {std::vector<int32_t>{60, 40}, {1, 1}, {40, 1}, {1, 1}}) {
     const int rows = counts[0] + counts[1];
     const std::vector<float> k = random_rows(size_t(rows) * Hkv * d, rng), v = random_rows(size_t(rows) * Hkv * d, rng);
-    const std::vector<float> q = random_rows(size_t(counts[0]) * Hq * d, rng), qd = random_rows(2 * Hq * d, rng);
+    const std::vector<float> q = random_rows(size_t(rows) * Hq * d, rng), qd = random_rows(2 * Hq * d, rng);
     std::vector<float> pre_c(q.size()), pre_cpp(q.size()), out_c(qd.size()), out_cpp(qd.size());
     const EngineStep st{2, slots.data(), lengths.data(), counts.data(), table.data(), stride, rows};
     cpp.begin_step(st);
@@ -375,10 +375,18 @@ TEST(RuntimeEngine, TheCAbiServesTheSameSteps) {
     const char* problem = nullptr;
     ASSERT_EQ(kvcc_step_problem(c, nullptr, &problem), KVCC_OK);
     EXPECT_STREQ(problem, "");
-    // Sequence 0's new rows are the first counts[0] rows of k and v.
-    cpp.prefill(0, EngineSequence{slots[0], lengths[0], table.data()}, counts[0], q.data(), k.data(), v.data(),
-                pre_cpp.data());
-    ASSERT_EQ(kvcc_prefill_engine(c, 0, slots[0], lengths[0], table.data(), counts[0], q.data(), k.data(), v.data(),
+    // Both sequences' new rows in one call through the C ABI, each alone through C++: sequence
+    // 0's rows are the first counts[0] rows of q, k and v, sequence 1's the next counts[1].
+    const size_t q_row = size_t(Hq) * d, kv_row = size_t(Hkv) * d;
+    for (int i = 0; i < 2; ++i) {
+      const size_t r0 = i ? size_t(counts[0]) : 0;
+      cpp.prefill(0, EngineSequence{slots[i], lengths[i], table.data() + size_t(i) * stride}, counts[i],
+                  q.data() + r0 * q_row, k.data() + r0 * kv_row, v.data() + r0 * kv_row, pre_cpp.data() + r0 * q_row);
+    }
+    const int c_slots[2] = {slots[0], slots[1]}, c_counts[2] = {counts[0], counts[1]};
+    const int64_t c_lengths[2] = {lengths[0], lengths[1]};
+    const int32_t* c_pages[2] = {table.data(), table.data() + stride};
+    ASSERT_EQ(kvcc_prefill_engine(c, 0, 2, c_slots, c_lengths, c_pages, c_counts, q.data(), k.data(), v.data(),
                                   pre_c.data(), nullptr),
               KVCC_OK)
         << kvcc_last_error();

@@ -19,7 +19,7 @@ or, with a model loaded by hand (`attn_implementation="kvcc"`):
 Per forward step the cache opens one runtime step at layer 0 (`begin_append` of every row by the
 step's tokens). Each layer's attention then receives transformers' post-RoPE, unrotated q / k / v
 in [batch, heads, T, head_dim] layout and runs, per the runtime's call order:
-  T > 1 (prefill / a block):  prefill(layer, row, q, k, v) for every row, then append(layer, k, v)
+  T > 1 (prefill / a block):  prefill(layer, rows, q, k, v, counts) (all rows at once), then append(layer, k, v)
   T == 1 (decode):            append(layer, k, v), then decode(layer, rows, q)
 Prefill reads the cache as it was before the step's tokens and the new tokens causally, as
 `kvcc validate --cache runtime` does per block; decode reads the cache after the token is
@@ -310,13 +310,15 @@ class KvccCache(Cache):
             decode = getattr(rt, "_decode_impl", rt.decode)
             out = decode(layer_idx, self.rows, query[:, :, 0, :].contiguous()).unsqueeze(1)
         else:
-            prefill = getattr(rt, "_prefill_impl", rt.prefill)
-            q_rows = query.transpose(1, 2)  # [B, T, H, d]
-            out = torch.stack([
-                prefill(layer_idx, seq, q_rows[b].contiguous(), k_rows[b * T:(b + 1) * T].contiguous(),
-                        v_rows[b * T:(b + 1) * T].contiguous()) for b, seq in enumerate(self.rows)
-            ])
-            append(layer_idx, k_rows.contiguous(), v_rows.contiguous())
+            # Every row's block in one ragged prefill (one set of launches for the batch).
+            q_rows = query.transpose(1, 2).reshape(B * T, H, d).contiguous()
+            k_rows, v_rows = k_rows.contiguous(), v_rows.contiguous()
+            if hasattr(rt, "_prefill_impl"):
+                out = rt._prefill_impl(layer_idx, self.rows, [T] * B, q_rows, k_rows, v_rows)
+            else:
+                out = rt.prefill(layer_idx, self.rows, q_rows, k_rows, v_rows, counts=[T] * B)
+            out = out.view(B, T, H, d)
+            append(layer_idx, k_rows, v_rows)
         self._appended += 1
         return out
 

@@ -86,15 +86,16 @@ def _decode_fake(handle: int, state: torch.Tensor, layer: int, seqs: list[int], 
 
 
 @torch.library.custom_op("kvcc::prefill", mutates_args=())
-def prefill(handle: int, state: torch.Tensor, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor) -> torch.Tensor:
-    """T new tokens of one sequence attend to its cache and causally to themselves: q, out [T, n_heads, d]."""
-    return _get(handle)._prefill_impl(layer, seq, q, k, v)
+def prefill(handle: int, state: torch.Tensor, layer: int, seqs: list[int], counts: list[int], q: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """New tokens of several sequences (counts[i] rows of seqs[i], one after another) attend to
+    their caches and causally to themselves: q, out [sum(counts), n_heads, d]."""
+    return _get(handle)._prefill_impl(layer, seqs, counts, q, k, v)
 
 
 @prefill.register_fake
-def _prefill_fake(handle: int, state: torch.Tensor, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+def _prefill_fake(handle: int, state: torch.Tensor, layer: int, seqs: list[int], counts: list[int], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     _fake_check(handle, q=(q, "n_heads"), k=(k, "n_kv_heads"), v=(v, "n_kv_heads"))
     return q.new_empty(q.shape)
 
@@ -127,14 +128,16 @@ def _decode_step_fake(handle: int, state: torch.Tensor, layer: int, q: torch.Ten
 
 
 @torch.library.custom_op("kvcc::prefill_engine", mutates_args=())
-def prefill_engine(handle: int, state: torch.Tensor, layer: int, slot: int, length: int, pages: torch.Tensor,
-                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """prefill for a sequence of an engine's tables (window slot, length, history pages)."""
-    return _get(handle)._prefill_engine_impl(layer, slot, length, pages, q, k, v)
+def prefill_engine(handle: int, state: torch.Tensor, layer: int, slots: list[int], lengths: list[int],
+                   pages: list[torch.Tensor], counts: list[int], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+    """prefill for sequences of an engine's tables (window slot, length, history pages of each)."""
+    return _get(handle)._prefill_engine_impl(layer, slots, lengths, pages, counts, q, k, v)
 
 
 @prefill_engine.register_fake
-def _prefill_engine_fake(handle: int, state: torch.Tensor, layer: int, slot: int, length: int, pages: torch.Tensor,
-                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _prefill_engine_fake(handle: int, state: torch.Tensor, layer: int, slots: list[int], lengths: list[int],
+                         pages: list[torch.Tensor], counts: list[int], q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> torch.Tensor:
     _fake_check(handle, q=(q, "n_heads"), k=(k, "n_kv_heads"), v=(v, "n_kv_heads"))
     return q.new_empty(q.shape)

@@ -5,7 +5,8 @@ kernels, Hopper GPUs). Shapes and semantics are runtime/kvcc_runtime.h's:
 
     rt.begin_append(seqs, counts)     # grows the sequences (all or nothing; CacheFull)
     for layer in range(n_layers):
-        out = rt.prefill(layer, seq, q, k, v)   # optional: T new tokens of one sequence
+        out = rt.prefill(layer, seq, q, k, v)   # optional: T new tokens of one sequence, or
+        out = rt.prefill(layer, seqs, q, k, v, counts=counts)   # of several in one launch
         rt.append(layer, k, v)        # k, v [sum(counts), n_kv, d], post-RoPE, unrotated
         out = rt.decode(layer, seqs, q)          # q [n_seqs, n_heads, d]
 
@@ -13,7 +14,8 @@ An engine that keeps its own page tables (engine_tables=True; vLLM / FlashInfer 
 
     rt.begin_step(slots, lengths, counts, block_table, rows)   # int32 tensors on rt.device
     for layer in range(n_layers):
-        out = rt.prefill_engine(layer, slot, length, pages, q, k, v)   # optional
+        out = rt.prefill_engine(layer, slot, length, pages, q, k, v)   # optional (or lists of
+                                                                       # slots, lengths, pages, counts=)
         rt.append(layer, k, v)        # k, v [rows, n_kv, d]
         out = rt.decode_step(layer, q)           # q [batch, n_heads, d]
 """
@@ -316,9 +318,16 @@ class Runtime:
         _tensors(q=q)
         return torch.ops.kvcc.decode(self.handle, self.state, layer, _int_list("seqs", seqs), q)
 
-    def prefill(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(self, layer: int, seqs: int | Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                counts: Sequence[int] | None = None) -> torch.Tensor:
+        """New tokens attend to their sequence's cache and causally to each other. One sequence:
+        prefill(layer, seq, q, k, v) with q [T, n_heads, d], k, v [T, n_kv, d]. Several in one set
+        of launches (a ragged batch): seqs a list and counts[i] the rows of seqs[i], the sequences'
+        rows one after another in q, k, v and out (for the open step's sequences in its order:
+        append's k and v). Each sequence at most once."""
         _tensors(q=q, k=k, v=v)
-        return torch.ops.kvcc.prefill(self.handle, self.state, layer, seq, q, k, v)
+        seqs, counts = self._batch_of("seqs", seqs, counts, q)
+        return torch.ops.kvcc.prefill(self.handle, self.state, layer, seqs, counts, q, k, v)
 
     def decode_step(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Decode of the open step's sequences in its order (begin_step's or begin_append's):
@@ -326,14 +335,36 @@ class Runtime:
         _tensors(q=q)
         return torch.ops.kvcc.decode_step(self.handle, self.state, layer, q)
 
-    def prefill_engine(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """prefill for a sequence of the engine's tables: window slot `slot`, `length` tokens before
-        the T new ones, and pages (int32 on the runtime's device) its history pages
-        (>= kvcc.pages_for_tokens(rt, length) of them). Inside a step that appends the tokens, call
-        it before the layer's append, with the length the step starts from."""
-        _tensors(pages=pages, q=q, k=k, v=v)
-        return torch.ops.kvcc.prefill_engine(self.handle, self.state, layer, slot, length, pages, q, k, v)
+    def prefill_engine(self, layer: int, slot: int | Sequence[int], length: int | Sequence[int],
+                       pages: torch.Tensor | Sequence[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        """prefill for sequences of the engine's tables: window slot `slot`, `length` tokens before
+        the new ones, and pages (int32 on the runtime's device) its history pages
+        (>= kvcc.pages_for_tokens(rt, length) of them). Several at once: lists of slots, lengths
+        and pages, and counts (as prefill's). Inside a step that appends the tokens, call it
+        before the layer's append, with the lengths the step starts from."""
+        _tensors(q=q, k=k, v=v)
+        slots, counts = self._batch_of("slot", slot, counts, q)
+        lengths = [length] if isinstance(length, int) and not isinstance(length, bool) else _int_list("length", length)
+        pages = [pages] if isinstance(pages, torch.Tensor) else list(pages)
+        if len(lengths) != len(slots) or len(pages) != len(slots):
+            raise KvccError(f"prefill_engine of {len(slots)} sequences with {len(lengths)} lengths and "
+                            f"{len(pages)} page lists")
+        _tensors(**{f"pages[{i}]": p for i, p in enumerate(pages)})
+        return torch.ops.kvcc.prefill_engine(self.handle, self.state, layer, slots, lengths, pages, counts, q, k, v)
+
+    @staticmethod
+    def _batch_of(name: str, seqs: Any, counts: Sequence[int] | None, q: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(sequence ids, counts) of a prefill: one id with all of q's rows, or lists."""
+        if isinstance(seqs, int) and not isinstance(seqs, bool):
+            seqs = [seqs]
+        else:
+            seqs = _int_list(name, seqs)
+        if counts is None:
+            if len(seqs) != 1:
+                raise KvccError(f"prefill of {len(seqs)} sequences needs counts (the new rows of each)")
+            counts = [int(q.shape[0]) if q.dim() >= 1 else 0]
+        return seqs, _int_list("counts", counts)
 
     # -- what the ops run (ops.py) ---------------------------------------------------------------
     def _check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: bool = True) -> None:
@@ -371,28 +402,36 @@ class Runtime:
                                                   out.data_ptr(), self._stream()))
         return out if q.dtype == self.dtype else out.to(q.dtype)
 
-    def _check_prefill(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       device: bool = True) -> None:
+    def _check_prefill(self, layer: int, seqs: list[int], counts: list[int], q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, device: bool = True) -> None:
         self._p()
         _int("layer", layer)
-        _int("seq", seq)
         if layer >= self.n_layers:
             raise KvccError(f"layer {layer} out of range (the model has {self.n_layers})")
+        seqs, counts = _int_list("seqs", seqs), _int_list("counts", counts)
+        if len(seqs) != len(counts):
+            raise KvccError(f"prefill of {len(seqs)} sequences with {len(counts)} counts")
+        if len(set(seqs)) != len(seqs):
+            raise KvccError(f"prefill names a sequence twice: {seqs}")
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise KvccError("q must be a tensor [T, n_heads, head_dim]")
-        T = int(q.shape[0])
+        T = sum(counts)
+        if int(q.shape[0]) != T:
+            raise KvccError(f"q has {int(q.shape[0])} rows; the counts sum to {T}")
         self._tensor("q", q, (T, self.n_heads, self.head_dim), device)
         self._tensor("k", k, (T, self.n_kv_heads, self.head_dim), device)
         self._tensor("v", v, (T, self.n_kv_heads, self.head_dim), device)
 
-    def _prefill_impl(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self._check_prefill(layer, seq, q, k, v)
+    def _prefill_impl(self, layer: int, seqs: list[int], counts: list[int], q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        self._check_prefill(layer, seqs, counts, q, k, v)
         qa, ka, va = self._act("q", q), self._act("k", k), self._act("v", v)
         out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
-        T = int(q.shape[0])
-        if T:
+        n = len(seqs)
+        if int(q.shape[0]):
             with self._on_device():
-                _lib.check(_lib.lib().kvcc_prefill(self._p(), layer, seq, T, qa.data_ptr(), ka.data_ptr(),
+                _lib.check(_lib.lib().kvcc_prefill(self._p(), layer, n, (ctypes.c_int * n)(*seqs),
+                                                   (ctypes.c_int * n)(*counts), qa.data_ptr(), ka.data_ptr(),
                                                    va.data_ptr(), out.data_ptr(), self._stream()))
         return out if q.dtype == self.dtype else out.to(q.dtype)
 
@@ -453,31 +492,38 @@ class Runtime:
                                                        self._stream()))
         return out if q.dtype == self.dtype else out.to(q.dtype)
 
-    def _check_prefill_engine(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
-                              k: torch.Tensor, v: torch.Tensor, device: bool = True) -> None:
-        self._check_prefill(layer, slot, q, k, v, device)
-        _int("length", length)
-        if device:
-            self._check_tables(pages=pages)
-        if pages.dim() != 1:
-            raise KvccError(f"pages must be a 1-D tensor of page ids, got shape {tuple(pages.shape)}")
+    def _check_prefill_engine(self, layer: int, slots: list[int], lengths: list[int], pages: list[torch.Tensor],
+                              counts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              device: bool = True) -> None:
+        self._check_prefill(layer, slots, counts, q, k, v, device)
+        lengths = _int_list("length", lengths)
+        if len(lengths) != len(slots) or len(pages) != len(slots):
+            raise KvccError(f"prefill_engine of {len(slots)} sequences with {len(lengths)} lengths and "
+                            f"{len(pages)} page lists")
         from .artifact import pages_for_tokens
 
-        need = pages_for_tokens(self.info, length)
-        if int(pages.shape[0]) < need:
-            raise KvccError(f"pages holds {int(pages.shape[0])} page ids; a sequence of {length} tokens has {need}")
+        for i, (length, p) in enumerate(zip(lengths, pages)):
+            name = "pages" if len(pages) == 1 else f"pages[{i}]"
+            if device:
+                self._check_tables(**{name: p})
+            if p.dim() != 1:
+                raise KvccError(f"{name} must be a 1-D tensor of page ids, got shape {tuple(p.shape)}")
+            need = pages_for_tokens(self.info, length)
+            if int(p.shape[0]) < need:
+                raise KvccError(f"{name} holds {int(p.shape[0])} page ids; a sequence of {length} tokens has {need}")
 
-    def _prefill_engine_impl(self, layer: int, slot: int, length: int, pages: torch.Tensor, q: torch.Tensor,
-                             k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self._check_prefill_engine(layer, slot, length, pages, q, k, v)
+    def _prefill_engine_impl(self, layer: int, slots: list[int], lengths: list[int], pages: list[torch.Tensor],
+                             counts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._check_prefill_engine(layer, slots, lengths, pages, counts, q, k, v)
         qa, ka, va = self._act("q", q), self._act("k", k), self._act("v", v)
         out = torch.empty(qa.shape, dtype=self.dtype, device=self.device)
-        T = int(q.shape[0])
-        if T:
+        n = len(slots)
+        if int(q.shape[0]):
             with self._on_device():
-                _lib.check(_lib.lib().kvcc_prefill_engine(self._p(), layer, slot, length, pages.data_ptr(), T,
-                                                          qa.data_ptr(), ka.data_ptr(), va.data_ptr(),
-                                                          out.data_ptr(), self._stream()))
+                _lib.check(_lib.lib().kvcc_prefill_engine(
+                    self._p(), layer, n, (ctypes.c_int * n)(*slots), (ctypes.c_int64 * n)(*lengths),
+                    (ctypes.c_void_p * n)(*(p.data_ptr() for p in pages)), (ctypes.c_int * n)(*counts),
+                    qa.data_ptr(), ka.data_ptr(), va.data_ptr(), out.data_ptr(), self._stream()))
         return out if q.dtype == self.dtype else out.to(q.dtype)
 
     # -- lifetime ------------------------------------------------------------------------------

@@ -212,6 +212,17 @@ def test_tensor_errors_and_cache_full():
         rt.decode(0, [s + 5], torch.zeros(1, Hq, d))  # no such sequence
     with pytest.raises(kvcc.KvccError, match="shape"):
         rt.prefill(0, s, torch.zeros(2, Hq, d), torch.zeros(3, H, d), torch.zeros(3, H, d))
+    two = (torch.zeros(2, Hq, d), torch.zeros(2, H, d), torch.zeros(2, H, d))
+    with pytest.raises(kvcc.KvccError, match="needs counts"):
+        rt.prefill(0, [s, s + 1], *two)
+    with pytest.raises(kvcc.KvccError, match="counts sum to 3"):
+        rt.prefill(0, [s], *two, counts=[3])
+    with pytest.raises(kvcc.KvccError, match="with 1 counts"):
+        rt.prefill(0, [s, s + 1], *two, counts=[2])
+    with pytest.raises(kvcc.KvccError, match="a sequence twice"):
+        rt.prefill(0, [s, s], *two, counts=[1, 1])
+    with pytest.raises(kvcc.KvccError, match=r"counts\[0\] must be >= 0"):
+        rt.prefill(0, [s], *two, counts=[-1])
     with pytest.raises(kvcc.KvccError, match="listed twice"):
         rt.begin_append([s, s], [1, 1])
     with pytest.raises(kvcc.KvccError, match="counts"):

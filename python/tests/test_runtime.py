@@ -367,6 +367,16 @@ def test_int2_history_matches_torch_codec_reference(kind, request):
             got = rt.prefill(L, c, q, kn, vn)
             tol = out_tol(torch.cat([vs, vr]))
             assert float((got - want).abs().max()) <= tol
+            # c with a (whose pages c shares) in one ragged prefill: each as the reference says
+            ka, va = S.tokens(a, L)
+            ksa, vsa = ref.stored(art, L, ka, va)
+            qa = S.randn(2, rt.n_heads, rt.head_dim)
+            want_a = ref.attend(art, L, qa, torch.cat([ksa, kr[:2]]), torch.cat([vsa, vr[:2]]),
+                                causal_from=ka.shape[0])
+            both = rt.prefill(L, [c, a], torch.cat([q, qa]), torch.cat([kn, kn[:2]]), torch.cat([vn, vn[:2]]),
+                              counts=[T, 2])
+            assert torch.equal(both[:T], got)  # the host pool runs each sequence alone
+            assert float((both[T:] - want_a).abs().max()) <= out_tol(torch.cat([vsa, vr[:2]]))
         rt.free(b)
         rt.free(c)
     # the INT2 tier changes the output far beyond the tolerance: the history was really exercised
@@ -422,27 +432,29 @@ def test_bf16_runtime_equals_rounded_float32(device):
     with kvcc.Runtime(path, **kw) as f32, kvcc.Runtime(path, dtype=torch.bfloat16, **kw) as b16:
         assert b16.dtype == torch.bfloat16
         gen = torch.Generator().manual_seed(5)
-        s, t = f32.add_sequence(), b16.add_sequence()
-        for count in (150, 1, 70, 1):
-            f32.begin_append([s], [count])
-            b16.begin_append([t], [count])
+        # Two sequences a step, prefilled together (one ragged batch), then decoded.
+        s, t = [f32.add_sequence() for _ in range(2)], [b16.add_sequence() for _ in range(2)]
+        for counts in ((150, 40), (1, 1), (70, 3), (1, 1)):
+            f32.begin_append(s, list(counts))
+            b16.begin_append(t, list(counts))
+            rows = sum(counts)
             for L in range(f32.n_layers):
                 def randn(*shape):
                     return torch.randn(*shape, generator=gen).bfloat16().to(device)
-                q = randn(count, f32.n_heads, f32.head_dim)
-                k, v = randn(count, f32.n_kv_heads, f32.head_dim), randn(count, f32.n_kv_heads, f32.head_dim)
-                want = f32.prefill(L, s, q.float(), k.float(), v.float())
-                got = b16.prefill(L, t, q, k, v)
+                q = randn(rows, f32.n_heads, f32.head_dim)
+                k, v = randn(rows, f32.n_kv_heads, f32.head_dim), randn(rows, f32.n_kv_heads, f32.head_dim)
+                want = f32.prefill(L, s, q.float(), k.float(), v.float(), counts=counts)
+                got = b16.prefill(L, t, q, k, v, counts=counts)
                 assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), f"prefill layer {L}"
                 f32.append(L, k.float(), v.float())
                 b16.append(L, k, v)
-                qd = randn(1, f32.n_heads, f32.head_dim)
-                want = f32.decode(L, [s], qd.float())
-                got = b16.decode(L, [t], qd)
-                assert torch.equal(got, want.bfloat16()), f"decode layer {L} after +{count}"
+                qd = randn(2, f32.n_heads, f32.head_dim)
+                want = f32.decode(L, s, qd.float())
+                got = b16.decode(L, t, qd)
+                assert torch.equal(got, want.bfloat16()), f"decode layer {L} after +{counts}"
                 # float32 queries into the bfloat16 runtime are rounded first, and come back float32
-                assert torch.equal(b16.decode(L, [t], qd.float()), got.float())
-        assert f32.length(s) == b16.length(t) == 222
+                assert torch.equal(b16.decode(L, t, qd.float()), got.float())
+        assert [f32.length(x) for x in s] == [b16.length(x) for x in t] == [222, 45]
     with pytest.raises(kvcc.KvccError, match="dtype"):
         kvcc.Runtime(UNIFORM, max_pages=1, max_sequences=1, dtype=torch.float16)
 
@@ -472,7 +484,7 @@ def test_opcheck_each_op():
     T = 12  # inside the step: the sequence's count; layer 1 has not been appended yet
     qp = torch.randn(T, rt.n_heads, rt.head_dim, generator=gen)
     kp = torch.randn(T, rt.n_kv_heads, rt.head_dim, generator=gen)
-    opcheck(torch.ops.kvcc.prefill.default, (rt.handle, rt.state, 1, s, qp, kp, kp.clone()))
+    opcheck(torch.ops.kvcc.prefill.default, (rt.handle, rt.state, 1, [s], [T], qp, kp, kp.clone()))
     rt.close()
 
 
@@ -559,15 +571,23 @@ def test_engine_tables_serve_what_the_runtimes_own_tables_serve():
         eng.begin_step(slots, lengths, cnt, table, rows=sum(counts) + pad)
         assert eng.step_problem() == ""
         for L in range(eng.n_layers):
-            ks, vs = [], []
+            qs, ks, vs, wants = [], [], [], []
             for j, (i, c) in enumerate(zip(which, counts)):
                 q, k, v = torch.randn(c, Hq, d, generator=gen), torch.randn(c, H, d, generator=gen), \
                     torch.randn(c, H, d, generator=gen)
                 want = own.prefill(L, seqs[i], q, k, v)
                 got = eng.prefill_engine(L, tables.slots[i], tables.lengths[i], tables.pages_of(i), q, k, v)
                 assert torch.equal(got, want), f"step {si} layer {L}: prefill of sequence {i}"
+                qs.append(q)
                 ks.append(k)
                 vs.append(v)
+                wants.append(want)
+            # The step's sequences in one ragged prefill: each one's rows as it alone gets them.
+            q, k, v, want = torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(wants)
+            assert torch.equal(own.prefill(L, [seqs[i] for i in which], q, k, v, counts=counts), want)
+            got = eng.prefill_engine(L, [tables.slots[i] for i in which], [tables.lengths[i] for i in which],
+                                     [tables.pages_of(i) for i in which], q, k, v, counts=counts)
+            assert torch.equal(got, want), f"step {si} layer {L}: ragged prefill"
             own.append(L, torch.cat(ks), torch.cat(vs))
             # padding rows far from any token: read, they would change every output
             ks.append(1e3 * torch.randn(pad, H, d, generator=gen))
@@ -654,8 +674,8 @@ def test_opcheck_engine_ops():
     opcheck(torch.ops.kvcc.begin_step.default, (rt.handle, rt.state, *step, 12))
     H, Hq, d = rt.n_kv_heads, rt.n_heads, rt.head_dim
     qp, kp = torch.randn(12, Hq, d, generator=gen), torch.randn(12, H, d, generator=gen)
-    opcheck(torch.ops.kvcc.prefill_engine.default, (rt.handle, rt.state, 0, 1, 0, tables.pages_of(0), qp, kp,
-                                                    kp.clone()))
+    opcheck(torch.ops.kvcc.prefill_engine.default, (rt.handle, rt.state, 0, [1], [0], [tables.pages_of(0)], [12],
+                                                    qp, kp, kp.clone()))
     rt.append(0, kp, kp)
     opcheck(torch.ops.kvcc.decode_step.default, (rt.handle, rt.state, 0, torch.randn(1, Hq, d, generator=gen)))
     rt.close()
