@@ -42,13 +42,16 @@ const char* eviction_score_name(EvictionScore score) {
       return "keynorm";
     case EvictionScore::EpiCache:
       return "epicache";
+    case EvictionScore::ValueAware:
+      return "vatp";
   }
   return "?";
 }
 
 std::vector<EvictionScore> all_eviction_scores() {
-  return {EvictionScore::Window,      EvictionScore::H2O,           EvictionScore::SnapKV,  EvictionScore::Emitted,
-          EvictionScore::QueryMoment, EvictionScore::QueryGaussian, EvictionScore::KeyNorm, EvictionScore::EpiCache};
+  return {EvictionScore::Window,  EvictionScore::H2O,         EvictionScore::SnapKV,
+          EvictionScore::Emitted, EvictionScore::QueryMoment, EvictionScore::QueryGaussian,
+          EvictionScore::KeyNorm, EvictionScore::EpiCache,    EvictionScore::ValueAware};
 }
 
 std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi) {
@@ -118,6 +121,18 @@ std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, i
   for (int64_t j = 0; j < n; ++j)
     if (take[size_t(j)]) kept.push_back(int32_t(j));
   return kept;
+}
+
+std::vector<double> value_aware_scores(const std::vector<double>& attention, const float* values, int64_t n,
+                                       size_t stride, int d) {
+  KVCC_REQUIRE(int64_t(attention.size()) == n, "value_aware_scores: one attention weight per value");
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    double l1 = 0;
+    for (int a = 0; a < d; ++a) l1 += std::fabs(double(values[size_t(j) * stride + a]));
+    out[size_t(j)] = attention[size_t(j)] * l1;
+  }
+  return out;
 }
 
 std::vector<double> query_moment_scores(const std::vector<double>& m, const float* keys, int64_t n, size_t stride,
@@ -568,6 +583,11 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
           const float* keys = obs.keys[size_t(l)].data() + size_t(g) * d;
           if (score == "h2o") sc = obs.h2o[size_t(l)][size_t(g)];
           else if (score == "snapkv") sc = max_pool(obs.snap[size_t(l)][size_t(g)], o.pool);
+          else if (score == "vatp")  // the values as the cache holds them (through the codec on int2 rows)
+            sc = max_pool(
+                value_aware_scores(obs.snap[size_t(l)][size_t(g)],
+                                   (quantised ? qvalues : obs.values)[size_t(l)].data() + size_t(g) * d, H, kvdim, d),
+                o.pool);
           else if (score == "emitted")
             sc = max_pool(observation_scores(c, obs.last_q[size_t(l)].data(), o.observation,
                                              (quantised ? qkeys : obs.keys)[size_t(l)].data(), H, g),

@@ -28,6 +28,8 @@
 //                the log of the key's expected unnormalised attention weight (μ: the mean of the
 //                stats' reservoir queries, Σ = E[q qᵀ] − μμᵀ)
 //   keynorm    : ‖kⱼ‖² (the same without the query statistics)
+//   vatp       : snapkv's attention times ‖vⱼ‖₁ before the pooling (VATP, Guo et al. 2024: a
+//                token attended to but with a small value moves the output little)
 //   epicache   : EpiCache (Kim et al. 2025), one cache per episode: the history in blocks of
 //                `block` tokens, each embedded as the mean of its tokens' input embeddings less
 //                the mean over the blocks; k-means (cosine) into `episodes` episodes; per episode, the SnapKV score
@@ -51,8 +53,8 @@
 
 namespace kvcc {
 
-enum class EvictionScore { Window, H2O, SnapKV, Emitted, QueryMoment, QueryGaussian, KeyNorm, EpiCache };
-// window | h2o | snapkv | emitted | qmoment | qgauss | keynorm | epicache
+enum class EvictionScore { Window, H2O, SnapKV, Emitted, QueryMoment, QueryGaussian, KeyNorm, EpiCache, ValueAware };
+// window | h2o | snapkv | emitted | qmoment | qgauss | keynorm | epicache | vatp
 const char* eviction_score_name(EvictionScore score);
 std::vector<EvictionScore> all_eviction_scores();
 
@@ -65,6 +67,9 @@ std::vector<int32_t> select_kept(const std::vector<double>& scores, int64_t n, i
 // [d, d] row-major.
 std::vector<double> query_moment_scores(const std::vector<double>& m, const float* keys, int64_t n, size_t stride,
                                         int d);
+// vatp scores: attention[j] · ‖v_j‖₁ over n values (rows of `stride` floats, the head's d channels first).
+std::vector<double> value_aware_scores(const std::vector<double>& attention, const float* values, int64_t n,
+                                       size_t stride, int d);
 // qgauss scores: (μᵀk)/√d + ½ kᵀΣk/d with Σ [d, d] row-major.
 std::vector<double> query_gaussian_scores(const std::vector<double>& mean, const std::vector<double>& cov,
                                           const float* keys, int64_t n, size_t stride, int d);

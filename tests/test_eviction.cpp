@@ -100,6 +100,23 @@ TEST(Eviction, QueryGaussianScoreIsTheLogExpectedAttentionWeight) {
 
 // Three directions with noise: cosine k-means finds them whatever the rows' lengths, and
 // again with the rows shuffled (up to the clusters' labels).
+// VATP's score: a token's attention times its value's L1 norm, read from the head's channels of
+// rows wider than the head (the other heads' channels must not count).
+TEST(Eviction, ValueAwareScoreWeighsAttentionByTheValueNorm) {
+  const int d = 3;
+  const size_t stride = 5;                                     // this head's 3 channels, then 2 of another head's
+  const std::vector<float> values = {1,  -2, 0.5f, 100,  100,  //
+                                     0,  0,  0,    100,  100,  //
+                                     -4, 1,  1,    -100, 100};
+  const std::vector<double> attention = {0.5, 0.9, 0.25};
+  const std::vector<double> s = value_aware_scores(attention, values.data(), 3, stride, d);
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_DOUBLE_EQ(s[0], 0.5 * 3.5);
+  EXPECT_DOUBLE_EQ(s[1], 0.0);  // attended to most, but moves the output by nothing
+  EXPECT_DOUBLE_EQ(s[2], 0.25 * 6.0);
+  EXPECT_THROW(value_aware_scores({0.5}, values.data(), 3, stride, d), Error);
+}
+
 TEST(Eviction, CosineKmeansSeparatesDirections) {
   const int dim = 5, per = 7, k = 3;
   std::mt19937 g(5);
@@ -285,8 +302,8 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   o.passages = 2;
   o.ratios = {1, 4};
   o.conversations = 2;
-  o.scores = {EvictionScore::Window, EvictionScore::H2O, EvictionScore::SnapKV, EvictionScore::KeyNorm,
-              EvictionScore::EpiCache};
+  o.scores = {EvictionScore::Window,  EvictionScore::H2O,      EvictionScore::SnapKV,
+              EvictionScore::KeyNorm, EvictionScore::EpiCache, EvictionScore::ValueAware};
   o.episodes = 2;
   o.block = 8;
   o.route = 4;
@@ -298,7 +315,7 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   identity.path = CodecPath{
       [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
   const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
-  ASSERT_EQ(r.rows.size(), 1u + 2 * 5 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
+  ASSERT_EQ(r.rows.size(), 1u + 2 * 6 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
   double lost = 0;
   for (const EvictionRow& row : r.rows) {
     if (row.ratio == 1) {
