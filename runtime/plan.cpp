@@ -192,7 +192,6 @@ PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::
     p.tokens += s.T;
     p.kv_rows += s.win_rows + s.T;
     p.part_rows += int64_t(s.splits) * g.n_kv_heads * s.rows;
-    p.max_splits = std::max(p.max_splits, s.splits);
   }
   return p;
 }

@@ -102,7 +102,6 @@ struct PrefillPlan {
   int warps = 0;  // one build per launch
   std::vector<PrefillSeqPlan> seqs;
   int64_t tokens = 0, kv_rows = 0, part_rows = 0;  // totals over the batch
-  int max_splits = 0;
 };
 // splits and warps are PrefillShape's overrides (0: the plan's). The splits are planned for the
 // whole batch: every sequence's key range is cut into splits of about the same number of key
