@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs every Debian package kvcc needs (when missing) and builds it into ./build.
-# CUDA kernels build too when nvcc is on the PATH (sm_90); without it, the CPU reference alone.
+# CUDA kernels build too when nvcc is on the PATH (sm_90a); without it, the CPU reference alone.
 #
 # --with-python also makes (or reuses) the virtualenv ${KVCC_VENV:-~/.cache/kvcc/venv}, installs
 # into it what the Python package and its tests need when an import fails (torch from the CPU

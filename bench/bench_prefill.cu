@@ -2,9 +2,12 @@
 // context of ctx cached tokens, one layer, the whole call (rotations, attention, merge). CUDA
 // events around each call after warm-up, median of the repetitions; random codes with sane
 // scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
-// history plus the causal half of the new block), as flash-attention benchmarks do.
+// history plus the causal half of the new block), as flash-attention benchmarks do. Activations
+// (q, k, v in, the output out) in bfloat16, as engines call it, or float32; warps 0 is the plan's
+// choice (what a Runtime runs), 4 or 8 force a build. bench_sdpa.py --prefill-configs times
+// PyTorch's BF16 attention on the same shapes.
 //
-// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 4,8] [--reps N]
+// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] [--reps N]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,7 +44,7 @@ std::vector<int> parse_ints(const std::string& s, char sep) {
   return out;
 }
 
-void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, int reps) {
+void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, bool bf16, int reps) {
   const KvGeometry g = gpu_geometry(1, n_kv);
   // Shapes the kernels do not serve are skipped with the table's reason.
   if (const std::string why = gpu_unsupported_reason(g, n_heads, kGpuPrefill); !why.empty()) {
@@ -74,8 +77,22 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   for (auto& x : q) x = nd(rng);
   for (auto& x : kv) x = nd(rng);
   for (auto& x : rot) x = nd(rng) / std::sqrt(float(kD));  // timing only: any dense matrix
-  const DeviceBuffer<float> dq(q), dkv(kv), drot(rot);
-  DeviceBuffer<float> dout(q.size());
+  const DeviceBuffer<float> drot(rot);
+  // bfloat16 inputs are the float32 ones rounded (to nearest even); a buffer of either type.
+  auto device_input = [bf16](const std::vector<float>& x) {
+    std::vector<uint16_t> h(bf16 ? x.size() : 0);
+    for (size_t i = 0; i < h.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &x[i], 4);
+      h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+    DeviceBuffer<uint8_t> d(x.size() * (bf16 ? 2 : 4));
+    CK(cudaMemcpy(d.data(), bf16 ? static_cast<const void*>(h.data()) : x.data(), d.size(), cudaMemcpyHostToDevice));
+    return d;
+  };
+  const DeviceBuffer<uint8_t> dq = device_input(q), dkv = device_input(kv);
+  DeviceBuffer<uint8_t> dout(q.size() * (bf16 ? 2 : 4));
+  const Activations act = bf16 ? Activations::BFloat16 : Activations::Float32;
   const std::vector<HeadCodec> codecs(static_cast<size_t>(n_kv));
   const double keys = double(ctx) * T + 0.5 * double(T) * T;
   const double flops = 4.0 * n_heads * kD * keys;
@@ -86,7 +103,7 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
     DeviceBuffer<uint8_t> ws(wsb);
     auto call = [&] {
       prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, one, codecs.data(), shape, dq.data(), dkv.data(),
-                   dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(), wsb, nullptr);
+                   dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(), wsb, nullptr, act);
     };
     for (int i = 0; i < 3; ++i) call();
     CK(cudaDeviceSynchronize());
@@ -107,8 +124,8 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
     const double ms = times[times.size() / 2];
     std::printf(
         "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
-        "\"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
-        n_heads, n_kv, ctx, T, w, ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
+        "\"activations\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
+        n_heads, n_kv, ctx, T, w, bf16 ? "bf16" : "f32", ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
   }
@@ -118,15 +135,19 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
 
 int main(int argc, char** argv) {
   std::string configs = "32:8:32768:2048,32:8:32768:256,32:8:32768:16,32:8:4096:2048,32:8:131072:2048";
-  std::vector<int> warps = {4, 8};
+  std::vector<int> warps = {0, 4, 8};
+  std::string activations = "bf16,f32";
   int reps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--configs") configs = argv[i + 1];
     else if (k == "--warps") warps = parse_ints(argv[i + 1], ',');
+    else if (k == "--activations") activations = argv[i + 1];
     else if (k == "--reps") reps = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 4,8] [--reps N]\n");
+      std::fprintf(stderr,
+                   "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] "
+                   "[--reps N]\n");
       return 2;
     }
   }
@@ -140,7 +161,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad config '%s' (want Hq:Hkv:ctx:T)\n", item.c_str());
         return 2;
       }
-      run_config(c[0], c[1], c[2], c[3], warps, reps);
+      for (const char* kind : {"bf16", "f32"})
+        if (activations.find(kind) != std::string::npos)
+          run_config(c[0], c[1], c[2], c[3], warps, kind[0] == 'b', reps);
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_prefill: %s\n", e.what());

@@ -11,7 +11,15 @@ layers over a BF16 cache as an engine runs it: per layer the new token's K and V
 layer's preallocated cache [B, Hkv, L, d] at a position held on the device (index_copy_, so the
 graph replays for any position), then SDPA (either form, the best kept) over the L tokens; every layer captured in
 one CUDA graph; reported per layer ("kind": "sdpa_step").
-usage: bench_sdpa.py --configs Hq:Hkv:batch:ctx,... --out sdpa.jsonl [--step-layers 4]
+
+--prefill-configs Hq:Hkv:ctx:T,... times what bench_prefill times for the INT2 cache: T new tokens
+attending over ctx cached ones and causally over themselves (q [1, Hq, T, d] against K/V
+[1, Hkv, ctx + T, d], GQA by enable_gqa), through every backend that takes the bottom-right causal
+mask (torch.nn.attention.bias.causal_lower_right); the fastest is the baseline ("kind":
+"sdpa_prefill"). Each backend is also timed without a mask over all ctx + T keys (more work than
+the causal problem, reported as "no_mask", not the baseline). TFLOP/s counts as bench_prefill does.
+usage: bench_sdpa.py [--configs Hq:Hkv:batch:ctx,...] [--prefill-configs Hq:Hkv:ctx:T,...]
+                     --out sdpa.jsonl [--step-layers 4]
 """
 import argparse
 import itertools
@@ -53,7 +61,8 @@ def time_graph(fn, reps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", required=True)
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--prefill-configs", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--step-layers", type=int, default=0)
@@ -66,7 +75,9 @@ def main():
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
     }
     with open(args.out, "w") as out:
-        for item in args.configs.split(","):
+        for item in filter(None, args.prefill_configs.split(",")):
+            time_prefill(out, backends, *(int(x) for x in item.split(":")), args.reps, dev)
+        for item in filter(None, args.configs.split(",")):
             hq, hkv, batch, ctx = (int(x) for x in item.split(":"))
             r = hq // hkv
             d = 128
@@ -115,6 +126,47 @@ def main():
             if args.step_layers > 0:
                 time_step(out, backends, hq, hkv, batch, ctx, args.step_layers, args.reps, dev)
     return 0
+
+
+def time_prefill(out, backends, hq, hkv, ctx, T, reps, dev):
+    from torch.nn.attention.bias import causal_lower_right
+
+    d = 128
+    q = torch.randn(1, hq, T, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, ctx + T, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, ctx + T, d, device=dev, dtype=torch.bfloat16)
+    flops = 4.0 * hq * d * (ctx * T + 0.5 * T * T)
+    mask = causal_lower_right(T, ctx + T)
+    best = None
+    for (name, backend), masked in itertools.product(backends.items(), (True, False)):
+        outs = [None]
+
+        def run():
+            with sdpa_kernel([backend]):
+                outs[0] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None, enable_gqa=True)
+
+        rec = {"kind": "sdpa_prefill", "q_heads": hq, "kv_heads": hkv, "context": ctx, "T": T, "backend": name,
+               "mask": "causal_lower_right" if masked else "no_mask"}
+        try:
+            us = time_graph(run, reps)
+            finite = bool(torch.isfinite(outs[0]).all().item())
+        except Exception as e:  # a backend that does not take this shape or mask
+            rec["error"] = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            out.write(json.dumps(rec) + "\n")
+            torch.cuda.synchronize()
+            continue
+        rec.update({"ms": round(us / 1e3, 4), "tflops": round(flops / us / 1e6, 1), "outputs_finite": finite})
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+        if masked and finite and (best is None or us < best[0]):
+            best = (us, name)
+    if best:
+        print(f"sdpa prefill {hq:2d}/{hkv} ctx={ctx:<6d} T={T:<5d} best {best[0] / 1e3:8.3f} ms ({best[1]}, causal "
+              f"lower right), {flops / best[0] / 1e6:6.1f} TFLOP/s", flush=True)
+    else:
+        print(f"sdpa prefill {hq}/{hkv} ctx={ctx} T={T}: no backend took the causal mask", flush=True)
+    del q, k, v
+    torch.cuda.empty_cache()
 
 
 def time_step(out, backends, hq, hkv, batch, ctx, layers, reps, dev):

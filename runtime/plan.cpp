@@ -127,9 +127,10 @@ PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::
   const int r = n_heads / g.n_kv_heads;
   PrefillPlan p;
   p.seqs.resize(counts.size());
-  // 8 warps (128 rows, one CTA per SM) use each key tile for twice the rows: 9-14% faster on the
-  // H200 from T·r = 1024 rows up; 4 warps (two CTAs per SM) won when one 8-warp tile would be
-  // half empty (docs/runtime.md). A batch takes 8 when most of its rows are in such sequences.
+  // 8 warps (two warpgroups, 128 rows) use each key tile for twice the rows: 1.3-1.6x faster on
+  // the H100 from T·r = 256 rows up; 4 warps won at 64 rows, where one 8-warp tile would be half
+  // empty (docs/results/2026-12-05-h100-wgmma-prefill.md). A batch takes 8 when most of its rows
+  // are in such sequences.
   int64_t rows_all = 0, rows_big = 0;
   for (size_t i = 0; i < counts.size(); ++i) {
     KVCC_REQUIRE(counts[i] >= 0 && lengths[i] >= 0, "prefill (CUDA): negative length or token count");

@@ -9,15 +9,18 @@
 //     (what the ring will hold), so their fp16 copies are those BF16 values exactly.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
-//  3. prefill_kernel: flash-attention style. One CTA = (sequence, key-range split, tile of
-//     16·kWarps query rows, KV head: the fastest); every query head of the group shares the CTA's K/V tiles. Each warp
-//     owns 16 rows; key tiles of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask) pass through
-//     shared memory (cp.async ahead, one barrier per tile); S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 in fp16 with
-//     fp32 accumulation (fp16 carries 3 more mantissa bits than bf16: with a bf16 query the logits' rounding alone gave
-//     1-4% output error on the tests' peaked softmax), with an online softmax in registers. INT2 pages are expanded to
-//     their code values (exact: 0..3, or the level table rounded to fp16) and the per-token scale and zero are folded
-//     in once per token (DESIGN.md): q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0,
-//     so one code path serves every tier.
+//  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a). One CTA =
+//     (sequence, key-range split, tile of 64·warpgroups query rows, KV head: the fastest); every
+//     query head of the group shares the CTA's K/V tiles. Each warpgroup owns 64 rows; key tiles
+//     of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask) pass through
+//     shared memory in the 128-byte-swizzled layout the MMAs read (cp.async ahead, one barrier per
+//     tile); S = Q·Kᵀ and O += P·V run in fp16 with fp32 accumulation, Q and P from registers (fp16
+//     carries 3 more mantissa bits than bf16: with a bf16 query the logits' rounding alone gave
+//     1-4% output error on the tests' peaked softmax), with an online softmax in registers. INT2
+//     pages are expanded to their code values (exact: 0..3, or the level table rounded to fp16)
+//     and the per-token scale and zero are folded in once per token (DESIGN.md):
+//     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
+//     code path serves every tier.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation, ·R_vᵀ.
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
@@ -43,9 +46,8 @@
 namespace kvcc {
 namespace {
 
-constexpr int kD = kGpuHeadDim;       // head_dim
-constexpr int kBN = kPrefillKeyTile;  // key tokens per tile (= page_tokens)
-constexpr int kStride = kD + 8;  // shared row stride in 16-bit elements: 272 B, so ldmatrix rows hit distinct banks
+constexpr int kD = kGpuHeadDim;                   // head_dim
+constexpr int kBN = kPrefillKeyTile;              // key tokens per tile (= page_tokens)
 constexpr int kPageBytes = kGpuPageBytes;         // one (page, layer, head) block (served.h)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kRotRows = 32;                      // rows per CTA of the rotation kernels
@@ -255,31 +257,43 @@ __global__ void __launch_bounds__(32)
   reinterpret_cast<uint4*>(dst + (size_t(h) * a.kv_rows + sq.kv0 + i) * kD)[chunk] = u;
 }
 
-// One pipeline stage: a 64-token key tile as fp16 MMA operands.
-struct Stage {
-  __half k[kBN][kStride];
-  __half v[kBN][kStride];
-  float4 tok[kBN];  // INT2 tiles: (s_k, z_k, s_v, z_v) per token, x̂ = s·(x − z)
-};
+// Key tiles in shared memory. A 64-token tile of keys or values is two blocks of 64 rows × 64
+// channels (channels 0-63, then 64-127), each row 128 bytes with its 16-byte chunks swizzled
+// (chunk c of row r at c ^ (r % 8)): the 128-byte-swizzled layout the warpgroup MMAs read through
+// a descriptor, K-major for S = Q·Kᵀ and MN-major (transposed) for O += P·V. The swizzle also
+// spreads the 16-byte stores of a warp over the banks.
+constexpr int kTileHalfs = kBN * kD;       // one tile of K or V: 16 KB
+constexpr int kBlockBytes = kBN * 64 * 2;  // one 64-channel block: 8 KB
+constexpr int kStages = 3;                 // tile u's stage is refilled in iteration u + 3 - 1
+// Half index of (row, 16-byte chunk c of the 16 in a row) in a tile.
+__device__ __forceinline__ int tile_at(int row, int c) { return (c >> 3) * (kBN * 64) + sw128_offset(row, c & 7) / 2; }
 struct Smem {
-  Stage stage[2];
+  __half k[kStages][kTileHalfs];  // first: the dynamic allocation is aligned to 1024 bytes below
+  __half v[kStages][kTileHalfs];
+  __half p[2][64 * kBN];       // per warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
+  float4 tok[kStages][kBN];    // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
   uint8_t raw[2][kPageBytes];  // INT2 page blocks as stored, before expansion
 };
-constexpr size_t kSmemBytes = sizeof(Smem);
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment of the swizzle atoms
+static_assert(kTileHalfs * 2 % 1024 == 0, "tiles keep the 1024-byte alignment of the swizzle atoms");
 
 // Units (key tiles) of a CTA: INT2 pages 0 .. n_pages-1, then 64-row tiles of the fp16 staging
-// (windows, then new tokens) up to the CTA's last query token. Unit u is computed in iteration u
-// from stage u % 2; its bytes were requested one iteration earlier (a page's raw bytes two
-// iterations earlier, expanded one iteration earlier), so each iteration needs one barrier.
-// 4 warps: two CTAs per SM (registers <= 255); 8 warps: one. kOne: the launch has one sequence,
-// whose fields are then constant-bank operands rather than registers (what a sequence indexed at
-// run time costs: 1.5-2.5% at T = 2048 on the H200).
+// (windows, then new tokens) up to the CTA's last query token. Iteration u issues S = Q·Kᵀ of
+// unit u and then O += P'·V of unit u-1 on the tensor cores, expands unit u+1's INT2 page while
+// they run, waits for S, runs the softmax of unit u while the P·V still runs, waits for it,
+// rescales O and writes unit u's P' to shared memory for the next iteration's P·V (FlashAttention
+// 3's overlap within a warpgroup). Unit u+1's bytes were requested in iteration u-1 (a page's raw
+// bytes in iteration u-2), so each iteration needs one barrier of the CTA; the third stage keeps
+// the tile that the P·V of unit u-1 reads out of the refills. Each warpgroup (4 warps) owns 64
+// query rows: 4 warps, one warpgroup; 8 warps, two warpgroups sharing each K/V tile. kOne: the
+// launch has one sequence, whose fields are then constant-bank operands rather than registers
+// (what a sequence indexed at run time cost the mma.sync kernel: 1.5-2.5% at T = 2048, H200).
 template <int kWarps, bool kOne>
 __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
     prefill_kernel(const __grid_constant__ PrefillArgs a) {
   constexpr int kThreads = 32 * kWarps, kBM = 16 * kWarps;
-  extern __shared__ uint4 smem_u4[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_u4);
+  extern __shared__ uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   __shared__ uint32_t lut[2][16];  // two codes (4 bits) -> their two fp16 x values
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -312,18 +326,18 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   };
   auto issue_tile = [&](int u) {  // kBN staged fp16 rows straight into the stage (zeros past the end)
     if (u >= u1 || u < n_pages) return;
-    Stage& s = sm.stage[(u - u0) & 1];
+    const int st = (u - u0) % kStages;
     const int key0 = (u - n_pages) * kBN;
     for (int i = tid; i < 2 * kBN * (kD / 8); i += kThreads) {
       const int side = i / (kBN * (kD / 8)), row = (i / (kD / 8)) % kBN, chunk = i % (kD / 8);
       const bool ok = key0 + row < kv_rows;
       const __half* src = (side ? vst : kst) + size_t(ok ? key0 + row : 0) * kD + 8 * chunk;
-      cp_async16(side ? &s.v[row][8 * chunk] : &s.k[row][8 * chunk], src, ok ? 16 : 0);
+      cp_async16((side ? sm.v[st] : sm.k[st]) + tile_at(row, chunk), src, ok ? 16 : 0);
     }
   };
   auto expand = [&](int u) {  // raw[u % 2] -> code values and (scale, zero) in the stage
     if (u >= u1 || u >= n_pages) return;
-    Stage& s = sm.stage[(u - u0) & 1];
+    const int st = (u - u0) % kStages;
     const uint8_t* raw = sm.raw[(u - u0) & 1];
     for (int i = tid; i < 2 * kBN * kCodeWords; i += kThreads) {
       const int side = i / (kBN * kCodeWords), row = (i / kCodeWords) % kBN, wi = i % kCodeWords;  // 16 codes per word
@@ -338,20 +352,22 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
       hi.y = lut[side][(w >> 20) & 15];
       hi.z = lut[side][(w >> 24) & 15];
       hi.w = lut[side][w >> 28];
-      __half* dst = side ? &s.v[row][16 * wi] : &s.k[row][16 * wi];
-      reinterpret_cast<uint4*>(dst)[0] = lo;
-      reinterpret_cast<uint4*>(dst)[1] = hi;
+      __half* dst = side ? sm.v[st] : sm.k[st];
+      *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi)) = lo;
+      *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi + 1)) = hi;
     }
     const uint32_t* kparams = reinterpret_cast<const uint32_t*>(raw + kGpuKParamsOffset);
     const uint32_t* vparams = reinterpret_cast<const uint32_t*>(raw + kGpuVParamsOffset);
     for (int row = tid; row < kBN; row += kThreads) {
       const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(&kparams[row]));
       const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(&vparams[row]));
-      s.tok[row] = make_float4(kp.x, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
+      sm.tok[st][row] =
+          make_float4(kp.x * a.sm_scale_log2, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
     }
   };
 
-  // The warp's 16 query rows: Q fragments (A operand), Σq of the fp16 values, token index.
+  // The warp's 16 query rows (16 of its warpgroup's 64): Q fragments (A operand), Σq of the fp16
+  // values, token index.
   uint32_t qa[kD / 16][4];
   float qsum[2];
   int qtok[2];
@@ -376,13 +392,26 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
     qsum[rr] = s;
   }
 
-  float o[kD / 8][4];
+  float o[2 * kD / 4];  // O: 16 rows × 128 channels per warp (wgmma_m64n128k16's accumulator)
 #pragma unroll
-  for (int n = 0; n < kD / 8; ++n)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+  for (int i = 0; i < 2 * kD / 4; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, spz[2] = {0.0f, 0.0f};
+  const int wg = warp >> 2;  // warpgroup
+  const uint32_t k_base = smem_addr(sm.k[0]), v_base = smem_addr(sm.v[0]), p_base = smem_addr(sm.p[wg]);
 
+  if (u0 >= u1) {  // an empty split of a short query tile: nothing seen
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int p = row0 + 16 * warp + g + 8 * rr;
+      if (p >= rows) continue;
+      const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n)
+        *reinterpret_cast<float2*>(a.part_o + row * kD + 8 * n + 2 * t) = make_float2(0.0f, 0.0f);
+      if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(-INFINITY, 0.0f);
+    }
+    return;
+  }
   issue_raw(u0);
   issue_raw(u0 + 1);
   issue_tile(u0);
@@ -390,97 +419,121 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   cp_async_wait_all();
   __syncthreads();  // raw bytes and the lookup table
   expand(u0);
-  for (int u = u0; u < u1; ++u) {
-    // Unit u's stage is complete (loaded or expanded), unit u+1's raw page has landed, and every
-    // warp is done with unit u-1, whose stage and raw buffer are refilled below.
+  int u = u0;
+  // O += P'·X_v of unit w on the tensor cores, P' from shared memory (K-major A: 16 tokens a step,
+  // 32 bytes within its 128-byte rows), X_v from stage w % 3 (MN-major B: 16 tokens a step, 8-token
+  // groups 1024 bytes apart, the two 64-channel blocks 8 KB apart). (P' from registers would save
+  // the shared-memory round trip, but ptxas 13.0 may reuse a register an MMA in flight still reads.)
+  const auto issue_pv = [&](int w) {
+    wgmma_fence();  // (ptxas still adds one where the first iteration commits an empty group: C7519)
+    const uint32_t v_tile = v_base + uint32_t((w - u0) % kStages) * (kTileHalfs * 2);
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      wgmma_m64n128k16_ss<1, 1>(o, wgmma_desc_sw128(p_base + kk * 32, 16, 1024),
+                                wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockBytes, 1024));
+  };
+  do {
+    // Unit u's stage is complete (loaded or expanded) and visible to the tensor cores, unit u+1's
+    // raw page has landed, every warp is done with the raw buffer refilled below, and the P·V of
+    // unit u-2 (whose stage is refilled below) has completed.
     cp_async_wait_all();
+    fence_proxy_async();
     __syncthreads();
     issue_raw(u + 2);
     issue_tile(u + 1);
     cp_async_commit();
+    // S = Q·Kᵀ of unit u, then O += P'·V of unit u-1, on the tensor cores one after the other
+    // (K-major B: 16 channels a step, 32 bytes within the 128-byte rows of one 64-channel block):
+    // the softmax of unit u runs while the P·V does.
+    const uint32_t k_tile = k_base + uint32_t((u - u0) % kStages) * (kTileHalfs * 2);
+    const auto k_desc = [k_tile](int ks) {
+      return wgmma_desc_sw128(k_tile + (ks >> 2) * kBlockBytes + (ks & 3) * 32, 16, 1024);
+    };
+    float sc[2 * kBN / 4];  // S: 16 rows × 64 tokens per warp
+    wgmma_fence();
+    wgmma_m64n64k16_rs<0, 0>(sc, qa[0][0], qa[0][1], qa[0][2], qa[0][3], k_desc(0));
+#pragma unroll
+    for (int ks = 1; ks < kD / 16; ++ks)
+      wgmma_m64n64k16_rs<0, 1>(sc, qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], k_desc(ks));
+    wgmma_commit();
+    if (u > u0) issue_pv(u - 1);
+    wgmma_commit();  // (empty in the first iteration: the wait below counts groups)
     expand(u + 1);
-    const Stage& s = sm.stage[(u - u0) & 1];
+    wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
+    wgmma_hold(sc);
+    const int st = (u - u0) % kStages;
     const bool page = u < n_pages;
     const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
-    // S = Q·Kᵀ: 16 rows × 64 tokens per warp.
-    float sc[kBN / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sc[nt][i] = 0.0f;
-#pragma unroll
-      for (int kp = 0; kp < kD / 32; ++kp) {
-        uint32_t b[4];
-        ldmatrix_x4(b, &s.k[8 * nt + (lane & 7)][32 * kp + 8 * (lane >> 3)]);
-        mma_f16(sc[nt], qa[2 * kp], b[0], b[1]);
-        mma_f16(sc[nt], qa[2 * kp + 1], b[2], b[3]);
-      }
-    }
     // Logits (log2 units) with the per-token fold and the causal mask (window rows have
     // key0 + tok < 0; rows past the new tokens exceed every query's token); row maxima.
-    float4 tp[kBN / 8][2];
-#pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) tp[nt][e] = page ? s.tok[8 * nt + 2 * t + e] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < kBN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = 8 * nt + 2 * t + e;
+        const float4 tp = page ? sm.tok[st][tok] : make_float4(a.sm_scale_log2, 0.0f, 1.0f, 0.0f);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const bool valid = page || key0 + tok <= qtok[rr];
-          const float x =
-              valid ? (sc[nt][2 * rr + e] - tp[nt][e].y * qsum[rr]) * tp[nt][e].x * a.sm_scale_log2 : -INFINITY;
-          sc[nt][2 * rr + e] = x;
+          float& x = sc[4 * nt + 2 * rr + e];
+          x = valid ? (x - tp.y * qsum[rr]) * tp.x : -INFINITY;
           mx[rr] = fmaxf(mx[rr], x);
         }
       }
-    float msub[2];
+    float msub[2], alpha[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
       const float mn = fmaxf(m[rr], mx[rr]);
-      const float alpha = mn == -INFINITY ? 1.0f : fast_exp2(m[rr] - mn);
+      alpha[rr] = mn == -INFINITY ? 1.0f : fast_exp2(m[rr] - mn);
       msub[rr] = mn == -INFINITY ? 0.0f : mn;  // nothing seen yet: exp2(-inf - 0) = 0
       m[rr] = mn;
-      l[rr] *= alpha;
-      spz[rr] *= alpha;
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[n][2 * rr] *= alpha;
-        o[n][2 * rr + 1] *= alpha;
-      }
+      l[rr] *= alpha[rr];
+      spz[rr] *= alpha[rr];
     }
-    // P' = fp16(p·s_v) as A fragments (the S accumulator layout is the A layout); Σ P'·z_v.
-    uint32_t pa[kBN / 8][2];
+    // P' = fp16(p·s_v) (rows g and g+8 of the warp, tokens 8·nt + 2t and + 1); Σ P'·z_v.
+    uint32_t pn[kBN / 8][2];
 #pragma unroll
     for (int nt = 0; nt < kBN / 8; ++nt) {
+      const float4 tp0 = page ? sm.tok[st][8 * nt + 2 * t] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+      const float4 tp1 = page ? sm.tok[st][8 * nt + 2 * t + 1] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float p0 = fast_exp2(sc[nt][2 * rr] - msub[rr]), p1 = fast_exp2(sc[nt][2 * rr + 1] - msub[rr]);
+        const float p0 = fast_exp2(sc[4 * nt + 2 * rr] - msub[rr]), p1 = fast_exp2(sc[4 * nt + 2 * rr + 1] - msub[rr]);
         l[rr] += p0 + p1;
-        pa[nt][rr] = pack_half2(p0 * tp[nt][0].z, p1 * tp[nt][1].z);
-        const float2 pr = unpack_half2(pa[nt][rr]);
-        spz[rr] = fmaf(pr.x, tp[nt][0].w, fmaf(pr.y, tp[nt][1].w, spz[rr]));
+        pn[nt][rr] = pack_half2(p0 * tp0.z, p1 * tp1.z);
+        const float2 pr = unpack_half2(pn[nt][rr]);
+        spz[rr] = fmaf(pr.x, tp0.w, fmaf(pr.y, tp1.w, spz[rr]));
       }
     }
-    // O += P'·X_v: 16 rows × 128 channels per warp.
+    wgmma_wait<0>();  // the P·V of unit u-1: O holds units < u, scaled to the old maxima; P' is free
+    wgmma_hold(o);
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      const uint32_t pk[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0], pa[2 * kk + 1][1]};
+    for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-      for (int np = 0; np < kD / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, &s.v[16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)][16 * np + 8 * (lane >> 4)]);
-        mma_f16(o[2 * np], pk, b[0], b[1]);
-        mma_f16(o[2 * np + 1], pk, b[2], b[3]);
+      for (int n = 0; n < kD / 8; ++n) {
+        o[4 * n + 2 * rr] *= alpha[rr];
+        o[4 * n + 2 * rr + 1] *= alpha[rr];
       }
     }
-  }
+    // P' into the warpgroup's buffer (row r's 16-byte chunk c at c ^ (r % 8), r % 8 = g), visible
+    // to the tensor cores once the warpgroup's four warps have written theirs.
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = 16 * (warp & 3) + g + 8 * rr;
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(sm.p[wg]) + sw128_offset(row, nt) + 4 * t) = pn[nt][rr];
+      }
+    fence_proxy_async();
+    named_barrier_sync(1 + wg, 128);
+  } while (++u < u1);
+  issue_pv(u1 - 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(o);
   cp_async_wait_all();
 
   // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
@@ -496,7 +549,8 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
     float* dst = a.part_o + row * kD;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n)
-      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) = make_float2(o[n][2 * rr] - spz[rr], o[n][2 * rr + 1] - spz[rr]);
+      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) =
+          make_float2(o[4 * n + 2 * rr] - spz[rr], o[4 * n + 2 * rr + 1] - spz[rr]);
     if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
   }
 }

@@ -59,8 +59,9 @@ std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_head
 // Throws Error("<who>: <reason>") when gpu_unsupported_reason is not "".
 void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who);
 
-// The kernels are compiled for Hopper (sm_90: TMA bulk copies, mbarriers, programmatic dependent
-// launch). Why device `device` (name, compute capability major.minor) cannot run them, or "".
+// The kernels are compiled for Hopper (sm_90a: TMA bulk copies, mbarriers, programmatic dependent
+// launch, warpgroup MMAs; sm_90a code runs on compute capability 9.0 only). Why device `device`
+// (name, compute capability major.minor) cannot run them, or "".
 std::string gpu_arch_problem(int device, const std::string& name, int major, int minor);
 
 }  // namespace kvcc

@@ -33,8 +33,8 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 GPU_BUILD=${GPU_BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
-GPU_ARCH=sm_90
-GPU_NVCC_FLAGS=(-std=c++17 -O3 -arch="$GPU_ARCH" --expt-relaxed-constexpr -lineinfo -DKVCC_HAVE_CUDA=1 -I.)
+GPU_ARCH=-gencode=arch=compute_90a,code=sm_90a  # as CMake builds (CMAKE_CUDA_ARCHITECTURES 90a)
+GPU_NVCC_FLAGS=(-std=c++17 -O3 "$GPU_ARCH" --expt-relaxed-constexpr -lineinfo -DKVCC_HAVE_CUDA=1 -I.)
 GPU_LIBSTDCXX=$("${CXX:-g++}" -print-file-name=libstdc++.so 2>/dev/null)
 [ -e "$GPU_LIBSTDCXX" ] || GPU_LIBSTDCXX=-lstdc++
 
@@ -61,7 +61,7 @@ gpu_nvcc() {
 gpu_link() {
   local exe=$1 main=$2 decode=$3
   shift 3
-  nvcc -arch="$GPU_ARCH" "$main" "$decode" "$GPU_LIBSTDCXX" \
+  nvcc "$GPU_ARCH" "$main" "$decode" "$GPU_LIBSTDCXX" \
     "$GPU_BUILD/runtime/libkvcc_runtime.a" "$GPU_BUILD/formats/libkvcc_formats.a" "$@" -o "$exe"
 }
 

@@ -14,8 +14,13 @@
 # step it is compared with (bench_sdpa.py --step-layers: cache write + SDPA per layer, in a graph)
 # (with BEFORE_TREE, that tree's bench_step right after, built in parallel with this one).
 # BEFORE_MODES: the bench_step modes the before tree runs (default plain; the tree must have them).
+# `prefill` runs only the prefill path: the warpgroup-MMA and prefill GPU tests, bench_prefill and
+# PyTorch's BF16 attention on the same shapes (bench_sdpa.py --prefill-configs), the other tests
+# that prefill (engine, bfloat16 activations, graph replay), then memcheck and racecheck on the
+# prefill kernels; with BEFORE_TREE, that tree's bench_prefill right after this one's.
 # usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
-#        scripts/gpu_run.sh [quick | graph]
+#        scripts/gpu_run.sh [quick | graph | prefill]
+# (PREFILL_CONFIGS / PREFILL_ARGS: bench_prefill's shapes and other arguments in `prefill`.)
 set -u -o pipefail
 source "$(dirname "$0")/gpu_common.sh"
 BUILD=${BUILD:-$GPU_BUILD}
@@ -23,6 +28,52 @@ GPU_BUILD=$BUILD
 LOG=$OUT/gpu_log.txt
 exec > >(tee -a "$LOG") 2>&1
 gpu_provenance
+
+if [ "${1:-}" = prefill ]; then
+  t0=$(date +%s)
+  if [ -n "${BEFORE_TREE:-}" ]; then
+    (cd "$BEFORE_TREE" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+      cmake --build build-before --target bench_prefill -j"$(( JOBS / 2 ))" >"$OUT/before_build.txt" 2>&1) &
+    before_pid=$!
+    JOBS=$(( JOBS / 2 ))
+  fi
+  gpu_cmake_build gpu_test_wgmma gpu_test_prefill gpu_test_engine gpu_test_activations gpu_test_graph bench_prefill ||
+    { echo "BUILD FAILED"; exit 1; }
+  [ -n "${BEFORE_TREE:-}" ] && { wait "$before_pid" || { tail -20 "$OUT/before_build.txt"; echo "BEFORE_TREE BUILD FAILED"; }; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+  run_tests() {
+    for t in "$@"; do
+      mkdir -p /tmp/gpu_logs
+      "$BUILD/tests/$t" --gtest_output=xml:"/tmp/$t.xml" 2>&1 | tee "/tmp/gpu_logs/$t.log" |
+        grep -E '^\[  (FAILED|PASSED) |^[^ ].*worst|Failure|error|Expected|Which is' | head -60
+      echo "$t exit: ${PIPESTATUS[0]}"
+    done
+  }
+  run_tests gpu_test_wgmma gpu_test_prefill
+  PREFILL_CONFIGS=${PREFILL_CONFIGS:-32:8:4096:2048,32:8:32768:16,32:8:32768:64,32:8:32768:256,32:8:32768:2048,32:8:131072:2048}
+  "$BUILD/bench/bench_prefill" --configs "$PREFILL_CONFIGS" ${PREFILL_ARGS:-} | tee "$OUT/bench_prefill.jsonl"
+  echo "bench_prefill exit: $?"
+  if [ -n "${BEFORE_TREE:-}" ]; then
+    "$BEFORE_TREE/build-before/bench/bench_prefill" --configs "$PREFILL_CONFIGS" ${BEFORE_PREFILL_ARGS:-} |
+      sed "s/^/before /" | tee "$OUT/bench_prefill_before.jsonl"
+  fi
+  python3 bench/bench_sdpa.py --prefill-configs "$PREFILL_CONFIGS" --out "$OUT/sdpa_prefill.jsonl" --reps 20
+  echo "sdpa prefill exit: $?"
+  run_tests gpu_test_engine gpu_test_activations gpu_test_graph
+  if command -v compute-sanitizer >/dev/null; then
+    timeout ${SANITIZER_TIMEOUT:-150} compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer_prefill.txt" "$BUILD/tests/gpu_test_prefill" \
+      --gtest_filter='GpuPrefill.MatchesReferenceGqa8*:GpuPrefill.ManySplits*:GpuPrefill.RuntimeDeviceMatchesHost' >/dev/null
+    echo "memcheck prefill exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_prefill.txt" 2>/dev/null) clean summaries)"
+    timeout ${SANITIZER_TIMEOUT:-150} compute-sanitizer --tool racecheck --log-file "$OUT/racecheck_prefill.txt" "$BUILD/tests/gpu_test_prefill" \
+      --gtest_filter='GpuPrefill.MatchesReferenceGqa8*:GpuPrefill.ManySplits*' >/dev/null
+    echo "racecheck prefill exit: $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/racecheck_prefill.txt" 2>/dev/null) clean summaries)"
+  fi
+  echo "total: $(( $(date +%s) - t0 )) s"
+  # (the tests' whole output travels in the archive only: few files come back from a device)
+  tar czf /tmp/gpu_out.tgz --warning=no-file-changed -C "$OUT" . -C /tmp gpu_logs
+  mv /tmp/gpu_out.tgz "$OUT/gpu_out.tgz"
+  exit 0
+fi
 
 if [ "${1:-}" = graph ]; then
   t0=$(date +%s)

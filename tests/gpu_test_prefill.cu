@@ -1,8 +1,8 @@
 // GPU tests of the prefill / extend attention kernel (runtime/prefill.cu) against its CPU
 // reference prefill_ref (float64) on fresh random caches: empty history, inside the sink, ring
 // partly filled, ring exactly full, one page, many pages, a diverged fork; T = 1 up to several
-// query and key tiles; 4, 5 and 8 query heads per KV head; the uniform grid and the level table;
-// forced key-range splits. Every output element is written (NaN sentinels), and repeated runs are
+// query and key tiles, and T = 4100; 4, 5 and 8 query heads per KV head; the uniform grid and the
+// level table; forced key-range splits. Every output element is written (NaN sentinels), and repeated runs are
 // bit-identical. The device pool is the host pool's bytes (append is tested in gpu_test_cache).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -239,6 +239,17 @@ TEST(GpuPrefill, ManySplitsAndOddWindows) {
   c.sync_device();
   const double worst = check_prefill(c, {{a, 1}, {a, 90}, {b, 33}}, 8, 0, 40, 4, true);
   std::printf("prefill, sink 16 / ring 96, 40 splits: worst %.2e\n", worst);
+}
+
+TEST(GpuPrefill, LongExtendMatchesReference) {
+  // T = 4100 new tokens (64 query tiles of 8 warps, the last one partial) over 1000 cached ones,
+  // the default plan (its own splits and warps).
+  Caches c(test_geometry(1, 1), 128, 2, false);
+  const int a = c.add();
+  c.append({a}, {1000});
+  c.sync_device();
+  const double worst = check_prefill(c, {{a, 4100}}, 4, 0, 0, 0, true);
+  std::printf("prefill, T = 4100 over 1000 tokens: worst %.2e\n", worst);
 }
 
 TEST(GpuPrefill, RefusesOutOfScope) {
