@@ -14,11 +14,11 @@
 //     query head of the group shares the CTA's K/V tiles. Each warpgroup owns 64 rows; key tiles
 //     of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask) pass through
 //     shared memory in the 128-byte-swizzled layout the MMAs read (cp.async ahead, one barrier per
-//     tile); S = Q·Kᵀ and O += P·V run in fp16 with fp32 accumulation, Q and P from registers (fp16
-//     carries 3 more mantissa bits than bf16: with a bf16 query the logits' rounding alone gave
-//     1-4% output error on the tests' peaked softmax), with an online softmax in registers. INT2
-//     pages are expanded to their code values (exact: 0..3, or the level table rounded to fp16)
-//     and the per-token scale and zero are folded in once per token (DESIGN.md):
+//     tile); S = Q·Kᵀ and O += P·V run in fp16 with fp32 accumulation, Q from registers, P from
+//     shared memory (fp16 carries 3 more mantissa bits than bf16: with a bf16 query the logits'
+//     rounding alone gave 1-4% output error on the tests' peaked softmax), with an online softmax
+//     in registers. INT2 pages are expanded to their code values (exact: 0..3, or the level table
+//     rounded to fp16) and the per-token scale and zero are folded in once per token (DESIGN.md):
 //     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
 //     code path serves every tier.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation, ·R_vᵀ.
