@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "formats/kv_layout.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/device_buffer.h"
@@ -81,11 +82,7 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   // bfloat16 inputs are the float32 ones rounded (to nearest even); a buffer of either type.
   auto device_input = [bf16](const std::vector<float>& x) {
     std::vector<uint16_t> h(bf16 ? x.size() : 0);
-    for (size_t i = 0; i < h.size(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &x[i], 4);
-      h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_from_float(x[i]);
     DeviceBuffer<uint8_t> d(x.size() * (bf16 ? 2 : 4));
     CK(cudaMemcpy(d.data(), bf16 ? static_cast<const void*>(h.data()) : x.data(), d.size(), cudaMemcpyHostToDevice));
     return d;

@@ -399,7 +399,9 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   const int wg = warp >> 2;  // warpgroup
   const uint32_t k_base = smem_addr(sm.k[0]), v_base = smem_addr(sm.v[0]), p_base = smem_addr(sm.p[wg]);
 
-  if (u0 >= u1) {  // an empty split of a short query tile: nothing seen
+  // An empty split of a short query tile: nothing seen. (A path of its own: an O zeroed on a path
+  // into the loop's final wait made ptxas serialise every MMA, C7515.)
+  if (u0 >= u1) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int p = row0 + 16 * warp + g + 8 * rr;

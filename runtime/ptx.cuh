@@ -1,6 +1,6 @@
-// The PTX the kernels use, wrapped once: warp-level and warpgroup MMAs, movmatrix and ldmatrix, ex2,
-// cp.async, bulk (TMA) copies with their mbarriers, and programmatic dependent launch. Device code
-// only, built for sm_90a (the warpgroup MMAs need it).
+// The PTX the kernels use, wrapped once: warp-level and warpgroup MMAs, movmatrix, ex2, cp.async,
+// bulk (TMA) copies with their mbarriers, and programmatic dependent launch. Device code only,
+// built for sm_90a (the warpgroup MMAs need it).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -43,19 +43,6 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t a) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
   return d;
 }
-// Four 8×8 16-bit blocks from shared memory (lane l gives row l % 8 of block l / 8).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(p));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const uint32_t p = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(p));
-}
 
 // ---- Warpgroup MMAs (wgmma, sm_90a): issued by the 4 warps of a warpgroup together, asynchronous
 // until wgmma_wait. A comes from registers: each warp's 16 rows in mma.m16n8k16's A layout. The
@@ -81,19 +68,12 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-// Keeps the compiler from moving reads or writes of r across the asynchronous MMAs, and keeps r's
-// registers live up to here (no code): registers an MMA in flight reads must not be reused.
+// After a wait: keeps the compiler from moving reads or writes of the accumulators r above it
+// (no code; it orders the compiler's view only, ptxas sees nothing).
 template <int N>
 __device__ __forceinline__ void wgmma_hold(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N, int M>
-__device__ __forceinline__ void wgmma_hold(uint32_t (&r)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 // Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads of the CTA, e.g. one warpgroup.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
@@ -102,78 +82,50 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 // Shared memory written by ordinary stores (or cp.async) and read next by the tensor cores.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// D[64×N] (+)= A[64×16] · B[16×N] in fp16 with fp32 accumulation; kAccumulate = 0 overwrites D.
-// kTransB = 0: B is K-major in shared memory, 1: MN-major. The MMA reads a0..a3 (and D) after it
-// is issued, until wgmma_wait: pass the caller's own registers (not copies) and keep them live
-// with wgmma_hold after the wait, or the compiler may reuse them while the MMA still reads. (The scale-d operand is an
-// immediate predicate, so that an overwriting MMA takes no input from D's registers: an input there made ptxas
-// serialise the MMAs, C7515.)
+// D[64×N] (+)= A[64×16] · B[16×N] in fp16 with fp32 accumulation. kAccumulate = 0 overwrites D
+// and takes no input from its registers (they need no initial value); kTransB = 0: B is K-major
+// in shared memory, 1: MN-major. A register operand (a0..a3, and D) is read after the MMA is
+// issued, until its wait, and ptxas 13.0 was seen handing such a register to other code before
+// the wait: give register A only values that stay live across the wait (the prefill's Q).
+#define KVCC_D8(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
+#define KVCC_D32(c) KVCC_D8(c, 0), KVCC_D8(c, 8), KVCC_D8(c, 16), KVCC_D8(c, 24)
+#define KVCC_D64(c) KVCC_D32(c), KVCC_D8(c, 32), KVCC_D8(c, 40), KVCC_D8(c, 48), KVCC_D8(c, 56)
 template <int kTransB, int kAccumulate>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                    uint64_t desc_b) {
+#define KVCC_M64N64_RS                                                                                          \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, " \
+  "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
+  "{%32, %33, %34, %35}, %36, %37, 1, 1, %38;"
   if constexpr (kAccumulate) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, %37, 1, 1, %38;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
-  } else {  // D is written only: no dependence on its old values
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, %37, 1, 1, %38;"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]),
-          "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]),
-          "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]),
-          "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
+    asm volatile(KVCC_M64N64_RS
+                 : KVCC_D32("+f")
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
+  } else {
+    asm volatile(KVCC_M64N64_RS
+                 : KVCC_D32("=f")
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
   }
+#undef KVCC_M64N64_RS
 }
 // D[64×128] (+)= A[64×16] · B[16×128], A from shared memory too (K-major, through its descriptor).
 template <int kTransB, int kAccumulate>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+#define KVCC_M64N128_SS                                                                                       \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "   \
+  "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, " \
+  "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, " \
+  "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, %66, 1, 1, 0, %67;"
   if constexpr (kAccumulate) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, %66, 1, 1, 0, %67;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
+    asm volatile(KVCC_M64N128_SS : KVCC_D64("+f") : "l"(desc_a), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
   } else {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, %66, 1, 1, 0, %67;"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]),
-          "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]),
-          "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]),
-          "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]),
-          "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]),
-          "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]),
-          "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]),
-          "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
+    asm volatile(KVCC_M64N128_SS : KVCC_D64("=f") : "l"(desc_a), "l"(desc_b), "n"(kAccumulate), "n"(kTransB));
   }
+#undef KVCC_M64N128_SS
 }
+#undef KVCC_D8
+#undef KVCC_D32
+#undef KVCC_D64
 
 // 2^x (MUFU.EX2; 2^-inf = 0). Relative error ~2^-22, far below the fp16/bf16 operands'.
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -111,17 +111,24 @@ double worst_error(const std::vector<float>& got, const std::vector<__half>& a, 
   return worst;
 }
 
+// Runs `launch` with `out` poisoned (NaN) first and copies `out` into `got`.
+template <class Launch>
+void poisoned_run(DeviceBuffer<float>& out, std::vector<float>& got, Launch launch) {
+  got.resize(out.size());
+  CUDA_OK(cudaMemset(out.data(), 0xff, out.bytes()));
+  launch();
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(got.data(), out.data(), out.bytes(), cudaMemcpyDeviceToHost));
+}
+
 TEST(GpuWgmma, QueryKeyProductRegistersTimesKMajorTile) {
   std::mt19937 rng(5);
   for (int rep = 0; rep < 3; ++rep) {
     const auto a = random_halves(64 * 128, rng), b = random_halves(64 * 128, rng);
     DeviceBuffer<__half> da(a), db(b);
     DeviceBuffer<float> dd(64 * 64);
-    CUDA_OK(cudaMemset(dd.data(), 0xff, dd.bytes()));
-    qk_kernel<<<1, 128>>>(da.data(), db.data(), dd.data());
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<float> got(64 * 64);
-    CUDA_OK(cudaMemcpy(got.data(), dd.data(), dd.bytes(), cudaMemcpyDeviceToHost));
+    std::vector<float> got;
+    ASSERT_NO_FATAL_FAILURE(poisoned_run(dd, got, [&] { qk_kernel<<<1, 128>>>(da.data(), db.data(), dd.data()); }));
     const double e = worst_error(
         got, a, [&b](int kk, int c) { return double(__half2float(b[size_t(c) * 128 + kk])); }, 64, 64, 128);
     std::printf("S = Q·Kᵀ: worst error %.2e of Σ|q·k|\n", e);
@@ -135,21 +142,17 @@ TEST(GpuWgmma, ProbabilityValueProductKMajorTimesMnMajorTile) {
     const auto p = random_halves(64 * 64, rng), v = random_halves(64 * 128, rng);
     DeviceBuffer<__half> dp(p), dv(v);
     DeviceBuffer<float> dd(64 * 128);
-    std::vector<float> got(64 * 128);
+    std::vector<float> got;
     const auto v_at = [&v](int kk, int c) { return double(__half2float(v[size_t(kk) * 128 + c])); };
     // lbo = the 64-channel blocks' stride, sbo = the 8-key groups' stride (what prefill passes).
-    CUDA_OK(cudaMemset(dd.data(), 0xff, dd.bytes()));
-    pv_kernel<<<1, 128>>>(dp.data(), dv.data(), dd.data(), 2 * kBlock, 1024);
-    CUDA_OK(cudaDeviceSynchronize());
-    CUDA_OK(cudaMemcpy(got.data(), dd.data(), dd.bytes(), cudaMemcpyDeviceToHost));
+    ASSERT_NO_FATAL_FAILURE(
+        poisoned_run(dd, got, [&] { pv_kernel<<<1, 128>>>(dp.data(), dv.data(), dd.data(), 2 * kBlock, 1024); }));
     const double e = worst_error(got, p, v_at, 64, 128, 64);
     std::printf("O = P·V: worst error %.2e of Σ|p·v|\n", e);
     EXPECT_LT(e, 64 * std::ldexp(1.0, -23));
     if (!(e < 64 * std::ldexp(1.0, -23))) {  // which convention the hardware reads, for the record
-      CUDA_OK(cudaMemset(dd.data(), 0xff, dd.bytes()));
-      pv_kernel<<<1, 128>>>(dp.data(), dv.data(), dd.data(), 1024, 2 * kBlock);
-      CUDA_OK(cudaDeviceSynchronize());
-      CUDA_OK(cudaMemcpy(got.data(), dd.data(), dd.bytes(), cudaMemcpyDeviceToHost));
+      ASSERT_NO_FATAL_FAILURE(
+          poisoned_run(dd, got, [&] { pv_kernel<<<1, 128>>>(dp.data(), dv.data(), dd.data(), 1024, 2 * kBlock); }));
       std::printf("  with lbo and sbo swapped: worst error %.2e\n", worst_error(got, p, v_at, 64, 128, 64));
     }
   }
