@@ -25,7 +25,7 @@ struct Args {
   std::string model_path, stats_path, artifact_path, json_path;
   ValidateData data;
   EvictionOptions options;
-  std::vector<std::string> scores;
+  std::vector<std::string> scores, merges;
   std::string layer_budgets = "uniform";
 };
 
@@ -37,10 +37,11 @@ std::string table(const EvictionResult& r) {
                 "sink %d, recent %d\n",
                 r.conversations, r.passages, r.history, r.continuation, r.reference_nll, r.sink, r.recent);
   out += line;
-  out += "score     ratio  int2  KL (nats)            dNLL                 top-1\n";
+  out += "score     ratio  int2  merge   merged  KL (nats)            dNLL                 top-1\n";
   for (const EvictionRow& row : r.rows) {
-    std::snprintf(line, sizeof line, "%-9s %5.1fx %-5s %.4e ±%.1e   %+.4e ±%.1e   %.4f\n", row.score.c_str(), row.ratio,
-                  row.int2 ? "yes" : "no", row.kl, row.kl_stderr, row.delta_nll, row.delta_nll_stderr, row.top1);
+    std::snprintf(line, sizeof line, "%-9s %5.1fx %-5s %-7s %5.3f   %.4e ±%.1e   %+.4e ±%.1e   %.4f\n",
+                  row.score.c_str(), row.ratio, row.int2 ? "yes" : "no", row.merge.c_str(), row.merged, row.kl,
+                  row.kl_stderr, row.delta_nll, row.delta_nll_stderr, row.top1);
     out += line;
   }
   return out;
@@ -59,18 +60,27 @@ std::string to_json(const EvictionResult& r) {
   j["recent"] = r.recent;
   j["reference_nll"] = r.reference_nll;
   j["layer_budgets"] = r.layer_budgets;  // empty: uniform
+  j["merge_threshold"] = r.merge_threshold;
   if (r.epicache_routed_first >= 0) j["epicache_routed_to_first_passage"] = r.epicache_routed_first;
   j["seconds"] = r.seconds;
   for (const EvictionRow& row : r.rows)
     j["rows"].push_back({{"score", row.score},
                          {"ratio", row.ratio},
                          {"int2", row.int2},
+                         {"merge", row.merge},
+                         {"merged_fraction", row.merged},
                          {"kl", row.kl},
                          {"kl_stderr", row.kl_stderr},
                          {"delta_nll", row.delta_nll},
                          {"delta_nll_stderr", row.delta_nll_stderr},
                          {"top1_agreement", row.top1}});
   return j.dump(2) + "\n";
+}
+
+std::vector<std::string> merge_names() {
+  std::vector<std::string> names;
+  for (EvictionMerge m : all_eviction_merges()) names.push_back(eviction_merge_name(m));
+  return names;
 }
 
 std::vector<std::string> score_names() {
@@ -88,6 +98,12 @@ int run_eviction_command(Args& a) {
     for (const std::string& name : a.scores)
       for (EvictionScore s : all_eviction_scores())
         if (name == eviction_score_name(s)) a.options.scores.push_back(s);
+  }
+  if (!a.merges.empty()) {
+    a.options.merges.clear();
+    for (const std::string& name : a.merges)
+      for (EvictionMerge m : all_eviction_merges())
+        if (name == eviction_merge_name(m)) a.options.merges.push_back(m);
   }
   const ModelFile model = ModelFile::open(a.model_path);
   std::optional<Stats> stats;
@@ -161,6 +177,12 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "cache scored by its medoid block appended after the history; the continuation\n"
                   "routed by its first --route tokens), vatp (snapkv's attention times |v|_1, the\n"
                   "value-aware score of VATP).\n"
+                  "With --merge the evicted tokens are merged into the kept ones instead of dropped\n"
+                  "(each into the kept token of most similar key, cosine >= --merge-threshold, weighted\n"
+                  "by the attention mass of the score's queries): value (values averaged, keys kept,\n"
+                  "the entry's logit raised by the log of the merged mass), kv (keys too), average\n"
+                  "(keys and values averaged, no log mass: D2O's form); every score and ratio runs\n"
+                  "once per mode listed (none: dropped). On int2 rows the codec stores the merged rows.\n"
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
                   "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n"
                   "With --layer-budgets artifact the layers share the same total unevenly, by the\n"
@@ -220,6 +242,15 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                              "uniform (every layer keeps ceil(history / ratio)) or artifact (the artifact's "
                              "per-layer budgets share that total)")
                   ->check(CLI::IsMember({"uniform", "artifact"}))
+                  ->capture_default_str();
+              sub.add_option("--merge", a->merges,
+                             "evicted tokens: none (dropped), value, kv or average (merged); a list runs each")
+                  ->delimiter(',')
+                  ->check(CLI::IsMember(merge_names()));
+              sub.add_option("--merge-threshold", a->options.merge_threshold,
+                             "merge an evicted token only if its key's cosine with the nearest kept key is at least "
+                             "this (-1: every evicted token merges; > 1: none does)")
+                  ->check(CLI::Range(-2.0, 2.0))
                   ->capture_default_str();
               sub.add_option("--json", a->json_path, "write the rows as JSON");
               return [a] { return run_eviction_command(*a); };

@@ -7,6 +7,8 @@
 #include <numeric>
 #include <sstream>
 
+#include <Eigen/Core>
+
 #include "eval/experiment.h"
 #include "formats/error.h"
 #include "formats/kv_layout.h"
@@ -52,6 +54,109 @@ std::vector<EvictionScore> all_eviction_scores() {
   return {EvictionScore::Window,  EvictionScore::H2O,         EvictionScore::SnapKV,
           EvictionScore::Emitted, EvictionScore::QueryMoment, EvictionScore::QueryGaussian,
           EvictionScore::KeyNorm, EvictionScore::EpiCache,    EvictionScore::ValueAware};
+}
+
+const char* eviction_merge_name(EvictionMerge merge) {
+  switch (merge) {
+    case EvictionMerge::None:
+      return "none";
+    case EvictionMerge::Value:
+      return "value";
+    case EvictionMerge::KeyValue:
+      return "kv";
+    case EvictionMerge::Average:
+      return "average";
+  }
+  return "?";
+}
+
+std::vector<EvictionMerge> all_eviction_merges() {
+  return {EvictionMerge::None, EvictionMerge::Value, EvictionMerge::KeyValue, EvictionMerge::Average};
+}
+
+std::vector<float> merge_evicted(EvictionMerge merge, double threshold, float* keys, float* values, int64_t n,
+                                 size_t stride, int d, const std::vector<int32_t>& kept,
+                                 const std::vector<double>& mass, int64_t* merged) {
+  KVCC_REQUIRE(n >= 0 && d >= 1 && stride >= size_t(d), "merge_evicted: bad shape");
+  KVCC_REQUIRE(int64_t(mass.size()) == n, cat("merge_evicted: ", mass.size(), " masses for ", n, " tokens"));
+  const size_t K = kept.size();
+  std::vector<char> is_kept(size_t(n), 0);
+  for (size_t i = 0; i < K; ++i) {
+    KVCC_REQUIRE(kept[i] >= 0 && kept[i] < n && (i == 0 || kept[i] > kept[i - 1]),
+                 "merge_evicted: kept positions must ascend within [0, n)");
+    is_kept[size_t(kept[i])] = 1;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    KVCC_REQUIRE(std::isfinite(mass[size_t(j)]) && mass[size_t(j)] >= 0 && (!is_kept[size_t(j)] || mass[size_t(j)] > 0),
+                 cat("merge_evicted: token ", j, " has mass ", mass[size_t(j)], " (kept tokens need > 0)"));
+  std::vector<float> log_mass(K, 0.0f);
+  if (merged) *merged = 0;
+  std::vector<int32_t> evicted;
+  for (int64_t j = 0; j < n; ++j)
+    if (!is_kept[size_t(j)]) evicted.push_back(int32_t(j));
+  if (merge == EvictionMerge::None || K == 0 || evicted.empty()) return log_mass;
+
+  // Unit keys (float64 norms), then every evicted key's cosine with every kept one: one GEMM.
+  auto unit_rows = [&](const std::vector<int32_t>& rows) {
+    std::vector<float> u(rows.size() * size_t(d));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const float* k = keys + size_t(rows[i]) * stride;
+      double s = 0;
+      for (int a = 0; a < d; ++a) s += double(k[a]) * k[a];
+      const double inv = s > 0 ? 1.0 / std::sqrt(s) : 0.0;
+      for (int a = 0; a < d; ++a) u[i * d + a] = float(k[a] * inv);
+    }
+    return u;
+  };
+  const std::vector<float> ue = unit_rows(evicted), uk = unit_rows(kept);
+  const size_t E = evicted.size();
+  std::vector<float> cosine(E * K);
+  using Rows = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<Rows>(cosine.data(), Eigen::Index(E), Eigen::Index(K)).noalias() =
+      Eigen::Map<const Rows>(ue.data(), Eigen::Index(E), d) *
+      Eigen::Map<const Rows>(uk.data(), Eigen::Index(K), d).transpose();
+
+  // Clusters: the kept row's sums in float64, from its own mass-weighted row.
+  std::vector<double> msum(K), ksum(K * size_t(d)), vsum(K * size_t(d));
+  for (size_t i = 0; i < K; ++i) {
+    const double a = mass[size_t(kept[i])];
+    msum[i] = a;
+    for (int c = 0; c < d; ++c) {
+      ksum[i * d + c] = a * keys[size_t(kept[i]) * stride + c];
+      vsum[i * d + c] = a * values[size_t(kept[i]) * stride + c];
+    }
+  }
+  std::vector<char> touched(K, 0);
+  int64_t count = 0;
+  for (size_t e = 0; e < E; ++e) {
+    const float* row = cosine.data() + e * K;
+    size_t best = 0;
+    for (size_t i = 1; i < K; ++i)
+      if (row[i] > row[best]) best = i;
+    if (!(double(row[best]) >= threshold)) continue;
+    const double a = mass[size_t(evicted[e])];
+    const float* k = keys + size_t(evicted[e]) * stride;
+    const float* v = values + size_t(evicted[e]) * stride;
+    msum[best] += a;
+    for (int c = 0; c < d; ++c) {
+      ksum[best * d + c] += a * k[c];
+      vsum[best * d + c] += a * v[c];
+    }
+    touched[best] = 1;
+    ++count;
+  }
+  if (merged) *merged = count;
+  for (size_t i = 0; i < K; ++i) {
+    if (!touched[i]) continue;
+    float* k = keys + size_t(kept[i]) * stride;
+    float* v = values + size_t(kept[i]) * stride;
+    for (int c = 0; c < d; ++c) {
+      v[c] = float(vsum[i * d + c] / msum[i]);
+      if (merge != EvictionMerge::Value) k[c] = float(ksum[i * d + c] / msum[i]);
+    }
+    if (merge != EvictionMerge::Average) log_mass[i] = float(std::log(msum[i] / mass[size_t(kept[i])]));
+  }
+  return log_mass;
 }
 
 std::vector<int64_t> allocate_layer_budgets(const std::vector<double>& weights, int64_t total, int64_t lo, int64_t hi) {
@@ -265,35 +370,61 @@ std::vector<double> max_pool(const std::vector<double>& x, int width) {
 
 void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q, const float* hist_k,
                          const float* hist_v, const std::vector<std::vector<int32_t>>& kept, const float* cont_k,
-                         const float* cont_v, float* out) {
+                         const float* cont_v, float* out, const std::vector<std::vector<float>>* log_mass) {
   const int d = c.head_dim, r = c.group(), qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
   KVCC_REQUIRE(int(kept.size()) == c.n_kv_heads,
                cat("attention_over_kept: ", kept.size(), " kept sets for ", c.n_kv_heads, " KV heads"));
+  KVCC_REQUIRE(
+      !log_mass || log_mass->size() == kept.size(),
+      cat("attention_over_kept: ", log_mass ? log_mass->size() : 0, " log-mass sets for ", kept.size(), " KV heads"));
   // One KV head at a time through the model's own attention: a group of r query heads over
-  // [kept history rows; continuation rows], the history as a prefix.
-  ModelConfig one = c;
-  one.n_heads = r;
-  one.n_kv_heads = 1;
-  std::vector<float> qg(size_t(T) * r * d), kg, vg, og(size_t(T) * r * d);
+  // [kept history rows; continuation rows], the history as a prefix. A head whose rows carry a
+  // log mass b attends with one channel more: q' = [q·√((d+1)/d), 1], k' = [k, b·√(d+1)], v' =
+  // [v, 0] under the model's scale 1/√(d+1), so q'·k'/√(d+1) = q·k/√d + b.
+  std::vector<float> qg, kg, vg, og;
   for (int g = 0; g < c.n_kv_heads; ++g) {
     const std::vector<int32_t>& rows = kept[size_t(g)];
+    const std::vector<float>* bias = log_mass ? &(*log_mass)[size_t(g)] : nullptr;
+    KVCC_REQUIRE(!bias || bias->size() == rows.size(),
+                 cat("attention_over_kept: ", bias ? bias->size() : 0, " log masses for ", rows.size(), " kept rows"));
+    const bool biased = bias && std::any_of(bias->begin(), bias->end(), [](float b) { return b != 0; });
+    const int e = biased ? d + 1 : d;  // channels per row
+    ModelConfig one = c;
+    one.n_heads = r;
+    one.n_kv_heads = 1;
+    one.head_dim = e;
     const size_t N = rows.size() + size_t(T);
-    kg.resize(N * d);
-    vg.resize(N * d);
+    qg.assign(size_t(T) * r * e, 0.0f);
+    og.resize(size_t(T) * r * e);
+    kg.assign(N * e, 0.0f);
+    vg.assign(N * e, 0.0f);
+    const float kscale = biased ? float(std::sqrt(double(d + 1))) : 1.0f;
+    const double qscale = biased ? std::sqrt(double(d + 1) / double(d)) : 1.0;
     for (size_t i = 0; i < rows.size(); ++i) {
       KVCC_REQUIRE(rows[i] >= 0 && rows[i] < n0,
                    cat("attention_over_kept: kept position ", rows[i], " outside [0, ", n0, ")"));
-      std::copy_n(hist_k + size_t(rows[i]) * kvdim + size_t(g) * d, d, kg.data() + i * d);
-      std::copy_n(hist_v + size_t(rows[i]) * kvdim + size_t(g) * d, d, vg.data() + i * d);
+      std::copy_n(hist_k + size_t(rows[i]) * kvdim + size_t(g) * d, d, kg.data() + i * e);
+      std::copy_n(hist_v + size_t(rows[i]) * kvdim + size_t(g) * d, d, vg.data() + i * e);
+      if (biased) kg[i * e + d] = (*bias)[i] * kscale;
     }
     for (int t = 0; t < T; ++t) {
-      std::copy_n(cont_k + size_t(t) * kvdim + size_t(g) * d, d, kg.data() + (rows.size() + t) * d);
-      std::copy_n(cont_v + size_t(t) * kvdim + size_t(g) * d, d, vg.data() + (rows.size() + t) * d);
-      std::copy_n(q + size_t(t) * qdim + size_t(g) * r * d, size_t(r) * d, qg.data() + size_t(t) * r * d);
+      std::copy_n(cont_k + size_t(t) * kvdim + size_t(g) * d, d, kg.data() + (rows.size() + t) * e);
+      std::copy_n(cont_v + size_t(t) * kvdim + size_t(g) * d, d, vg.data() + (rows.size() + t) * e);
+      for (int h = 0; h < r; ++h) {
+        const float* src = q + size_t(t) * qdim + (size_t(g) * r + h) * d;
+        float* dst = qg.data() + (size_t(t) * r + h) * e;
+        if (biased) {
+          for (int a = 0; a < d; ++a) dst[a] = float(src[a] * qscale);
+          dst[d] = 1.0f;
+        } else {
+          std::copy_n(src, d, dst);
+        }
+      }
     }
     prefix_causal_attention(one, int64_t(rows.size()), T, qg.data(), kg.data(), vg.data(), og.data());
     for (int t = 0; t < T; ++t)
-      std::copy_n(og.data() + size_t(t) * r * d, size_t(r) * d, out + size_t(t) * qdim + size_t(g) * r * d);
+      for (int h = 0; h < r; ++h)
+        std::copy_n(og.data() + (size_t(t) * r + h) * e, d, out + size_t(t) * qdim + (size_t(g) * r + h) * d);
   }
 }
 
@@ -393,7 +524,7 @@ void quantise_history(const CacheScheme& s, const ModelConfig& c, int layer, std
 }
 
 struct Sums {
-  std::vector<double> kl, dnll, top1;  // per conversation
+  std::vector<double> kl, dnll, top1, merged;  // per conversation
 };
 
 }  // namespace
@@ -416,6 +547,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   for (double r : o.ratios) KVCC_REQUIRE(std::isfinite(r) && r >= 1, cat("eviction: ratios must be >= 1, got ", r));
   KVCC_REQUIRE(o.layer_budgets.empty() || o.layer_budgets.size() == size_t(c.n_layers),
                cat("eviction: ", o.layer_budgets.size(), " layer budgets for a model of ", c.n_layers, " layers"));
+  KVCC_REQUIRE(!o.merges.empty(), "eviction: no merge mode (none drops the evicted tokens)");
+  KVCC_REQUIRE(std::isfinite(o.merge_threshold), "eviction: the merge threshold must be finite");
   if (stats) {
     KVCC_REQUIRE(
         stats->config.n_layers == c.n_layers && stats->config.n_kv_heads == c.n_kv_heads && stats->config.head_dim == d,
@@ -457,13 +590,15 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     std::string score;
     double ratio;
     bool int2;
+    EvictionMerge merge = EvictionMerge::None;
   };
   std::vector<Variant> variants;
   for (bool q : {false, true}) {
     if (q && !int2) continue;
     if (q) variants.push_back({"full", 1, true});
     for (EvictionScore s : scores)
-      for (double r : o.ratios) variants.push_back({eviction_score_name(s), r, q});
+      for (double r : o.ratios)
+        for (EvictionMerge m : o.merges) variants.push_back({eviction_score_name(s), r, q, m});
   }
   std::vector<Sums> sums(variants.size());
   std::vector<double> ref_nll;
@@ -614,8 +749,11 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       return kept;
     };
     // The continuation over a kept history: log-probabilities of its C predictions.
-    auto continuation = [&](const std::vector<std::vector<std::vector<int32_t>>>& kept, bool quantised,
-                            std::vector<double>& out) {
+    // hk / hv: per layer, the history's rows as the cache holds them; log_mass: per layer and KV
+    // head, merge_evicted's term for each kept row (null: none).
+    using Rows = std::vector<std::vector<float>>;
+    auto continuation = [&](const std::vector<std::vector<std::vector<int32_t>>>& kept, const Rows& hist_k,
+                            const Rows& hist_v, const std::vector<Rows>* log_mass, std::vector<double>& out) {
       x.resize(size_t(C) * c.hidden);
       embed(model, conv.data() + H, C, x.data());
       q.resize(size_t(C) * qdim);
@@ -624,9 +762,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       attn.resize(size_t(C) * qdim);
       for (int l = 0; l < c.n_layers; ++l) {
         attention_qkv(c, weights[size_t(l)], x.data(), C, H, q.data(), nullptr, k.data(), v.data());
-        const auto& hk = quantised ? qkeys[size_t(l)] : obs.keys[size_t(l)];
-        const auto& hv = quantised ? qvalues[size_t(l)] : obs.values[size_t(l)];
-        attention_over_kept(c, H, C, q.data(), hk.data(), hv.data(), kept[size_t(l)], k.data(), v.data(), attn.data());
+        attention_over_kept(c, H, C, q.data(), hist_k[size_t(l)].data(), hist_v[size_t(l)].data(), kept[size_t(l)],
+                            k.data(), v.data(), attn.data(), log_mass ? &(*log_mass)[size_t(l)] : nullptr);
         attention_output_and_mlp(c, weights[size_t(l)], attn.data(), C, x.data());
       }
       logits.resize(size_t(C) * V);
@@ -642,14 +779,50 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         for (int u = 0; u < V; ++u) out[size_t(t) * V + u] = double(row[u]) - lse;
       }
     };
+    // The evicted tokens merged into the kept ones (full precision), then, on int2 rows, the
+    // merged history through the codec: the cache stores the merged rows.
+    Rows mk, mv;
+    std::vector<Rows> log_mass;
+    auto merge_into_kept = [&](const std::vector<std::vector<std::vector<int32_t>>>& kept, const std::string& score,
+                               EvictionMerge merge, bool quantised) {
+      mk = obs.keys;
+      mv = obs.values;
+      log_mass.assign(size_t(c.n_layers), Rows(size_t(c.n_kv_heads)));
+      int64_t merged = 0, evicted = 0;
+      for (int l = 0; l < c.n_layers; ++l)
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+          // The attention mass of the score's queries (epicache: the episode's medoid block),
+          // floored at 1e-12 of the head's largest so that every kept token has some.
+          std::vector<double> mass = score == "epicache" ? epi[size_t(l)][size_t(g)] : obs.snap[size_t(l)][size_t(g)];
+          const double top = *std::max_element(mass.begin(), mass.end());
+          for (double& a : mass) a = std::max(a, 1e-12 * top + 1e-300);
+          const std::vector<int32_t>& kg = kept[size_t(l)][size_t(g)];
+          int64_t m = 0;
+          log_mass[size_t(l)][size_t(g)] =
+              merge_evicted(merge, o.merge_threshold, mk[size_t(l)].data() + size_t(g) * d,
+                            mv[size_t(l)].data() + size_t(g) * d, H, kvdim, d, kg, mass, &m);
+          merged += m;
+          evicted += H - int64_t(kg.size());
+        }
+      if (quantised)
+        for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, mk[size_t(l)], mv[size_t(l)], H);
+      return evicted > 0 ? double(merged) / double(evicted) : 0.0;
+    };
     const auto all = kept_sets("full", 1.0, false);
-    continuation(all, false, lp_ref);
+    continuation(all, obs.keys, obs.values, nullptr, lp_ref);
     double nll = 0;
     for (int t = 0; t < C; ++t) nll -= lp_ref[size_t(t) * V + conv[size_t(H + t + 1)]];
     ref_nll.push_back(nll / C);
     for (size_t vi = 0; vi < variants.size(); ++vi) {
       const Variant& var = variants[vi];
-      continuation(var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2), var.int2, lp);
+      const auto kept = var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2);
+      double merged = 0;
+      if (var.merge == EvictionMerge::None) {
+        continuation(kept, var.int2 ? qkeys : obs.keys, var.int2 ? qvalues : obs.values, nullptr, lp);
+      } else {
+        merged = merge_into_kept(kept, var.score, var.merge, var.int2);
+        continuation(kept, mk, mv, &log_mass, lp);
+      }
       double kl = 0, dn = 0, top1 = 0;
       for (int t = 0; t < C; ++t) {
         const double* a = lp_ref.data() + size_t(t) * V;
@@ -667,6 +840,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       sums[vi].kl.push_back(kl / C);
       sums[vi].dnll.push_back(dn / C);
       sums[vi].top1.push_back(top1 / C);
+      sums[vi].merged.push_back(merged);
     }
     if (progress) progress(++done, int(conversations.size()));
   }
@@ -679,6 +853,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   res.sink = o.sink;
   res.recent = o.recent;
   res.layer_budgets = o.layer_budgets;
+  res.merge_threshold = o.merge_threshold;
   const std::vector<double> w(conversations.size(), 1.0);
   auto mean = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / double(x.size()); };
   res.reference_nll = mean(ref_nll);
@@ -689,6 +864,8 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     row.score = variants[vi].score;
     row.ratio = variants[vi].ratio;
     row.int2 = variants[vi].int2;
+    row.merge = eviction_merge_name(variants[vi].merge);
+    row.merged = mean(sums[vi].merged);
     row.kl = mean(sums[vi].kl);
     row.kl_stderr = clustered_standard_error(sums[vi].kl, w);
     row.delta_nll = mean(sums[vi].dnll);

@@ -38,6 +38,8 @@
 //                routed to the episode whose centroid is nearest the embedding of its first
 //                `route` tokens (embedded the same way) and runs over that episode's cache. Every episode's cache holds
 //                the same budget.
+// With merges (EvictionOptions::merges), the evicted tokens are folded into the kept ones instead
+// of dropped (merge_evicted).
 // With an artifact, "+int2" rows also quantise the history as the artifact's cache would hold it
 // (pages past the sink and before the ring, eval/scheme.h) before evicting; the continuation's
 // own rows stay full precision (they are in the recent ring).
@@ -100,13 +102,42 @@ std::vector<double> observation_scores(const ModelConfig& c, const float* q, int
 // Max-pool with window `width` (odd, centred; 1: unchanged).
 std::vector<double> max_pool(const std::vector<double>& x, int width);
 
+// How the evicted tokens of one (layer, KV head) leave the cache (docs/eviction.md, "Merging
+// evicted tokens"). Each evicted token i joins the kept token j whose key is most similar to its
+// own (cosine of the post-RoPE keys as the cache holds them; ties to the earlier kept position)
+// when that cosine is at least the threshold; the others are dropped. With a_c the attention mass
+// the observation queries put on token c and S_j = {j} ∪ {i merged into j}, M_j = Σ_{c∈S_j} a_c:
+//   none    : every evicted token is dropped
+//   value   : k_j unchanged, v_j ← Σ_{S_j} a_c v_c / M_j, and the entry's logit gains ln(M_j / a_j)
+//             (it stands for |S_j| tokens: softmax weight e^{q·k_j/√d}·M_j/a_j). Exact when the
+//             merged keys equal k_j (then a_c = a_j and every query weighs them alike).
+//   kv      : the same with k_j ← Σ_{S_j} a_c k_c / M_j too (a weighted average of keys and values
+//             with the same log mass)
+//   average : kv without the log mass (D2O's weighted averaging: the merged entry counts as one token)
+enum class EvictionMerge { None, Value, KeyValue, Average };
+// none | value | kv | average
+const char* eviction_merge_name(EvictionMerge merge);
+std::vector<EvictionMerge> all_eviction_merges();
+
+// Merges the evicted rows of one KV head into its kept rows: keys / values hold n rows of `stride`
+// floats, the head's d channels first; kept: ascending positions in [0, n) (select_kept); mass:
+// a_c per position (finite, >= 0; > 0 on kept positions). Rewrites the kept rows in place (the
+// evicted ones are left as they were) and returns, per kept row, the log mass ln(M_j / a_j) its
+// logit gains (0 where nothing merged, and always for none and average). `merged`, if given,
+// receives the number of evicted tokens merged. threshold > 1 merges nothing (= none).
+std::vector<float> merge_evicted(EvictionMerge merge, double threshold, float* keys, float* values, int64_t n,
+                                 size_t stride, int d, const std::vector<int32_t>& kept,
+                                 const std::vector<double>& mass, int64_t* merged = nullptr);
+
 // Attention of T continuation queries (positions n0.., q [T, n_heads*d] post-RoPE) over, per KV
 // head g, the history rows kept[g] (positions into hist_k / hist_v [n0, n_kv*d]) and the
 // continuation's own rows causally (cont_k / cont_v [T, n_kv*d]). out [T, n_heads*d]. With every
-// history row kept it is the model's prefix_causal_attention up to float rounding.
+// history row kept it is the model's prefix_causal_attention up to float rounding. log_mass, if
+// given: per KV head, per kept row, a term added to that row's logit (merge_evicted's; the
+// continuation's rows get none).
 void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q, const float* hist_k,
                          const float* hist_v, const std::vector<std::vector<int32_t>>& kept, const float* cont_k,
-                         const float* cont_v, float* out);
+                         const float* cont_v, float* out, const std::vector<std::vector<float>>* log_mass = nullptr);
 
 struct EvictionOptions {
   int history = 1024;      // H: history tokens (all passages)
@@ -122,12 +153,21 @@ struct EvictionOptions {
   // per KV head by allocate_layer_budgets (at least sink + recent, at most H each). Empty: every
   // layer keeps ceil(H / ratio).
   std::vector<double> layer_budgets;
+  // Evicted tokens dropped or merged (merge_evicted): every score and ratio runs once per entry.
+  // The masses are the attention the score's queries put on each token: the episode's medoid
+  // block for epicache, the last `observation` history queries for the others.
+  std::vector<EvictionMerge> merges = {EvictionMerge::None};
+  // An evicted token merges only if its key's cosine with the nearest kept key is at least this;
+  // the default, -1, merges every evicted token (measured best: docs/eviction.md).
+  double merge_threshold = -1;
 };
 
 struct EvictionRow {
   std::string score;  // eviction_score_name, or "full"
   double ratio = 1;   // token compression H / kept
   bool int2 = false;
+  std::string merge = "none";  // eviction_merge_name
+  double merged = 0;           // of the evicted tokens, the fraction merged (mean over conversations)
   double kl = 0, kl_stderr = 0, delta_nll = 0, delta_nll_stderr = 0, top1 = 0;
 };
 
@@ -139,6 +179,7 @@ struct EvictionResult {
   // one the continuation continues); -1 without epicache.
   int epicache_routed_first = -1;
   std::vector<double> layer_budgets;  // EvictionOptions::layer_budgets (empty: uniform)
+  double merge_threshold = 0;         // EvictionOptions::merge_threshold
   std::vector<EvictionRow> rows;
   double seconds = 0;
 };

@@ -1,6 +1,7 @@
 // Token eviction (eval/eviction.h): the kept sets, the scores against their definitions computed
-// another way, the attention over a kept subset against a direct double-precision softmax, and the
-// experiment's identities (keeping everything loses nothing).
+// another way, the attention over a kept subset against a direct double-precision softmax, merging
+// against exact cases (copies of kept keys, a hand-built pair), and the experiment's identities
+// (keeping everything loses nothing, merging nothing is dropping).
 #include "eval/eviction.h"
 
 #include <gtest/gtest.h>
@@ -211,6 +212,184 @@ TEST(Eviction, AttentionOverEverythingIsThePrefixAttention) {
   for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << i;
 }
 
+// The softmax attention of one query head in double over explicit rows (key, value, logit term).
+std::vector<double> direct_attention(const float* qh, int d, const std::vector<const float*>& ks,
+                                     const std::vector<const float*>& vs, const std::vector<double>& bias) {
+  std::vector<double> w(ks.size()), o(size_t(d), 0.0);
+  double mx = -1e300, sum = 0;
+  for (size_t j = 0; j < ks.size(); ++j) {
+    double dot = 0;
+    for (int a = 0; a < d; ++a) dot += double(qh[a]) * ks[j][a];
+    w[j] = dot / std::sqrt(double(d)) + bias[j];
+    mx = std::max(mx, w[j]);
+  }
+  for (double& x : w) sum += (x = std::exp(x - mx));
+  for (size_t j = 0; j < ks.size(); ++j)
+    for (int a = 0; a < d; ++a) o[size_t(a)] += w[j] / sum * vs[j][a];
+  return o;
+}
+
+// A log mass on kept rows: the attention equals a double softmax whose logits carry that term.
+// The extra channel (q scaled by √((d+1)/d), the bias by √(d+1)) adds float rounding of relative
+// ~1e-7 to logits of O(5): the outputs, convex combinations of O(1) values, agree to ~1e-6.
+TEST(Eviction, AttentionOverKeptAddsTheLogMassToTheLogits) {
+  const ModelConfig c = small_config();
+  const int d = c.head_dim, n0 = 24, T = 5, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+  const auto q = random_rows(size_t(T) * qdim, 13), hk = random_rows(size_t(n0) * kvdim, 14),
+             hv = random_rows(size_t(n0) * kvdim, 15), ck = random_rows(size_t(T) * kvdim, 16),
+             cv = random_rows(size_t(T) * kvdim, 17);
+  const std::vector<std::vector<int32_t>> kept = {{0, 3, 4, 10, 23}, {1, 2, 22}};
+  const std::vector<std::vector<float>> log_mass = {{0.0f, 1.5f, 0.0f, 2.25f, 0.5f}, {0.0f, 0.0f, 0.0f}};
+  std::vector<float> out(size_t(T) * qdim, NAN);
+  attention_over_kept(c, n0, T, q.data(), hk.data(), hv.data(), kept, ck.data(), cv.data(), out.data(), &log_mass);
+  for (int h = 0; h < c.n_heads; ++h) {
+    const int g = h / c.group();
+    for (int t = 0; t < T; ++t) {
+      std::vector<const float*> ks, vs;
+      std::vector<double> bias;
+      for (size_t i = 0; i < kept[size_t(g)].size(); ++i) {
+        ks.push_back(hk.data() + size_t(kept[size_t(g)][i]) * kvdim + size_t(g) * d);
+        vs.push_back(hv.data() + size_t(kept[size_t(g)][i]) * kvdim + size_t(g) * d);
+        bias.push_back(log_mass[size_t(g)][i]);
+      }
+      for (int j = 0; j <= t; ++j) {
+        ks.push_back(ck.data() + size_t(j) * kvdim + size_t(g) * d);
+        vs.push_back(cv.data() + size_t(j) * kvdim + size_t(g) * d);
+        bias.push_back(0);
+      }
+      const auto o = direct_attention(q.data() + size_t(t) * qdim + size_t(h) * d, d, ks, vs, bias);
+      for (int a = 0; a < d; ++a)
+        EXPECT_NEAR(out[size_t(t) * qdim + size_t(h) * d + a], o[size_t(a)], 1e-5) << "head " << h << " t " << t;
+    }
+  }
+}
+
+// A history whose evicted tokens repeat kept keys exactly (with values of their own): for every
+// query, e^{q·k_i} = e^{q·k_j}, so the merged entry (keys kept, values averaged by mass, logit
+// raised by ln(M_j / a_j)) reproduces the attention over the full history; with masses that
+// weigh copies alike (as attention does: equal keys get equal mass). kv merging averages equal
+// keys into the same key, so it too is exact. Float rounding only: 1e-5 as above.
+TEST(Eviction, MergingCopiesOfKeptKeysReproducesTheFullAttention) {
+  const ModelConfig c = small_config();
+  const int d = c.head_dim, n0 = 24, T = 5, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+  const auto q = random_rows(size_t(T) * qdim, 23), ck = random_rows(size_t(T) * kvdim, 26),
+             cv = random_rows(size_t(T) * kvdim, 27), hv = random_rows(size_t(n0) * kvdim, 25);
+  std::vector<float> hk = random_rows(size_t(n0) * kvdim, 24);
+  const std::vector<std::vector<int32_t>> kept = {{0, 3, 4, 10, 23}, {1, 2, 22}};
+  // Every evicted token of head g copies the key of a kept token of head g (chosen by position).
+  std::mt19937 rng(5);
+  std::vector<std::vector<double>> mass(2, std::vector<double>(size_t(n0)));
+  std::uniform_real_distribution<double> u(0.1, 2.0);
+  for (int g = 0; g < 2; ++g) {
+    const auto& kg = kept[size_t(g)];
+    for (int32_t j : kg) mass[size_t(g)][size_t(j)] = u(rng);
+    for (int i = 0; i < n0; ++i) {
+      if (std::find(kg.begin(), kg.end(), i) != kg.end()) continue;
+      const int32_t j = kg[size_t(rng() % kg.size())];
+      std::copy_n(hk.data() + size_t(j) * kvdim + size_t(g) * d, d, hk.data() + size_t(i) * kvdim + size_t(g) * d);
+      mass[size_t(g)][size_t(i)] = mass[size_t(g)][size_t(j)];
+    }
+  }
+  std::vector<float> full(size_t(T) * qdim);
+  {
+    std::vector<float> all_k(hk), all_v(hv);
+    all_k.insert(all_k.end(), ck.begin(), ck.end());
+    all_v.insert(all_v.end(), cv.begin(), cv.end());
+    prefix_causal_attention(c, n0, T, q.data(), all_k.data(), all_v.data(), full.data());
+  }
+  for (const EvictionMerge m : {EvictionMerge::Value, EvictionMerge::KeyValue}) {
+    std::vector<float> mk(hk), mv(hv);
+    std::vector<std::vector<float>> log_mass;
+    int64_t merged = 0;
+    for (int g = 0; g < 2; ++g) {
+      int64_t n = 0;
+      log_mass.push_back(merge_evicted(m, 0.99, mk.data() + size_t(g) * d, mv.data() + size_t(g) * d, n0, size_t(kvdim),
+                                       d, kept[size_t(g)], mass[size_t(g)], &n));
+      merged += n;
+    }
+    EXPECT_EQ(merged, 2 * n0 - 8) << eviction_merge_name(m);  // every evicted token of both heads
+    std::vector<float> out(size_t(T) * qdim, NAN);
+    attention_over_kept(c, n0, T, q.data(), mk.data(), mv.data(), kept, ck.data(), cv.data(), out.data(), &log_mass);
+    for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], full[i], 1e-5) << eviction_merge_name(m) << " " << i;
+  }
+  // Without the log mass (D2O's averaging) the merged entry weighs as one token: not the full attention.
+  std::vector<float> mk(hk), mv(hv), out(size_t(T) * qdim);
+  std::vector<std::vector<float>> zero;
+  for (int g = 0; g < 2; ++g) {
+    zero.push_back(merge_evicted(EvictionMerge::Average, 0.99, mk.data() + size_t(g) * d, mv.data() + size_t(g) * d, n0,
+                                 size_t(kvdim), d, kept[size_t(g)], mass[size_t(g)]));
+    for (float b : zero.back()) EXPECT_EQ(b, 0.0f);
+  }
+  attention_over_kept(c, n0, T, q.data(), mk.data(), mv.data(), kept, ck.data(), cv.data(), out.data(), &zero);
+  double gap = 0;
+  for (size_t i = 0; i < out.size(); ++i) gap = std::max(gap, double(std::abs(out[i] - full[i])));
+  EXPECT_GT(gap, 1e-2);
+}
+
+// A hand-built case: one kept key k = (1, 0), one evicted (cos 0.8 with it), masses 1 and 3.
+// value: v ← (1·v_k + 3·v_e) / 4, log mass ln 4; kv: the key averaged too; a zero mass on the
+// evicted token, or a threshold above its cosine, leaves the kept row as it was (= dropping).
+TEST(Eviction, MergeEvictedWeighsByMassAboveTheThreshold) {
+  const int d = 2;
+  // Rows: 0 kept (1, 0), 1 evicted (0.8, 0.6) [cos 0.8], 2 evicted (0, 1) [cos 0], 3 kept (0, -1).
+  const std::vector<float> keys = {1, 0, 0.8f, 0.6f, 0, 1, 0, -1}, values = {2, 4, 6, 8, 100, 100, 1, 1};
+  const std::vector<int32_t> kept = {0, 3};
+  const std::vector<double> mass = {1, 3, 5, 2};
+  {
+    std::vector<float> k(keys), v(values);
+    int64_t merged = -1;
+    const auto lm = merge_evicted(EvictionMerge::Value, 0.5, k.data(), v.data(), 4, d, d, kept, mass, &merged);
+    EXPECT_EQ(merged, 1);  // row 2's best cosine is 0 (with row 0; -1 with row 3): below 0.5
+    EXPECT_FLOAT_EQ(lm[0], float(std::log(4.0)));
+    EXPECT_EQ(lm[1], 0.0f);
+    EXPECT_FLOAT_EQ(v[0], (1 * 2 + 3 * 6) / 4.0f);
+    EXPECT_FLOAT_EQ(v[1], (1 * 4 + 3 * 8) / 4.0f);
+    EXPECT_EQ(k[0], 1.0f);
+    EXPECT_EQ(k[1], 0.0f);
+    for (int i = 2; i < 8; ++i) EXPECT_EQ(v[size_t(i)], values[size_t(i)]);
+  }
+  {
+    std::vector<float> k(keys), v(values);
+    const auto lm = merge_evicted(EvictionMerge::KeyValue, 0.5, k.data(), v.data(), 4, d, d, kept, mass);
+    EXPECT_FLOAT_EQ(lm[0], float(std::log(4.0)));
+    EXPECT_FLOAT_EQ(k[0], (1 * 1 + 3 * 0.8f) / 4.0f);
+    EXPECT_FLOAT_EQ(k[1], (3 * 0.6f) / 4.0f);
+    EXPECT_FLOAT_EQ(v[0], 5.0f);
+  }
+  {  // threshold -1: row 2 merges too, into row 0 (cosines 0 and -1)
+    std::vector<float> k(keys), v(values);
+    int64_t merged = 0;
+    const auto lm = merge_evicted(EvictionMerge::Value, -1, k.data(), v.data(), 4, d, d, kept, mass, &merged);
+    EXPECT_EQ(merged, 2);
+    EXPECT_FLOAT_EQ(lm[0], float(std::log(9.0)));
+    EXPECT_FLOAT_EQ(v[0], (1 * 2 + 3 * 6 + 5 * 100) / 9.0f);
+  }
+  for (const EvictionMerge m : all_eviction_merges())
+    for (const bool zero_mass : {false, true}) {
+      std::vector<float> k(keys), v(values);
+      std::vector<double> w = mass;
+      if (zero_mass) w[1] = w[2] = 0;
+      // none, a threshold above every cosine, or zero masses: the kept rows unchanged, no log mass.
+      if (m != EvictionMerge::None && !zero_mass) continue;
+      const auto lm = merge_evicted(m, zero_mass ? -1.0 : 0.5, k.data(), v.data(), 4, d, d, kept, w);
+      EXPECT_EQ(k, keys) << eviction_merge_name(m);
+      EXPECT_EQ(v, values) << eviction_merge_name(m);
+      EXPECT_EQ(lm, (std::vector<float>{0, 0})) << eviction_merge_name(m);
+    }
+  {
+    std::vector<float> k(keys), v(values);
+    EXPECT_EQ(merge_evicted(EvictionMerge::KeyValue, 1.5, k.data(), v.data(), 4, d, d, kept, mass),
+              (std::vector<float>{0, 0}));
+    EXPECT_EQ(k, keys);
+    EXPECT_EQ(v, values);
+  }
+  std::vector<float> k(keys), v(values);
+  std::vector<double> bad = mass;
+  bad[0] = 0;  // a kept token without mass
+  EXPECT_THROW(merge_evicted(EvictionMerge::Value, 0.5, k.data(), v.data(), 4, d, d, kept, bad), Error);
+  EXPECT_THROW(merge_evicted(EvictionMerge::Value, 0.5, k.data(), v.data(), 4, d, d, {3, 0}, mass), Error);
+}
+
 TEST(Eviction, ConversationsJoinPassagesOfDistantDocumentsThenContinueTheFirst) {
   std::vector<std::vector<int32_t>> docs;
   for (int i = 0; i < 6; ++i) {
@@ -410,6 +589,62 @@ TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {
   EXPECT_EQ(skewed.layer_budgets, (std::vector<double>{1, 3}));
   o.layer_budgets = {1, 1, 1};
   EXPECT_THROW(run_eviction(model, conv, nullptr, nullptr, o), Error);
+}
+
+// Merging with a threshold no cosine reaches is dropping: every merge mode's rows equal none's bit
+// for bit (with and without the identity codec). With a threshold every cosine passes, every
+// evicted token is merged and the rows move.
+TEST_F(EvictionRun, MergingNothingIsDropping) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {1, 4};
+  o.sink = 2;
+  o.recent = 4;
+  o.observation = 8;
+  o.pool = 3;
+  o.conversations = 2;
+  o.scores = {EvictionScore::SnapKV, EvictionScore::EpiCache};
+  o.episodes = 2;
+  o.block = 8;
+  o.route = 4;
+  o.merges = all_eviction_merges();
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  CacheScheme identity;
+  identity.sink = 4;
+  identity.recent = 8;
+  identity.page_size = 8;
+  identity.path = CodecPath{
+      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  auto find = [](const EvictionResult& r, const EvictionRow& like, const std::string& merge) {
+    for (const EvictionRow& x : r.rows)
+      if (x.score == like.score && x.ratio == like.ratio && x.int2 == like.int2 && x.merge == merge) return x;
+    ADD_FAILURE() << "no row " << like.score << " " << merge;
+    return EvictionRow{};
+  };
+  o.merge_threshold = 1.5;
+  const EvictionResult never = run_eviction(model, conv, nullptr, &identity, o);
+  ASSERT_EQ(never.rows.size(), 1u + 2 * 2 * 2 * 4);  // int2 "full" + (int2) × scores × ratios × merges
+  o.merge_threshold = -1.5;
+  const EvictionResult always = run_eviction(model, conv, nullptr, &identity, o);
+  int moved = 0;
+  for (const EvictionRow& row : never.rows) {
+    if (row.merge == "none") continue;
+    const EvictionRow none = find(never, row, "none");
+    EXPECT_EQ(row.kl, none.kl) << row.score << " " << row.merge;
+    EXPECT_EQ(row.delta_nll, none.delta_nll) << row.score << " " << row.merge;
+    EXPECT_EQ(row.merged, 0.0);
+    const EvictionRow all = find(always, row, row.merge);
+    if (row.ratio == 1) {
+      EXPECT_EQ(all.kl, 0.0);  // nothing evicted, nothing merged
+    } else {
+      EXPECT_EQ(all.merged, 1.0) << row.score << " " << row.merge;
+      moved += all.kl != none.kl;
+    }
+  }
+  EXPECT_EQ(moved, 2 * 2 * 3);  // (int2) × scores × merging modes at ratio 4
 }
 
 // Passages drawn from disjoint parts of the vocabulary, the continuation from the first one's:
