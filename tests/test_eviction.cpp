@@ -153,6 +153,23 @@ ModelConfig small_config() {
   return c;
 }
 
+// The softmax attention of one query head in double over explicit rows (key, value, logit term).
+std::vector<double> direct_attention(const float* qh, int d, const std::vector<const float*>& ks,
+                                     const std::vector<const float*>& vs, const std::vector<double>& bias) {
+  std::vector<double> w(ks.size()), o(size_t(d), 0.0);
+  double mx = -1e300, sum = 0;
+  for (size_t j = 0; j < ks.size(); ++j) {
+    double dot = 0;
+    for (int a = 0; a < d; ++a) dot += double(qh[a]) * ks[j][a];
+    w[j] = dot / std::sqrt(double(d)) + bias[j];
+    mx = std::max(mx, w[j]);
+  }
+  for (double& x : w) sum += (x = std::exp(x - mx));
+  for (size_t j = 0; j < ks.size(); ++j)
+    for (int a = 0; a < d; ++a) o[size_t(a)] += w[j] / sum * vs[j][a];
+  return o;
+}
+
 // A subset kept per KV head: the attention equals a softmax in double over exactly those rows
 // plus the continuation's causal prefix. Float inputs, float GEMMs over ≤ 40 terms of O(1)
 // products: the outputs (convex combinations of O(1) values) agree to ~1e-6; 1e-5 is the bound.
@@ -165,7 +182,6 @@ TEST(Eviction, AttentionOverKeptMatchesADirectSoftmax) {
   const std::vector<std::vector<int32_t>> kept = {{0, 3, 4, 10, 23}, {1, 2, 22}};
   std::vector<float> out(size_t(T) * qdim, NAN);
   attention_over_kept(c, n0, T, q.data(), hk.data(), hv.data(), kept, ck.data(), cv.data(), out.data());
-  const double scale = 1.0 / std::sqrt(double(d));
   for (int h = 0; h < c.n_heads; ++h) {
     const int g = h / c.group();
     for (int t = 0; t < T; ++t) {
@@ -178,20 +194,10 @@ TEST(Eviction, AttentionOverKeptMatchesADirectSoftmax) {
         ks.push_back(ck.data() + size_t(j) * kvdim + size_t(g) * d);
         vs.push_back(cv.data() + size_t(j) * kvdim + size_t(g) * d);
       }
-      std::vector<double> w(ks.size());
-      double mx = -1e300, sum = 0;
-      for (size_t j = 0; j < ks.size(); ++j) {
-        double dot = 0;
-        for (int a = 0; a < d; ++a) dot += double(q[size_t(t) * qdim + size_t(h) * d + a]) * ks[j][a];
-        w[j] = dot * scale;
-        mx = std::max(mx, w[j]);
-      }
-      for (double& x : w) sum += (x = std::exp(x - mx));
-      for (int a = 0; a < d; ++a) {
-        double o = 0;
-        for (size_t j = 0; j < ks.size(); ++j) o += w[j] / sum * vs[j][a];
-        EXPECT_NEAR(out[size_t(t) * qdim + size_t(h) * d + a], o, 1e-5) << "head " << h << " t " << t;
-      }
+      const auto o = direct_attention(q.data() + size_t(t) * qdim + size_t(h) * d, d, ks, vs,
+                                      std::vector<double>(ks.size(), 0.0));
+      for (int a = 0; a < d; ++a)
+        EXPECT_NEAR(out[size_t(t) * qdim + size_t(h) * d + a], o[size_t(a)], 1e-5) << "head " << h << " t " << t;
     }
   }
 }
@@ -210,23 +216,6 @@ TEST(Eviction, AttentionOverEverythingIsThePrefixAttention) {
                       v.data() + size_t(n0) * kvdim, out.data());
   prefix_causal_attention(c, n0, T, q.data(), k.data(), v.data(), ref.data());
   for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << i;
-}
-
-// The softmax attention of one query head in double over explicit rows (key, value, logit term).
-std::vector<double> direct_attention(const float* qh, int d, const std::vector<const float*>& ks,
-                                     const std::vector<const float*>& vs, const std::vector<double>& bias) {
-  std::vector<double> w(ks.size()), o(size_t(d), 0.0);
-  double mx = -1e300, sum = 0;
-  for (size_t j = 0; j < ks.size(); ++j) {
-    double dot = 0;
-    for (int a = 0; a < d; ++a) dot += double(qh[a]) * ks[j][a];
-    w[j] = dot / std::sqrt(double(d)) + bias[j];
-    mx = std::max(mx, w[j]);
-  }
-  for (double& x : w) sum += (x = std::exp(x - mx));
-  for (size_t j = 0; j < ks.size(); ++j)
-    for (int a = 0; a < d; ++a) o[size_t(a)] += w[j] / sum * vs[j][a];
-  return o;
 }
 
 // A log mass on kept rows: the attention equals a double softmax whose logits carry that term.
