@@ -194,8 +194,8 @@ TEST(Eviction, AttentionOverKeptMatchesADirectSoftmax) {
         ks.push_back(ck.data() + size_t(j) * kvdim + size_t(g) * d);
         vs.push_back(cv.data() + size_t(j) * kvdim + size_t(g) * d);
       }
-      const auto o = direct_attention(q.data() + size_t(t) * qdim + size_t(h) * d, d, ks, vs,
-                                      std::vector<double>(ks.size(), 0.0));
+      const auto o =
+          direct_attention(q.data() + size_t(t) * qdim + size_t(h) * d, d, ks, vs, std::vector<double>(ks.size(), 0.0));
       for (int a = 0; a < d; ++a)
         EXPECT_NEAR(out[size_t(t) * qdim + size_t(h) * d + a], o[size_t(a)], 1e-5) << "head " << h << " t " << t;
     }
