@@ -385,14 +385,26 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
           const uint32_t w =
               *reinterpret_cast<const uint32_t*>(raw + side * kGpuVCodesOffset + row * kGpuCodeRowBytes + 4 * wi);
           uint4 lo, hi;
-          lo.x = lut[side][w & 15];
-          lo.y = lut[side][(w >> 4) & 15];
-          lo.z = lut[side][(w >> 8) & 15];
-          lo.w = lut[side][(w >> 12) & 15];
-          hi.x = lut[side][(w >> 16) & 15];
-          hi.y = lut[side][(w >> 20) & 15];
-          hi.z = lut[side][(w >> 24) & 15];
-          hi.w = lut[side][w >> 28];
+          if (a.use_zero[h][side]) {
+            // The uniform grid's codes by integer ops, leaving the shared-memory port to the tiles'
+            // stores and the MMAs: 0x6400 | c is the fp16 1024 + c, exactly; pk[k] = (c_k, c_{k+8}).
+            uint32_t pk[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const uint32_t x = ((w >> (2 * k)) & 0x00030003u) | 0x64006400u;
+              const __half2 hx = __hsub2(*reinterpret_cast<const __half2*>(&x), __float2half2_rn(1024.0f));
+              pk[k] = *reinterpret_cast<const uint32_t*>(&hx);
+            }
+            lo = make_uint4(__byte_perm(pk[0], pk[1], 0x5410), __byte_perm(pk[2], pk[3], 0x5410),
+                            __byte_perm(pk[4], pk[5], 0x5410), __byte_perm(pk[6], pk[7], 0x5410));
+            hi = make_uint4(__byte_perm(pk[0], pk[1], 0x7632), __byte_perm(pk[2], pk[3], 0x7632),
+                            __byte_perm(pk[4], pk[5], 0x7632), __byte_perm(pk[6], pk[7], 0x7632));
+          } else {  // a level table: two codes at a time through the 16-entry table
+            lo = make_uint4(lut[side][w & 15], lut[side][(w >> 4) & 15], lut[side][(w >> 8) & 15],
+                            lut[side][(w >> 12) & 15]);
+            hi = make_uint4(lut[side][(w >> 16) & 15], lut[side][(w >> 20) & 15], lut[side][(w >> 24) & 15],
+                            lut[side][w >> 28]);
+          }
           __half* dst = side ? sm.v[st] : sm.k[st];
           *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi)) = lo;
           *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi + 1)) = hi;
