@@ -480,10 +480,15 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
       wgmma_m64n128k16_ss<1, 1>(o, wgmma_desc_sw128(p_base + kk * 32, 16, 1024),
                                 wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockBytes, 1024));
   };
+  // Two MMA warpgroups take turns to issue their MMAs (FlashAttention 3's ping-pong: barrier 4 + wg
+  // is warpgroup wg's turn), so that one's softmax runs while the other's MMAs do rather than both
+  // contending for the tensor cores and then both waiting. Warpgroup 0 goes first.
+  if (kWarps == 8 && wg == 1) named_barrier_arrive(4, 256);
   do {
     const int i = u - u0, st = i % kStages;
     mbar_wait(full_s + 8 * st, uint32_t(i / kStages) & 1u);
     if (u >= n_pages) fence_proxy_async();  // the producer's cp.async stores, before the tensor cores read them
+    if (kWarps == 8) named_barrier_sync(4 + wg, 256);
     // S = Q·Kᵀ of unit u, then O += P'·V of unit u-1, on the tensor cores one after the other
     // (K-major B: 16 channels a step, 32 bytes within the 128-byte rows of one 64-channel block):
     // the softmax of unit u runs while the P·V does.
@@ -500,6 +505,9 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
     wgmma_commit();
     if (u > u0) issue_pv(u - 1);
     wgmma_commit();  // (empty in the first iteration: the wait below counts groups)
+    // The other warpgroup's turn (warpgroup 1's arrivals match warpgroup 0's syncs: its first one
+    // came before the loop, so it skips its last).
+    if (kWarps == 8 && (wg == 0 || u + 1 < u1)) named_barrier_arrive(5 - wg, 256);
     wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
     wgmma_hold(sc);
     const bool page = u < n_pages;
