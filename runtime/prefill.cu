@@ -273,8 +273,8 @@ __device__ __forceinline__ int tile_at(int row, int c) { return (c >> 3) * (kBN 
 struct Smem {
   __half k[kStages][kTileHalfs];  // first: the dynamic allocation is aligned to 1024 bytes below
   __half v[kStages][kTileHalfs];
-  __half p[2][64 * kBN];       // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
-  float4 tok[kStages][kBN];    // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
+  __half p[2][64 * kBN];          // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
+  float4 tok[kStages][kBN];       // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
   uint8_t raw[kRaw][kPageBytes];  // INT2 page blocks as stored, before expansion (bulk copies)
   uint64_t full[kStages];         // stage filled: every producer thread arrives
   uint64_t empty[kStages];        // stage read: every MMA warp arrives
@@ -300,8 +300,7 @@ static_assert(kPageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 // (the single-role kernel spent ~3 us a tile with the tensor cores 11-18% busy). kOne: the launch
 // has one sequence, whose fields are then constant-bank operands rather than registers.
 template <int kWarps, bool kOne>
-__global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
-    prefill_kernel(const __grid_constant__ PrefillArgs a) {
+__global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(const __grid_constant__ PrefillArgs a) {
   constexpr int kBM = 16 * kWarps;
   extern __shared__ uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -381,30 +380,19 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
         mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
         const uint8_t* raw = sm.raw[i % kRaw];
         for (int e = tid; e < 2 * kBN * kCodeWords; e += kProducer) {
-          const int side = e / (kBN * kCodeWords), row = (e / kCodeWords) % kBN, wi = e % kCodeWords;  // 16 codes a word
+          const int side = e / (kBN * kCodeWords), row = (e / kCodeWords) % kBN,
+                    wi = e % kCodeWords;  // 16 codes a word
           const uint32_t w =
               *reinterpret_cast<const uint32_t*>(raw + side * kGpuVCodesOffset + row * kGpuCodeRowBytes + 4 * wi);
           uint4 lo, hi;
-          if (a.use_zero[h][side]) {
-            // The uniform grid's codes by integer ops, leaving the shared-memory port to the tiles'
-            // stores and the MMAs: 0x6400 | c is the fp16 1024 + c, exactly; pk[k] = (c_k, c_{k+8}).
-            uint32_t pk[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              const uint32_t x = ((w >> (2 * k)) & 0x00030003u) | 0x64006400u;
-              const __half2 hx = __hsub2(*reinterpret_cast<const __half2*>(&x), __float2half2_rn(1024.0f));
-              pk[k] = *reinterpret_cast<const uint32_t*>(&hx);
-            }
-            lo = make_uint4(__byte_perm(pk[0], pk[1], 0x5410), __byte_perm(pk[2], pk[3], 0x5410),
-                            __byte_perm(pk[4], pk[5], 0x5410), __byte_perm(pk[6], pk[7], 0x5410));
-            hi = make_uint4(__byte_perm(pk[0], pk[1], 0x7632), __byte_perm(pk[2], pk[3], 0x7632),
-                            __byte_perm(pk[4], pk[5], 0x7632), __byte_perm(pk[6], pk[7], 0x7632));
-          } else {  // a level table: two codes at a time through the 16-entry table
-            lo = make_uint4(lut[side][w & 15], lut[side][(w >> 4) & 15], lut[side][(w >> 8) & 15],
-                            lut[side][(w >> 12) & 15]);
-            hi = make_uint4(lut[side][(w >> 16) & 15], lut[side][(w >> 20) & 15], lut[side][(w >> 24) & 15],
-                            lut[side][w >> 28]);
-          }
+          lo.x = lut[side][w & 15];
+          lo.y = lut[side][(w >> 4) & 15];
+          lo.z = lut[side][(w >> 8) & 15];
+          lo.w = lut[side][(w >> 12) & 15];
+          hi.x = lut[side][(w >> 16) & 15];
+          hi.y = lut[side][(w >> 20) & 15];
+          hi.z = lut[side][(w >> 24) & 15];
+          hi.w = lut[side][w >> 28];
           __half* dst = side ? sm.v[st] : sm.k[st];
           *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi)) = lo;
           *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi + 1)) = hi;
@@ -505,9 +493,9 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
     wgmma_commit();
     if (u > u0) issue_pv(u - 1);
     wgmma_commit();  // (empty in the first iteration: the wait below counts groups)
-    // The other warpgroup's turn (warpgroup 1's arrivals match warpgroup 0's syncs: its first one
-    // came before the loop, so it skips its last).
-    if (kWarps == 8 && (wg == 0 || u + 1 < u1)) named_barrier_arrive(5 - wg, 256);
+    // The other warpgroup's turn. (Unconditional: an arrival on a divergent path between the MMAs
+    // and their wait makes ptxas serialise every MMA, C7520.)
+    if (kWarps == 8) named_barrier_arrive(5 - wg, 256);
     wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
     wgmma_hold(sc);
     const bool page = u < n_pages;
@@ -583,8 +571,10 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(o);
+  // Warpgroup 1's arrival before the loop leaves barrier 4 one arrival ahead of warpgroup 0's syncs.
+  if (kWarps == 8 && wg == 0) named_barrier_sync(4, 256);
 
-  // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
+    // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
