@@ -363,6 +363,9 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h), kPageBytes,
                 raw_bar + 8 * b);
     };
+    static_assert(2 * kBN * kCodeWords == 8 * kProducer && kBN == 64, "eight code words a producer thread");
+    const int code_off = (tid >> 3) * kGpuCodeRowBytes + 4 * (tid & 7);  // its first word in a raw block
+    const int tile_lo = tile_at(tid >> 3, 2 * (tid & 7)), tile_hi = tile_at(tid >> 3, 2 * (tid & 7) + 1);
     int32_t next_page = 0;  // thread 0: the page id of unit u + kRaw - 1
     if (tid == 0) {
       for (int w = u0; w < u0 + kRaw - 1; ++w) copy_page(w, page_of(w));
@@ -379,23 +382,22 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       if (u < n_pages) {
         mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
         const uint8_t* raw = sm.raw[i % kRaw];
-        for (int e = tid; e < 2 * kBN * kCodeWords; e += kProducer) {
-          const int side = e / (kBN * kCodeWords), row = (e / kCodeWords) % kBN,
-                    wi = e % kCodeWords;  // 16 codes a word
-          const uint32_t w =
-              *reinterpret_cast<const uint32_t*>(raw + side * kGpuVCodesOffset + row * kGpuCodeRowBytes + 4 * wi);
-          uint4 lo, hi;
-          lo.x = lut[side][w & 15];
-          lo.y = lut[side][(w >> 4) & 15];
-          lo.z = lut[side][(w >> 8) & 15];
-          lo.w = lut[side][(w >> 12) & 15];
-          hi.x = lut[side][(w >> 16) & 15];
-          hi.y = lut[side][(w >> 20) & 15];
-          hi.z = lut[side][(w >> 24) & 15];
-          hi.w = lut[side][w >> 28];
-          __half* dst = side ? sm.v[st] : sm.k[st];
-          *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi)) = lo;
-          *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi + 1)) = hi;
+        // Thread tid expands word tid % 8 of rows tid / 8 + 16·q (q < 4) of both sides: one swizzle
+        // phase (row % 8) for its eight words, so their addresses are fixed offsets of one base,
+        // and the eight loads are issued before the first lookup needs one.
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          w[j] = *reinterpret_cast<const uint32_t*>(raw + (j >> 2) * kGpuVCodesOffset +
+                                                    (j & 3) * 16 * kGpuCodeRowBytes + code_off);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t* l = lut[j >> 2];
+          const uint4 lo = make_uint4(l[w[j] & 15], l[(w[j] >> 4) & 15], l[(w[j] >> 8) & 15], l[(w[j] >> 12) & 15]);
+          const uint4 hi = make_uint4(l[(w[j] >> 16) & 15], l[(w[j] >> 20) & 15], l[(w[j] >> 24) & 15], l[w[j] >> 28]);
+          __half* dst = (j >> 2 ? sm.v[st] : sm.k[st]) + (j & 3) * 16 * 64;  // 16 rows further
+          *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
+          *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
         }
         if (tid < kBN) {
           const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuKParamsOffset + 4 * tid));
