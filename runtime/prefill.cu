@@ -363,9 +363,14 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h), kPageBytes,
                 raw_bar + 8 * b);
     };
+    // Thread tid expands word xword of rows xrow + 16·q (q < 4) of both sides. Eight threads (a
+    // quarter warp, which a 16-byte store serves at once) take two adjacent rows x four words, so
+    // their 16-byte chunks land in 8 distinct swizzle positions (same row, four words: two-way bank
+    // conflicts); a warp's words are rows 4w..4w+3 whole, one 128-byte load.
     static_assert(2 * kBN * kCodeWords == 8 * kProducer && kBN == 64, "eight code words a producer thread");
-    const int code_off = (tid >> 3) * kGpuCodeRowBytes + 4 * (tid & 7);  // its first word in a raw block
-    const int tile_lo = tile_at(tid >> 3, 2 * (tid & 7)), tile_hi = tile_at(tid >> 3, 2 * (tid & 7) + 1);
+    const int xrow = ((tid >> 4) << 1) | ((tid >> 2) & 1), xword = (((tid >> 3) & 1) << 2) | (tid & 3);
+    const int code_off = xrow * kGpuCodeRowBytes + 4 * xword;  // its first word in a raw block
+    const int tile_lo = tile_at(xrow, 2 * xword), tile_hi = tile_at(xrow, 2 * xword + 1);
     int32_t next_page = 0;  // thread 0: the page id of unit u + kRaw - 1
     if (tid == 0) {
       for (int w = u0; w < u0 + kRaw - 1; ++w) copy_page(w, page_of(w));
@@ -382,9 +387,8 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       if (u < n_pages) {
         mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
         const uint8_t* raw = sm.raw[i % kRaw];
-        // Thread tid expands word tid % 8 of rows tid / 8 + 16·q (q < 4) of both sides: one swizzle
-        // phase (row % 8) for its eight words, so their addresses are fixed offsets of one base,
-        // and the eight loads are issued before the first lookup needs one.
+        // One swizzle phase (row % 8) for a thread's eight words, so their addresses are fixed
+        // offsets of one base; the eight loads are issued before the first lookup needs one.
         uint32_t w[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -470,15 +474,10 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       wgmma_m64n128k16_ss<1, 1>(o, wgmma_desc_sw128(p_base + kk * 32, 16, 1024),
                                 wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockBytes, 1024));
   };
-  // Two MMA warpgroups take turns to issue their MMAs (FlashAttention 3's ping-pong: barrier 4 + wg
-  // is warpgroup wg's turn), so that one's softmax runs while the other's MMAs do rather than both
-  // contending for the tensor cores and then both waiting. Warpgroup 0 goes first.
-  if (kWarps == 8 && wg == 1) named_barrier_arrive(4, 256);
   do {
     const int i = u - u0, st = i % kStages;
     mbar_wait(full_s + 8 * st, uint32_t(i / kStages) & 1u);
     if (u >= n_pages) fence_proxy_async();  // the producer's cp.async stores, before the tensor cores read them
-    if (kWarps == 8) named_barrier_sync(4 + wg, 256);
     // S = Q·Kᵀ of unit u, then O += P'·V of unit u-1, on the tensor cores one after the other
     // (K-major B: 16 channels a step, 32 bytes within the 128-byte rows of one 64-channel block):
     // the softmax of unit u runs while the P·V does.
@@ -494,10 +493,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       wgmma_m64n64k16_rs<0, 1>(sc, qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], k_desc(ks));
     wgmma_commit();
     if (u > u0) issue_pv(u - 1);
-    wgmma_commit();  // (empty in the first iteration: the wait below counts groups)
-    // The other warpgroup's turn. (Unconditional: an arrival on a divergent path between the MMAs
-    // and their wait makes ptxas serialise every MMA, C7520.)
-    if (kWarps == 8) named_barrier_arrive(5 - wg, 256);
+    wgmma_commit();   // (empty in the first iteration: the wait below counts groups)
     wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
     wgmma_hold(sc);
     const bool page = u < n_pages;
@@ -573,10 +569,8 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(o);
-  // Warpgroup 1's arrival before the loop leaves barrier 4 one arrival ahead of warpgroup 0's syncs.
-  if (kWarps == 8 && wg == 0) named_barrier_sync(4, 256);
 
-    // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
+  // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);

@@ -79,11 +79,6 @@ __device__ __forceinline__ void wgmma_hold(float (&r)[N]) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-// This thread's arrival on barrier `id` without waiting (a bar.sync of the other threads completes
-// once `threads` have arrived or synced).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 // Shared memory written by ordinary stores (or cp.async) and read next by the tensor cores.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
