@@ -32,6 +32,7 @@
 #include <cmath>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "formats/error.h"
@@ -57,9 +58,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // fp16 with saturation instead of overflow to infinity.
 __device__ __forceinline__ __half to_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+// Two at once in one instruction (satfinite: beyond ±65504 the largest finite, NaN stays NaN); the
+// softmax packs 32 probabilities a tile with it.
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __halves2half2(to_half(lo), to_half(hi));
-  return *reinterpret_cast<uint32_t*>(&h);
+  uint32_t u;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+  return u;
 }
 __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
   return __half22float2(*reinterpret_cast<const __half2*>(&u));
@@ -496,61 +500,78 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
     wgmma_commit();   // (empty in the first iteration: the wait below counts groups)
     wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
     wgmma_hold(sc);
-    const bool page = u < n_pages;
-    const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
-    // Logits (log2 units) with the per-token fold and the causal mask (window rows have
-    // key0 + tok < 0; rows past the new tokens exceed every query's token); row maxima.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = 8 * nt + 2 * t + e;
-        const float4 tp = page ? sm.tok[st][tok] : make_float4(a.sm_scale_log2, 0.0f, 1.0f, 0.0f);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const bool valid = page || key0 + tok <= qtok[rr];
-          float& x = sc[4 * nt + 2 * rr + e];
-          x = valid ? (x - tp.y * qsum[rr]) * tp.x : -INFINITY;
-          mx[rr] = fmaxf(mx[rr], x);
-        }
-      }
-    float msub[2], alpha[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-      const float mn = fmaxf(m[rr], mx[rr]);
-      alpha[rr] = mn == -INFINITY ? 1.0f : fast_exp2(m[rr] - mn);
-      msub[rr] = mn == -INFINITY ? 0.0f : mn;  // nothing seen yet: exp2(-inf - 0) = 0
-      m[rr] = mn;
-      l[rr] *= alpha[rr];
-      spz[rr] *= alpha[rr];
-    }
-    // P' = fp16(p·s_v) (rows g and g+8 of the warp, tokens 8·nt + 2t and + 1); Σ P'·z_v.
+    // Logits (log2 units), row maxima, and P' = fp16(p·s_v) (rows g and g+8 of the warp, tokens
+    // 8·nt + 2t and + 1) with Σ P'·z_v, in two builds: an INT2 page tile, with its per-token fold
+    // and no mask, and a staged fp16 tile with the causal mask (window rows have key0 + tok < 0;
+    // rows past the new tokens exceed every query's token). Almost every tile is a page: its build
+    // does none of the mask's work.
+    float alpha[2];
     uint32_t pn[kBN / 8][2];
+    const auto softmax = [&](auto page_tile) {
+      constexpr bool page = decltype(page_tile)::value;
+      const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt) {
-      const float4 tp0 = page ? sm.tok[st][8 * nt + 2 * t] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
-      const float4 tp1 = page ? sm.tok[st][8 * nt + 2 * t + 1] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+      for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * nt + 2 * t + e;
+          const float2 tp =
+              page ? *reinterpret_cast<const float2*>(&sm.tok[st][tok]) : make_float2(a.sm_scale_log2, 0.0f);
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            float& x = sc[4 * nt + 2 * rr + e];
+            if (page) x = (x - tp.y * qsum[rr]) * tp.x;
+            else x = key0 + tok <= qtok[rr] ? x * tp.x : -INFINITY;
+            mx[rr] = fmaxf(mx[rr], x);
+          }
+        }
+      float msub[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float p0 = fast_exp2(sc[4 * nt + 2 * rr] - msub[rr]), p1 = fast_exp2(sc[4 * nt + 2 * rr + 1] - msub[rr]);
-        l[rr] += p0 + p1;
-        pn[nt][rr] = pack_half2(p0 * tp0.z, p1 * tp1.z);
-        const float2 pr = unpack_half2(pn[nt][rr]);
-        spz[rr] = fmaf(pr.x, tp0.w, fmaf(pr.y, tp1.w, spz[rr]));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        const float mn = fmaxf(m[rr], mx[rr]);
+        alpha[rr] = mn == m[rr] ? 1.0f : fast_exp2(m[rr] - mn);  // (exactly 1 where the maximum stays)
+        msub[rr] = mn == -INFINITY ? 0.0f : mn;                  // nothing seen yet: exp2(-inf - 0) = 0
+        m[rr] = mn;
+        l[rr] *= alpha[rr];
+        spz[rr] *= alpha[rr];
       }
-    }
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt) {
+        const float2 tp0 =
+            page ? *reinterpret_cast<const float2*>(&sm.tok[st][8 * nt + 2 * t].z) : make_float2(1.0f, 0.0f);
+        const float2 tp1 =
+            page ? *reinterpret_cast<const float2*>(&sm.tok[st][8 * nt + 2 * t + 1].z) : make_float2(1.0f, 0.0f);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const float p0 = fast_exp2(sc[4 * nt + 2 * rr] - msub[rr]),
+                      p1 = fast_exp2(sc[4 * nt + 2 * rr + 1] - msub[rr]);
+          l[rr] += p0 + p1;
+          pn[nt][rr] = pack_half2(p0 * tp0.x, p1 * tp1.x);
+          if (page) {  // (staged tiles have no zero point)
+            const float2 pr = unpack_half2(pn[nt][rr]);
+            spz[rr] = fmaf(pr.x, tp0.y, fmaf(pr.y, tp1.y, spz[rr]));
+          }
+        }
+      }
+    };
+    if (u < n_pages) softmax(std::true_type{});
+    else softmax(std::false_type{});
     wgmma_wait<0>();  // the P·V of unit u-1: O holds units < u, scaled to the old maxima; P' is free
     wgmma_hold(o);
     if (u > u0 && lane == 0) mbar_arrive(empty_s + 8 * ((i - 1) % kStages));  // unit u-1's stage is read
+    // O to the new maxima, skipped where no row of the warp's has a new one (most tiles, once the
+    // first few have been seen).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
+      for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[4 * n + 2 * rr] *= alpha[rr];
-        o[4 * n + 2 * rr + 1] *= alpha[rr];
+        for (int n = 0; n < kD / 8; ++n) {
+          o[4 * n + 2 * rr] *= alpha[rr];
+          o[4 * n + 2 * rr + 1] *= alpha[rr];
+        }
       }
     }
     // P' into the warpgroup's buffer (row r's 16-byte chunk c at c ^ (r % 8), r % 8 = g), visible
