@@ -9,12 +9,13 @@
 //     (what the ring will hold), so their fp16 copies are those BF16 values exactly.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
-//  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a). One CTA =
-//     (sequence, key-range split, tile of 64·warpgroups query rows, KV head: the fastest); every
-//     query head of the group shares the CTA's K/V tiles. Each warpgroup owns 64 rows; key tiles
-//     of 64 tokens (INT2 pages, then the staged fp16 rows with the causal mask) pass through
-//     shared memory in the 128-byte-swizzled layout the MMAs read (cp.async ahead, one barrier per
-//     tile); S = Q·Kᵀ and O += P·V run in fp16 with fp32 accumulation, Q from registers, P from
+//  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
+//     One CTA = (sequence, key-range split, tile of 64·(MMA warpgroups) query rows, KV head: the
+//     fastest); every query head of the group shares the CTA's K/V tiles. A producer warpgroup
+//     loads key tiles of 64 tokens (INT2 pages by bulk copy, expanded; then the staged fp16 rows,
+//     with the causal mask) into shared-memory stages in the 128-byte-swizzled layout the MMAs
+//     read; each MMA warpgroup owns 64 rows and consumes the stages (mbarriers between the two
+//     roles); S = Q·Kᵀ and O += P·V run in fp16 with fp32 accumulation, Q from registers, P from
 //     shared memory (fp16 carries 3 more mantissa bits than bf16: with a bf16 query the logits'
 //     rounding alone gave 1-4% output error on the tests' peaked softmax), with an online softmax
 //     in registers. INT2 pages are expanded to their code values (exact: 0..3, or the level table
@@ -31,6 +32,7 @@
 #include <cmath>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "formats/error.h"
@@ -56,9 +58,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // fp16 with saturation instead of overflow to infinity.
 __device__ __forceinline__ __half to_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+// Two at once in one instruction (satfinite: beyond ±65504 the largest finite, NaN stays NaN); the
+// softmax packs 32 probabilities a tile with it.
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __halves2half2(to_half(lo), to_half(hi));
-  return *reinterpret_cast<uint32_t*>(&h);
+  uint32_t u;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+  return u;
 }
 __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
   return __half22float2(*reinterpret_cast<const __half2*>(&u));
@@ -264,45 +269,54 @@ __global__ void __launch_bounds__(32)
 // spreads the 16-byte stores of a warp over the banks.
 constexpr int kTileHalfs = kBN * kD;       // one tile of K or V: 16 KB
 constexpr int kBlockBytes = kBN * 64 * 2;  // one 64-channel block: 8 KB
-constexpr int kStages = 3;                 // tile u's stage is refilled in iteration u + 3 - 1
+constexpr int kStages = 4;                 // K/V tiles: the producer fills up to 3 ahead of the MMAs
+constexpr int kRaw = 6;                    // INT2 page blocks: copies issued up to 5 units ahead
+constexpr int kProducer = 128;             // threads of the producer warpgroup (warps 0-3)
 // Half index of (row, 16-byte chunk c of the 16 in a row) in a tile.
 __device__ __forceinline__ int tile_at(int row, int c) { return (c >> 3) * (kBN * 64) + sw128_offset(row, c & 7) / 2; }
 struct Smem {
   __half k[kStages][kTileHalfs];  // first: the dynamic allocation is aligned to 1024 bytes below
   __half v[kStages][kTileHalfs];
-  __half p[2][64 * kBN];       // per warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
-  float4 tok[kStages][kBN];    // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
-  uint8_t raw[2][kPageBytes];  // INT2 page blocks as stored, before expansion
+  __half p[2][64 * kBN];          // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
+  float4 tok[kStages][kBN];       // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
+  uint8_t raw[kRaw][kPageBytes];  // INT2 page blocks as stored, before expansion (bulk copies)
+  uint64_t full[kStages];         // stage filled: every producer thread arrives
+  uint64_t empty[kStages];        // stage read: every MMA warp arrives
+  uint64_t raw_full[kRaw];        // page block landed
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment of the swizzle atoms
 static_assert(kTileHalfs * 2 % 1024 == 0, "tiles keep the 1024-byte alignment of the swizzle atoms");
+static_assert(kPageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 // Units (key tiles) of a CTA: INT2 pages 0 .. n_pages-1, then 64-row tiles of the fp16 staging
-// (windows, then new tokens) up to the CTA's last query token. Iteration u issues S = Q·Kᵀ of
-// unit u and then O += P'·V of unit u-1 on the tensor cores, expands unit u+1's INT2 page while
-// they run, waits for S, runs the softmax of unit u while the P·V still runs, waits for it,
-// rescales O and writes unit u's P' to shared memory for the next iteration's P·V (FlashAttention
-// 3's overlap within a warpgroup). Unit u+1's bytes were requested in iteration u-1 (a page's raw
-// bytes in iteration u-2), so each iteration needs one barrier of the CTA; the third stage keeps
-// the tile that the P·V of unit u-1 reads out of the refills. Each warpgroup (4 warps) owns 64
-// query rows: 4 warps, one warpgroup; 8 warps, two warpgroups sharing each K/V tile. kOne: the
-// launch has one sequence, whose fields are then constant-bank operands rather than registers
-// (what a sequence indexed at run time cost the mma.sync kernel: 1.5-2.5% at T = 2048, H200).
+// (windows, then new tokens) up to the CTA's last query token. Warp-specialised (FlashAttention
+// 3's structure): a producer warpgroup fills the stages and kWarps MMA warps (one or two
+// warpgroups of 64 query rows each) consume them.
+//  - Producer: thread 0 bulk-copies each INT2 page block into a raw buffer (kRaw - 1 units ahead,
+//    the page id read one unit before its copy); the 128 threads expand a landed block into the
+//    stage's code values and per-token (scale, zero), or cp.async a staged fp16 tile into it
+//    (zeros past the end), and arrive on the stage's `full` barrier.
+//  - MMA warpgroups: iteration u waits for unit u's stage, issues S = Q·Kᵀ of unit u and then
+//    O += P'·V of unit u-1, runs the softmax of unit u while the P·V still runs, waits for it,
+//    releases unit u-1's stage (`empty`), rescales O and writes unit u's P' to shared memory for
+//    the next iteration's P·V (FlashAttention 3's overlap within a warpgroup).
+// Loads, expansion and MMAs thus overlap across units instead of sharing one chain per tile
+// (the single-role kernel spent ~3 us a tile with the tensor cores 11-18% busy). kOne: the launch
+// has one sequence, whose fields are then constant-bank operands rather than registers.
 template <int kWarps, bool kOne>
-__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
-    prefill_kernel(const __grid_constant__ PrefillArgs a) {
-  constexpr int kThreads = 32 * kWarps, kBM = 16 * kWarps;
+__global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(const __grid_constant__ PrefillArgs a) {
+  constexpr int kBM = 16 * kWarps;
   extern __shared__ uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   __shared__ uint32_t lut[2][16];  // two codes (4 bits) -> their two fp16 x values
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int cw = warp - kProducer / 32;  // MMA warp (negative: a producer warp)
   // The KV head varies fastest over the grid, so a sequence's last (shortest) split of every head
   // is what the GPU runs last.
   const int h = int(blockIdx.x % unsigned(a.n_kv)), cta = int(blockIdx.x / unsigned(a.n_kv));
   const SeqArgs& sq = kOne ? a.seq[0] : seq_of(a, cta, [](const SeqArgs& e) { return e.cta0; });
   const int rows = sq.rows, r = a.r, n_pages = sq.n_pages, win_rows = sq.win_rows, kv_rows = win_rows + sq.T;
-  const int32_t* page_table = sq.page_table;
   const int local = cta - sq.cta0;
   const int tile = sq.row_tiles - 1 - local % sq.row_tiles;  // the tiles with the most new tokens start first
   const int split = local / sq.row_tiles;
@@ -310,62 +324,114 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   const int last_token = (min(row0 + kBM, rows) - 1) / r;
   const int n_units = n_pages + (win_rows + last_token) / kBN + 1;
   const int u0 = split * sq.units_per_split, u1 = min(n_units, u0 + sq.units_per_split);
-  const __half* kst = a.k + (size_t(h) * a.kv_rows + sq.kv0) * kD;  // this sequence's staged rows
-  const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
 
+  // An empty split of a short query tile: nothing seen. (A path of its own: an O zeroed on a path
+  // into the loop's final wait made ptxas serialise every MMA, C7515.)
+  if (u0 >= u1) {
+    if (cw < 0) return;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int p = row0 + 16 * cw + g + 8 * rr;
+      if (p >= rows) continue;
+      const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n)
+        *reinterpret_cast<float2*>(a.part_o + row * kD + 8 * n + 2 * t) = make_float2(0.0f, 0.0f);
+      if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(-INFINITY, 0.0f);
+    }
+    return;
+  }
   if (tid < 32) {
     const int side = tid >> 4, i = tid & 15;
     lut[side][i] = pack_half2(a.code_value[h][side][i & 3], a.code_value[h][side][i >> 2]);
   }
+  if (warp == 0) {
+    mbar_init(sm.full, kStages, lane, kProducer);
+    mbar_init(sm.empty, kStages, lane, kWarps);
+    mbar_init(sm.raw_full, kRaw, lane, 1);
+  }
+  __syncthreads();  // the barriers and the lookup table
+  const uint32_t full_s = smem_addr(sm.full), empty_s = smem_addr(sm.empty);
 
-  auto issue_raw = [&](int u) {  // an INT2 page's block into raw[u % 2]
-    if (u >= u1 || u >= n_pages) return;
-    const uint8_t* src = a.pages + a.geo.page_block_offset(page_table[u], a.layer, h);
-    uint8_t* dst = sm.raw[(u - u0) & 1];
-    for (int i = tid; i < kPageBytes / 16; i += kThreads) cp_async16(dst + 16 * i, src + 16 * i, 16);
-  };
-  auto issue_tile = [&](int u) {  // kBN staged fp16 rows straight into the stage (zeros past the end)
-    if (u >= u1 || u < n_pages) return;
-    const int st = (u - u0) % kStages;
-    const int key0 = (u - n_pages) * kBN;
-    for (int i = tid; i < 2 * kBN * (kD / 8); i += kThreads) {
-      const int side = i / (kBN * (kD / 8)), row = (i / (kD / 8)) % kBN, chunk = i % (kD / 8);
-      const bool ok = key0 + row < kv_rows;
-      const __half* src = (side ? vst : kst) + size_t(ok ? key0 + row : 0) * kD + 8 * chunk;
-      cp_async16((side ? sm.v[st] : sm.k[st]) + tile_at(row, chunk), src, ok ? 16 : 0);
+  if (cw < 0) {
+    // ---- Producer warpgroup (registers: 48 per thread here, 224 in the MMA warpgroups).
+    if constexpr (kWarps == 8) setmaxnreg_dec<48>();
+    const int32_t* page_table = sq.page_table;
+    const __half* kst = a.k + (size_t(h) * a.kv_rows + sq.kv0) * kD;  // this sequence's staged rows
+    const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
+    const uint32_t raw_s = smem_addr(sm.raw[0]), raw_bar = smem_addr(sm.raw_full);
+    const auto page_of = [&](int u) { return u < u1 && u < n_pages ? page_table[u] : 0; };
+    const auto copy_page = [&](int u, int32_t page) {  // unit u's block into raw[(u - u0) % kRaw]
+      if (u >= u1 || u >= n_pages) return;
+      const int b = (u - u0) % kRaw;
+      bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h), kPageBytes,
+                raw_bar + 8 * b);
+    };
+    // Thread tid expands word xword of rows xrow + 16·q (q < 4) of both sides. Eight threads (a
+    // quarter warp, which a 16-byte store serves at once) take two adjacent rows x four words, so
+    // their 16-byte chunks land in 8 distinct swizzle positions (same row, four words: two-way bank
+    // conflicts); a warp's words are rows 4w..4w+3 whole, one 128-byte load.
+    static_assert(2 * kBN * kCodeWords == 8 * kProducer && kBN == 64, "eight code words a producer thread");
+    const int xrow = ((tid >> 4) << 1) | ((tid >> 2) & 1), xword = (((tid >> 3) & 1) << 2) | (tid & 3);
+    const int code_off = xrow * kGpuCodeRowBytes + 4 * xword;  // its first word in a raw block
+    const int tile_lo = tile_at(xrow, 2 * xword), tile_hi = tile_at(xrow, 2 * xword + 1);
+    int32_t next_page = 0;  // thread 0: the page id of unit u + kRaw - 1
+    if (tid == 0) {
+      for (int w = u0; w < u0 + kRaw - 1; ++w) copy_page(w, page_of(w));
+      next_page = page_of(u0 + kRaw - 1);
     }
-  };
-  auto expand = [&](int u) {  // raw[u % 2] -> code values and (scale, zero) in the stage
-    if (u >= u1 || u >= n_pages) return;
-    const int st = (u - u0) % kStages;
-    const uint8_t* raw = sm.raw[(u - u0) & 1];
-    for (int i = tid; i < 2 * kBN * kCodeWords; i += kThreads) {
-      const int side = i / (kBN * kCodeWords), row = (i / kCodeWords) % kBN, wi = i % kCodeWords;  // 16 codes per word
-      const uint32_t w =
-          *reinterpret_cast<const uint32_t*>(raw + side * kGpuVCodesOffset + row * kGpuCodeRowBytes + 4 * wi);
-      uint4 lo, hi;
-      lo.x = lut[side][w & 15];
-      lo.y = lut[side][(w >> 4) & 15];
-      lo.z = lut[side][(w >> 8) & 15];
-      lo.w = lut[side][(w >> 12) & 15];
-      hi.x = lut[side][(w >> 16) & 15];
-      hi.y = lut[side][(w >> 20) & 15];
-      hi.z = lut[side][(w >> 24) & 15];
-      hi.w = lut[side][w >> 28];
-      __half* dst = side ? sm.v[st] : sm.k[st];
-      *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi)) = lo;
-      *reinterpret_cast<uint4*>(dst + tile_at(row, 2 * wi + 1)) = hi;
+    for (int u = u0; u < u1; ++u) {
+      const int i = u - u0, st = i % kStages;
+      named_barrier_sync(3, kProducer);  // every producer thread is done with unit u-1's raw block
+      if (tid == 0) {
+        copy_page(u + kRaw - 1, next_page);
+        next_page = page_of(u + kRaw);
+      }
+      if (i >= kStages) mbar_wait(empty_s + 8 * st, uint32_t(i / kStages - 1) & 1u);  // unit u - kStages read
+      if (u < n_pages) {
+        mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
+        const uint8_t* raw = sm.raw[i % kRaw];
+        // One swizzle phase (row % 8) for a thread's eight words, so their addresses are fixed
+        // offsets of one base; the eight loads are issued before the first lookup needs one.
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          w[j] = *reinterpret_cast<const uint32_t*>(raw + (j >> 2) * kGpuVCodesOffset +
+                                                    (j & 3) * 16 * kGpuCodeRowBytes + code_off);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t* l = lut[j >> 2];
+          const uint4 lo = make_uint4(l[w[j] & 15], l[(w[j] >> 4) & 15], l[(w[j] >> 8) & 15], l[(w[j] >> 12) & 15]);
+          const uint4 hi = make_uint4(l[(w[j] >> 16) & 15], l[(w[j] >> 20) & 15], l[(w[j] >> 24) & 15], l[w[j] >> 28]);
+          __half* dst = (j >> 2 ? sm.v[st] : sm.k[st]) + (j & 3) * 16 * 64;  // 16 rows further
+          *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
+          *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
+        }
+        if (tid < kBN) {
+          const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuKParamsOffset + 4 * tid));
+          const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuVParamsOffset + 4 * tid));
+          sm.tok[st][tid] =
+              make_float4(kp.x * a.sm_scale_log2, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
+        }
+        fence_proxy_async();  // the stage's stores, before the tensor cores read it
+        mbar_arrive(full_s + 8 * st);
+      } else {
+        const int key0 = (u - n_pages) * kBN;
+        for (int e = tid; e < 2 * kBN * (kD / 8); e += kProducer) {
+          const int side = e / (kBN * (kD / 8)), row = (e / (kD / 8)) % kBN, chunk = e % (kD / 8);
+          const bool ok = key0 + row < kv_rows;
+          const __half* src = (side ? vst : kst) + size_t(ok ? key0 + row : 0) * kD + 8 * chunk;
+          cp_async16((side ? sm.v[st] : sm.k[st]) + tile_at(row, chunk), src, ok ? 16 : 0);
+        }
+        cp_async_mbar_arrive(full_s + 8 * st);  // once this thread's copies have landed
+      }
     }
-    const uint32_t* kparams = reinterpret_cast<const uint32_t*>(raw + kGpuKParamsOffset);
-    const uint32_t* vparams = reinterpret_cast<const uint32_t*>(raw + kGpuVParamsOffset);
-    for (int row = tid; row < kBN; row += kThreads) {
-      const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(&kparams[row]));
-      const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(&vparams[row]));
-      sm.tok[st][row] =
-          make_float4(kp.x * a.sm_scale_log2, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
-    }
-  };
+    cp_async_wait_all();
+    return;
+  }
 
+  // ---- MMA warpgroups.
+  if constexpr (kWarps == 8) setmaxnreg_inc<224>();
   // The warp's 16 query rows (16 of its warpgroup's 64): Q fragments (A operand), Σq of the fp16
   // values, token index.
   uint32_t qa[kD / 16][4];
@@ -373,7 +439,7 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   int qtok[2];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
-    const int p = row0 + 16 * warp + g + 8 * rr;
+    const int p = row0 + 16 * cw + g + 8 * rr;
     const bool ok = p < rows;
     qtok[rr] = (ok ? p : rows - 1) / r;
     const uint32_t* qrow =
@@ -396,36 +462,14 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
 #pragma unroll
   for (int i = 0; i < 2 * kD / 4; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, spz[2] = {0.0f, 0.0f};
-  const int wg = warp >> 2;  // warpgroup
+  const int wg = cw >> 2;  // MMA warpgroup
   const uint32_t k_base = smem_addr(sm.k[0]), v_base = smem_addr(sm.v[0]), p_base = smem_addr(sm.p[wg]);
-
-  // An empty split of a short query tile: nothing seen. (A path of its own: an O zeroed on a path
-  // into the loop's final wait made ptxas serialise every MMA, C7515.)
-  if (u0 >= u1) {
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int p = row0 + 16 * warp + g + 8 * rr;
-      if (p >= rows) continue;
-      const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n)
-        *reinterpret_cast<float2*>(a.part_o + row * kD + 8 * n + 2 * t) = make_float2(0.0f, 0.0f);
-      if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(-INFINITY, 0.0f);
-    }
-    return;
-  }
-  issue_raw(u0);
-  issue_raw(u0 + 1);
-  issue_tile(u0);
-  cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();  // raw bytes and the lookup table
-  expand(u0);
   int u = u0;
   // O += P'·X_v of unit w on the tensor cores, P' from shared memory (K-major A: 16 tokens a step,
-  // 32 bytes within its 128-byte rows), X_v from stage w % 3 (MN-major B: 16 tokens a step, 8-token
-  // groups 1024 bytes apart, the two 64-channel blocks 8 KB apart). (P' from registers would save
-  // the shared-memory round trip, but ptxas 13.0 may reuse a register an MMA in flight still reads.)
+  // 32 bytes within its 128-byte rows), X_v from unit w's stage (MN-major B: 16 tokens a step,
+  // 8-token groups 1024 bytes apart, the two 64-channel blocks 8 KB apart). (P' from registers
+  // would save the shared-memory round trip, but ptxas 13.0 may reuse a register an MMA in flight
+  // still reads.)
   const auto issue_pv = [&](int w) {
     wgmma_fence();  // (ptxas still adds one where the first iteration commits an empty group: C7519)
     const uint32_t v_tile = v_base + uint32_t((w - u0) % kStages) * (kTileHalfs * 2);
@@ -435,19 +479,13 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
                                 wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockBytes, 1024));
   };
   do {
-    // Unit u's stage is complete (loaded or expanded) and visible to the tensor cores, unit u+1's
-    // raw page has landed, every warp is done with the raw buffer refilled below, and the P·V of
-    // unit u-2 (whose stage is refilled below) has completed.
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();
-    issue_raw(u + 2);
-    issue_tile(u + 1);
-    cp_async_commit();
+    const int i = u - u0, st = i % kStages;
+    mbar_wait(full_s + 8 * st, uint32_t(i / kStages) & 1u);
+    if (u >= n_pages) fence_proxy_async();  // the producer's cp.async stores, before the tensor cores read them
     // S = Q·Kᵀ of unit u, then O += P'·V of unit u-1, on the tensor cores one after the other
     // (K-major B: 16 channels a step, 32 bytes within the 128-byte rows of one 64-channel block):
     // the softmax of unit u runs while the P·V does.
-    const uint32_t k_tile = k_base + uint32_t((u - u0) % kStages) * (kTileHalfs * 2);
+    const uint32_t k_tile = k_base + uint32_t(st) * (kTileHalfs * 2);
     const auto k_desc = [k_tile](int ks) {
       return wgmma_desc_sw128(k_tile + (ks >> 2) * kBlockBytes + (ks & 3) * 32, 16, 1024);
     };
@@ -459,65 +497,81 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
       wgmma_m64n64k16_rs<0, 1>(sc, qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], k_desc(ks));
     wgmma_commit();
     if (u > u0) issue_pv(u - 1);
-    wgmma_commit();  // (empty in the first iteration: the wait below counts groups)
-    expand(u + 1);
+    wgmma_commit();   // (empty in the first iteration: the wait below counts groups)
     wgmma_wait<1>();  // S of unit u (the P·V after it may still run)
     wgmma_hold(sc);
-    const int st = (u - u0) % kStages;
-    const bool page = u < n_pages;
-    const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
-    // Logits (log2 units) with the per-token fold and the causal mask (window rows have
-    // key0 + tok < 0; rows past the new tokens exceed every query's token); row maxima.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = 8 * nt + 2 * t + e;
-        const float4 tp = page ? sm.tok[st][tok] : make_float4(a.sm_scale_log2, 0.0f, 1.0f, 0.0f);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const bool valid = page || key0 + tok <= qtok[rr];
-          float& x = sc[4 * nt + 2 * rr + e];
-          x = valid ? (x - tp.y * qsum[rr]) * tp.x : -INFINITY;
-          mx[rr] = fmaxf(mx[rr], x);
-        }
-      }
-    float msub[2], alpha[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-      const float mn = fmaxf(m[rr], mx[rr]);
-      alpha[rr] = mn == -INFINITY ? 1.0f : fast_exp2(m[rr] - mn);
-      msub[rr] = mn == -INFINITY ? 0.0f : mn;  // nothing seen yet: exp2(-inf - 0) = 0
-      m[rr] = mn;
-      l[rr] *= alpha[rr];
-      spz[rr] *= alpha[rr];
-    }
-    // P' = fp16(p·s_v) (rows g and g+8 of the warp, tokens 8·nt + 2t and + 1); Σ P'·z_v.
+    // Logits (log2 units), row maxima, and P' = fp16(p·s_v) (rows g and g+8 of the warp, tokens
+    // 8·nt + 2t and + 1) with Σ P'·z_v, in two builds: an INT2 page tile, with its per-token fold
+    // and no mask, and a staged fp16 tile with the causal mask (window rows have key0 + tok < 0;
+    // rows past the new tokens exceed every query's token). Almost every tile is a page: its build
+    // does none of the mask's work.
+    float alpha[2];
     uint32_t pn[kBN / 8][2];
+    const auto softmax = [&](auto page_tile) {
+      constexpr bool page = decltype(page_tile)::value;
+      const int key0 = (u - n_pages) * kBN - win_rows;  // new-token index of the tile's row 0
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt) {
-      const float4 tp0 = page ? sm.tok[st][8 * nt + 2 * t] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
-      const float4 tp1 = page ? sm.tok[st][8 * nt + 2 * t + 1] : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+      for (int nt = 0; nt < kBN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * nt + 2 * t + e;
+          const float2 tp =
+              page ? *reinterpret_cast<const float2*>(&sm.tok[st][tok]) : make_float2(a.sm_scale_log2, 0.0f);
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            float& x = sc[4 * nt + 2 * rr + e];
+            if (page) x = (x - tp.y * qsum[rr]) * tp.x;
+            else x = key0 + tok <= qtok[rr] ? x * tp.x : -INFINITY;
+            mx[rr] = fmaxf(mx[rr], x);
+          }
+        }
+      float msub[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float p0 = fast_exp2(sc[4 * nt + 2 * rr] - msub[rr]), p1 = fast_exp2(sc[4 * nt + 2 * rr + 1] - msub[rr]);
-        l[rr] += p0 + p1;
-        pn[nt][rr] = pack_half2(p0 * tp0.z, p1 * tp1.z);
-        const float2 pr = unpack_half2(pn[nt][rr]);
-        spz[rr] = fmaf(pr.x, tp0.w, fmaf(pr.y, tp1.w, spz[rr]));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        const float mn = fmaxf(m[rr], mx[rr]);
+        alpha[rr] = mn == m[rr] ? 1.0f : fast_exp2(m[rr] - mn);  // (exactly 1 where the maximum stays)
+        msub[rr] = mn == -INFINITY ? 0.0f : mn;                  // nothing seen yet: exp2(-inf - 0) = 0
+        m[rr] = mn;
+        l[rr] *= alpha[rr];
+        spz[rr] *= alpha[rr];
       }
-    }
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt) {
+        const float2 tp0 =
+            page ? *reinterpret_cast<const float2*>(&sm.tok[st][8 * nt + 2 * t].z) : make_float2(1.0f, 0.0f);
+        const float2 tp1 =
+            page ? *reinterpret_cast<const float2*>(&sm.tok[st][8 * nt + 2 * t + 1].z) : make_float2(1.0f, 0.0f);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const float p0 = fast_exp2(sc[4 * nt + 2 * rr] - msub[rr]),
+                      p1 = fast_exp2(sc[4 * nt + 2 * rr + 1] - msub[rr]);
+          l[rr] += p0 + p1;
+          pn[nt][rr] = pack_half2(p0 * tp0.x, p1 * tp1.x);
+          if (page) {  // (staged tiles have no zero point)
+            const float2 pr = unpack_half2(pn[nt][rr]);
+            spz[rr] = fmaf(pr.x, tp0.y, fmaf(pr.y, tp1.y, spz[rr]));
+          }
+        }
+      }
+    };
+    if (u < n_pages) softmax(std::true_type{});
+    else softmax(std::false_type{});
     wgmma_wait<0>();  // the P·V of unit u-1: O holds units < u, scaled to the old maxima; P' is free
     wgmma_hold(o);
+    if (u > u0 && lane == 0) mbar_arrive(empty_s + 8 * ((i - 1) % kStages));  // unit u-1's stage is read
+    // O to the new maxima, skipped where no row of the warp's has a new one (most tiles, once the
+    // first few have been seen).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
+      for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[4 * n + 2 * rr] *= alpha[rr];
-        o[4 * n + 2 * rr + 1] *= alpha[rr];
+        for (int n = 0; n < kD / 8; ++n) {
+          o[4 * n + 2 * rr] *= alpha[rr];
+          o[4 * n + 2 * rr + 1] *= alpha[rr];
+        }
       }
     }
     // P' into the warpgroup's buffer (row r's 16-byte chunk c at c ^ (r % 8), r % 8 = g), visible
@@ -526,7 +580,7 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
     for (int nt = 0; nt < kBN / 8; ++nt)
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const int row = 16 * (warp & 3) + g + 8 * rr;
+        const int row = 16 * (cw & 3) + g + 8 * rr;
         *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(sm.p[wg]) + sw128_offset(row, nt) + 4 * t) = pn[nt][rr];
       }
     fence_proxy_async();
@@ -536,7 +590,6 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(o);
-  cp_async_wait_all();
 
   // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
 #pragma unroll
@@ -545,7 +598,7 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 2 : 1)
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
     spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 1);
     spz[rr] += __shfl_xor_sync(0xffffffffu, spz[rr], 2);
-    const int p = row0 + 16 * warp + g + 8 * rr;
+    const int p = row0 + 16 * cw + g + 8 * rr;
     if (p >= rows) continue;
     const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
     float* dst = a.part_o + row * kD;
@@ -580,8 +633,8 @@ const PrefillGpu& prefill_gpu() {
       return std::max(1, per_sm) * multiprocessors();
     };
     PrefillGpu p;
-    p.resident4 = resident(prefill_kernel<4, false>, 32 * 4);
-    p.resident8 = resident(prefill_kernel<8, false>, 32 * 8);
+    p.resident4 = resident(prefill_kernel<4, false>, 32 * 4 + kProducer);
+    p.resident8 = resident(prefill_kernel<8, false>, 32 * 8 + kProducer);
     return p;
   }();
   return gpu;
@@ -693,7 +746,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const bool one = a.n_seqs == 1;
     const auto kernel = plan.warps == 4 ? (one ? prefill_kernel<4, true> : prefill_kernel<4, false>)
                                         : (one ? prefill_kernel<8, true> : prefill_kernel<8, false>);
-    kernel<<<grid, 32 * plan.warps, kSmemBytes, stream>>>(a);
+    kernel<<<grid, 32 * plan.warps + kProducer, kSmemBytes, stream>>>(a);
     const int chunk = merge_slice_chunk(max_splits);
     const auto fin = chunk == 1 ? finish<1, Out> : chunk == 4 ? finish<4, Out> : finish<12, Out>;
     fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a, rot_v_t, out);

@@ -159,11 +159,12 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* gmem, uint32
                "l"(gmem), "r"(bytes), "r"(b)
                : "memory");
 }
-// Barriers bar[0 .. n) for one arrival each (the copy's issuer), made by lane 0 for its warp.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int n, int lane) {
+// Barriers bar[0 .. n) for `count` arrivals each (1: the copy's issuer), made by lane 0 for its warp.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int n, int lane, int count = 1) {
   if (lane == 0)
     for (int i = 0; i < n; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i)))
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar + i))),
+                   "r"(count)
                    : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy unit
   __syncwarp();
@@ -176,6 +177,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t b, uint32_t parity) {
                  : "=r"(done)
                  : "r"(b), "r"(parity)
                  : "memory");
+}
+
+// This thread's arrival on the mbarrier at b (release: its earlier writes are seen by the waiters).
+__device__ __forceinline__ void mbar_arrive(uint32_t b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
+}
+// This thread's arrival on the mbarrier at b once its cp.async copies issued so far have landed
+// (counts as one of the expected arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t b) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(b) : "memory");
+}
+
+// ---- Registers per thread of a warpgroup (sm_90a; all its warps execute it): a producer
+// warpgroup gives registers back, the MMA warpgroups take them.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
 // ---- Programmatic dependent launch
