@@ -1,7 +1,7 @@
 // Prefill / extend benchmark of the INT2 paged cache (runtime/prefill.cu): T new tokens over a
 // context of ctx cached tokens, one layer, the whole call (rotations, attention, merge). CUDA
-// events around each call after warm-up, median of the repetitions; random codes with sane
-// scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
+// events around each call after warm-up (≥ 0.2 s), median of the repetitions; random codes with
+// sane scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
 // history plus the causal half of the new block), as flash-attention benchmarks do. Activations
 // (q, k, v in, the output out) in bfloat16, as engines call it, or float32; warps 0 is the plan's
 // choice (what a Runtime runs), 4 or 8 force a build. bench_sdpa.py --prefill-configs times
@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -102,8 +103,13 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
       prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, one, codecs.data(), shape, dq.data(), dkv.data(),
                    dkv.data(), drot.data(), drot.data(), drot.data(), dout.data(), ws.data(), wsb, nullptr, act);
     };
-    for (int i = 0; i < 3; ++i) call();
-    CK(cudaDeviceSynchronize());
+    // Warm-up: 3 calls and at least 0.2 s of them, so that the clocks have left idle (with 3 calls
+    // alone, the first build timed for a shape ran 0.2-2.5% slower than the same launch after it).
+    const auto w0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 3 || std::chrono::steady_clock::now() - w0 < std::chrono::milliseconds(200); ++i) {
+      call();
+      CK(cudaDeviceSynchronize());
+    }
     std::vector<float> times;
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
