@@ -17,7 +17,8 @@
 # `prefill` runs only the prefill path: the warpgroup-MMA and prefill GPU tests, bench_prefill and
 # PyTorch's BF16 attention on the same shapes (bench_sdpa.py --prefill-configs), the other tests
 # that prefill (engine, bfloat16 activations, graph replay), then memcheck and racecheck on the
-# prefill kernels; with BEFORE_TREE, that tree's bench_prefill right after this one's.
+# prefill kernels; with BEFORE_TREE, that tree's bench_prefill right after this one's; the times
+# side by side in prefill_results.md (scripts/prefill_report.py).
 # usage: OUT=dir [BEFORE=old_decode.cu | BEFORE_TREE=old_tree] [BUILD=CMake build dir, default build-gpu]
 #        scripts/gpu_run.sh [quick | graph | prefill]
 # (PREFILL_CONFIGS / PREFILL_ARGS: bench_prefill's shapes and other arguments in `prefill`;
@@ -71,6 +72,7 @@ if [ "${1:-}" = prefill ]; then
   fi
   python3 bench/bench_sdpa.py --prefill-configs "$PREFILL_CONFIGS" --out "$OUT/sdpa_prefill.jsonl" --reps 20
   echo "sdpa prefill exit: $?"
+  python3 scripts/prefill_report.py "$OUT"  # prefill_results.md: kvcc beside SDPA (and BEFORE_TREE) per shape
   run_tests gpu_test_engine gpu_test_activations gpu_test_graph
   if command -v compute-sanitizer >/dev/null; then
     timeout ${SANITIZER_TIMEOUT:-150} compute-sanitizer --tool memcheck --log-file "$OUT/sanitizer_prefill.txt" "$BUILD/tests/gpu_test_prefill" \
