@@ -298,8 +298,8 @@ static_assert(kPageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 //    (zeros past the end), and arrive on the stage's `full` barrier.
 //  - MMA warpgroups: iteration u waits for unit u's stage, issues S = Q·Kᵀ of unit u and then
 //    O += P'·V of unit u-1, runs the softmax of unit u while the P·V still runs, waits for it,
-//    releases unit u-1's stage (`empty`), rescales O and writes unit u's P' to shared memory for
-//    the next iteration's P·V (FlashAttention 3's overlap within a warpgroup).
+//    releases unit u-1's stage (`empty`), rescales O (where a row's maximum rose) and writes unit
+//    u's P' for the next iteration's P·V (FlashAttention 3's overlap within a warpgroup).
 // Loads, expansion and MMAs thus overlap across units instead of sharing one chain per tile
 // (the single-role kernel spent ~3 us a tile with the tensor cores 11-18% busy). kOne: the launch
 // has one sequence, whose fields are then constant-bank operands rather than registers.
