@@ -23,8 +23,10 @@
 //     rounded to fp16) and the per-token scale and zero are folded in once per token (DESIGN.md):
 //     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
 //     code path serves every tier.
-//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation; then
-//     rotate takes the merged rows out through R_vᵀ.
+//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
+//     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
+//     through R_vᵀ. The rotations are programmatic dependent launches: each splits its R into
+//     shared memory while its predecessor runs.
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -133,17 +135,28 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
   auto& s = *reinterpret_cast<RotSmem<kTerms>*>(rot_smem);
   __shared__ int64_t src_row[kRotTile], dst_row[kRotTile];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  pdl_launch_dependents();  // the next rotation may split its R meanwhile
+  // R's terms, 32 column pairs a thread: their loads issued together (a short extend's few CTAs
+  // wait for this fill first), coalesced, conflict-free stores.
   const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
-  for (int e = tid; e < kD * kD / 2; e += 32 * kRotWarps) {  // pairs of columns: coalesced, conflict-free
-    const int c = e / (kD / 2), n = 2 * (e % (kD / 2));
-    const float2 v = R ? __ldg(reinterpret_cast<const float2*>(R + size_t(c) * kD + n))
-                       : make_float2(float(c == n), float(c == n + 1));
+  constexpr int kPairs = kD * kD / 2 / (32 * kRotWarps);
+  float2 pair[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
+    pair[u] = R ? __ldg(reinterpret_cast<const float2*>(R + size_t(c) * kD + n))
+                : make_float2(float(c == n), float(c == n + 1));
+  }
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
     __nv_bfloat16 lo[3], hi[3];
-    split_bf16(v.x, lo);
-    split_bf16(v.y, hi);
+    split_bf16(pair[u].x, lo);
+    split_bf16(pair[u].y, hi);
 #pragma unroll
     for (int j = 0; j < 3; ++j) *reinterpret_cast<__nv_bfloat162*>(&s.r[j][c][n]) = __halves2bfloat162(lo[j], hi[j]);
   }
+  pdl_wait();  // x comes from the preceding kernel
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t p0 = row0 + tile * kRotTile;
@@ -274,8 +287,8 @@ __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, Fi
 }
 
 // O = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) over a row's splits, written in fp32 over its
-// split-0 partial (rotate then takes it out through R_vᵀ). kFinRows rows per CTA, kSlices slices
-// of kD threads merge disjoint sets of splits (merge_run: one round of loads for up to
+// split-0 partial (rotate then takes it out through R_vᵀ); launched for sequences of several splits. kFinRows rows per
+// CTA, kSlices slices of kD threads merge disjoint sets of splits (merge_run: one round of loads for up to
 // kSlices·kChunk splits), so few dependent loads are in series when there are many splits.
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
@@ -284,6 +297,7 @@ __global__ void __launch_bounds__(kFinThreads) finish(const __grid_constant__ Pr
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
   const SeqArgs& sq = seq_of(a, blockIdx.x, [](const SeqArgs& e) { return e.fin0; });
+  if (sq.splits == 1) return;  // prefill_kernel normalised its rows
   const int rows = sq.rows, splits = sq.splits, n_kv = a.n_kv;
   const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * kFinRows, tid = threadIdx.x;
   const int j = tid % kD, slice = tid / kD;
@@ -664,7 +678,8 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   wgmma_wait<0>();
   wgmma_hold(o);
 
-  // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
+  // Partial results: unnormalised O − Σ P'·z_v, running max, sum; a sequence of one split (nothing
+  // to merge) takes the normalised O in their place (finish skips it).
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
@@ -675,10 +690,11 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
     if (p >= rows) continue;
     const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
     float* dst = a.part_o + row * kD;
+    const float scale = sq.splits == 1 ? 1.0f / l[rr] : 1.0f;  // > 0: every row sees its own token
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n)
       *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) =
-          make_float2(o[4 * n + 2 * rr] - spz[rr], o[4 * n + 2 * rr + 1] - spz[rr]);
+          make_float2((o[4 * n + 2 * rr] - spz[rr]) * scale, (o[4 * n + 2 * rr + 1] - spz[rr]) * scale);
     if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
   }
 }
@@ -736,8 +752,20 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
       cudaFuncSetAttribute(rotate<kIn, In, Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   check_cuda(attribute, "prefill (CUDA): the rotation's shared memory attribute");
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
-  const dim3 grid(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv));
-  rotate<kIn, In, Out><<<grid, 32 * kRotWarps, kSmem, stream>>>(x, rot, row0, rows, n_kv, r, round_bf16, y, map);
+  // Programmatic dependent launch: the grid starts while its predecessor runs, splits R, then waits
+  // (griddepcontrol.wait) for the predecessor's results.
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv));
+  c.blockDim = dim3(32 * kRotWarps);
+  c.dynamicSmemBytes = kSmem;
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&c, rotate<kIn, In, Out>, x, rot, row0, rows, n_kv, r, round_bf16, y, map),
+             "prefill (CUDA): rotation launch");
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -831,7 +859,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     kernel<<<grid, 32 * plan.warps + kProducer, kSmemBytes, stream>>>(a);
     const int chunk = merge_slice_chunk(max_splits);
     const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
-    fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a);
+    if (max_splits > 1) fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a);
     rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, 0, out, merged,
                        stream);
   }
