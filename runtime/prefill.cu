@@ -1,8 +1,8 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
-// (their new tokens one after another in q, k, v and out). Four kernels, seven launches for up to
-// kLaunchSeqs sequences (rotate runs for q, k, v and the output); the batch's sequences and their
-// offsets are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
+// (their new tokens one after another in q, k, v and out). Four kernels, up to seven launches for
+// up to kLaunchSeqs sequences (rotate runs for q, k, v and the output); the batch's sequences and
+// their offsets are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
 //  1. rotate: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
 //     query row is a (new token, query head of the group) pair), on the tensor cores at fp32's
