@@ -1,12 +1,13 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
-// (their new tokens one after another in q, k, v and out). Four kernels, six launches for up to
-// kLaunchSeqs sequences (rotate_in runs for q, k and v); the batch's sequences and their offsets
-// are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
+// (their new tokens one after another in q, k, v and out). Four kernels, up to seven launches for
+// up to kLaunchSeqs sequences (rotate runs for q, k, v and the output); the batch's sequences and
+// their offsets are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
-//  1. rotate_in: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
-//     query row is a (new token, query head of the group) pair). k and v are rounded to BF16 first
-//     (what the ring will hold), so their fp16 copies are those BF16 values exactly.
+//  1. rotate: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
+//     query row is a (new token, query head of the group) pair), on the tensor cores at fp32's
+//     accuracy (split bf16 terms). k and v are rounded to BF16 first (what the ring will hold),
+//     so their fp16 copies are BF16 values exactly.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
 //  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
@@ -22,7 +23,10 @@
 //     rounded to fp16) and the per-token scale and zero are folded in once per token (DESIGN.md):
 //     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
 //     code path serves every tier.
-//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation, ·R_vᵀ.
+//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
+//     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
+//     through R_vᵀ. The rotations are programmatic dependent launches: each splits its R into
+//     shared memory while its predecessor runs.
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -52,12 +56,9 @@ constexpr int kD = kGpuHeadDim;                   // head_dim
 constexpr int kBN = kPrefillKeyTile;              // key tokens per tile (= page_tokens)
 constexpr int kPageBytes = kGpuPageBytes;         // one (page, layer, head) block (served.h)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
-constexpr int kRotRows = 32;                      // rows per CTA of the rotation kernels
 constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
 
-// fp16 with saturation instead of overflow to infinity.
-__device__ __forceinline__ __half to_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 // Two at once in one instruction (satfinite: beyond ±65504 the largest finite, NaN stays NaN); the
 // softmax packs 32 probabilities a tile with it.
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -74,66 +75,174 @@ __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rotations. Row p of KV head h is (token p / r, query head h·r + p % r) of x [T, n_kv·r, d].
+// Rotations: q·R_k, k·R_k, v·R_v into the staging, O·R_vᵀ out, on the tensor cores. R, and fp32
+// inputs, are split into three bf16 terms (t₀ the bf16 rounding of x, t₁ of x − t₀, t₂ of what is
+// left: x to fp32's 24 bits), and Σ_{i+j≤2} x_i·R_j is accumulated in fp32 by bf16 MMAs. Every
+// product is exact and the dropped products are below 2⁻²⁴·|x|·|R|, so the result has fp32's
+// accuracy at the tensor cores' rate: one fp32 FMA per element and column (the rotations' first
+// form) ran at ~8 TFLOP/s and took half of a 4K prefill's time. A bf16 input is one term (3 MMAs
+// per tile step instead of 6). No R (no rotation artifacts) is the identity, on the same path.
+constexpr int kRotWarps = 8, kRotTile = 16 * kRotWarps;  // rows per tile: 16 per warp
+constexpr int kRotPitch = kD + 8;                        // bf16 per shared row: ldmatrix rows hit distinct banks
 
-// acc[i] = Σ_c xs[i][c] · R[c][j] (R null: xs[i][j]), c ascending. R is read once per kRotRows
-// rows, its column j in batches of kBatch rows whose loads are issued together. A short extend
-// has a few CTAs only, and batches of 4 left a chain of L2 round trips (rotate_in ~30 us a
-// launch for a 16-token extend on the H200; batches of 32: ~21 us, and 10% off such a step);
-// with many CTAs the 32-row batch's registers cost more than they hide (+2% at 512 tokens).
-template <int kBatch>
-__device__ __forceinline__ void rotate_tile(const float (&xs)[kRotRows][kD], const float* R, int j,
-                                            float (&acc)[kRotRows]) {
-#pragma unroll
-  for (int i = 0; i < kRotRows; ++i) acc[i] = R ? 0.0f : xs[i][j];
-  if (!R) return;
-#pragma unroll 1
-  for (int c0 = 0; c0 < kD; c0 += kBatch) {
-    float rc[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) rc[u] = __ldg(R + size_t(c0 + u) * kD + j);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-      for (int i = 0; i < kRotRows; ++i) acc[i] = fmaf(xs[i][c0 + u], rc[u], acc[i]);
-  }
+// x ≈ t[0] + t[1] + t[2], each term the bf16 rounding of what the earlier ones leave (exact differences).
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 (&t)[3]) {
+  t[0] = __float2bfloat16_rn(x);
+  const float rest = x - __bfloat162float(t[0]);
+  t[1] = __float2bfloat16_rn(rest);
+  t[2] = __float2bfloat16_rn(rest - __bfloat162float(t[1]));
 }
 
-// Where rotate_in's rows go: row p (of the launch's range) to dst row p + shift[i], i the last
-// entry with first[i] <= p (the staging keeps each sequence's window rows ahead of its new keys).
-struct RowShift {
+template <int kTerms>
+struct RotSmem {
+  __nv_bfloat16 r[3][kD][kRotPitch];             // R's terms, r[j][c][n] (B operands by ldmatrix.trans)
+  __nv_bfloat16 x[kTerms][kRotTile][kRotPitch];  // the tile's rows, as kTerms terms (A operands)
+};
+template <typename In>
+constexpr int rot_terms() {
+  return std::is_same<In, float>::value ? 3 : 1;
+}
+
+// Where a rotation's rows are, other than in the activations' layout: row p (of the launch's
+// range) of KV head h is row offset[e] + h·head_stride[e] + p, e the last segment with first[e] <= p.
+struct RowMap {
   int n = 0;
   int64_t first[kLaunchSeqs];
-  int64_t shift[kLaunchSeqs];
+  int64_t offset[kLaunchSeqs];
+  int64_t head_stride[kLaunchSeqs];
+  __device__ int64_t row(int64_t p, int h) const {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (first[mid] <= p) lo = mid;
+      else hi = mid - 1;
+    }
+    return offset[lo] + h * head_stride[lo] + p;
+  }
 };
 
-// dst[h][p + shift] = fp16(x[token, head] · R[h]) (through bf16 when round_bf16) for rows p in
-// [row0, row0 + rows), dst rows [n_kv][dst_rows][d]; grid (row tiles, n_kv), kD threads.
-// Row indices fit 32 bits (check_scope: tokens · n_heads < 2^31), so p / r is a 32-bit division.
-template <typename In, int kBatch>
-__global__ void __launch_bounds__(kD)
-    rotate_in(const In* x, const float* rot, int row0, int rows, int n_kv, int r, int round_bf16, __half* dst,
-              int64_t dst_rows, const __grid_constant__ RowShift shift) {
-  __shared__ float xs[kRotRows][kD];
-  const int h = blockIdx.y, j = threadIdx.x;
-  const int p0 = row0 + int(blockIdx.x) * kRotRows;
-  const int n = min(kRotRows, row0 + rows - p0);
-  for (int i = 0; i < kRotRows; ++i) {
-    const int p = p0 + i;
-    xs[i][j] = i < n ? load_activation(x + ((size_t(p / r) * n_kv + h) * r + p % r) * kD + j) : 0.0f;
-  }
-  __syncthreads();
-  float acc[kRotRows];
-  rotate_tile<kBatch>(xs, rot ? rot + size_t(h) * kD * kD : nullptr, j, acc);
-  int e = 0;
-  while (e + 1 < shift.n && shift.first[e + 1] <= p0) ++e;
+// y = x·R[h] for KV head h = blockIdx.y and rows [row0, row0 + rows), in tiles of kRotTile rows
+// (tile blockIdx.x, then every gridDim.x-th: R is split into shared memory once per CTA). kIn: x
+// in the activations' layout (row p = token p / r, query head h·r + p % r), y the fp16 staging at
+// map's rows, through bf16 first when round_bf16 (what the ring holds). Else x fp32 at map's rows
+// and y in the activations' layout. fp16 saturates beyond ±65504 (NaN stays NaN).
+template <bool kIn, typename In, typename Out>
+__global__ void __launch_bounds__(32 * kRotWarps, 1)
+    rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16, Out* y,
+           const __grid_constant__ RowMap map) {
+  constexpr int kTerms = rot_terms<In>();
+  extern __shared__ __align__(128) uint8_t rot_smem[];
+  auto& s = *reinterpret_cast<RotSmem<kTerms>*>(rot_smem);
+  __shared__ int64_t src_row[kRotTile], dst_row[kRotTile];
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  pdl_launch_dependents();  // the next rotation may split its R meanwhile
+  // R's terms, 32 column pairs a thread: their loads issued together (a short extend's few CTAs
+  // wait for this fill first), coalesced, conflict-free stores.
+  const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
+  constexpr int kPairs = kD * kD / 2 / (32 * kRotWarps);
+  float2 pair[kPairs];
 #pragma unroll
-  for (int i = 0; i < kRotRows; ++i)
-    if (i < n) {
-      while (e + 1 < shift.n && shift.first[e + 1] <= p0 + i) ++e;
-      dst[(size_t(h) * dst_rows + p0 + i + shift.shift[e]) * kD + j] =
-          to_half(round_bf16 ? __bfloat162float(__float2bfloat16_rn(acc[i])) : acc[i]);
+  for (int u = 0; u < kPairs; ++u) {
+    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
+    pair[u] = R ? __ldg(reinterpret_cast<const float2*>(R + size_t(c) * kD + n))
+                : make_float2(float(c == n), float(c == n + 1));
+  }
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
+    __nv_bfloat16 lo[3], hi[3];
+    split_bf16(pair[u].x, lo);
+    split_bf16(pair[u].y, hi);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) *reinterpret_cast<__nv_bfloat162*>(&s.r[j][c][n]) = __halves2bfloat162(lo[j], hi[j]);
+  }
+  pdl_wait();  // x comes from the preceding kernel
+  const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t p0 = row0 + tile * kRotTile;
+    const int n = int(min(int64_t(kRotTile), row0 + rows - p0));
+    if (tid < n) {
+      const int64_t p = p0 + tid;
+      const int64_t act = ((p / r) * n_kv + h) * r + p % r;
+      const int64_t mapped = map.row(p, h);
+      src_row[tid] = kIn ? act : mapped;
+      dst_row[tid] = kIn ? mapped : act;
     }
+    __syncthreads();  // (also: R's terms are in place)
+    // The tile's rows into shared memory as bf16 terms, 16-byte loads; rows past n are zero.
+    if constexpr (kTerms == 1) {
+      for (int e = tid; e < kRotTile * (kD / 8); e += 32 * kRotWarps) {
+        const int i = e / (kD / 8), c = 8 * (e % (kD / 8));
+        const uint4 u = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + c)) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(&s.x[0][i][c]) = u;
+      }
+    } else {
+      for (int e = tid; e < kRotTile * (kD / 4); e += 32 * kRotWarps) {
+        const int i = e / (kD / 4), c = 4 * (e % (kD / 4));
+        const float4 f =
+            i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + c)) : make_float4(0, 0, 0, 0);
+        __nv_bfloat16 t[4][3];
+        split_bf16(f.x, t[0]);
+        split_bf16(f.y, t[1]);
+        split_bf16(f.z, t[2]);
+        split_bf16(f.w, t[3]);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(&s.x[j][i][c]);
+          d[0] = __halves2bfloat162(t[0][j], t[1][j]);
+          d[1] = __halves2bfloat162(t[2][j], t[3][j]);
+        }
+      }
+    }
+    __syncthreads();
+    // Warp w: rows 16w .. 16w + 15, every column; m16n8k16 MMAs, 2 column tiles per B load.
+    float acc[kD / 8][4];
+#pragma unroll
+    for (int t = 0; t < kD / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+#pragma unroll 1
+    for (int k0 = 0; k0 < kD; k0 += 16) {
+      uint32_t a[kTerms][4];
+#pragma unroll
+      for (int i = 0; i < kTerms; ++i)
+        ldmatrix_x4(a[i], smem_addr(&s.x[i][16 * warp + lane % 16][k0 + 8 * (lane / 16)]));
+#pragma unroll
+      for (int n0 = 0; n0 < kD; n0 += 16)
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, smem_addr(&s.r[j][k0 + lane % 8 + 8 * ((lane / 8) % 2)][n0 + 8 * (lane / 16)]));
+#pragma unroll
+          for (int i = 0; i + j <= 2 && i < kTerms; ++i) {
+            mma_bf16(acc[n0 / 8], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);
+            mma_bf16(acc[n0 / 8 + 1], a[i][0], a[i][1], a[i][2], a[i][3], b[2], b[3]);
+          }
+        }
+    }
+    // Lane (g, t) holds rows g and g + 8 of its warp's 16, columns 8·tile + 2t and + 1.
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 16 * warp + g + 8 * half;
+      if (i >= n) continue;
+      Out* dst = y + dst_row[i] * kD + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < kD / 8; ++nt) {
+        float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
+        if constexpr (kIn) {
+          if (round_bf16) {
+            v0 = __bfloat162float(__float2bfloat16_rn(v0));
+            v1 = __bfloat162float(__float2bfloat16_rn(v1));
+          }
+          *reinterpret_cast<uint32_t*>(dst + 8 * nt) = pack_half2(v0, v1);
+        } else if constexpr (std::is_same<Out, float>::value) {
+          *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(dst + 8 * nt) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+    __syncthreads();  // the next tile's rows and terms overwrite this one's
+  }
 }
 
 // One sequence of a launch: where its rows are in the staging, the partials and the output, and
@@ -177,29 +286,28 @@ __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, Fi
   return a.seq[lo];
 }
 
-// out[token, head] = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) · R_vᵀ[h]. kFinRows rows per CTA,
-// kSlices slices of kD threads: the slices merge disjoint sets of splits (merge_run: one round of
-// loads for up to kSlices·kChunk splits), then take disjoint quarters of the rotation's inputs, so
-// few dependent loads are in series when there are many splits.
+// O = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) over a row's splits, written in fp32 over its
+// split-0 partial (rotate then takes it out through R_vᵀ); launched for sequences of several splits. kFinRows rows per
+// CTA, kSlices slices of kD threads merge disjoint sets of splits (merge_run: one round of loads for up to
+// kSlices·kChunk splits), so few dependent loads are in series when there are many splits.
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
-template <int kChunk, typename Out>
-__global__ void __launch_bounds__(kFinThreads)
-    finish(const __grid_constant__ PrefillArgs a, const float* rot_v_t, Out* out) {
+template <int kChunk>
+__global__ void __launch_bounds__(kFinThreads) finish(const __grid_constant__ PrefillArgs a) {
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
-  __shared__ float ov[kFinRows][kD];
   const SeqArgs& sq = seq_of(a, blockIdx.x, [](const SeqArgs& e) { return e.fin0; });
-  const int rows = sq.rows, splits = sq.splits, r = a.r, n_kv = a.n_kv;
+  if (sq.splits == 1) return;  // prefill_kernel normalised its rows
+  const int rows = sq.rows, splits = sq.splits, n_kv = a.n_kv;
   const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * kFinRows, tid = threadIdx.x;
   const int j = tid % kD, slice = tid / kD;
   const int n = min(kFinRows, rows - p0);
   // Split s of row i: partial row part0 + (s·n_kv + h)·rows + p0 + i.
-  const size_t split_stride = size_t(n_kv) * rows;
+  const size_t row0 = size_t(sq.part0) + size_t(h) * rows + p0, split_stride = size_t(n_kv) * rows;
   for (int i = 0; i < kFinRows; ++i) {
     float m = -INFINITY, l = 0.0f, acc = 0.0f;
     if (i < n) {
-      const size_t row = size_t(sq.part0) + size_t(h) * rows + p0 + i;
+      const size_t row = row0 + i;
       merge_run<kChunk, kD>(
           a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
           kSlices, m, l, acc);
@@ -210,30 +318,9 @@ __global__ void __launch_bounds__(kFinThreads)
       run_l[i][slice] = l;
     }
   }
-  __syncthreads();
-  for (int i = slice; i < kFinRows; i += kSlices)  // every row sees its own token: its sum > 0
-    ov[i][j] = i < n ? merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD) : 0.0f;
-  __syncthreads();
-  const float* R = rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr;
-  float acc[kFinRows];
-#pragma unroll
-  for (int i = 0; i < kFinRows; ++i) acc[i] = (!R && slice == 0) ? ov[i][j] : 0.0f;
-  if (R) {
-#pragma unroll 4
-    for (int c = slice * (kD / kSlices); c < (slice + 1) * (kD / kSlices); ++c) {
-      const float rc = __ldg(R + size_t(c) * kD + j);
-#pragma unroll
-      for (int i = 0; i < kFinRows; ++i) acc[i] = fmaf(ov[i][c], rc, acc[i]);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kFinRows; ++i) part[slice][i][j] = acc[i];
-  __syncthreads();
-  for (int i = slice; i < n; i += kSlices) {
-    const int p = p0 + i;
-    store_activation(out + ((size_t(sq.token0 + p / r) * n_kv + h) * r + p % r) * kD + j,
-                     (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]));
-  }
+  __syncthreads();                          // every read of the rows' partials is done: split 0's rows take the result
+  for (int i = slice; i < n; i += kSlices)  // every row sees its own token: its sum > 0
+    a.part_o[(row0 + i) * kD + j] = merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -591,7 +678,8 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   wgmma_wait<0>();
   wgmma_hold(o);
 
-  // Partial results: unnormalised O − Σ P'·z_v, running max, sum.
+  // Partial results: unnormalised O − Σ P'·z_v, running max, sum; a sequence of one split (nothing
+  // to merge) takes the normalised O in their place (finish skips it).
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
@@ -602,10 +690,11 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
     if (p >= rows) continue;
     const size_t row = size_t(sq.part0) + (size_t(split) * a.n_kv + h) * rows + p;
     float* dst = a.part_o + row * kD;
+    const float scale = sq.splits == 1 ? 1.0f / l[rr] : 1.0f;  // > 0: every row sees its own token
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n)
       *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) =
-          make_float2(o[4 * n + 2 * rr] - spz[rr], o[4 * n + 2 * rr + 1] - spz[rr]);
+          make_float2((o[4 * n + 2 * rr] - spz[rr]) * scale, (o[4 * n + 2 * rr + 1] - spz[rr]) * scale);
     if (t == 0) *reinterpret_cast<float2*>(a.part_ml + row * 2) = make_float2(m[rr], l[rr]);
   }
 }
@@ -652,15 +741,31 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
                       shape.warps);
 }
 
-// Rows [row0, row0 + rows) of x rotated into the fp16 staging (rotate_in).
-template <typename In>
-void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16,
-                 __half* dst, int64_t dst_rows, const RowShift& shift, cudaStream_t stream) {
+// Rows [row0, row0 + rows) of every KV head through R (rotate): at most one CTA an SM per head
+// (each splits R into its shared memory once), each taking every gridDim.x-th tile.
+template <bool kIn, typename In, typename Out>
+void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16, Out* y,
+                 const RowMap& map, cudaStream_t stream) {
   if (rows == 0) return;
-  const dim3 grid(unsigned((rows + kRotRows - 1) / kRotRows), n_kv);
-  // Fewer CTAs than SMs: R's loads in batches of 32 (rotate_tile); else of 4.
-  const auto kernel = int64_t(grid.x) * grid.y < multiprocessors() ? rotate_in<In, 32> : rotate_in<In, 4>;
-  kernel<<<grid, kD, 0, stream>>>(x, rot, int(row0), int(rows), n_kv, r, round_bf16, dst, dst_rows, shift);
+  constexpr size_t kSmem = sizeof(RotSmem<rot_terms<In>()>);
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(rotate<kIn, In, Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  check_cuda(attribute, "prefill (CUDA): the rotation's shared memory attribute");
+  const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
+  // Programmatic dependent launch: the grid starts while its predecessor runs, splits R, then waits
+  // (griddepcontrol.wait) for the predecessor's results.
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv));
+  c.blockDim = dim3(32 * kRotWarps);
+  c.dynamicSmemBytes = kSmem;
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&c, rotate<kIn, In, Out>, x, rot, row0, rows, n_kv, r, round_bf16, y, map),
+             "prefill (CUDA): rotation launch");
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -680,10 +785,11 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
                     const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
                     const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
   const int n_kv = g.n_kv_heads;
-  RowShift none;
-  none.n = 1;
-  none.first[0] = none.shift[0] = 0;
-  rotate_rows(q, rot_k, 0, a.q_rows, n_kv, a.r, 0, a.q, a.q_rows, none, stream);
+  RowMap staged_q;  // [n_kv][q_rows][d]
+  staged_q.n = 1;
+  staged_q.first[0] = staged_q.offset[0] = 0;
+  staged_q.head_stride[0] = a.q_rows;
+  rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, 0, a.q, staged_q, stream);
   std::vector<int> live;  // sequences with new tokens
   for (size_t i = 0; i < seqs.size(); ++i)
     if (seqs[i].T > 0) live.push_back(int(i));
@@ -691,19 +797,23 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
   for (size_t c0 = 0; c0 < live.size(); c0 += kLaunchSeqs) {
     const size_t c1 = std::min(live.size(), c0 + kLaunchSeqs);
     // The new keys and values of these sequences (consecutive tokens), each sequence's shifted
-    // past its window rows in the staging.
-    RowShift shift;
-    shift.n = int(c1 - c0);
+    // past its window rows in the staging; their outputs' merged, unrotated rows (split 0's partials).
+    RowMap staged_kv, merged;
+    staged_kv.n = merged.n = int(c1 - c0);
     for (size_t e = c0; e < c1; ++e) {
       const PrefillSeqPlan& sp = plan.seqs[size_t(live[e])];
-      shift.first[e - c0] = sp.token0;
-      shift.shift[e - c0] = sp.kv0 + sp.win_rows - sp.token0;
+      staged_kv.first[e - c0] = sp.token0;
+      staged_kv.offset[e - c0] = sp.kv0 + sp.win_rows - sp.token0;
+      staged_kv.head_stride[e - c0] = a.kv_rows;
+      merged.first[e - c0] = sp.token0 * a.r;
+      merged.offset[e - c0] = sp.part0 - sp.token0 * a.r;
+      merged.head_stride[e - c0] = sp.rows;
     }
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_rows(k, rot_k, tok0, toks, n_kv, 1, 1, a.k, a.kv_rows, shift, stream);
-    rotate_rows(v, rot_v, tok0, toks, n_kv, 1, 1, a.v, a.kv_rows, shift, stream);
+    rotate_rows<true>(k, rot_k, tok0, toks, n_kv, 1, 1, a.k, staged_kv, stream);
+    rotate_rows<true>(v, rot_v, tok0, toks, n_kv, 1, 1, a.v, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
@@ -748,8 +858,10 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
                                         : (one ? prefill_kernel<8, true> : prefill_kernel<8, false>);
     kernel<<<grid, 32 * plan.warps + kProducer, kSmemBytes, stream>>>(a);
     const int chunk = merge_slice_chunk(max_splits);
-    const auto fin = chunk == 1 ? finish<1, Out> : chunk == 4 ? finish<4, Out> : finish<12, Out>;
-    fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a, rot_v_t, out);
+    const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
+    if (max_splits > 1) fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a);
+    rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, 0, out, merged,
+                       stream);
   }
 }
 

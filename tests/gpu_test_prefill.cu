@@ -18,12 +18,14 @@
 
 #include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "formats/kv_layout.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
 #include "runtime/kv_kernels.h"
 #include "runtime/kvcc_runtime.h"
+#include "runtime/plan.h"
 #include "runtime/served.h"
 #include "cache_test_util.h"
 #include "gpu_test_util.h"
@@ -261,6 +263,135 @@ TEST(GpuPrefill, LongExtendMatchesReference) {
   c.sync_device();
   const double worst = check_prefill(c, {{a, 4100}}, 4, 0, 0, 0, true);
   std::printf("prefill, T = 4100 over 1000 tokens: worst %.2e\n", worst);
+}
+
+// A stored value against the exact (double) one: `bits` mantissa bits (fp16 10, bf16 7, fp32 23).
+struct Tally {
+  size_t n = 0, nearest = 0;
+  double worst = 0;  // the largest error over its bound
+  void add(double got, double exact, double magnitude, int bits, int min_exp) {
+    // Half a step of the format at the exact value, plus fp32's accumulation: 48 accumulating MMAs
+    // of split terms (8 k-steps, 6 products), each within 2^-22 of its operands' magnitudes.
+    const double half_step = std::ldexp(0.5, std::max(std::ilogb(exact), min_exp) - bits);
+    worst = std::max(worst, std::fabs(got - exact) / (half_step + std::ldexp(magnitude, -16)));
+    ++n;
+  }
+};
+
+// The rotations at fp32's accuracy (rotate: split bf16 terms on the tensor cores), read where the
+// call leaves them: q·R_k, k·R_k and v·R_v staged in the workspace (fp16; k and v through bf16),
+// and the output, the merged rows left in split 0's partials times R_vᵀ. Every value is within
+// its Tally bound of the exact one, and at least 98% of the staged ones are the exact value's
+// nearest (fp32's error crosses a rounding boundary rarely); a bf16-accurate rotation (R as one
+// bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32 activations
+// (split into three terms) and bf16 ones; 300 tokens (a partial tile), 4 query heads per KV head.
+TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
+  const KvGeometry g = test_geometry(1, 2);
+  constexpr int kHeads = 8, kT = 300;
+  const int n_kv = g.n_kv_heads, r = kHeads / n_kv;
+  std::mt19937 rng(5);
+  const auto rk = random_rotations(n_kv, kD, rng), rv = random_rotations(n_kv, kD, rng);
+  const auto rvt = transpose_heads(rv, n_kv, kD);
+  DeviceBuffer<float> drk(rk), drv(rv), drvt(rvt);
+  Caches c(g, 16, 2, false);
+  const int s = c.add();
+  c.sync_device();
+  const std::vector<PrefillSequence> seqs{{s, 0, nullptr, kT}};
+  const PrefillShape shape{kHeads, 1.0f / std::sqrt(float(kD)), 1, 8};
+  const PrefillPlan plan = plan_prefill(PrefillGpu{}, g, {0}, {kT}, kHeads, 1, 8);
+  const PrefillWorkspace lay = prefill_workspace(g, plan, kHeads);
+  const PrefillSeqPlan& sp = plan.seqs[0];
+  const size_t wsb = prefill_workspace_bytes(g, seqs, shape);
+  ASSERT_EQ(wsb, lay.bytes);
+  DeviceBuffer<uint8_t> ws(wsb);
+  for (const Activations act : {Activations::Float32, Activations::BFloat16}) {
+    const bool bf16 = act == Activations::BFloat16;
+    // Inputs as the kernels see them: bf16 activations are bf16 values.
+    auto values = [&](size_t n) {
+      std::vector<float> x = random_rows(n, rng, false);
+      if (bf16)
+        for (float& e : x) e = float_from_bf16(bf16_from_float(e));
+      return x;
+    };
+    const auto q = values(size_t(kT) * kHeads * kD), k = values(size_t(kT) * n_kv * kD), v = values(k.size());
+    auto device = [&](const std::vector<float>& x) {
+      std::vector<uint16_t> b(x.size());
+      for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_from_float(x[i]);
+      return bf16 ? DeviceBuffer<uint8_t>(std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(b.data()),
+                                                               reinterpret_cast<const uint8_t*>(b.data() + b.size())))
+                  : DeviceBuffer<uint8_t>(std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(x.data()),
+                                                               reinterpret_cast<const uint8_t*>(x.data() + x.size())));
+    };
+    const auto dq = device(q), dk = device(k), dv = device(v);
+    DeviceBuffer<uint8_t> dout(q.size() * (bf16 ? 2 : 4));
+    CUDA_OK(cudaMemset(ws.data(), 0xff, wsb));
+    prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), 0, seqs, c.codecs.data(), shape, dq.data(), dk.data(),
+                 dv.data(), drk.data(), drv.data(), drvt.data(), dout.data(), ws.data(), wsb, nullptr, act);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> w = ws.download(), o = dout.download();
+    auto f16_at = [&w](size_t off, size_t i) {
+      uint16_t u;
+      std::memcpy(&u, w.data() + off + 2 * i, 2);
+      return double(float_from_f16(u));
+    };
+    auto f32_at = [](const std::vector<uint8_t>& b, size_t off, size_t i) {
+      float f;
+      std::memcpy(&f, b.data() + off + 4 * i, 4);
+      return double(f);
+    };
+    // Σ_c x_c·R[c][n] and Σ_c |x_c·R[c][n]| of one row.
+    auto rotate = [](const float* x, const float* R, int n, double& magnitude) {
+      double y = 0;
+      magnitude = 0;
+      for (int ci = 0; ci < kD; ++ci) {
+        y += double(x[ci]) * R[size_t(ci) * kD + n];
+        magnitude += std::fabs(double(x[ci]) * R[size_t(ci) * kD + n]);
+      }
+      return y;
+    };
+    Tally staged, out;
+    for (int h = 0; h < n_kv; ++h)
+      for (int t = 0; t < kT; ++t)
+        for (int n = 0; n < kD; ++n) {
+          double m;
+          for (int a = 0; a < r; ++a) {  // q: fp16
+            const size_t p = size_t(t) * r + a;
+            const double y = rotate(&q[(size_t(t) * kHeads + h * r + a) * kD], &rk[size_t(h) * kD * kD], n, m);
+            const double got = f16_at(lay.q, (h * size_t(plan.tokens) * r + p) * kD + n);
+            staged.add(got, y, m, 10, -14);
+            staged.nearest += got == double(float_from_f16(f16_from_float(float(y))));
+          }
+          const size_t row = size_t(h) * plan.kv_rows + sp.kv0 + sp.win_rows + t;
+          for (int side = 0; side < 2; ++side) {  // k, v: bf16 values in fp16
+            const std::vector<float>& x = side ? v : k;
+            const double y = rotate(&x[(size_t(t) * n_kv + h) * kD], &(side ? rv : rk)[size_t(h) * kD * kD], n, m);
+            const double got = f16_at(side ? lay.v : lay.k, row * kD + n);
+            staged.add(got, y, m, 7, -126);
+            staged.nearest += got == double(float_from_bf16(bf16_from_float(float(y))));
+          }
+        }
+    for (int h = 0; h < n_kv; ++h)
+      for (int p = 0; p < sp.rows; ++p) {  // the output: the merged row through R_vᵀ
+        std::vector<float> merged(kD);
+        for (int ci = 0; ci < kD; ++ci)
+          merged[size_t(ci)] = float(f32_at(w, lay.part_o, (size_t(sp.part0) + size_t(h) * sp.rows + p) * kD + ci));
+        const int t = p / r, a = p % r;
+        for (int n = 0; n < kD; ++n) {
+          double m;
+          const double y = rotate(merged.data(), &rvt[size_t(h) * kD * kD], n, m);
+          const size_t i = (size_t(t) * kHeads + h * r + a) * kD + n;
+          uint16_t u;
+          std::memcpy(&u, o.data() + 2 * i, 2);
+          out.add(bf16 ? double(float_from_bf16(u)) : f32_at(o, 0, i), y, m, bf16 ? 7 : 23, -126);
+        }
+      }
+    std::printf("%s: staged q, k, v worst %.3f of the bound, %.4f%% nearest; output worst %.3f of the bound\n",
+                bf16 ? "bf16" : "fp32", staged.worst, 100.0 * staged.nearest / staged.n, out.worst);
+    EXPECT_LE(staged.worst, 1.0);
+    EXPECT_GE(double(staged.nearest), 0.98 * staged.n);
+    EXPECT_LE(out.worst, 1.0);
+    EXPECT_EQ(out.n, size_t(kT) * kHeads * kD);
+  }
 }
 
 TEST(GpuPrefill, RefusesOutOfScope) {
