@@ -169,26 +169,41 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       dst_row[tid] = kIn ? mapped : act;
     }
     __syncthreads();  // (also: R's terms are in place)
-    // The tile's rows into shared memory as bf16 terms, 16-byte loads; rows past n are zero.
+    // The tile's rows into shared memory as bf16 terms, 16-byte loads issued together (one
+    // round trip a tile, not one per load); rows past n are zero.
+    constexpr int kThreads = 32 * kRotWarps;
     if constexpr (kTerms == 1) {
-      for (int e = tid; e < kRotTile * (kD / 8); e += 32 * kRotWarps) {
-        const int i = e / (kD / 8), c = 8 * (e % (kD / 8));
-        const uint4 u = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + c)) : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(&s.x[0][i][c]) = u;
+      constexpr int kLoads = kRotTile * (kD / 8) / kThreads;
+      uint4 u[kLoads];
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        const int e = tid + c * kThreads, i = e / (kD / 8), col = 8 * (e % (kD / 8));
+        u[c] = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + col)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        const int e = tid + c * kThreads, i = e / (kD / 8), col = 8 * (e % (kD / 8));
+        *reinterpret_cast<uint4*>(&s.x[0][i][col]) = u[c];
       }
     } else {
-      for (int e = tid; e < kRotTile * (kD / 4); e += 32 * kRotWarps) {
-        const int i = e / (kD / 4), c = 4 * (e % (kD / 4));
-        const float4 f =
-            i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + c)) : make_float4(0, 0, 0, 0);
+      constexpr int kLoads = kRotTile * (kD / 4) / kThreads;
+      float4 f[kLoads];
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        const int e = tid + c * kThreads, i = e / (kD / 4), col = 4 * (e % (kD / 4));
+        f[c] = i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + col)) : make_float4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        const int e = tid + c * kThreads, i = e / (kD / 4), col = 4 * (e % (kD / 4));
         __nv_bfloat16 t[4][3];
-        split_bf16(f.x, t[0]);
-        split_bf16(f.y, t[1]);
-        split_bf16(f.z, t[2]);
-        split_bf16(f.w, t[3]);
+        split_bf16(f[c].x, t[0]);
+        split_bf16(f[c].y, t[1]);
+        split_bf16(f[c].z, t[2]);
+        split_bf16(f[c].w, t[3]);
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
-          __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(&s.x[j][i][c]);
+          __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(&s.x[j][i][col]);
           d[0] = __halves2bfloat162(t[0][j], t[1][j]);
           d[1] = __halves2bfloat162(t[2][j], t[3][j]);
         }
