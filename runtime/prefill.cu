@@ -78,10 +78,11 @@ __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
 // Rotations: q·R_k, k·R_k, v·R_v into the staging, O·R_vᵀ out, on the tensor cores. R, and fp32
 // inputs, are split into three bf16 terms (t₀ the bf16 rounding of x, t₁ of x − t₀, t₂ of what is
 // left: x to fp32's 24 bits), and Σ_{i+j≤2} x_i·R_j is accumulated in fp32 by bf16 MMAs. Every
-// product is exact and the dropped products are below 2⁻²⁴·|x|·|R|, so the result has fp32's
-// accuracy at the tensor cores' rate: one fp32 FMA per element and column (the rotations' first
-// form) ran at ~8 TFLOP/s and took half of a 4K prefill's time. A bf16 input is one term (3 MMAs
-// per tile step instead of 6). No R (no rotation artifacts) is the identity, on the same path.
+// product is exact and the dropped products are below 2⁻²⁴·|x|·|R|; the accumulation truncates
+// (within 2⁻¹⁶·Σ|x_c·R_c| in the tests, a few fp32 steps of the result), at the tensor cores'
+// rate: one fp32 FMA per element and column (the rotations' first form) ran at ~8 TFLOP/s and took
+// half of a 4K prefill's time. A bf16 input is one term (3 MMAs per tile step instead of 6). No R
+// (no rotation artifacts) is the identity, on the same path.
 constexpr int kRotWarps = 8, kRotTile = 16 * kRotWarps;  // rows per tile: 16 per warp
 constexpr int kRotPitch = kD + 8;                        // bf16 per shared row: ldmatrix rows hit distinct banks
 
