@@ -5,8 +5,8 @@
 // their offsets are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
 //  1. rotate: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
-//     query row is a (new token, query head of the group) pair), on the tensor cores at fp32's
-//     accuracy (split bf16 terms). k and v are rounded to BF16 first (what the ring will hold),
+//     query row is a (new token, query head of the group) pair), on the tensor cores (split bf16
+//     terms; sums within a few fp32 steps). k and v are rounded to BF16 first (the ring's type),
 //     so their fp16 copies are BF16 values exactly.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).

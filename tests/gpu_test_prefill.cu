@@ -278,7 +278,7 @@ struct Tally {
   }
 };
 
-// The rotations at fp32's accuracy (rotate: split bf16 terms on the tensor cores), read where the
+// The rotations near fp32's accuracy (rotate: split bf16 terms on the tensor cores), read where the
 // call leaves them: q·R_k, k·R_k and v·R_v staged in the workspace (fp16; k and v through bf16),
 // and the output, the merged rows left in split 0's partials times R_vᵀ. Every value is within
 // its Tally bound of the exact one, and at least 98% of the staged ones are the exact value's
