@@ -1,13 +1,18 @@
 // kvcc compile: calibration statistics -> a versioned artifact (rotations + quantizer parameters).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cli/command.h"
 #include "compile/compile.h"
+#include "eval/bits_sensitivity.h"
+#include "eval/experiment.h"
+#include "eval/scheme.h"
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
@@ -114,6 +119,9 @@ struct Args {
   std::string values;  // kivi --values
   CompileOptions options;
   bool no_fit_clip = false;
+  // --bits-budget weighed by the model's KL (eval/bits_sensitivity.h): the model and its text.
+  std::string sensitivity_model;
+  ValidateData sensitivity_data;
 };
 
 void add_compile_options(CLI::App& sub, Args& a) {
@@ -201,6 +209,49 @@ void add_compile_options(CLI::App& sub, Args& a) {
                  "with --bits-budget: layer | head | auto (per KV head only when it lowers the predicted error "
                  "by 5%)")
       ->capture_default_str();
+  a.sensitivity_data.max_tokens = 8192;
+  sub.add_option("--sensitivity-model", a.sensitivity_model,
+                 "with --bits-budget: weigh each layer's key and value errors by what they cost this model: the "
+                 "KL of its next-token distribution with that side of that layer alone quantised at the "
+                 "recipe's widths (static mode, on --sensitivity-data or --sensitivity-ids)");
+  sub.add_option("--sensitivity-data", a.sensitivity_data.data_path,
+                 "with --sensitivity-model: text, documents separated by <|endoftext|>");
+  sub.add_option("--sensitivity-ids", a.sensitivity_data.ids_path,
+                 "with --sensitivity-model: pre-tokenized documents (one line of ids each)");
+  sub.add_option("--sensitivity-tokens", a.sensitivity_data.max_tokens,
+                 "with --sensitivity-model: tokens measured (documents truncated to min(max_position, 2048))")
+      ->capture_default_str()
+      ->transform(whole_number(1, kIntMax));
+}
+
+// --sensitivity-model: the KL each layer side costs the model, for --bits-budget to weigh its
+// held-out errors by. The model and text are read now (a wrong path fails before any work); the
+// measurement runs when compile hands over the artifact at the recipe's widths.
+std::function<std::vector<double>(const Artifact&)> kl_weights(const Args& a) {
+  auto model = std::make_shared<const ModelFile>(ModelFile::open(a.sensitivity_model));
+  auto docs =
+      std::make_shared<const std::vector<std::vector<int32_t>>>(load_validation_documents(*model, a.sensitivity_data));
+  const std::string what = "compiled from " + a.stats_path + " (for --sensitivity-model)";
+  return [model, docs, what](const Artifact& art) {
+    check_artifact_matches(art, *model, what);
+    const bool tty = stderr_is_tty();
+    uint64_t next_line = 0;
+    const auto progress = [&](const ValidateProgress& p) {
+      if (!tty && p.tokens_done < next_line && p.tokens_done < p.tokens_total) return;
+      next_line = p.tokens_done + std::max<uint64_t>(1, p.tokens_total / 10);
+      std::fprintf(stderr,
+                   tty ? "\rsensitivity: %d layer sides, %llu/%llu tokens, elapsed %.0f s"
+                       : "sensitivity: %d layer sides, %llu/%llu tokens, elapsed %.0f s\n",
+                   2 * art.n_layers, (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total,
+                   p.elapsed_s);
+      if (tty && p.tokens_done == p.tokens_total) std::fprintf(stderr, "\n");
+    };
+    const std::vector<double> kl = measure_side_kl(*model, *docs, art, ValidateMode::Static, 128, progress);
+    std::printf("KL per layer with its keys / values alone quantised at the recipe's widths:");
+    for (int l = 0; l < art.n_layers; ++l) std::printf(" %d:%.2e/%.2e", l, kl[size_t(l) * 2], kl[size_t(l) * 2 + 1]);
+    std::printf("\n");
+    return kl;
+  };
 }
 
 int run_compile(Args& a) {
@@ -210,6 +261,7 @@ int run_compile(Args& a) {
   std::cerr << "reading " << a.stats_path << "\n";
   const Stats stats = read_stats(a.stats_path);
   const auto t0 = std::chrono::steady_clock::now();
+  if (!a.sensitivity_model.empty()) a.options.side_kl = kl_weights(a);
   a.options.progress = [&](int done, int total) {
     if (tty) std::fprintf(stderr, "\rcompiling %s: layer %d/%d", a.options.method.c_str(), done, total);
     else std::fprintf(stderr, "compiling %s: layer %d/%d\n", a.options.method.c_str(), done, total);
@@ -233,10 +285,12 @@ int run_compile(Args& a) {
       nominal_bits(art), history_bits(art, KvSide::Key), history_bits(art, KvSide::Value), effective_bits(art, 2048),
       effective_bits(art, 32768), effective_bits(art, 131072));
   if (has_side_bits(art)) {  // --bits-budget: the widths chosen, per layer
-    std::printf("widths (%s, budget %s bits%s): K/V bits per layer", r.params.at("bits_granularity").c_str(),
-                r.params.at("bits_budget").c_str(),
-                a.options.budget_context > 0 ? (" at " + std::to_string(a.options.budget_context) + " tokens").c_str()
-                                             : " in the quantised tier");
+    std::printf(
+        "widths (%s, %s, budget %s bits%s): K/V bits per layer", r.params.at("bits_granularity").c_str(),
+        r.params.at("bits_sensitivity") == "kl" ? "held-out errors weighed by the model's KL" : "held-out errors",
+        r.params.at("bits_budget").c_str(),
+        a.options.budget_context > 0 ? (" at " + std::to_string(a.options.budget_context) + " tokens").c_str()
+                                     : " in the quantised tier");
     for (int l = 0; l < art.n_layers; ++l) {
       std::string k, v;
       for (int h = 0; h < art.n_kv_heads; ++h) {
@@ -279,6 +333,9 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
                   "  kvcc compile stats.h5 -m turboquant --key-bits 2.5 --value-bits 2.5 -o tq.kvcc.h5\n"
                   "  # widths per layer (1-4 bits) chosen under 2.3 bits per element at 16K tokens\n"
                   "  kvcc compile stats.h5 -m oscar --bits-budget 2.3 --budget-context 16384 -o b23.kvcc.h5\n"
+                  "  # the same, each layer's errors weighed by the KL they cost the model on 8192 tokens\n"
+                  "  kvcc compile stats.h5 -m oscar --bits-budget 2.3 --budget-context 16384 \\\n"
+                  "      --sensitivity-model DIR --sensitivity-data calib.txt -o b23kl.kvcc.h5\n"
                   "  # OSCAR as published: its fixed clips 0.96 / 0.92 and value target logit2\n"
                   "  kvcc compile stats.h5 -m oscar --param variant=published -o oscar-published.kvcc.h5\n"
                   "  kvcc compile stats.h5 --method commvq --bits 1 -o commvq1.kvcc.h5");
@@ -296,6 +353,18 @@ Command reg{"compile", 30, "Compile stats into an artifact: rotations and INT-b 
                 for (MethodOption o : kMethodOptions)
                   if (sub.count(option_flag(o)) > 0) given |= o;
                 check_method_options(method_from_name(a->options.method), given, a->options.params);
+                const bool measured = !a->sensitivity_model.empty();
+                KVCC_REQUIRE(!measured || a->options.bits_budget > 0,
+                             "--sensitivity-model weighs --bits-budget's "
+                             "choice: give --bits-budget too");
+                KVCC_REQUIRE(measured || (sub.count("--sensitivity-data") + sub.count("--sensitivity-ids") +
+                                          sub.count("--sensitivity-tokens")) == 0,
+                             "--sensitivity-data, --sensitivity-ids and --sensitivity-tokens need --sensitivity-model");
+                KVCC_REQUIRE(!measured || a->sensitivity_data.data_path.empty() != a->sensitivity_data.ids_path.empty(),
+                             "--sensitivity-model needs one of --sensitivity-data TEXT or --sensitivity-ids FILE");
+                if (measured)
+                  require_output_is_not_input(
+                      a->out_path, {a->sensitivity_model, a->sensitivity_data.data_path, a->sensitivity_data.ids_path});
                 return run_compile(*a);
               };
             }};

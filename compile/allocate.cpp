@@ -157,6 +157,34 @@ std::vector<SideSensitivity> measure_sensitivity(const Stats& stats, const Compi
   return out;
 }
 
+std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<double>& side_kl,
+                                const std::vector<int>& widths, const int base[2], int n_layers, int n_kv) {
+  KVCC_REQUIRE(side_kl.size() == size_t(n_layers) * 2, "bits budget: " + std::to_string(side_kl.size()) +
+                                                           " measured KLs for " + std::to_string(n_layers) +
+                                                           " layers (one per layer and side)");
+  KVCC_REQUIRE(table.size() == size_t(n_layers) * n_kv * 2, "bits budget: the sensitivity table has the wrong size");
+  std::vector<double> scale(side_kl.size());
+  for (int l = 0; l < n_layers; ++l)
+    for (int s = 0; s < 2; ++s) {
+      const double kl = side_kl[size_t(l) * 2 + size_t(s)];
+      KVCC_REQUIRE(std::isfinite(kl) && kl >= 0, "bits budget: the measured KL of layer " + std::to_string(l) +
+                                                     (s ? " values" : " keys") + " is " + number(kl) +
+                                                     " (must be finite and >= 0)");
+      const int j = base[s];
+      KVCC_REQUIRE(j >= 0 && size_t(j) < widths.size(), "bits budget: the recipe's width is not a candidate");
+      double sum = 0;
+      for (int h = 0; h < n_kv; ++h) sum += table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error[size_t(j)];
+      KVCC_REQUIRE(sum > 0 || kl == 0, "bits budget: layer " + std::to_string(l) + (s ? " values" : " keys") +
+                                           " show no held-out error at the recipe's width but a KL of " + number(kl) +
+                                           ": the two cannot be matched");
+      const double f = sum > 0 ? kl / sum : 0.0;
+      scale[size_t(l) * 2 + size_t(s)] = f;
+      for (int h = 0; h < n_kv; ++h)
+        for (double& e : table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error) e *= f;
+    }
+  return scale;
+}
+
 Artifact compile_with_budget(const Stats& stats, const CompileOptions& options, BitsAllocation* result) {
   const ModelConfig& c = stats.config;
   const Recipe recipe = make_recipe(options, c.head_dim, c.n_kv_heads);
@@ -187,6 +215,23 @@ Artifact compile_with_budget(const Stats& stats, const CompileOptions& options, 
   const int64_t capacity = std::min<int64_t>(
       int64_t(n_sides) * a.widths.back(),
       int64_t(std::floor((options.bits_budget - m0) / slope + 1e-9)) + int64_t(n_sides) * a.widths[0]);
+
+  if (options.side_kl) {  // weighed by the model's KL, measured once the budget is known feasible
+    int base[2];
+    for (int s = 0; s < 2; ++s) {
+      const double b = s ? recipe.value_bits : recipe.key_bits;
+      const auto it = std::find(a.widths.begin(), a.widths.end(), int(b));
+      KVCC_REQUIRE(double(int(b)) == b && it != a.widths.end(),
+                   "bits budget: the KL is measured at the recipe's widths, which must be whole numbers in 1-4");
+      base[s] = int(it - a.widths.begin());
+    }
+    CompileOptions at_recipe = options;
+    at_recipe.bits_budget = 0;
+    at_recipe.progress = nullptr;
+    at_recipe.side_kl = nullptr;
+    a.kl_scale = weigh_by_kl(a.sensitivity, options.side_kl(compile_artifact(stats, at_recipe)), a.widths, base,
+                             c.n_layers, c.n_kv_heads);
+  }
 
   const int n_kv = c.n_kv_heads;
   // Per layer: items (layer, side) of weight n_kv; per head: (layer, head, side) of weight 1.
@@ -251,6 +296,8 @@ Artifact compile_with_budget(const Stats& stats, const CompileOptions& options, 
   art.recipe.params["bits_budget"] = number(options.bits_budget);
   art.recipe.params["budget_context"] = std::to_string(options.budget_context);
   art.recipe.params["bits_granularity"] = a.granularity;
+  // What the widths were chosen from: held-out attention errors, or those weighed by measured KL.
+  art.recipe.params["bits_sensitivity"] = options.side_kl ? "kl" : "heldout";
   a.budget_bits = budget_measure(art, options.budget_context);
   KVCC_REQUIRE(a.budget_bits <= options.bits_budget + 1e-9 || capacity == int64_t(n_sides) * a.widths.back(),
                "bits budget: the allocation's " + number(a.budget_bits) + " bits exceed the budget (a bug)");

@@ -7,6 +7,15 @@
 // and the squared relative attention-output error ‖PV − P̂V̂‖² / ‖PV‖² is measured, as
 // `kvcc report`'s output error (compile/report.h) with one side quantised.
 //
+// Weighed by the loss (CompileOptions::side_kl, measured on the model once the budget is known
+// feasible, on the artifact at the recipe's widths): the errors of each
+// (layer, side) are scaled by one factor so that at the recipe's width their sum over the layer's
+// KV heads equals that side's measured KL. The held-out errors rank every layer's relative error
+// alike and come from diffuse attention over many documents' rows; the KL says what each layer
+// side costs the model (a first bits budget on the held-out errors alone lost to uniform widths
+// at matched bits: docs/results/2026-12-01-served-mixed-recipe.md). The widths' ratios stay the
+// held-out errors'.
+//
 // Choice: the sum of those errors over every side (each at its width) is minimised subject to the
 // budget, exactly (a multiple-choice knapsack solved by dynamic programming over the total bits).
 // The budget is the artifact's own accounting (formats/kv_codec.h): effective_bits(artifact, L)
@@ -45,7 +54,18 @@ struct BitsAllocation {
   double predicted_error = 0;                // Σ sensitivity at the chosen widths
   double layer_error = 0, head_error = 0;    // the optimum at either granularity (head: -1 if not tried)
   double budget_bits = 0;                    // the budget's measure of the chosen widths
+  // Weighed by the loss: the factor applied to each (layer, side)'s errors, index layer·2 + side
+  // (empty: the held-out errors alone).
+  std::vector<double> kl_scale;
 };
+
+// Scales each (layer, side)'s errors in `table` ([layer][head][side], side-minor, as
+// measure_sensitivity returns it) so that their sum over the layer's KV heads at widths[base[side]]
+// is side_kl[layer·2 + side]; returns the factors. Throws Error on a side_kl of the wrong size, a
+// negative or non-finite KL, or a side whose errors at the base width sum to zero while its KL
+// does not.
+std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<double>& side_kl,
+                                const std::vector<int>& widths, const int base[2], int n_layers, int n_kv);
 
 // The budget's measure of an artifact: effective_bits at `context`, or the quantised tier (mean
 // of key and value history bits) when context is 0.

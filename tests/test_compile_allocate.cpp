@@ -3,7 +3,9 @@
 // the integer widths allow, and are the exact optimum of the measured sensitivities (checked by
 // brute force); a layer made very sensitive (sharper attention) gets more key bits; the per-side
 // widths survive both containers and drive the codec, hence validate's codec path, exactly as the
-// artifacts compiled at those widths; the runtime refuses them by name.
+// artifacts compiled at those widths; the runtime refuses them by name. Weighed by the model's
+// KL (compile --sensitivity-model): each layer side's errors scale to its measured KL, and that KL
+// is validate's for the side quantised alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +14,7 @@
 
 #include "compile/allocate.h"
 #include "compile/compile.h"
+#include "eval/bits_sensitivity.h"
 #include "compile_test_util.h"
 #include "eval/experiment.h"
 #include "eval/scheme.h"
@@ -150,6 +153,123 @@ TEST(BitsBudget, AVerySensitiveLayerGetsMoreBits) {
   EXPECT_GT(b.head(1, 0).key.bits, a.head(1, 0).key.bits);
   std::printf("  key bits per layer: plain %g / %g, sharp layer 1: %g / %g\n", a.head(0, 0).key.bits,
               a.head(1, 0).key.bits, b.head(0, 0).key.bits, b.head(1, 0).key.bits);
+}
+
+// weigh_by_kl: each (layer, side)'s errors scaled by one factor, so that at the recipe's width their
+// sum over KV heads is that side's KL; a KL proportional to the held-out errors changes no width;
+// a KL concentrated on one side sends the bits there.
+TEST(BitsBudget, KlWeighsEachLayerSide) {
+  const CompileOptions o = budget_options(2.3);
+  BitsAllocation plain;
+  const Artifact a = compile_with_budget(small_stats(), o, &plain);
+  const int L = a.n_layers, H = a.n_kv_heads, base = 1;  // widths {1,2,3,4}: 2 bits at index 1
+  auto unit = [&](const BitsAllocation& t, int l, int s, int j) {
+    double e = 0;
+    for (int h = 0; h < H; ++h) e += t.sensitivity[(size_t(l) * H + h) * 2 + s].error[size_t(j)];
+    return e;
+  };
+  // Proportional: the KL is 3x the held-out errors at 2 bits on every side.
+  CompileOptions prop = o;
+  std::vector<double> kl;
+  for (int l = 0; l < L; ++l)
+    for (int s = 0; s < 2; ++s) kl.push_back(3.0 * unit(plain, l, s, base));
+  int calls = 0;
+  prop.side_kl = [&](const Artifact& at) {
+    ++calls;
+    EXPECT_EQ(at.recipe.key_bits, 2.0);  // the artifact at the recipe's widths, no per-side widths
+    EXPECT_FALSE(has_side_bits(at));
+    return kl;
+  };
+  BitsAllocation scaled;
+  const Artifact b = compile_with_budget(small_stats(), prop, &scaled);
+  for (size_t i = 0; i < a.heads.size(); ++i) {
+    EXPECT_EQ(a.heads[i].key.bits, b.heads[i].key.bits) << i;
+    EXPECT_EQ(a.heads[i].value.bits, b.heads[i].value.bits) << i;
+  }
+  EXPECT_NEAR(scaled.predicted_error, 3.0 * plain.predicted_error, 1e-12 * plain.predicted_error);
+  for (double f : scaled.kl_scale) EXPECT_NEAR(f, 3.0, 1e-12);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(b.recipe.params.at("bits_sensitivity"), "kl");
+  EXPECT_EQ(a.recipe.params.at("bits_sensitivity"), "heldout");
+  // Concentrated: layer 1's values cost 1000x what any other side does. The sum at the recipe's
+  // width is that KL, the widths' ratios are the held-out ones, and they get the most bits.
+  CompileOptions hot = o;
+  std::vector<double> hot_kl(size_t(L) * 2, 1e-4);
+  hot_kl[1 * 2 + 1] = 0.1;
+  hot.side_kl = [&](const Artifact&) { return hot_kl; };
+  BitsAllocation weighed;
+  const Artifact c = compile_with_budget(small_stats(), hot, &weighed);
+  for (int l = 0; l < L; ++l)
+    for (int s = 0; s < 2; ++s) {
+      EXPECT_NEAR(unit(weighed, l, s, base), hot_kl[size_t(l) * 2 + s], 1e-12) << l << s;
+      for (int j = 0; j < 4; ++j)
+        EXPECT_NEAR(unit(weighed, l, s, j) / unit(weighed, l, s, base), unit(plain, l, s, j) / unit(plain, l, s, base),
+                    1e-12);
+    }
+  for (int l = 0; l < L; ++l) {
+    EXPECT_GE(c.head(1, 0).value.bits, c.head(l, 0).key.bits);
+    EXPECT_GE(c.head(1, 0).value.bits, c.head(l, 0).value.bits);
+  }
+  EXPECT_GT(c.head(1, 0).value.bits, a.head(1, 0).value.bits);
+  // Refused: one KL per layer and side, finite and >= 0.
+  for (std::vector<double> bad :
+       {std::vector<double>(size_t(L) * 2 - 1, 1e-3), std::vector<double>{1e-3, -1e-3, 1e-3, 1e-3},
+        std::vector<double>{1e-3, NAN, 1e-3, 1e-3}}) {
+    CompileOptions w = o;
+    w.side_kl = [bad](const Artifact&) { return bad; };
+    EXPECT_CONTAINS(testing::error_of([&] { compile_with_budget(small_stats(), w); }), "KL");
+  }
+  // Not measured at all when the budget cannot be met.
+  CompileOptions tight = budget_options(0.5);
+  tight.side_kl = [&](const Artifact&) {
+    ADD_FAILURE() << "measured for an infeasible budget";
+    return kl;
+  };
+  EXPECT_CONTAINS(testing::error_of([&] { compile_with_budget(small_stats(), tight); }), "below the narrowest");
+}
+
+// measure_side_kl: each side's KL is validate's KL of a scheme that codes that layer's side alone
+// (built here from the layer codec directly) and passes the rest through; zero when the documents
+// never fill a page; more bits, less KL.
+TEST(BitsBudget, SideKlIsValidatesWithOneSideQuantised) {
+  const ModelFile model = ModelFile::open(testing::data_models_dir() + "/llama31-hd64");
+  const ModelConfig& c = model.config();
+  CompileOptions o = budget_options(0);
+  const Artifact a = compile_artifact(small_stats(), o);
+  ASSERT_EQ(c.n_layers, a.n_layers);
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> docs(2, std::vector<int32_t>(90));
+  for (auto& d : docs)
+    for (auto& t : d) t = int32_t(rng() % uint32_t(c.vocab));
+  const std::vector<double> kl = measure_side_kl(model, docs, a, ValidateMode::Static, 32);
+  ASSERT_EQ(kl.size(), size_t(c.n_layers) * 2);
+  const size_t row = size_t(c.n_kv_heads) * c.head_dim;
+  std::vector<CacheScheme> by_hand;
+  for (int l = 0; l < c.n_layers; ++l)
+    for (KvSide side : {KvSide::Key, KvSide::Value}) {
+      CacheScheme s = scheme_from_artifact(a, "one side", c);
+      s.path = CodecPath{[&a, l, side, row](int layer, KvSide sd, const float* r, int m, int64_t, float* out) {
+        if (layer == l && sd == side) roundtrip_layer_page(a, layer, sd, r, m, out);
+        else std::copy(r, r + size_t(m) * row, out);
+      }};
+      by_hand.push_back(std::move(s));
+    }
+  const ValidationResult v = validate_schemes(model, docs, by_hand, ValidateMode::Static, 32);
+  for (size_t i = 0; i < kl.size(); ++i) {
+    EXPECT_EQ(kl[i], v.schemes[i].kl) << i;
+    EXPECT_GT(kl[i], 0.0) << i;
+  }
+  // 30-token documents never fill a page past the sink (4) and ring (32): nothing is quantised.
+  std::vector<std::vector<int32_t>> short_docs(2, std::vector<int32_t>(docs[0].begin(), docs[0].begin() + 30));
+  for (double x : measure_side_kl(model, short_docs, a, ValidateMode::Static, 32)) EXPECT_EQ(x, 0.0);
+  // 1-bit codes cost more than 4-bit ones, in total over the sides.
+  double total[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    o.key_bits = o.value_bits = i ? 4 : 1;
+    for (double x : measure_side_kl(model, docs, compile_artifact(small_stats(), o), ValidateMode::Static, 32))
+      total[i] += x;
+  }
+  EXPECT_GT(total[0], total[1]);
 }
 
 // Per-side widths in both containers; an artifact without them reads 0 (the recipe's bits).

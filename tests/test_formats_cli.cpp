@@ -77,6 +77,17 @@ TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
   expect_one_line_error(run_kvcc(dir, base + "-m bogus"),
                         "unknown method 'bogus' (expected oscar, oscar-lm, hadamard, identity, random, turboquant, "
                         "kivi, kvarn or commvq)");
+  // The model that weighs --bits-budget comes with the budget and one source of text.
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --sensitivity-model M --sensitivity-data t.txt"),
+                        "--sensitivity-model weighs --bits-budget's choice: give --bits-budget too");
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --bits-budget 2.3 --sensitivity-data t.txt"),
+                        "--sensitivity-data, --sensitivity-ids and --sensitivity-tokens need --sensitivity-model");
+  expect_one_line_error(run_kvcc(dir, base + "-m hadamard --bits-budget 2.3 --sensitivity-model M"),
+                        "--sensitivity-model needs one of --sensitivity-data TEXT or --sensitivity-ids FILE");
+  expect_one_line_error(
+      run_kvcc(dir,
+               base + "-m hadamard --bits-budget 2.3 --sensitivity-model M --sensitivity-data t --sensitivity-ids i"),
+      "--sensitivity-model needs one of --sensitivity-data TEXT or --sensitivity-ids FILE");
   EXPECT_FALSE(testing::file_exists(dir.file("a.kvcc.h5")));
   // --help lists every method of the table with its summary.
   const RunResult help = run_kvcc(dir, "compile --help");
