@@ -212,8 +212,8 @@ void add_compile_options(CLI::App& sub, Args& a) {
   a.sensitivity_data.max_tokens = 8192;
   sub.add_option("--sensitivity-model", a.sensitivity_model,
                  "with --bits-budget: weigh each layer's key and value errors by what they cost this model: the "
-                 "KL of its next-token distribution with that side of that layer alone quantised at the "
-                 "recipe's widths (static mode, on --sensitivity-data or --sensitivity-ids)");
+                 "KL of its next-token distribution with that side of that layer alone quantised, at each width "
+                 "up to the recipe's (static mode, on --sensitivity-data or --sensitivity-ids)");
   sub.add_option("--sensitivity-data", a.sensitivity_data.data_path,
                  "with --sensitivity-model: text, documents separated by <|endoftext|>");
   sub.add_option("--sensitivity-ids", a.sensitivity_data.ids_path,
@@ -225,8 +225,8 @@ void add_compile_options(CLI::App& sub, Args& a) {
 }
 
 // --sensitivity-model: the KL each layer side costs the model, for --bits-budget to weigh its
-// held-out errors by. The model and text are read now (a wrong path fails before any work); the
-// measurement runs when compile hands over the artifact at the recipe's widths.
+// held-out errors by. The model and text are read now (a wrong path fails before any work); a
+// measurement runs each time compile hands over an artifact at one width.
 std::function<std::vector<double>(const Artifact&)> kl_weights(const Args& a) {
   auto model = std::make_shared<const ModelFile>(ModelFile::open(a.sensitivity_model));
   auto docs =
@@ -247,7 +247,7 @@ std::function<std::vector<double>(const Artifact&)> kl_weights(const Args& a) {
       if (tty && p.tokens_done == p.tokens_total) std::fprintf(stderr, "\n");
     };
     const std::vector<double> kl = measure_side_kl(*model, *docs, art, ValidateMode::Static, 128, progress);
-    std::printf("KL per layer with its keys / values alone quantised at the recipe's widths:");
+    std::printf("KL per layer with its keys / values alone quantised at %g bits:", art.recipe.key_bits);
     for (int l = 0; l < art.n_layers; ++l) std::printf(" %d:%.2e/%.2e", l, kl[size_t(l) * 2], kl[size_t(l) * 2 + 1]);
     std::printf("\n");
     return kl;

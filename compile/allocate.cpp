@@ -157,30 +157,38 @@ std::vector<SideSensitivity> measure_sensitivity(const Stats& stats, const Compi
   return out;
 }
 
-std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<double>& side_kl,
+std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<std::vector<double>>& kl,
                                 const std::vector<int>& widths, const int base[2], int n_layers, int n_kv) {
-  KVCC_REQUIRE(side_kl.size() == size_t(n_layers) * 2, "bits budget: " + std::to_string(side_kl.size()) +
-                                                           " measured KLs for " + std::to_string(n_layers) +
-                                                           " layers (one per layer and side)");
+  const size_t m = widths.size();
   KVCC_REQUIRE(table.size() == size_t(n_layers) * n_kv * 2, "bits budget: the sensitivity table has the wrong size");
-  std::vector<double> scale(side_kl.size());
+  for (int s = 0; s < 2; ++s)
+    KVCC_REQUIRE(base[s] >= 0 && size_t(base[s]) < m && size_t(base[s]) < kl.size(),
+                 "bits budget: no measured KL at the recipe's width");
+  std::vector<double> scale(size_t(n_layers) * 2 * m, 0.0);
   for (int l = 0; l < n_layers; ++l)
     for (int s = 0; s < 2; ++s) {
-      const double kl = side_kl[size_t(l) * 2 + size_t(s)];
-      KVCC_REQUIRE(std::isfinite(kl) && kl >= 0, "bits budget: the measured KL of layer " + std::to_string(l) +
-                                                     (s ? " values" : " keys") + " is " + number(kl) +
+      const std::string side = "layer " + std::to_string(l) + (s ? " values" : " keys");
+      double* f = &scale[(size_t(l) * 2 + size_t(s)) * m];
+      for (int j = 0; j <= base[s]; ++j) {
+        KVCC_REQUIRE(kl[size_t(j)].size() == size_t(n_layers) * 2,
+                     "bits budget: " + std::to_string(kl[size_t(j)].size()) + " measured KLs for " +
+                         std::to_string(n_layers) + " layers (one per layer and side)");
+        const double k = kl[size_t(j)][size_t(l) * 2 + size_t(s)];
+        KVCC_REQUIRE(std::isfinite(k) && k >= 0, "bits budget: the measured KL of " + side + " at " +
+                                                     std::to_string(widths[size_t(j)]) + " bits is " + number(k) +
                                                      " (must be finite and >= 0)");
-      const int j = base[s];
-      KVCC_REQUIRE(j >= 0 && size_t(j) < widths.size(), "bits budget: the recipe's width is not a candidate");
-      double sum = 0;
-      for (int h = 0; h < n_kv; ++h) sum += table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error[size_t(j)];
-      KVCC_REQUIRE(sum > 0 || kl == 0, "bits budget: layer " + std::to_string(l) + (s ? " values" : " keys") +
-                                           " show no held-out error at the recipe's width but a KL of " + number(kl) +
-                                           ": the two cannot be matched");
-      const double f = sum > 0 ? kl / sum : 0.0;
-      scale[size_t(l) * 2 + size_t(s)] = f;
-      for (int h = 0; h < n_kv; ++h)
-        for (double& e : table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error) e *= f;
+        double sum = 0;
+        for (int h = 0; h < n_kv; ++h) sum += table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error[size_t(j)];
+        KVCC_REQUIRE(sum > 0 || k == 0, "bits budget: " + side + " show no held-out error at " +
+                                            std::to_string(widths[size_t(j)]) + " bits but a KL of " + number(k) +
+                                            ": the two cannot be matched");
+        f[j] = sum > 0 ? k / sum : 0.0;
+      }
+      for (size_t j = size_t(base[s]) + 1; j < m; ++j) f[j] = f[base[s]];
+      for (int h = 0; h < n_kv; ++h) {
+        std::vector<double>& e = table[(size_t(l) * n_kv + size_t(h)) * 2 + size_t(s)].error;
+        for (size_t j = 0; j < m; ++j) e[j] *= f[j];
+      }
     }
   return scale;
 }
@@ -225,12 +233,10 @@ Artifact compile_with_budget(const Stats& stats, const CompileOptions& options, 
                    "bits budget: the KL is measured at the recipe's widths, which must be whole numbers in 1-4");
       base[s] = int(it - a.widths.begin());
     }
-    CompileOptions at_recipe = options;
-    at_recipe.bits_budget = 0;
-    at_recipe.progress = nullptr;
-    at_recipe.side_kl = nullptr;
-    a.kl_scale = weigh_by_kl(a.sensitivity, options.side_kl(compile_artifact(stats, at_recipe)), a.widths, base,
-                             c.n_layers, c.n_kv_heads);
+    // compiled[j]: both sides at widths[j], the quantisers fitted there.
+    std::vector<std::vector<double>> kl;
+    for (int j = 0; j <= std::max(base[0], base[1]); ++j) kl.push_back(options.side_kl(compiled[size_t(j)]));
+    a.kl_scale = weigh_by_kl(a.sensitivity, kl, a.widths, base, c.n_layers, c.n_kv_heads);
   }
 
   const int n_kv = c.n_kv_heads;

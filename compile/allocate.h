@@ -8,13 +8,16 @@
 // `kvcc report`'s output error (compile/report.h) with one side quantised.
 //
 // Weighed by the loss (CompileOptions::side_kl, measured on the model once the budget is known
-// feasible, on the artifact at the recipe's widths): the errors of each
-// (layer, side) are scaled by one factor so that at the recipe's width their sum over the layer's
-// KV heads equals that side's measured KL. The held-out errors rank every layer's relative error
-// alike and come from diffuse attention over many documents' rows; the KL says what each layer
-// side costs the model (a first bits budget on the held-out errors alone lost to uniform widths
-// at matched bits: docs/results/2026-12-01-served-mixed-recipe.md). The widths' ratios stay the
-// held-out errors'.
+// feasible): at each width up to the recipe's, each (layer, side)'s errors are scaled by one
+// factor so that their sum over the layer's KV heads is that side's measured KL at that width;
+// wider widths keep the factor of the recipe's. The held-out errors rank every layer's relative
+// error alike and come from diffuse attention over many documents' rows; the KL says what each
+// layer side costs the model (a first bits budget on the held-out errors alone lost to uniform
+// widths at matched bits: docs/results/2026-12-01-served-mixed-recipe.md). Narrower widths are
+// measured, not extrapolated: a 1-bit side's errors are large, and the loss grows faster than
+// linearly in them (on gutenberg-27m, 1-bit KIVI keys predicted from the 2-bit KL cost 9x the
+// uniform recipe's KL: docs/results/2026-12-05-bits-budget-kl.md). Wider widths' errors are smaller,
+// where the KL is close to linear in them.
 //
 // Choice: the sum of those errors over every side (each at its width) is minimised subject to the
 // budget, exactly (a multiple-choice knapsack solved by dynamic programming over the total bits).
@@ -54,17 +57,19 @@ struct BitsAllocation {
   double predicted_error = 0;                // Σ sensitivity at the chosen widths
   double layer_error = 0, head_error = 0;    // the optimum at either granularity (head: -1 if not tried)
   double budget_bits = 0;                    // the budget's measure of the chosen widths
-  // Weighed by the loss: the factor applied to each (layer, side)'s errors, index layer·2 + side
-  // (empty: the held-out errors alone).
+  // Weighed by the loss: the factor applied to each (layer, side)'s errors at each width, index
+  // (layer·2 + side)·widths + width index (empty: the held-out errors alone).
   std::vector<double> kl_scale;
 };
 
-// Scales each (layer, side)'s errors in `table` ([layer][head][side], side-minor, as
-// measure_sensitivity returns it) so that their sum over the layer's KV heads at widths[base[side]]
-// is side_kl[layer·2 + side]; returns the factors. Throws Error on a side_kl of the wrong size, a
-// negative or non-finite KL, or a side whose errors at the base width sum to zero while its KL
+// Scales `table` ([layer][head][side], side-minor, as measure_sensitivity returns it) by the
+// measured KLs: kl[j] holds side_kl's answer for widths[j] (2·layers values) for every j <= the
+// larger of base[0], base[1] (the recipe's width indices of keys and values). For side s, each
+// width j <= base[s] gets the factor kl[j][l·2+s] / Σ_h error[j]; wider ones the factor at base[s].
+// Returns the factors (BitsAllocation::kl_scale's layout). Throws Error on a kl of the wrong
+// size, a negative or non-finite KL, or a measured width whose errors sum to zero while its KL
 // does not.
-std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<double>& side_kl,
+std::vector<double> weigh_by_kl(std::vector<SideSensitivity>& table, const std::vector<std::vector<double>>& kl,
                                 const std::vector<int>& widths, const int base[2], int n_layers, int n_kv);
 
 // The budget's measure of an artifact: effective_bits at `context`, or the quantised tier (mean

@@ -44,13 +44,12 @@ struct CompileOptions {
   int64_t budget_context = 0;
   std::string bits_granularity = "auto";
   int budget_rows = 256;
-  // --bits-budget weighed by the model's loss (compile --sensitivity-model): given the artifact at
-  // the recipe's widths, per (layer, side), index layer·2 + side (0 keys, 1 values), the KL of the
-  // next-token distribution with that side of that layer alone quantised (eval/bits_sensitivity.h).
-  // Each side's held-out errors are scaled so that, at the recipe's width, their sum over the
-  // layer's KV heads is this KL. Called once, after the budget is found feasible. Unset: the
-  // held-out errors alone.
-  std::function<std::vector<double>(const Artifact& at_recipe_widths)> side_kl;
+  // --bits-budget weighed by the model's loss (compile --sensitivity-model): given an artifact with
+  // both sides at one width, per (layer, side), index layer·2 + side (0 keys, 1 values), the KL of
+  // the next-token distribution with that side of that layer alone quantised
+  // (eval/bits_sensitivity.h). Called for each candidate width up to the recipe's, once the budget
+  // is known feasible (compile/allocate.h). Unset: the held-out errors alone.
+  std::function<std::vector<double>(const Artifact& at_one_width)> side_kl;
   // Also store per-layer token-eviction budgets (Artifact::layer_budgets, compile/layer_budgets.h;
   // format 1.2 / 2.1): "sensitivity" (the stats' layer sensitivity, EpiCache's allocation) or
   // "spread" (the stats' attention spread); empty: none.

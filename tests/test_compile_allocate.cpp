@@ -155,30 +155,40 @@ TEST(BitsBudget, AVerySensitiveLayerGetsMoreBits) {
               a.head(1, 0).key.bits, b.head(0, 0).key.bits, b.head(1, 0).key.bits);
 }
 
-// weigh_by_kl: each (layer, side)'s errors scaled by one factor, so that at the recipe's width their
-// sum over KV heads is that side's KL; a KL proportional to the held-out errors changes no width;
-// a KL concentrated on one side sends the bits there.
+// weigh_by_kl: at each width up to the recipe's (1 and 2 bits here), each (layer, side)'s errors
+// scaled so that their sum over KV heads is that side's KL there, wider widths by the recipe
+// width's factor; a KL proportional to the held-out errors changes no width; a KL concentrated on
+// one side sends the bits there; a 1-bit KL far above the 2-bit one's extrapolation keeps every
+// side off 1 bit.
 TEST(BitsBudget, KlWeighsEachLayerSide) {
   const CompileOptions o = budget_options(2.3);
   BitsAllocation plain;
   const Artifact a = compile_with_budget(small_stats(), o, &plain);
-  const int L = a.n_layers, H = a.n_kv_heads, base = 1;  // widths {1,2,3,4}: 2 bits at index 1
+  const int L = a.n_layers, H = a.n_kv_heads;  // widths {1,2,3,4}
   auto unit = [&](const BitsAllocation& t, int l, int s, int j) {
     double e = 0;
     for (int h = 0; h < H; ++h) e += t.sensitivity[(size_t(l) * H + h) * 2 + s].error[size_t(j)];
     return e;
   };
-  // Proportional: the KL is 3x the held-out errors at 2 bits on every side.
+  // The KL side_kl answers for an artifact at one width: factor(l, s, width) x the held-out errors.
+  auto kl_of = [&](const std::function<double(int, int, int)>& factor) {
+    return [&, factor](const Artifact& at) {
+      EXPECT_EQ(at.recipe.key_bits, at.recipe.value_bits);  // both sides at one width
+      EXPECT_FALSE(has_side_bits(at));
+      const int w = int(at.recipe.key_bits);
+      std::vector<double> kl;
+      for (int l = 0; l < L; ++l)
+        for (int s = 0; s < 2; ++s) kl.push_back(factor(l, s, w) * unit(plain, l, s, w - 1));
+      return kl;
+    };
+  };
+  // Proportional: 3x the held-out errors everywhere.
   CompileOptions prop = o;
-  std::vector<double> kl;
-  for (int l = 0; l < L; ++l)
-    for (int s = 0; s < 2; ++s) kl.push_back(3.0 * unit(plain, l, s, base));
-  int calls = 0;
+  std::vector<int> asked;
+  const auto three = kl_of([](int, int, int) { return 3.0; });
   prop.side_kl = [&](const Artifact& at) {
-    ++calls;
-    EXPECT_EQ(at.recipe.key_bits, 2.0);  // the artifact at the recipe's widths, no per-side widths
-    EXPECT_FALSE(has_side_bits(at));
-    return kl;
+    asked.push_back(int(at.recipe.key_bits));
+    return three(at);
   };
   BitsAllocation scaled;
   const Artifact b = compile_with_budget(small_stats(), prop, &scaled);
@@ -187,30 +197,44 @@ TEST(BitsBudget, KlWeighsEachLayerSide) {
     EXPECT_EQ(a.heads[i].value.bits, b.heads[i].value.bits) << i;
   }
   EXPECT_NEAR(scaled.predicted_error, 3.0 * plain.predicted_error, 1e-12 * plain.predicted_error);
+  ASSERT_EQ(scaled.kl_scale.size(), size_t(L) * 2 * 4);
   for (double f : scaled.kl_scale) EXPECT_NEAR(f, 3.0, 1e-12);
-  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(asked, (std::vector<int>{1, 2}));  // measured up to the recipe's width, once each
   EXPECT_EQ(b.recipe.params.at("bits_sensitivity"), "kl");
   EXPECT_EQ(a.recipe.params.at("bits_sensitivity"), "heldout");
-  // Concentrated: layer 1's values cost 1000x what any other side does. The sum at the recipe's
-  // width is that KL, the widths' ratios are the held-out ones, and they get the most bits.
+  // Concentrated: layer 1's values cost 1000x what any other side does. At 1 and 2 bits the sums
+  // are the KLs, at 3 and 4 bits the 2-bit factor applies, and those values get the most bits.
   CompileOptions hot = o;
-  std::vector<double> hot_kl(size_t(L) * 2, 1e-4);
-  hot_kl[1 * 2 + 1] = 0.1;
-  hot.side_kl = [&](const Artifact&) { return hot_kl; };
+  auto hot_factor = [](int l, int s, int) { return l == 1 && s == 1 ? 1000.0 : 1.0; };
+  hot.side_kl = kl_of(hot_factor);
   BitsAllocation weighed;
   const Artifact c = compile_with_budget(small_stats(), hot, &weighed);
   for (int l = 0; l < L; ++l)
-    for (int s = 0; s < 2; ++s) {
-      EXPECT_NEAR(unit(weighed, l, s, base), hot_kl[size_t(l) * 2 + s], 1e-12) << l << s;
+    for (int s = 0; s < 2; ++s)
       for (int j = 0; j < 4; ++j)
-        EXPECT_NEAR(unit(weighed, l, s, j) / unit(weighed, l, s, base), unit(plain, l, s, j) / unit(plain, l, s, base),
-                    1e-12);
-    }
+        EXPECT_NEAR(unit(weighed, l, s, j), hot_factor(l, s, 0) * unit(plain, l, s, j), 1e-12 * unit(weighed, l, s, j))
+            << l << s << j;
   for (int l = 0; l < L; ++l) {
     EXPECT_GE(c.head(1, 0).value.bits, c.head(l, 0).key.bits);
     EXPECT_GE(c.head(1, 0).value.bits, c.head(l, 0).value.bits);
   }
   EXPECT_GT(c.head(1, 0).value.bits, a.head(1, 0).value.bits);
+  // 1 bit measured at 100x what the held-out ratio to 2 bits predicts: no side goes to 1 bit at a
+  // budget (>= 2.5 bits: widths averaging >= 2) where the held-out errors alone put some there.
+  auto has_one = [](const Artifact& x) {
+    for (const HeadArtifact& h : x.heads)
+      if (h.key.bits == 1 || h.value.bits == 1) return true;
+    return false;
+  };
+  int tried = 0;
+  for (double budget : {2.5, 2.6, 2.7, 2.8, 3.0, 3.2}) {
+    if (!has_one(compile_with_budget(small_stats(), budget_options(budget, 0, "head")))) continue;
+    ++tried;
+    CompileOptions steep = budget_options(budget, 0, "head");
+    steep.side_kl = kl_of([](int, int, int w) { return w == 1 ? 100.0 : 1.0; });
+    EXPECT_FALSE(has_one(compile_with_budget(small_stats(), steep))) << budget;
+  }
+  EXPECT_GT(tried, 0);  // the premise: some budget where the held-out errors pick 1 bit
   // Refused: one KL per layer and side, finite and >= 0.
   for (std::vector<double> bad :
        {std::vector<double>(size_t(L) * 2 - 1, 1e-3), std::vector<double>{1e-3, -1e-3, 1e-3, 1e-3},
@@ -221,9 +245,9 @@ TEST(BitsBudget, KlWeighsEachLayerSide) {
   }
   // Not measured at all when the budget cannot be met.
   CompileOptions tight = budget_options(0.5);
-  tight.side_kl = [&](const Artifact&) {
+  tight.side_kl = [&](const Artifact& at) {
     ADD_FAILURE() << "measured for an infeasible budget";
-    return kl;
+    return three(at);
   };
   EXPECT_CONTAINS(testing::error_of([&] { compile_with_budget(small_stats(), tight); }), "below the narrowest");
 }
