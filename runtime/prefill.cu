@@ -352,11 +352,13 @@ __global__ void __launch_bounds__(kExactThreads, 2) rotate_kv(const In* x, const
           acc[rr][3] = fmaf(xv[rr], r4.w, acc[rr][3]);
         }
       }
-    } else {  // no rotation: the rows themselves, as the append takes them
+    } else {  // no rotation: the rows themselves, as the append takes them (from global memory:
+              // the transposed tile would put a warp's reads in one bank)
 #pragma unroll
       for (int rr = 0; rr < 8; ++rr)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[rr][q] = xt[(4 * cg + q) * kExactRows + 8 * rg + rr];
+        for (int q = 0; q < 4; ++q)
+          acc[rr][q] = 8 * rg + rr < n ? load_activation(x + src_row[8 * rg + rr] * kD + 4 * cg + q) : 0.0f;
     }
 #pragma unroll
     for (int rr = 0; rr < 8; ++rr) {
