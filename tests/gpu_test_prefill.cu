@@ -365,13 +365,21 @@ TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
             staged.nearest += got == double(float_from_f16(f16_from_float(float(y))));
           }
           const size_t row = size_t(h) * plan.kv_rows + sp.kv0 + sp.win_rows + t;
-          for (int side = 0; side < 2; ++side) {  // k, v: the append's in-order fp32 sums, through bf16
+          // k, v: the append's in-order fp32 sums, through bf16 (the ring's value), then fp16 as the
+          // staging holds every row, a ring row read back included (bf16 -> fp16 loses bits only
+          // below fp16's normal range, 2^-14)
+          for (int side = 0; side < 2; ++side) {
             const float* x = &(side ? v : k)[(size_t(t) * n_kv + h) * kD];
             const float* R = &(side ? rv : rk)[size_t(h) * kD * kD];
             float chain = 0.0f;
             for (int ci = 0; ci < kD; ++ci) chain = std::fma(x[ci], R[size_t(ci) * kD + n], chain);
-            const float want = float_from_bf16(bf16_from_float(chain));
-            kv_differ += float(f16_at(side ? lay.v : lay.k, row * kD + n)) != want;
+            const float ring = float_from_bf16(bf16_from_float(chain));
+            const float want = float_from_f16(f16_from_float(ring));
+            const float got = float(f16_at(side ? lay.v : lay.k, row * kD + n));
+            if (got != want && kv_differ < 4)
+              std::printf("  staged %s row %zu channel %d: %.9g, the append's sum %.9g (bf16 %.9g, fp16 of it %.9g)\n",
+                          side ? "v" : "k", row, n, got, chain, ring, want);
+            kv_differ += got != want;
             ++kv_n;
           }
         }
