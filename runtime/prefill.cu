@@ -1,15 +1,16 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
-// (their new tokens one after another in q, k, v and out). Four kernels, up to seven launches for
-// up to kLaunchSeqs sequences (rotate runs for q, k, v and the output); the batch's sequences and
-// their offsets are kernel parameters (PrefillArgs), so a launch needs no copy to the device:
+// (their new tokens one after another in q, k, v and out). Five kernels, up to seven launches for
+// up to kLaunchSeqs sequences; the batch's sequences and their offsets are kernel parameters
+// (PrefillArgs), so a launch needs no copy to the device:
 //
-//  1. rotate: q·R_k, k·R_k, v·R_v per head into head-major fp16 staging ([n_kv][rows][d]; a
-//     query row is a (new token, query head of the group) pair), on the tensor cores (split bf16
-//     terms; sums within a few fp32 steps). k and v are rounded to BF16 first (the ring's type),
-//     so their fp16 copies are BF16 values exactly.
+//  1. rotate: q·R_k per head into head-major fp16 staging ([n_kv][rows][d]; a query row is a
+//     (new token, query head of the group) pair), on the tensor cores (split bf16 terms);
+//     rotate_kv: k·R_k and v·R_v as the append computes them (in-order fp32 sums rounded to
+//     BF16), so the staged new keys and values are exactly what the ring will hold.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
-//     widened to fp16 (exact within fp16's range; beyond ±65504 they saturate).
+//     widened to fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴
+//     they round).
 //  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
 //     One CTA = (sequence, key-range split, tile of 64·(MMA warpgroups) query rows, KV head: the
 //     fastest); every query head of the group shares the CTA's K/V tiles. A producer warpgroup
@@ -75,7 +76,7 @@ __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rotations: q·R_k, k·R_k, v·R_v into the staging, O·R_vᵀ out, on the tensor cores. R, and fp32
+// Rotations: q·R_k into the staging and O·R_vᵀ out, on the tensor cores. R, and fp32
 // inputs, are split into three bf16 terms (t₀ the bf16 rounding of x, t₁ of x − t₀, t₂ of what is
 // left: x to fp32's 24 bits), and Σ_{i+j≤2} x_i·R_j is accumulated in fp32 by bf16 MMAs. Every
 // product is exact and the dropped products are below 2⁻²⁴·|x|·|R|; the accumulation truncates
@@ -125,11 +126,11 @@ struct RowMap {
 // y = x·R[h] for KV head h = blockIdx.y and rows [row0, row0 + rows), in tiles of kRotTile rows
 // (tile blockIdx.x, then every gridDim.x-th: R is split into shared memory once per CTA). kIn: x
 // in the activations' layout (row p = token p / r, query head h·r + p % r), y the fp16 staging at
-// map's rows, through bf16 first when round_bf16 (what the ring holds). Else x fp32 at map's rows
-// and y in the activations' layout. fp16 saturates beyond ±65504 (NaN stays NaN).
+// map's rows (the queries). Else x fp32 at map's rows and y in the activations' layout. fp16 saturates beyond ±65504
+// (NaN stays NaN).
 template <bool kIn, typename In, typename Out>
 __global__ void __launch_bounds__(32 * kRotWarps, 1)
-    rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16, Out* y,
+    rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y,
            const __grid_constant__ RowMap map) {
   constexpr int kTerms = rot_terms<In>();
   extern __shared__ __align__(128) uint8_t rot_smem[];
@@ -243,12 +244,8 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       Out* dst = y + dst_row[i] * kD + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < kD / 8; ++nt) {
-        float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
+        const float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
         if constexpr (kIn) {
-          if (round_bf16) {
-            v0 = __bfloat162float(__float2bfloat16_rn(v0));
-            v1 = __bfloat162float(__float2bfloat16_rn(v1));
-          }
           *reinterpret_cast<uint32_t*>(dst + 8 * nt) = pack_half2(v0, v1);
         } else if constexpr (std::is_same<Out, float>::value) {
           *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(v0, v1);
@@ -258,6 +255,122 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       }
     }
     __syncthreads();  // the next tile's rows and terms overwrite this one's
+  }
+}
+
+// New keys and values: x·R[h] as the append computes it (append.cu), each output an fp32 FMA chain
+// over the input channels in order from 0, rounded to bf16 — so the staged rows are exactly what
+// the ring will hold (the tensor cores' truncating sums, rotate's, land on another bf16 value in a
+// few elements per thousand, and a key one bf16 step off moves a peaked softmax). The keys and
+// values are a quarter of the query rows; register tiles keep the FMAs fed: thread (column group
+// cg, row group rg) sums 4 columns × 8 rows, from R and the tile's rows transposed in shared memory
+// (3 shared loads per 32 FMAs). Rows [row0, row0 + rows) of KV head blockIdx.y, to map's rows of
+// the fp16 staging; tiles of kExactRows, every gridDim.x-th.
+constexpr int kExactRows = 64, kExactThreads = 256;
+static_assert(kExactThreads == (kD / 4) * (kExactRows / 8), "a thread: 4 columns, 8 rows");
+template <typename In>
+__global__ void __launch_bounds__(kExactThreads, 2) rotate_kv(const In* x, const float* rot, int64_t row0, int64_t rows,
+                                                              int n_kv, __half* y, const __grid_constant__ RowMap map) {
+  extern __shared__ __align__(16) float kv_smem[];
+  float* Rs = kv_smem;            // [kD][kD]: R[c][n]
+  float* xt = kv_smem + kD * kD;  // [kD][kExactRows]: the tile's rows, transposed
+  __shared__ int64_t src_row[kExactRows], dst_row[kExactRows];
+  const int h = blockIdx.y, tid = threadIdx.x, cg = tid % (kD / 4), rg = tid / (kD / 4);
+  pdl_launch_dependents();
+  const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
+  if (R) {  // 16 float4 a thread, loads issued together
+    constexpr int kLoads = kD * kD / 4 / kExactThreads;
+    float4 r4[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) r4[u] = __ldg(reinterpret_cast<const float4*>(R) + tid + u * kExactThreads);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) reinterpret_cast<float4*>(Rs)[tid + u * kExactThreads] = r4[u];
+  }
+  pdl_wait();  // x comes from the preceding kernel
+  const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t p0 = row0 + tile * kExactRows;
+    const int n = int(min(int64_t(kExactRows), row0 + rows - p0));
+    if (tid < n) {
+      src_row[tid] = (p0 + tid) * n_kv + h;  // (token, KV head) of [T, n_kv, d]
+      dst_row[tid] = map.row(p0 + tid, h);
+    }
+    __syncthreads();  // (also: R is in place)
+    // The tile's rows, transposed: lanes take consecutive rows of one chunk of channels, so the
+    // transposed stores are consecutive words.
+    if constexpr (std::is_same<In, float>::value) {
+      constexpr int kLoads = kExactRows * (kD / 4) / kExactThreads;
+      float4 f[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 4 * (e / kExactRows);
+        f[u] = i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + c)) : make_float4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 4 * (e / kExactRows);
+        xt[(c + 0) * kExactRows + i] = f[u].x;
+        xt[(c + 1) * kExactRows + i] = f[u].y;
+        xt[(c + 2) * kExactRows + i] = f[u].z;
+        xt[(c + 3) * kExactRows + i] = f[u].w;
+      }
+    } else {
+      constexpr int kLoads = kExactRows * (kD / 8) / kExactThreads;
+      uint4 b[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 8 * (e / kExactRows);
+        b[u] = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + c)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 8 * (e / kExactRows);
+        const uint32_t w[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 v2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[q]));
+          xt[(c + 2 * q) * kExactRows + i] = v2.x;
+          xt[(c + 2 * q + 1) * kExactRows + i] = v2.y;
+        }
+      }
+    }
+    __syncthreads();
+    float acc[8][4];
+    if (R) {
+#pragma unroll
+      for (int rr = 0; rr < 8; ++rr) acc[rr][0] = acc[rr][1] = acc[rr][2] = acc[rr][3] = 0.0f;
+#pragma unroll 4
+      for (int c = 0; c < kD; ++c) {  // in order: the append's sums, bit for bit
+        const float4 r4 = *reinterpret_cast<const float4*>(&Rs[c * kD + 4 * cg]);
+        const float4 xa = *reinterpret_cast<const float4*>(&xt[c * kExactRows + 8 * rg]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xt[c * kExactRows + 8 * rg + 4]);
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int rr = 0; rr < 8; ++rr) {
+          acc[rr][0] = fmaf(xv[rr], r4.x, acc[rr][0]);
+          acc[rr][1] = fmaf(xv[rr], r4.y, acc[rr][1]);
+          acc[rr][2] = fmaf(xv[rr], r4.z, acc[rr][2]);
+          acc[rr][3] = fmaf(xv[rr], r4.w, acc[rr][3]);
+        }
+      }
+    } else {  // no rotation: the rows themselves, as the append takes them (from global memory:
+              // the transposed tile would put a warp's reads in one bank)
+#pragma unroll
+      for (int rr = 0; rr < 8; ++rr)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          acc[rr][q] = 8 * rg + rr < n ? load_activation(x + src_row[8 * rg + rr] * kD + 4 * cg + q) : 0.0f;
+    }
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+      const int i = 8 * rg + rr;
+      if (i >= n) continue;
+      const float2 lo = __bfloat1622float2(__floats2bfloat162_rn(acc[rr][0], acc[rr][1]));
+      const float2 hi = __bfloat1622float2(__floats2bfloat162_rn(acc[rr][2], acc[rr][3]));
+      *reinterpret_cast<uint2*>(y + dst_row[i] * kD + 4 * cg) =
+          make_uint2(pack_half2(lo.x, lo.y), pack_half2(hi.x, hi.y));
+    }
+    __syncthreads();  // the next tile's rows overwrite this one's
   }
 }
 
@@ -760,8 +873,8 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
 // Rows [row0, row0 + rows) of every KV head through R (rotate): at most one CTA an SM per head
 // (each splits R into its shared memory once), each taking every gridDim.x-th tile.
 template <bool kIn, typename In, typename Out>
-void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, int round_bf16, Out* y,
-                 const RowMap& map, cudaStream_t stream) {
+void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y, const RowMap& map,
+                 cudaStream_t stream) {
   if (rows == 0) return;
   constexpr size_t kSmem = sizeof(RotSmem<rot_terms<In>()>);
   static const cudaError_t attribute =
@@ -780,8 +893,32 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
   c.stream = stream;
   c.attrs = &pdl;
   c.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&c, rotate<kIn, In, Out>, x, rot, row0, rows, n_kv, r, round_bf16, y, map),
+  check_cuda(cudaLaunchKernelEx(&c, rotate<kIn, In, Out>, x, rot, row0, rows, n_kv, r, y, map),
              "prefill (CUDA): rotation launch");
+}
+
+// New keys or values through R into the staging (rotate_kv): up to two CTAs an SM per head.
+template <typename In>
+void rotate_kv_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, __half* y, const RowMap& map,
+                    cudaStream_t stream) {
+  if (rows == 0) return;
+  constexpr size_t kSmem = (kD * kD + kD * kExactRows) * sizeof(float);
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(rotate_kv<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  check_cuda(attribute, "prefill (CUDA): the key/value rotation's shared memory attribute");
+  const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, 2 * multiprocessors() / n_kv))), unsigned(n_kv));
+  c.blockDim = dim3(kExactThreads);
+  c.dynamicSmemBytes = kSmem;
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&c, rotate_kv<In>, x, rot, row0, rows, n_kv, y, map),
+             "prefill (CUDA): key/value rotation launch");
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -805,7 +942,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
   staged_q.n = 1;
   staged_q.first[0] = staged_q.offset[0] = 0;
   staged_q.head_stride[0] = a.q_rows;
-  rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, 0, a.q, staged_q, stream);
+  rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, a.q, staged_q, stream);
   std::vector<int> live;  // sequences with new tokens
   for (size_t i = 0; i < seqs.size(); ++i)
     if (seqs[i].T > 0) live.push_back(int(i));
@@ -828,8 +965,8 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_rows<true>(k, rot_k, tok0, toks, n_kv, 1, 1, a.k, staged_kv, stream);
-    rotate_rows<true>(v, rot_v, tok0, toks, n_kv, 1, 1, a.v, staged_kv, stream);
+    rotate_kv_rows(k, rot_k, tok0, toks, n_kv, a.k, staged_kv, stream);
+    rotate_kv_rows(v, rot_v, tok0, toks, n_kv, a.v, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
@@ -876,7 +1013,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const int chunk = merge_slice_chunk(max_splits);
     const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
     if (max_splits > 1) fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a);
-    rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, 0, out, merged,
+    rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, out, merged,
                        stream);
   }
 }

@@ -278,13 +278,15 @@ struct Tally {
   }
 };
 
-// The rotations near fp32's accuracy (rotate: split bf16 terms on the tensor cores), read where the
-// call leaves them: q·R_k, k·R_k and v·R_v staged in the workspace (fp16; k and v through bf16),
-// and the output, the merged rows left in split 0's partials times R_vᵀ. Every value is within
-// its Tally bound of the exact one, and at least 98% of the staged ones are the exact value's
-// nearest (fp32's error crosses a rounding boundary rarely); a bf16-accurate rotation (R as one
-// bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32 activations
-// (split into three terms) and bf16 ones; 300 tokens (a partial tile), 4 query heads per KV head.
+// The rotations, read where the call leaves them. The staged new keys and values (rotate_kv) are
+// exactly what the append puts in the ring: the bf16 rounding of the in-order fp32 FMA chain,
+// computed here with std::fma. The staged queries (fp16) and the output (the merged rows left in
+// split 0's partials, times R_vᵀ) come from the tensor cores' split-term rotation (rotate): each
+// within its Tally bound of the exact value, and at least 98% of the queries the exact value's
+// nearest (the truncating sums cross a rounding boundary rarely); a bf16-accurate rotation (R as
+// one bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32
+// activations (split into three terms) and bf16 ones; 300 tokens (a partial tile), 4 query heads
+// per KV head.
 TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
   const KvGeometry g = test_geometry(1, 2);
   constexpr int kHeads = 8, kT = 300;
@@ -350,6 +352,7 @@ TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
       return y;
     };
     Tally staged, out;
+    size_t kv_differ = 0, kv_n = 0;
     for (int h = 0; h < n_kv; ++h)
       for (int t = 0; t < kT; ++t)
         for (int n = 0; n < kD; ++n) {
@@ -362,12 +365,22 @@ TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
             staged.nearest += got == double(float_from_f16(f16_from_float(float(y))));
           }
           const size_t row = size_t(h) * plan.kv_rows + sp.kv0 + sp.win_rows + t;
-          for (int side = 0; side < 2; ++side) {  // k, v: bf16 values in fp16
-            const std::vector<float>& x = side ? v : k;
-            const double y = rotate(&x[(size_t(t) * n_kv + h) * kD], &(side ? rv : rk)[size_t(h) * kD * kD], n, m);
-            const double got = f16_at(side ? lay.v : lay.k, row * kD + n);
-            staged.add(got, y, m, 7, -126);
-            staged.nearest += got == double(float_from_bf16(bf16_from_float(float(y))));
+          // k, v: the append's in-order fp32 sums, through bf16 (the ring's value), then fp16 as the
+          // staging holds every row, a ring row read back included (bf16 -> fp16 loses bits only
+          // below fp16's normal range, 2^-14)
+          for (int side = 0; side < 2; ++side) {
+            const float* x = &(side ? v : k)[(size_t(t) * n_kv + h) * kD];
+            const float* R = &(side ? rv : rk)[size_t(h) * kD * kD];
+            float chain = 0.0f;
+            for (int ci = 0; ci < kD; ++ci) chain = std::fma(x[ci], R[size_t(ci) * kD + n], chain);
+            const float ring = float_from_bf16(bf16_from_float(chain));
+            const float want = float_from_f16(f16_from_float(ring));
+            const float got = float(f16_at(side ? lay.v : lay.k, row * kD + n));
+            if (got != want && kv_differ < 4)
+              std::printf("  staged %s row %zu channel %d: %.9g, the append's sum %.9g (bf16 %.9g, fp16 of it %.9g)\n",
+                          side ? "v" : "k", row, n, got, chain, ring, want);
+            kv_differ += got != want;
+            ++kv_n;
           }
         }
     for (int h = 0; h < n_kv; ++h)
@@ -385,8 +398,11 @@ TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
           out.add(bf16 ? double(float_from_bf16(u)) : f32_at(o, 0, i), y, m, bf16 ? 7 : 23, -126);
         }
       }
-    std::printf("%s: staged q, k, v worst %.3f of the bound, %.4f%% nearest; output worst %.3f of the bound\n",
-                bf16 ? "bf16" : "fp32", staged.worst, 100.0 * staged.nearest / staged.n, out.worst);
+    std::printf(
+        "%s: staged q worst %.3f of the bound, %.4f%% nearest; staged k, v: %zu of %zu differ from the "
+        "append's sums; output worst %.3f of the bound\n",
+        bf16 ? "bf16" : "fp32", staged.worst, 100.0 * staged.nearest / staged.n, kv_differ, kv_n, out.worst);
+    EXPECT_EQ(kv_differ, 0u) << "staged new keys or values differ from what the ring will hold";
     EXPECT_LE(staged.worst, 1.0);
     EXPECT_GE(double(staged.nearest), 0.98 * staged.n);
     EXPECT_LE(out.worst, 1.0);
