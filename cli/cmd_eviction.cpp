@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -37,11 +38,18 @@ std::string table(const EvictionResult& r) {
                 "sink %d, recent %d\n",
                 r.conversations, r.passages, r.history, r.continuation, r.reference_nll, r.sink, r.recent);
   out += line;
-  out += "score     ratio  int2  merge   merged  KL (nats)            dNLL                 top-1\n";
+  if (r.prefill_block > 0) {
+    std::snprintf(line, sizeof line, "block-wise prefill: blocks of %d tokens, evicting to the budget after each\n",
+                  r.prefill_block);
+    out += line;
+  }
+  // peak: the most rows the cache held at once, as a fraction of the whole history's.
+  out += "score     ratio  int2  merge   merged  KL (nats)            dNLL                 top-1   peak\n";
   for (const EvictionRow& row : r.rows) {
-    std::snprintf(line, sizeof line, "%-9s %5.1fx %-5s %-7s %5.3f   %.4e ±%.1e   %+.4e ±%.1e   %.4f\n",
+    std::snprintf(line, sizeof line, "%-9s %5.1fx %-5s %-7s %5.3f   %.4e ±%.1e   %+.4e ±%.1e   %.4f  %.3f\n",
                   row.score.c_str(), row.ratio, row.int2 ? "yes" : "no", row.merge.c_str(), row.merged, row.kl,
-                  row.kl_stderr, row.delta_nll, row.delta_nll_stderr, row.top1);
+                  row.kl_stderr, row.delta_nll, row.delta_nll_stderr, row.top1,
+                  double(row.peak_rows) / (double(r.layers) * r.history));
     out += line;
   }
   return out;
@@ -53,6 +61,7 @@ std::string to_json(const EvictionResult& r) {
   j["stats"] = r.stats;
   j["artifact"] = r.artifact;
   j["history"] = r.history;
+  j["layers"] = r.layers;
   j["continuation"] = r.continuation;
   j["passages"] = r.passages;
   j["conversations"] = r.conversations;
@@ -61,6 +70,7 @@ std::string to_json(const EvictionResult& r) {
   j["reference_nll"] = r.reference_nll;
   j["layer_budgets"] = r.layer_budgets;  // empty: uniform
   j["merge_threshold"] = r.merge_threshold;
+  j["prefill_block"] = r.prefill_block;  // 0: the whole history at once
   if (r.epicache_routed_first >= 0) j["epicache_routed_to_first_passage"] = r.epicache_routed_first;
   j["seconds"] = r.seconds;
   for (const EvictionRow& row : r.rows)
@@ -73,7 +83,8 @@ std::string to_json(const EvictionResult& r) {
                          {"kl_stderr", row.kl_stderr},
                          {"delta_nll", row.delta_nll},
                          {"delta_nll_stderr", row.delta_nll_stderr},
-                         {"top1_agreement", row.top1}});
+                         {"top1_agreement", row.top1},
+                         {"peak_rows", row.peak_rows}});
   return j.dump(2) + "\n";
 }
 
@@ -104,6 +115,14 @@ int run_eviction_command(Args& a) {
     for (const std::string& name : a.merges)
       for (EvictionMerge m : all_eviction_merges())
         if (name == eviction_merge_name(m)) a.options.merges.push_back(m);
+  }
+  if (a.options.prefill_block > 0) {
+    KVCC_REQUIRE(a.scores.empty() || std::find(a.options.scores.begin(), a.options.scores.end(),
+                                               EvictionScore::Emitted) == a.options.scores.end(),
+                 "--scores emitted is measured on the whole prefill only; leave it out with --prefill-block");
+    KVCC_REQUIRE(a.options.prefill_block <= a.options.history,
+                 "--prefill-block " + std::to_string(a.options.prefill_block) + " is longer than the history (" +
+                     std::to_string(a.options.history) + " tokens)");
   }
   const ModelFile model = ModelFile::open(a.model_path);
   std::optional<Stats> stats;
@@ -183,6 +202,10 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   "the entry's logit raised by the log of the merged mass), kv (keys too), average\n"
                   "(keys and values averaged, no log mass: D2O's form); every score and ratio runs\n"
                   "once per mode listed (none: dropped). On int2 rows the codec stores the merged rows.\n"
+                  "With --prefill-block B the history is prefilled in blocks of B tokens that attend to\n"
+                  "the cache as it stands, evicting to the budget after each block (snapkv/vatp: the\n"
+                  "block's last --observation queries; epicache: the medoid block appended after it;\n"
+                  "h2o: every query so far): memory bounded by budget + B rows (the 'peak' column).\n"
                   "With --artifact each policy also runs on the history quantised as the artifact's\n"
                   "cache holds it (rows marked int2; 'full' int2 is quantisation alone).\n"
                   "With --layer-budgets artifact the layers share the same total unevenly, by the\n"
@@ -251,6 +274,12 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                              "merge an evicted token only if its key's cosine with the nearest kept key is at least "
                              "this (-1: every evicted token merges; > 1: none does)")
                   ->check(CLI::Range(-2.0, 2.0))
+                  ->capture_default_str();
+              sub.add_option("--prefill-block", a->options.prefill_block,
+                             "0: prefill the whole history, then evict; B: prefill it in blocks of B tokens, each "
+                             "attending to the cache as it stands, evicting to the budget after each block "
+                             "(bounded memory, EpiCache); every score but emitted")
+                  ->transform(whole_number(0, 2147483647))
                   ->capture_default_str();
               sub.add_option("--json", a->json_path, "write the rows as JSON");
               return [a] { return run_eviction_command(*a); };

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <numeric>
 #include <sstream>
 
@@ -428,6 +429,211 @@ void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q
   }
 }
 
+namespace {
+// Adds to acc (one entry per candidate row: the kept rows, then the block's T rows) the softmax
+// weights that block queries t in [t0, T) of KV head g's query heads put on the candidates they
+// see: every kept row (logit + its log mass) and the block's rows up to their own (float64).
+void add_block_weights(const ModelConfig& c, const float* q, int T, int t0, const float* rows,
+                       const std::vector<int32_t>& kept, const std::vector<float>& bias, const float* block_k, int g,
+                       std::vector<double>& acc) {
+  const int d = c.head_dim, r = c.group();
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d, n = kept.size();
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> w(n + size_t(T));
+  for (int t = t0; t < T; ++t)
+    for (int h = 0; h < r; ++h) {
+      const float* qi = q + size_t(t) * qdim + (size_t(g) * r + h) * d;
+      double mx = -1e300, sum = 0;
+      const size_t seen = n + size_t(t) + 1;
+      for (size_t j = 0; j < seen; ++j) {
+        const float* kj =
+            j < n ? rows + size_t(kept[j]) * kvdim + size_t(g) * d : block_k + (j - n) * kvdim + size_t(g) * d;
+        double dot = 0;
+        for (int a = 0; a < d; ++a) dot += double(qi[a]) * kj[a];
+        w[j] = dot * scale + (j < n ? double(bias[j]) : 0.0);
+        mx = std::max(mx, w[j]);
+      }
+      for (size_t j = 0; j < seen; ++j) sum += (w[j] = std::exp(w[j] - mx));
+      for (size_t j = 0; j < seen; ++j) acc[j] += w[j] / sum;
+    }
+}
+}  // namespace
+
+BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeights>& weights, const int32_t* ids, int H,
+                           EvictionScore score, const std::vector<int64_t>& budgets, EvictionMerge merge,
+                           const int32_t* patched, const EvictionOptions& o, const QueryStatistics* qs) {
+  const ModelConfig& c = model.config();
+  const int d = c.head_dim, L = c.n_layers, G = c.n_kv_heads, B = o.prefill_block, P = o.block;
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(G) * d;
+  KVCC_REQUIRE(B >= 1, cat("block_prefill: the block must be positive, got ", B));
+  KVCC_REQUIRE(
+      H >= 1 && int(weights.size()) == L && int(budgets.size()) == L,
+      cat("block_prefill: ", weights.size(), " layers of weights and ", budgets.size(), " budgets for ", L, " layers"));
+  KVCC_REQUIRE(score != EvictionScore::Emitted,
+               "block_prefill: the emitted score is measured on the whole prefill only");
+  KVCC_REQUIRE(score != EvictionScore::EpiCache || (patched && P >= 1),
+               "block_prefill: epicache needs its medoid block");
+  const bool moments = score == EvictionScore::QueryMoment || score == EvictionScore::QueryGaussian;
+  KVCC_REQUIRE(!moments || (qs && qs->moment.size() == size_t(L) * G && qs->mean.size() == size_t(L) * G &&
+                            qs->cov.size() == size_t(L) * G),
+               "block_prefill: qmoment and qgauss need the query statistics of every layer and KV head");
+  for (int64_t b : budgets) KVCC_REQUIRE(b >= 1, cat("block_prefill: budgets must be positive, got ", b));
+
+  BlockPrefill out;
+  out.keys.assign(size_t(L), std::vector<float>(size_t(H) * kvdim, 0.0f));
+  out.values = out.keys;
+  out.kept.assign(size_t(L), std::vector<std::vector<int32_t>>(size_t(G)));
+  out.log_mass.assign(size_t(L), std::vector<std::vector<float>>(size_t(G)));
+  // Per layer and KV head: accumulated attention per position (h2o), and this block's weights per
+  // candidate from the observation queries and from the patched prompt.
+  using PerHead = std::vector<std::vector<std::vector<double>>>;
+  const PerHead empty(static_cast<size_t>(L), std::vector<std::vector<double>>(static_cast<size_t>(G)));
+  PerHead h2o, snap = empty, patch = empty;
+  if (score == EvictionScore::H2O)
+    h2o.assign(size_t(L), std::vector<std::vector<double>>(size_t(G), std::vector<double>(size_t(H), 0.0)));
+  std::vector<float> x, q, k, v, attn, kc, vc;
+  for (int s = 0; s < H; s += B) {
+    const int T = std::min(B, H - s);
+    x.resize(size_t(T) * c.hidden);
+    q.resize(size_t(T) * qdim);
+    k.resize(size_t(T) * kvdim);
+    v.resize(size_t(T) * kvdim);
+    attn.resize(size_t(T) * qdim);
+    embed(model, ids + s, T, x.data());
+    for (int l = 0; l < L; ++l) {
+      attention_qkv(c, weights[size_t(l)], x.data(), T, s, q.data(), nullptr, k.data(), v.data());
+      std::copy(k.begin(), k.end(), out.keys[size_t(l)].begin() + ptrdiff_t(size_t(s) * kvdim));
+      std::copy(v.begin(), v.end(), out.values[size_t(l)].begin() + ptrdiff_t(size_t(s) * kvdim));
+      for (int g = 0; g < G; ++g) {
+        const auto& kept = out.kept[size_t(l)][size_t(g)];
+        const auto& bias = out.log_mass[size_t(l)][size_t(g)];
+        auto& w = snap[size_t(l)][size_t(g)];
+        w.assign(kept.size() + size_t(T), 0.0);
+        add_block_weights(c, q.data(), T, std::max(0, T - o.observation), out.keys[size_t(l)].data(), kept, bias,
+                          k.data(), g, w);
+        if (score == EvictionScore::H2O) {
+          std::vector<double> all(kept.size() + size_t(T), 0.0);
+          add_block_weights(c, q.data(), T, 0, out.keys[size_t(l)].data(), kept, bias, k.data(), g, all);
+          for (size_t j = 0; j < all.size(); ++j)
+            h2o[size_t(l)][size_t(g)][size_t(j < kept.size() ? kept[j] : s + int(j - kept.size()))] += all[j];
+        }
+      }
+      attention_over_kept(c, s, T, q.data(), out.keys[size_t(l)].data(), out.values[size_t(l)].data(),
+                          out.kept[size_t(l)], k.data(), v.data(), attn.data(), &out.log_mass[size_t(l)]);
+      attention_output_and_mlp(c, weights[size_t(l)], attn.data(), T, x.data());
+    }
+    // The candidates: the kept rows, then the block's (zero log mass).
+    for (int l = 0; l < L; ++l)
+      for (int g = 0; g < G; ++g) {
+        for (int t = 0; t < T; ++t) out.kept[size_t(l)][size_t(g)].push_back(s + t);
+        out.log_mass[size_t(l)][size_t(g)].resize(out.kept[size_t(l)][size_t(g)].size(), 0.0f);
+      }
+    // Every KV head of a layer holds as many rows (select_kept keeps exactly the budget).
+    int64_t held = 0;
+    for (int l = 0; l < L; ++l) held += int64_t(out.kept[size_t(l)][0].size());
+    out.peak_rows = std::max(out.peak_rows, held + (score == EvictionScore::EpiCache ? int64_t(L) * P : 0));
+    bool over = false;
+    for (int l = 0; l < L; ++l) over = over || int64_t(out.kept[size_t(l)][0].size()) > budgets[size_t(l)];
+    if (!over) continue;
+    if (score == EvictionScore::EpiCache) {
+      // The patched prompt after the block: its queries' attention on every candidate.
+      std::vector<float> px(size_t(P) * c.hidden), pq(size_t(P) * qdim), pk(size_t(P) * kvdim), pv(size_t(P) * kvdim),
+          pa(size_t(P) * qdim);
+      embed(model, patched, P, px.data());
+      for (int l = 0; l < L; ++l) {
+        attention_qkv(c, weights[size_t(l)], px.data(), P, s + T, pq.data(), nullptr, pk.data(), pv.data());
+        for (int g = 0; g < G; ++g) {
+          const auto& kept = out.kept[size_t(l)][size_t(g)];
+          std::vector<double> w(kept.size() + size_t(P), 0.0);
+          add_block_weights(c, pq.data(), P, 0, out.keys[size_t(l)].data(), kept, out.log_mass[size_t(l)][size_t(g)],
+                            pk.data(), g, w);
+          w.resize(kept.size());
+          patch[size_t(l)][size_t(g)] = std::move(w);
+        }
+        attention_over_kept(c, s + T, P, pq.data(), out.keys[size_t(l)].data(), out.values[size_t(l)].data(),
+                            out.kept[size_t(l)], pk.data(), pv.data(), pa.data(), &out.log_mass[size_t(l)]);
+        attention_output_and_mlp(c, weights[size_t(l)], pa.data(), P, px.data());
+      }
+    }
+    // Evict to the budget.
+    for (int l = 0; l < L; ++l)
+      for (int g = 0; g < G; ++g) {
+        std::vector<int32_t>& cand = out.kept[size_t(l)][size_t(g)];
+        std::vector<float>& bias = out.log_mass[size_t(l)][size_t(g)];
+        const int64_t n = int64_t(cand.size());
+        if (n <= budgets[size_t(l)]) continue;
+        kc.resize(size_t(n) * d);
+        vc.resize(size_t(n) * d);
+        for (int64_t i = 0; i < n; ++i) {
+          std::copy_n(out.keys[size_t(l)].data() + size_t(cand[size_t(i)]) * kvdim + size_t(g) * d, d,
+                      kc.data() + size_t(i) * d);
+          std::copy_n(out.values[size_t(l)].data() + size_t(cand[size_t(i)]) * kvdim + size_t(g) * d, d,
+                      vc.data() + size_t(i) * d);
+        }
+        const std::vector<double>& obs_w = snap[size_t(l)][size_t(g)];
+        const size_t hg = size_t(l) * G + g;
+        std::vector<double> sc;
+        switch (score) {
+          case EvictionScore::Window:
+            break;
+          case EvictionScore::H2O:
+            for (int32_t p : cand) sc.push_back(h2o[size_t(l)][size_t(g)][size_t(p)]);
+            break;
+          case EvictionScore::SnapKV:
+            sc = max_pool(obs_w, o.pool);
+            break;
+          case EvictionScore::ValueAware:
+            sc = max_pool(value_aware_scores(obs_w, vc.data(), n, size_t(d), d), o.pool);
+            break;
+          case EvictionScore::QueryMoment:
+            sc = query_moment_scores(qs->moment[hg], kc.data(), n, size_t(d), d);
+            break;
+          case EvictionScore::QueryGaussian:
+            sc = query_gaussian_scores(qs->mean[hg], qs->cov[hg], kc.data(), n, size_t(d), d);
+            break;
+          case EvictionScore::KeyNorm:
+            for (int64_t i = 0; i < n; ++i) {
+              double e = 0;
+              for (int a = 0; a < d; ++a) e += double(kc[size_t(i) * d + a]) * kc[size_t(i) * d + a];
+              sc.push_back(e);
+            }
+            break;
+          case EvictionScore::EpiCache:
+            sc = max_pool(patch[size_t(l)][size_t(g)], o.pool);
+            break;
+          case EvictionScore::Emitted:
+            break;
+        }
+        const std::vector<int32_t> sel = select_kept(sc, n, budgets[size_t(l)], o.sink, o.recent);
+        out.evicted += n - int64_t(sel.size());
+        std::vector<float> gained(sel.size(), 0.0f);
+        if (merge != EvictionMerge::None) {
+          std::vector<double> mass = score == EvictionScore::EpiCache ? patch[size_t(l)][size_t(g)] : obs_w;
+          const double top = *std::max_element(mass.begin(), mass.end());
+          for (double& a : mass) a = std::max(a, 1e-12 * top + 1e-300);
+          int64_t m = 0;
+          gained = merge_evicted(merge, o.merge_threshold, kc.data(), vc.data(), n, size_t(d), d, sel, mass, &m);
+          out.merged += m;
+          for (int32_t i : sel) {
+            std::copy_n(kc.data() + size_t(i) * d, d,
+                        out.keys[size_t(l)].data() + size_t(cand[size_t(i)]) * kvdim + size_t(g) * d);
+            std::copy_n(vc.data() + size_t(i) * d, d,
+                        out.values[size_t(l)].data() + size_t(cand[size_t(i)]) * kvdim + size_t(g) * d);
+          }
+        }
+        std::vector<int32_t> kept;
+        std::vector<float> kept_bias;
+        for (size_t i = 0; i < sel.size(); ++i) {
+          kept.push_back(cand[size_t(sel[i])]);
+          kept_bias.push_back(bias[size_t(sel[i])] + gained[i]);
+        }
+        cand = std::move(kept);
+        bias = std::move(kept_bias);
+      }
+  }
+  return out;
+}
+
 std::vector<std::vector<int32_t>> build_conversations(const std::vector<std::vector<int32_t>>& documents,
                                                       const EvictionOptions& o, int bos_id) {
   KVCC_REQUIRE(o.passages >= 1 && o.history >= o.passages && o.continuation >= 1,
@@ -555,9 +761,13 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         cat("eviction: the stats are for another model shape (", stats->config.n_layers, " layers, ",
             stats->config.n_kv_heads, " KV heads, head_dim ", stats->config.head_dim, ")"));
   }
+  KVCC_REQUIRE(o.prefill_block >= 0, cat("eviction: the prefill block must be >= 0, got ", o.prefill_block));
+  const bool blockwise = o.prefill_block > 0;
   std::vector<EvictionScore> scores;
   for (EvictionScore s : o.scores)
-    if ((s != EvictionScore::QueryMoment && s != EvictionScore::QueryGaussian) || stats) scores.push_back(s);
+    if (((s != EvictionScore::QueryMoment && s != EvictionScore::QueryGaussian) || stats) &&
+        !(blockwise && s == EvictionScore::Emitted))
+      scores.push_back(s);
 
   std::vector<LayerWeights> weights;
   for (int l = 0; l < c.n_layers; ++l) weights.push_back(load_layer<float>(model, l));
@@ -565,7 +775,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
 
   // The query second moments, normalised: E[q qᵀ] per (layer, KV head).
   // and the Gaussian query model: the mean of the reservoir's queries and the covariance.
-  std::vector<std::vector<double>> moment, q_mean, q_cov;
+  QueryStatistics qstats;
   if (stats)
     for (size_t i = 0; i < stats->heads.size(); ++i) {
       const HeadStats& h = stats->heads[i];
@@ -581,9 +791,9 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       std::vector<double> sigma = m;
       for (int a = 0; a < d; ++a)
         for (int b = 0; b < d; ++b) sigma[size_t(a) * d + b] -= mu[size_t(a)] * mu[size_t(b)];
-      moment.push_back(std::move(m));
-      q_mean.push_back(std::move(mu));
-      q_cov.push_back(std::move(sigma));
+      qstats.moment.push_back(std::move(m));
+      qstats.mean.push_back(std::move(mu));
+      qstats.cov.push_back(std::move(sigma));
     }
 
   struct Variant {
@@ -601,6 +811,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         for (EvictionMerge m : o.merges) variants.push_back({eviction_score_name(s), r, q, m});
   }
   std::vector<Sums> sums(variants.size());
+  std::vector<int64_t> peak(variants.size(), int64_t(c.n_layers) * H);
   std::vector<double> ref_nll;
   int routed_first = 0;
 
@@ -618,6 +829,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
 
     // EpiCache: the routed episode's patched-prompt scores, [layer][KV head] [H].
     std::vector<std::vector<std::vector<double>>> epi;
+    int medoid = -1;
     if (std::find(scores.begin(), scores.end(), EvictionScore::EpiCache) != scores.end()) {
       const int B = o.block, blocks = H / B;
       // A segment's embedding: the mean of its tokens' input embeddings (EpiCache's "llm"
@@ -654,13 +866,15 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         if (cosine(query.data(), &cl.centroids[size_t(e) * c.hidden]) >
             cosine(query.data(), &cl.centroids[size_t(routed) * c.hidden]))
           routed = e;
-      int medoid = -1;
       for (int b = 0; b < blocks; ++b)
         if (cl.assignment[size_t(b)] == routed &&
             (medoid < 0 || cosine(&rows[size_t(b) * c.hidden], &cl.centroids[size_t(routed) * c.hidden]) >
                                cosine(&rows[size_t(medoid) * c.hidden], &cl.centroids[size_t(routed) * c.hidden])))
           medoid = b;
       routed_first += int64_t(medoid) * B < H / o.passages;
+    }
+    if (medoid >= 0 && !blockwise) {
+      const int B = o.block;
       // The medoid block appended after the history: its queries' attention on every history key.
       epi.assign(size_t(c.n_layers),
                  std::vector<std::vector<double>>(size_t(c.n_kv_heads), std::vector<double>(size_t(H), 0.0)));
@@ -669,27 +883,15 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       std::vector<std::vector<int32_t>> everything(size_t(c.n_kv_heads), std::vector<int32_t>(size_t(H)));
       for (auto& e : everything) std::iota(e.begin(), e.end(), 0);
       embed(model, conv.data() + size_t(medoid) * B, B, px.data());
-      const double scale = 1.0 / std::sqrt(double(d));
-      std::vector<double> w(size_t(H + B));
       for (int l = 0; l < c.n_layers; ++l) {
         attention_qkv(c, weights[size_t(l)], px.data(), B, H, pq.data(), nullptr, pk.data(), pv.data());
-        const float* hk = obs.keys[size_t(l)].data();
-        for (int h = 0; h < c.n_heads; ++h) {
-          const int g = h / c.group();
-          for (int i = 0; i < B; ++i) {
-            const float* qi = pq.data() + size_t(i) * qdim + size_t(h) * d;
-            double mx = -1e300, sum = 0;
-            for (int j = 0; j < H + i + 1; ++j) {
-              const float* kj =
-                  j < H ? hk + size_t(j) * kvdim + size_t(g) * d : pk.data() + size_t(j - H) * kvdim + size_t(g) * d;
-              double dot = 0;
-              for (int a = 0; a < d; ++a) dot += double(qi[a]) * kj[a];
-              w[size_t(j)] = dot * scale;
-              mx = std::max(mx, w[size_t(j)]);
-            }
-            for (int j = 0; j < H + i + 1; ++j) sum += (w[size_t(j)] = std::exp(w[size_t(j)] - mx));
-            for (int j = 0; j < H; ++j) epi[size_t(l)][size_t(g)][size_t(j)] += w[size_t(j)] / sum;
-          }
+        const std::vector<float> no_mass(size_t(H), 0.0f);
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+          std::vector<double> w(size_t(H + B), 0.0);
+          add_block_weights(c, pq.data(), B, 0, obs.keys[size_t(l)].data(), everything[size_t(g)], no_mass, pk.data(),
+                            g, w);
+          w.resize(size_t(H));
+          epi[size_t(l)][size_t(g)] = std::move(w);
         }
         attention_over_kept(c, H, B, pq.data(), obs.keys[size_t(l)].data(), obs.values[size_t(l)].data(), everything,
                             pk.data(), pv.data(), pa.data());
@@ -705,12 +907,14 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, qkeys[size_t(l)], qvalues[size_t(l)], H);
     }
     // quantised: the cache holds the history through the INT2 codec (what "emitted" reads).
-    auto kept_sets = [&](const std::string& score, double ratio, bool quantised) {
+    auto budgets_of = [&](double ratio) {
       const int64_t budget = int64_t(std::ceil(double(H) / ratio));
-      const std::vector<int64_t> budgets =
-          o.layer_budgets.empty() ? std::vector<int64_t>(size_t(c.n_layers), budget)
-                                  : allocate_layer_budgets(o.layer_budgets, budget * c.n_layers,
-                                                           std::min<int64_t>(H, int64_t(o.sink) + o.recent), H);
+      return o.layer_budgets.empty() ? std::vector<int64_t>(size_t(c.n_layers), budget)
+                                     : allocate_layer_budgets(o.layer_budgets, budget * c.n_layers,
+                                                              std::min<int64_t>(H, int64_t(o.sink) + o.recent), H);
+    };
+    auto kept_sets = [&](const std::string& score, double ratio, bool quantised) {
+      const std::vector<int64_t> budgets = budgets_of(ratio);
       std::vector<std::vector<std::vector<int32_t>>> kept(size_t(c.n_layers));
       for (int l = 0; l < c.n_layers; ++l)
         for (int g = 0; g < c.n_kv_heads; ++g) {
@@ -728,10 +932,10 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
                                              (quantised ? qkeys : obs.keys)[size_t(l)].data(), H, g),
                           o.pool);
           else if (score == "qmoment")
-            sc = query_moment_scores(moment[size_t(l) * c.n_kv_heads + g], keys, H, kvdim, d);
+            sc = query_moment_scores(qstats.moment[size_t(l) * c.n_kv_heads + g], keys, H, kvdim, d);
           else if (score == "qgauss") {
             const size_t i = size_t(l) * c.n_kv_heads + g;
-            sc = query_gaussian_scores(q_mean[i], q_cov[i], keys, H, kvdim, d);
+            sc = query_gaussian_scores(qstats.mean[i], qstats.cov[i], keys, H, kvdim, d);
           } else if (score == "epicache") {
             sc = max_pool(epi[size_t(l)][size_t(g)], o.pool);
           } else if (score == "keynorm") {
@@ -813,13 +1017,40 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     double nll = 0;
     for (int t = 0; t < C; ++t) nll -= lp_ref[size_t(t) * V + conv[size_t(H + t + 1)]];
     ref_nll.push_back(nll / C);
+    // Block-wise prefills by (score, ratio, merge): the int2 rows quantise the same rows.
+    std::map<std::string, BlockPrefill> prefilled;
     for (size_t vi = 0; vi < variants.size(); ++vi) {
       const Variant& var = variants[vi];
-      const auto kept = var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2);
       double merged = 0;
-      if (var.merge == EvictionMerge::None) {
+      if (blockwise && var.score != "full") {
+        EvictionScore score = EvictionScore::Window;
+        for (EvictionScore e : scores)
+          if (var.score == eviction_score_name(e)) score = e;
+        const std::string key = cat(var.score, ' ', var.ratio, ' ', eviction_merge_name(var.merge));
+        auto it = prefilled.find(key);
+        if (it == prefilled.end())
+          it = prefilled
+                   .emplace(key, block_prefill(model, weights, conv.data(), H, score, budgets_of(var.ratio), var.merge,
+                                               medoid >= 0 ? conv.data() + size_t(medoid) * o.block : nullptr, o,
+                                               stats ? &qstats : nullptr))
+                   .first;
+        const BlockPrefill& bp = it->second;
+        peak[vi] = bp.peak_rows;
+        merged = bp.evicted > 0 ? double(bp.merged) / double(bp.evicted) : 0.0;
+        if (var.int2) {
+          mk = bp.keys;
+          mv = bp.values;
+          for (int l = 0; l < c.n_layers; ++l) quantise_history(*int2, c, l, mk[size_t(l)], mv[size_t(l)], H);
+          continuation(bp.kept, mk, mv, &bp.log_mass, lp);
+        } else {
+          continuation(bp.kept, bp.keys, bp.values, &bp.log_mass, lp);
+        }
+      } else if (const auto kept = var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2);
+                 var.merge == EvictionMerge::None) {
+        if (var.score == "epicache") peak[vi] = int64_t(c.n_layers) * (H + o.block);
         continuation(kept, var.int2 ? qkeys : obs.keys, var.int2 ? qvalues : obs.values, nullptr, lp);
       } else {
+        if (var.score == "epicache") peak[vi] = int64_t(c.n_layers) * (H + o.block);
         merged = merge_into_kept(kept, var.score, var.merge, var.int2);
         continuation(kept, mk, mv, &log_mass, lp);
       }
@@ -847,6 +1078,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
 
   EvictionResult res;
   res.history = H;
+  res.layers = c.n_layers;
   res.continuation = C;
   res.passages = o.passages;
   res.conversations = int(conversations.size());
@@ -854,6 +1086,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
   res.recent = o.recent;
   res.layer_budgets = o.layer_budgets;
   res.merge_threshold = o.merge_threshold;
+  res.prefill_block = o.prefill_block;
   const std::vector<double> w(conversations.size(), 1.0);
   auto mean = [](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / double(x.size()); };
   res.reference_nll = mean(ref_nll);
@@ -871,6 +1104,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     row.delta_nll = mean(sums[vi].dnll);
     row.delta_nll_stderr = clustered_standard_error(sums[vi].dnll, w);
     row.top1 = mean(sums[vi].top1);
+    row.peak_rows = peak[vi];
     res.rows.push_back(row);
   }
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -52,6 +52,7 @@
 #include "eval/scheme.h"
 #include "formats/model_file.h"
 #include "formats/stats.h"
+#include "model/forward.h"
 
 namespace kvcc {
 
@@ -139,6 +140,13 @@ void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q
                          const float* hist_v, const std::vector<std::vector<int32_t>>& kept, const float* cont_k,
                          const float* cont_v, float* out, const std::vector<std::vector<float>>* log_mass = nullptr);
 
+// Query statistics per (layer · n_kv + KV head), for the scores that need no query: qmoment's
+// normalised E[q qᵀ] [d, d], qgauss's mean [d] and covariance [d, d] (run_eviction fills them from
+// the calibration stats).
+struct QueryStatistics {
+  std::vector<std::vector<double>> moment, mean, cov;
+};
+
 struct EvictionOptions {
   int history = 1024;      // H: history tokens (all passages)
   int continuation = 256;  // C: continuation tokens scored
@@ -160,7 +168,42 @@ struct EvictionOptions {
   // An evicted token merges only if its key's cosine with the nearest kept key is at least this;
   // the default, -1, merges every evicted token (measured best: docs/eviction.md).
   double merge_threshold = -1;
+  // Block-wise prefill (EpiCache's bounded memory): 0 prefills the whole history, then evicts;
+  // B > 0 runs it in blocks of B tokens that attend to the cache as it stands, evicting to the
+  // budget after every block (block_prefill). Every score but emitted.
+  int prefill_block = 0;
 };
+
+// Block-wise prefill of one history under a budget (EpiCache, docs/eviction.md "Block-wise
+// prefill"). The history ids[0, H) runs in blocks of options.prefill_block tokens at their own
+// positions; in every layer a block's queries attend to the cache's kept rows (with their log
+// masses) and to the block causally, and the block's keys and values join the cache. After each
+// block, per layer l and KV head, a cache over budgets[l] rows keeps budgets[l] of them by
+// select_kept (sink, recent, then the score), merging the rest when `merge` says so:
+//   window               : none;
+//   h2o                  : the attention every query so far put on the row;
+//   snapkv / vatp        : the attention of the block's last `observation` queries (vatp: times
+//                          ‖v‖₁), max-pooled over the candidate rows in position order;
+//   qmoment/qgauss/keynorm: from the key (qs needed for the first two);
+//   epicache             : the attention of `patched` (options.block ids: the episode's medoid
+//                          block) appended after the block, max-pooled (EpiCache's patched prompt).
+// Merge masses are epicache's patched-prompt attention, the block's observation attention for the
+// other scores; a row merged twice keeps its earlier log mass plus the new one (its mass already
+// counts its group). With every budget >= H nothing is evicted and the rows are the full
+// prefill's up to float rounding; with one block (prefill_block >= H) the kept sets are those of
+// the full prefill's eviction.
+struct BlockPrefill {
+  std::vector<std::vector<float>> keys, values;           // per layer [H, n_kv·d]; rows of evicted positions are stale
+  std::vector<std::vector<std::vector<int32_t>>> kept;    // [layer][KV head]: ascending positions
+  std::vector<std::vector<std::vector<float>>> log_mass;  // [layer][KV head]: per kept row (0: unmerged)
+  // The most rows the cache held at once per KV head, summed over the layers, the block and the
+  // patched prompt included (the whole history at once: layers · H).
+  int64_t peak_rows = 0;
+  int64_t evicted = 0, merged = 0;  // rows evicted over every layer, KV head and block; of them, merged
+};
+BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeights>& weights, const int32_t* ids, int H,
+                           EvictionScore score, const std::vector<int64_t>& budgets, EvictionMerge merge,
+                           const int32_t* patched, const EvictionOptions& options, const QueryStatistics* qs = nullptr);
 
 struct EvictionRow {
   std::string score;  // eviction_score_name, or "full"
@@ -169,17 +212,20 @@ struct EvictionRow {
   std::string merge = "none";  // eviction_merge_name
   double merged = 0;           // of the evicted tokens, the fraction merged (mean over conversations)
   double kl = 0, kl_stderr = 0, delta_nll = 0, delta_nll_stderr = 0, top1 = 0;
+  int64_t peak_rows = 0;  // BlockPrefill::peak_rows (whole prefill: layers · H, + layers · block for epicache)
 };
 
 struct EvictionResult {
   std::string model, artifact, stats;
   int history = 0, continuation = 0, passages = 0, conversations = 0, sink = 0, recent = 0;
+  int layers = 0;            // the model's
   double reference_nll = 0;  // mean NLL of the continuation over the full history
   // epicache: conversations whose routed episode's medoid block lies in the first passage (the
   // one the continuation continues); -1 without epicache.
   int epicache_routed_first = -1;
   std::vector<double> layer_budgets;  // EvictionOptions::layer_budgets (empty: uniform)
   double merge_threshold = 0;         // EvictionOptions::merge_threshold
+  int prefill_block = 0;              // EvictionOptions::prefill_block
   std::vector<EvictionRow> rows;
   double seconds = 0;
 };

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <numeric>
 #include <random>
 
 #include <unistd.h>
@@ -665,6 +667,240 @@ TEST_F(EvictionRun, EpiCacheRoutesAContinuationToItsPassage) {
   }
   const EvictionResult r = run_eviction(model, convs, nullptr, nullptr, o);
   EXPECT_EQ(r.epicache_routed_first, 4);
+}
+
+// Block-wise prefill (block_prefill). A model of two KV heads, so that kept sets differ per head.
+class BlockPrefillRun : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = (std::filesystem::temp_directory_path() / ("kvcc_block_prefill_" + std::to_string(::getpid()))).string();
+    spec.vocab = 64;
+    spec.hidden = 32;
+    spec.n_layers = 3;  // layer 2's keys show what layers 0 and 1 attended to
+    spec.n_heads = 4;
+    spec.n_kv_heads = 2;
+    spec.head_dim = 8;
+    spec.intermediate = 64;
+    spec.max_position = 256;
+    write_synthetic_model(dir, spec);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir); }
+  // The history's keys and values per layer when a query at position i of layer l attends to
+  // exactly visible(l, i) (ascending positions <= i), with a direct float64 softmax: the reference.
+  void masked_prefill(const ModelFile& model, const std::vector<int32_t>& ids,
+                      const std::function<std::vector<int32_t>(int, int)>& visible,
+                      std::vector<std::vector<float>>& keys, std::vector<std::vector<float>>& values) {
+    const ModelConfig& c = model.config();
+    const int H = int(ids.size()), d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
+    std::vector<float> x(size_t(H) * c.hidden), q(size_t(H) * qdim), k(size_t(H) * kvdim), v(size_t(H) * kvdim),
+        attn(size_t(H) * qdim);
+    embed(model, ids.data(), H, x.data());
+    keys.clear();
+    values.clear();
+    for (int l = 0; l < c.n_layers; ++l) {
+      const LayerWeights w = load_layer<float>(model, l);
+      attention_qkv(c, w, x.data(), H, 0, q.data(), nullptr, k.data(), v.data());
+      keys.push_back(k);
+      values.push_back(v);
+      for (int i = 0; i < H; ++i)
+        for (int h = 0; h < c.n_heads; ++h) {
+          const int g = h / c.group();
+          std::vector<const float*> ks, vs;
+          for (int32_t j : visible(l, i)) {
+            ks.push_back(k.data() + size_t(j) * kvdim + size_t(g) * d);
+            vs.push_back(v.data() + size_t(j) * kvdim + size_t(g) * d);
+          }
+          const auto o =
+              direct_attention(q.data() + size_t(i) * qdim + size_t(h) * d, d, ks, vs, std::vector<double>(ks.size()));
+          for (int a = 0; a < d; ++a) attn[size_t(i) * qdim + size_t(h) * d + a] = float(o[size_t(a)]);
+        }
+      attention_output_and_mlp(c, w, attn.data(), H, x.data());
+    }
+  }
+  // Float32 against float64 attention through two layers: relative ~1e-6 per operation, a few
+  // products deep; 1e-4 of the rows' largest magnitude leaves a margin an error in which rows a
+  // query sees (O(1) changes) cannot hide in.
+  static void expect_rows_near(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    float top = 0;
+    for (float w : want) top = std::max(top, std::abs(w));
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f * top) << what << " element " << i;
+  }
+  std::string dir;
+  SyntheticModelSpec spec;
+};
+
+// Budgets of at least the history evict nothing: the rows are the causal prefill's, every
+// position kept, no log mass, and the cache held the whole history.
+TEST_F(BlockPrefillRun, NothingEvictedIsTheCausalPrefill) {
+  const ModelFile model = ModelFile::open(dir);
+  const int H = 40;
+  const std::vector<int32_t> ids = synthetic_documents(spec, 1, H, 5)[0];
+  std::vector<LayerWeights> w;
+  for (int l = 0; l < spec.n_layers; ++l) w.push_back(load_layer<float>(model, l));
+  EvictionOptions o;
+  o.prefill_block = 7;  // a last block of 5
+  const BlockPrefill bp =
+      block_prefill(model, w, ids.data(), H, EvictionScore::SnapKV, {H, H + 3, H}, EvictionMerge::Value, nullptr, o);
+  std::vector<std::vector<float>> keys, values;
+  masked_prefill(
+      model, ids,
+      [](int, int i) {
+        std::vector<int32_t> all(size_t(i) + 1);
+        std::iota(all.begin(), all.end(), 0);
+        return all;
+      },
+      keys, values);
+  for (int l = 0; l < spec.n_layers; ++l) {
+    expect_rows_near(bp.keys[size_t(l)], keys[size_t(l)], "keys");
+    expect_rows_near(bp.values[size_t(l)], values[size_t(l)], "values");
+    for (int g = 0; g < spec.n_kv_heads; ++g) {
+      EXPECT_EQ(bp.kept[size_t(l)][size_t(g)].size(), size_t(H));
+      EXPECT_EQ(bp.log_mass[size_t(l)][size_t(g)], std::vector<float>(size_t(H), 0.0f));
+    }
+  }
+  EXPECT_EQ(bp.peak_rows, spec.n_layers * H);
+  EXPECT_EQ(bp.evicted, 0);
+}
+
+// The window policy keeps, after each block, the sink and the newest budget − sink tokens: a
+// query at position i in the block starting at s sees exactly those of [0, s) and the block up to
+// itself (StreamingLLM prefilled in blocks). The layers' budgets differ, so their kept sets do.
+TEST_F(BlockPrefillRun, WindowSeesTheSinkAndTheNewestTokens) {
+  const ModelFile model = ModelFile::open(dir);
+  const int H = 45, B = 8, sink = 3;  // blocks at 0, 8, ..., 40 (the last of 5)
+  const std::vector<int64_t> budgets = {12, 20, 16};
+  const std::vector<int32_t> ids = synthetic_documents(spec, 1, H, 6)[0];
+  std::vector<LayerWeights> w;
+  for (int l = 0; l < spec.n_layers; ++l) w.push_back(load_layer<float>(model, l));
+  EvictionOptions o;
+  o.prefill_block = B;
+  o.sink = sink;
+  o.recent = 2;
+  const BlockPrefill bp =
+      block_prefill(model, w, ids.data(), H, EvictionScore::Window, budgets, EvictionMerge::None, nullptr, o);
+  // Layer l's cache once the tokens before s are in.
+  auto kept_before = [&](int l, int s) {
+    const int64_t M = budgets[size_t(l)];
+    std::vector<int32_t> kept;
+    for (int j = 0; j < s; ++j)
+      if (s <= M || j < sink || j >= s - (M - sink)) kept.push_back(j);
+    return kept;
+  };
+  std::vector<std::vector<float>> keys, values;
+  masked_prefill(
+      model, ids,
+      [&](int l, int i) {
+        const int s = i / B * B;
+        std::vector<int32_t> v = kept_before(l, s);
+        for (int j = s; j <= i; ++j) v.push_back(j);
+        return v;
+      },
+      keys, values);
+  for (int l = 0; l < spec.n_layers; ++l) {
+    expect_rows_near(bp.keys[size_t(l)], keys[size_t(l)], "keys");
+    expect_rows_near(bp.values[size_t(l)], values[size_t(l)], "values");
+    for (int g = 0; g < spec.n_kv_heads; ++g) EXPECT_EQ(bp.kept[size_t(l)][size_t(g)], kept_before(l, H)) << l;
+  }
+  EXPECT_EQ(bp.peak_rows, 12 + 20 + 16 + spec.n_layers * B);  // the budgets and a whole block
+  // Without the window rule (every budget H) layer 2's keys differ: the test can tell.
+  std::vector<std::vector<float>> causal, unused;
+  masked_prefill(
+      model, ids,
+      [](int, int i) {
+        std::vector<int32_t> all(size_t(i) + 1);
+        std::iota(all.begin(), all.end(), 0);
+        return all;
+      },
+      causal, unused);
+  float moved = 0;
+  for (size_t i = 0; i < causal[2].size(); ++i) moved = std::max(moved, std::abs(causal[2][i] - keys[2][i]));
+  EXPECT_GT(moved, 1e-2f);
+}
+
+// One block is the whole prefill: block-wise prefill keeps what the full prefill's eviction keeps
+// and merges as it merges, so every row of run_eviction is the same up to the float rounding of
+// computing the rows another way (the attention through attention_over_kept rather than
+// causal_attention; the scores in float64 from the queries rather than the model's
+// probabilities). Other kept sets would move the KL by orders more.
+TEST_F(EvictionRun, OneBlockIsTheWholePrefill) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {4};
+  o.conversations = 2;
+  o.sink = 2;
+  o.recent = 4;
+  o.observation = 8;
+  o.pool = 3;
+  o.scores = {EvictionScore::Window,     EvictionScore::H2O,     EvictionScore::SnapKV,
+              EvictionScore::ValueAware, EvictionScore::KeyNorm, EvictionScore::EpiCache};
+  o.episodes = 2;
+  o.block = 8;
+  o.route = 4;
+  o.merges = {EvictionMerge::None, EvictionMerge::Value};
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  CacheScheme identity;
+  identity.sink = 4;
+  identity.recent = 8;
+  identity.page_size = 8;
+  identity.path = CodecPath{
+      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const EvictionResult whole = run_eviction(model, conv, nullptr, &identity, o);
+  o.prefill_block = 48;
+  const EvictionResult one = run_eviction(model, conv, nullptr, &identity, o);
+  o.prefill_block = 16;
+  const EvictionResult three = run_eviction(model, conv, nullptr, &identity, o);
+  ASSERT_EQ(whole.rows.size(), 1u + 2 * 6 * 2);
+  ASSERT_EQ(one.rows.size(), whole.rows.size());
+  int moved = 0;
+  for (size_t i = 0; i < whole.rows.size(); ++i) {
+    const EvictionRow &a = whole.rows[i], &b = one.rows[i];
+    EXPECT_NEAR(b.kl, a.kl, 1e-4 * a.kl) << a.score << " " << a.merge << (a.int2 ? " int2" : "");
+    EXPECT_NEAR(b.delta_nll, a.delta_nll, 1e-4 * std::abs(a.delta_nll) + 1e-9) << a.score;
+    EXPECT_EQ(b.merged, a.merged) << a.score << " " << a.merge;
+    EXPECT_EQ(b.peak_rows, a.peak_rows) << a.score;
+    // Blocks of 16 evict as they go: each layer holds at most 12 + 16 rows (+ the patched block).
+    const EvictionRow& c3 = three.rows[i];
+    if (a.score == "full") continue;
+    EXPECT_EQ(c3.peak_rows, spec.n_layers * (a.score == "epicache" ? 12 + 16 + 8 : 12 + 16)) << a.score;
+    if (a.merge == "value") {
+      EXPECT_EQ(c3.merged, 1.0) << a.score;
+    }
+    moved += c3.kl != a.kl;
+  }
+  EXPECT_EQ(moved, 2 * 6 * 2);
+  EXPECT_EQ(three.prefill_block, 16);
+}
+
+// Merging with a threshold no cosine reaches is dropping, block by block too: bit for bit.
+TEST_F(EvictionRun, BlockWiseMergingNothingIsDropping) {
+  const ModelFile model = ModelFile::open(dir);
+  EvictionOptions o;
+  o.history = 48;
+  o.continuation = 16;
+  o.passages = 2;
+  o.ratios = {4};
+  o.conversations = 2;
+  o.sink = 2;
+  o.recent = 4;
+  o.scores = {EvictionScore::SnapKV, EvictionScore::H2O, EvictionScore::EpiCache};
+  o.episodes = 2;
+  o.block = 8;
+  o.route = 4;
+  o.prefill_block = 12;
+  o.merges = all_eviction_merges();
+  o.merge_threshold = 1.5;
+  const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
+  const EvictionResult r = run_eviction(model, conv, nullptr, nullptr, o);
+  ASSERT_EQ(r.rows.size(), 3u * 4);
+  for (size_t i = 0; i < r.rows.size(); i += 4)
+    for (size_t m = 1; m < 4; ++m) {
+      EXPECT_EQ(r.rows[i + m].kl, r.rows[i].kl) << r.rows[i].score << " " << r.rows[i + m].merge;
+      EXPECT_EQ(r.rows[i + m].merged, 0.0);
+    }
 }
 
 }  // namespace
