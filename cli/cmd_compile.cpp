@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/progress.h"
 #include "compile/compile.h"
 #include "eval/bits_sensitivity.h"
 #include "eval/experiment.h"
@@ -234,18 +235,7 @@ std::function<std::vector<double>(const Artifact&)> kl_weights(const Args& a) {
   const std::string what = "compiled from " + a.stats_path + " (for --sensitivity-model)";
   return [model, docs, what](const Artifact& art) {
     check_artifact_matches(art, *model, what);
-    const bool tty = stderr_is_tty();
-    uint64_t next_line = 0;
-    const auto progress = [&](const ValidateProgress& p) {
-      if (!tty && p.tokens_done < next_line && p.tokens_done < p.tokens_total) return;
-      next_line = p.tokens_done + std::max<uint64_t>(1, p.tokens_total / 10);
-      std::fprintf(stderr,
-                   tty ? "\rsensitivity: %d layer sides, %llu/%llu tokens, elapsed %.0f s"
-                       : "sensitivity: %d layer sides, %llu/%llu tokens, elapsed %.0f s\n",
-                   2 * art.n_layers, (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total,
-                   p.elapsed_s);
-      if (tty && p.tokens_done == p.tokens_total) std::fprintf(stderr, "\n");
-    };
+    const auto progress = validate_progress("sensitivity (" + std::to_string(2 * art.n_layers) + " layer sides)");
     const std::vector<double> kl = measure_side_kl(*model, *docs, art, ValidateMode::Static, 128, progress);
     std::printf("KL per layer with its keys / values alone quantised at %g bits:", art.recipe.key_bits);
     for (int l = 0; l < art.n_layers; ++l) std::printf(" %d:%.2e/%.2e", l, kl[size_t(l) * 2], kl[size_t(l) * 2 + 1]);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/progress.h"
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
@@ -73,22 +74,7 @@ int run_validate(Args& a) {
                           : scheme_from_artifact(std::move(artifact), name, model.config()));
   }
   const auto docs = load_validation_documents(model, a.data);
-  const bool tty = stderr_is_tty();
-  // Without a terminal (a log file), a line at the start, each 5% of the tokens and the end.
-  uint64_t next_line_tokens = 0;
-  const auto progress = [&](const ValidateProgress& p) {
-    if (!tty) {
-      if (p.tokens_done < next_line_tokens && p.tokens_done < p.tokens_total) return;
-      const uint64_t step = std::max<uint64_t>(1, (p.tokens_total + 19) / 20);
-      next_line_tokens = (p.tokens_done / step + 1) * step;
-    }
-    const double rate = p.elapsed_s > 0 ? double(p.tokens_done) / p.elapsed_s : 0;
-    std::fprintf(stderr,
-                 tty ? "\rvalidating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)"
-                     : "validating: document %llu/%llu, %llu/%llu tokens (%.0f tok/s)\n",
-                 (unsigned long long)p.documents_done, (unsigned long long)p.documents_total,
-                 (unsigned long long)p.tokens_done, (unsigned long long)p.tokens_total, rate);
-  };
+  const auto progress = validate_progress("validating");
   ValidationResult result;
   if (a.dump_path.empty()) {
     result = validate_schemes(model, docs, schemes, a.mode, a.block, progress, a.precision, {}, a.late_from);
@@ -114,7 +100,6 @@ int run_validate(Args& a) {
       dump.finish();
     });
   }
-  if (tty) std::fprintf(stderr, "\n");
   std::cout << format_table(result);
   std::printf("(%.1f s; per-layer relative attention-output errors in the JSON)\n", result.seconds);
   if (!a.json_path.empty()) write_bytes_atomically(a.json_path, to_json(result));
