@@ -96,6 +96,18 @@ TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
     EXPECT_NE(help.out.find("\n  " + std::string(method_name(m)) + " "), std::string::npos) << method_name(m);
 }
 
+// eviction's block-wise prefill refuses what it cannot measure before opening anything.
+TEST_F(FormatsCli, EvictionRefusesWhatBlockWisePrefillCannotRun) {
+  const std::string base = "eviction --model " + dir.file("m") + " --data " + dir.file("t.txt") + " ";
+  expect_one_line_error(run_kvcc(dir, base + "--prefill-block 64 --scores snapkv,emitted"),
+                        "--scores emitted is measured on the whole prefill only");
+  expect_one_line_error(run_kvcc(dir, base + "--history 512 --prefill-block 1024"),
+                        "--prefill-block 1024 is longer than the history (512 tokens)");
+  const RunResult negative = run_kvcc(dir, base + "--prefill-block -1");
+  EXPECT_NE(negative.exit_code, 0);
+  EXPECT_NE(negative.err.find("--prefill-block"), std::string::npos) << negative.err;
+}
+
 TEST_F(FormatsCli, MergeStats) {
   write_stats(testing::random_stats(config, fp, 6, 10, 1).stats, dir.file("a.h5"));
   write_stats(testing::random_stats(config, fp, 6, 15, 2).stats, dir.file("b.h5"));
