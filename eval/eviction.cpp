@@ -528,12 +528,15 @@ BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeight
         for (int t = 0; t < T; ++t) out.kept[size_t(l)][size_t(g)].push_back(s + t);
         out.log_mass[size_t(l)][size_t(g)].resize(out.kept[size_t(l)][size_t(g)].size(), 0.0f);
       }
-    // Every KV head of a layer holds as many rows (select_kept keeps exactly the budget).
+    // Every KV head of a layer holds as many rows (select_kept keeps exactly the budget); the
+    // patched prompt runs, and adds its rows, only when some layer is over its budget.
     int64_t held = 0;
-    for (int l = 0; l < L; ++l) held += int64_t(out.kept[size_t(l)][0].size());
-    out.peak_rows = std::max(out.peak_rows, held + (score == EvictionScore::EpiCache ? int64_t(L) * P : 0));
     bool over = false;
-    for (int l = 0; l < L; ++l) over = over || int64_t(out.kept[size_t(l)][0].size()) > budgets[size_t(l)];
+    for (int l = 0; l < L; ++l) {
+      held += int64_t(out.kept[size_t(l)][0].size());
+      over = over || int64_t(out.kept[size_t(l)][0].size()) > budgets[size_t(l)];
+    }
+    out.peak_rows = std::max(out.peak_rows, held + (over && score == EvictionScore::EpiCache ? int64_t(L) * P : 0));
     if (!over) continue;
     if (score == EvictionScore::EpiCache) {
       // The patched prompt after the block: its queries' attention on every candidate.
