@@ -4,10 +4,10 @@
 // Protocol. A "conversation" is m passages of H/m tokens from m documents far apart in the text
 // (different books in the held-out sets), followed by the next C tokens of the first passage's
 // document: the continuation must recall the oldest passage, the case recency-based caches lose.
-// The history is prefilled in full precision; then, per layer and KV head, a policy keeps
-// ceil(H / ratio) of its tokens (always the first `sink` and the last `recent`, the rest by score;
-// with layer budgets, the layers share that total unevenly: EvictionOptions::layer_budgets)
-// and the continuation runs over the kept tokens plus itself, causally (one causal pass over the
+// The history is prefilled in full precision (whole, or block by block under the budget:
+// block_prefill); then, per layer and KV head, a policy keeps ceil(H / ratio) of its tokens
+// (always the first `sink` and the last `recent`, the rest by score; with layer budgets, the
+// layers share that total unevenly: EvictionOptions::layer_budgets) and the continuation runs over the kept tokens plus itself, causally (one causal pass over the
 // continuation equals decoding it token by token: nothing is evicted meanwhile). Measured against
 // the same continuation over the full history: KL(full ‖ evicted) of the next-token
 // distributions, ΔNLL of the true next tokens, top-1 agreement; documents are the independent
