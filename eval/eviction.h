@@ -7,8 +7,9 @@
 // The history is prefilled in full precision (whole, or block by block under the budget:
 // block_prefill); then, per layer and KV head, a policy keeps ceil(H / ratio) of its tokens
 // (always the first `sink` and the last `recent`, the rest by score; with layer budgets, the
-// layers share that total unevenly: EvictionOptions::layer_budgets) and the continuation runs over the kept tokens plus itself, causally (one causal pass over the
-// continuation equals decoding it token by token: nothing is evicted meanwhile). Measured against
+// layers share that total unevenly: EvictionOptions::layer_budgets) and the continuation runs
+// over the kept tokens plus itself, causally (one causal pass over the continuation equals
+// decoding it token by token: nothing is evicted meanwhile). Measured against
 // the same continuation over the full history: KL(full ‖ evicted) of the next-token
 // distributions, ΔNLL of the true next tokens, top-1 agreement; documents are the independent
 // samples (clustered standard errors, eval/experiment.h).
