@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <type_traits>
@@ -39,6 +40,51 @@ std::vector<S> model_logits(const ModelFile& model, const std::vector<int32_t>& 
   std::vector<S> logits(size_t(T) * c.vocab);
   final_logits(model, x.data(), T, logits.data());
   return logits;
+}
+
+// A whole model's prefill of ids in which the query at position i of layer l attends to exactly
+// the positions visible(l, i) (ascending, each <= i), the attention a float64 softmax over those
+// rows: the reference for prefills that hide part of the past (block-wise prefill, eviction,
+// layer sensitivity). keys / values: every layer's [T, n_kv·d] from the model's float32
+// projections.
+inline void masked_prefill(const ModelFile& model, const std::vector<int32_t>& ids,
+                           const std::function<std::vector<int32_t>(int layer, int i)>& visible,
+                           std::vector<std::vector<float>>& keys, std::vector<std::vector<float>>& values) {
+  const ModelConfig& c = model.config();
+  const int T = int(ids.size()), d = c.head_dim;
+  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d;
+  std::vector<float> x(size_t(T) * c.hidden), q(size_t(T) * qdim), k(size_t(T) * kvdim), v(size_t(T) * kvdim),
+      attn(size_t(T) * qdim);
+  embed(model, ids.data(), T, x.data());
+  keys.clear();
+  values.clear();
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights w = load_layer<float>(model, l);
+    attention_qkv(c, w, x.data(), T, 0, q.data(), nullptr, k.data(), v.data());
+    keys.push_back(k);
+    values.push_back(v);
+    for (int i = 0; i < T; ++i) {
+      const std::vector<int32_t> seen = visible(l, i);
+      for (int h = 0; h < c.n_heads; ++h) {
+        const size_t g = size_t(h / c.group());
+        std::vector<double> p(seen.size());
+        double mx = -INFINITY, z = 0;
+        for (size_t j = 0; j < seen.size(); ++j) {
+          double s = 0;
+          for (int a = 0; a < d; ++a)
+            s += double(q[size_t(i) * qdim + size_t(h) * d + a]) * k[size_t(seen[j]) * kvdim + g * d + a];
+          mx = std::max(mx, p[j] = s / std::sqrt(double(d)));
+        }
+        for (double& s : p) z += (s = std::exp(s - mx));
+        for (int a = 0; a < d; ++a) {
+          double o = 0;
+          for (size_t j = 0; j < seen.size(); ++j) o += p[j] / z * v[size_t(seen[j]) * kvdim + g * d + a];
+          attn[size_t(i) * qdim + size_t(h) * d + a] = float(o);
+        }
+      }
+    }
+    attention_output_and_mlp(c, w, attn.data(), T, x.data());
+  }
 }
 
 struct RefComparison {

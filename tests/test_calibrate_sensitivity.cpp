@@ -15,6 +15,7 @@
 #include "formats/error.h"
 #include "formats/stats.h"
 #include "model/forward.h"
+#include "forward_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -38,47 +39,24 @@ class Sensitivity : public ::testing::Test {
   SyntheticModelSpec spec;
 };
 
-// Every layer's keys of the block-prefill run for one document, computed directly: attention as a
-// double softmax over the keys each query may see (j <= i, and j < sink or j >= start of its block
-// − block/2).
+// Every layer's keys of the block-prefill run for one document, computed directly: a query sees
+// the keys j <= i with j < sink or j >= the start of its block − block/2.
 std::vector<std::vector<double>> masked_keys_direct(const ModelFile& model, const std::vector<int32_t>& doc, int block,
                                                     int sink) {
-  const ModelConfig& c = model.config();
-  const int T = int(doc.size()), d = c.head_dim, r = c.group();
-  const size_t qdim = size_t(c.n_heads) * d, kvdim = size_t(c.n_kv_heads) * d;
-  std::vector<float> x(size_t(T) * c.hidden), q(T * qdim), k(T * kvdim), v(T * kvdim), attn(T * qdim);
-  embed(model, doc.data(), T, x.data());
-  std::vector<std::vector<double>> keys;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const LayerWeights w = load_layer<float>(model, l);
-    attention_qkv(c, w, x.data(), T, 0, q.data(), nullptr, k.data(), v.data());
-    keys.emplace_back(k.begin(), k.end());
-    for (int i = 0; i < T; ++i) {
-      const int start = (i / block) * block;
-      for (int hq = 0; hq < c.n_heads; ++hq) {
-        const int g = hq / r;
-        std::vector<double> logit;
-        std::vector<int> seen;
+  std::vector<std::vector<float>> keys, values;
+  testing::masked_prefill(
+      model, doc,
+      [&](int, int i) {
+        const int start = (i / block) * block;
+        std::vector<int32_t> seen;
         for (int j = 0; j <= i; ++j)
-          if (j < sink || j >= start - block / 2) {
-            double s = 0;
-            for (int a = 0; a < d; ++a) s += double(q[i * qdim + hq * d + a]) * k[j * kvdim + g * d + a];
-            logit.push_back(s / std::sqrt(double(d)));
-            seen.push_back(j);
-          }
-        double mx = -INFINITY, z = 0;
-        for (double s : logit) mx = std::max(mx, s);
-        for (double& s : logit) z += (s = std::exp(s - mx));
-        for (int a = 0; a < d; ++a) {
-          double o = 0;
-          for (size_t t = 0; t < seen.size(); ++t) o += logit[t] / z * v[seen[t] * kvdim + g * d + a];
-          attn[i * qdim + hq * d + a] = float(o);
-        }
-      }
-    }
-    attention_output_and_mlp(c, w, attn.data(), T, x.data());
-  }
-  return keys;
+          if (j < sink || j >= start - block / 2) seen.push_back(j);
+        return seen;
+      },
+      keys, values);
+  std::vector<std::vector<double>> out;
+  for (const auto& k : keys) out.emplace_back(k.begin(), k.end());
+  return out;
 }
 
 TEST_F(Sensitivity, WholeDocumentBlocksHideNothingAndLayerZeroNeverMoves) {

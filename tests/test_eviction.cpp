@@ -18,6 +18,7 @@
 #include "calibrate/synthetic_model.h"
 #include "formats/error.h"
 #include "model/forward.h"
+#include "forward_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -458,6 +459,31 @@ class EvictionRun : public ::testing::Test {
     write_synthetic_model(dir, spec);
   }
   void TearDown() override { std::filesystem::remove_all(dir); }
+  // The protocol at test size: 2 conversations of 2 passages, history 48, continuation 16;
+  // epicache's blocks of 8 routed by 4 tokens (its options are checked even when it does not run).
+  static EvictionOptions small_options() {
+    EvictionOptions o;
+    o.history = 48;
+    o.continuation = 16;
+    o.passages = 2;
+    o.conversations = 2;
+    o.block = 8;
+    o.route = 4;
+    return o;
+  }
+  // An "INT2 codec" that stores the rows unchanged (sink 4, ring 8, pages of 8): the int2 rows
+  // equal the plain ones wherever the codec is all that differs.
+  CacheScheme identity_codec() const {
+    CacheScheme s;
+    s.sink = 4;
+    s.recent = 8;
+    s.page_size = 8;
+    const size_t d = size_t(spec.head_dim) * size_t(spec.n_kv_heads);
+    s.path = CodecPath{[d](int, KvSide, const float* rows, int n, int64_t, float* out) {
+      std::copy(rows, rows + size_t(n) * d, out);
+    }};
+    return s;
+  }
   std::string dir;
   SyntheticModelSpec spec;
 };
@@ -466,24 +492,13 @@ class EvictionRun : public ::testing::Test {
 // an identity "codec" makes the int2 rows the same; real eviction loses something.
 TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {1, 4};
-  o.conversations = 2;
   o.scores = {EvictionScore::Window,  EvictionScore::H2O,      EvictionScore::SnapKV,
               EvictionScore::KeyNorm, EvictionScore::EpiCache, EvictionScore::ValueAware};
   o.episodes = 2;
-  o.block = 8;
-  o.route = 4;
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
-  CacheScheme identity;
-  identity.sink = 4;
-  identity.recent = 8;
-  identity.page_size = 8;
-  identity.path = CodecPath{
-      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const CacheScheme identity = identity_codec();
   const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
   ASSERT_EQ(r.rows.size(), 1u + 2 * 6 * 2);  // int2 "full" + (no int2, int2) × scores × ratios
   double lost = 0;
@@ -508,26 +523,15 @@ TEST_F(EvictionRun, KeepingEverythingLosesNothing) {
 // positions and causality.
 TEST_F(EvictionRun, EmittedScoresOverAFullPrecisionCacheAreSnapKVs) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {2, 4};
-  o.conversations = 2;
   o.sink = 2;  // budgets of 24 and 12 tokens leave room for the scores to choose
   o.recent = 4;
   o.observation = 8;
   o.pool = 3;
   o.scores = {EvictionScore::SnapKV, EvictionScore::Emitted, EvictionScore::KeyNorm};
-  o.block = 8;
-  o.route = 4;
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
-  CacheScheme identity;
-  identity.sink = 4;
-  identity.recent = 8;
-  identity.page_size = 8;
-  identity.path = CodecPath{
-      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const CacheScheme identity = identity_codec();
   const EvictionResult r = run_eviction(model, conv, nullptr, &identity, o);
   auto row = [&](const std::string& score, double ratio, bool int2) {
     for (const EvictionRow& x : r.rows)
@@ -550,17 +554,11 @@ TEST_F(EvictionRun, EmittedScoresOverAFullPrecisionCacheAreSnapKVs) {
 // unequal ones move tokens between the layers and change what the continuation sees.
 TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {4};  // 12 tokens per layer; layers at least sink + recent = 6
   o.sink = 2;
   o.recent = 4;
-  o.conversations = 2;
   o.scores = {EvictionScore::H2O, EvictionScore::SnapKV};
-  o.block = 8;  // epicache's options are checked even when it does not run
-  o.route = 4;
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
   const EvictionResult uniform = run_eviction(model, conv, nullptr, nullptr, o);
   o.layer_budgets = {2.5, 2.5};
@@ -587,28 +585,17 @@ TEST_F(EvictionRun, EqualLayerBudgetsAreTheUniformSplit) {
 // evicted token is merged and the rows move.
 TEST_F(EvictionRun, MergingNothingIsDropping) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {1, 4};
   o.sink = 2;
   o.recent = 4;
   o.observation = 8;
   o.pool = 3;
-  o.conversations = 2;
   o.scores = {EvictionScore::SnapKV, EvictionScore::EpiCache};
   o.episodes = 2;
-  o.block = 8;
-  o.route = 4;
   o.merges = all_eviction_merges();
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
-  CacheScheme identity;
-  identity.sink = 4;
-  identity.recent = 8;
-  identity.page_size = 8;
-  identity.path = CodecPath{
-      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const CacheScheme identity = identity_codec();
   auto find = [](const EvictionResult& r, const EvictionRow& like, const std::string& merge) {
     for (const EvictionRow& x : r.rows)
       if (x.score == like.score && x.ratio == like.ratio && x.int2 == like.int2 && x.merge == merge) return x;
@@ -643,15 +630,12 @@ TEST_F(EvictionRun, MergingNothingIsDropping) {
 // continues (its medoid block lies in the first passage).
 TEST_F(EvictionRun, EpiCacheRoutesAContinuationToItsPassage) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
+  EvictionOptions o = small_options();
   o.passages = 3;
   o.ratios = {2};
   o.conversations = 4;
   o.scores = {EvictionScore::EpiCache};
   o.episodes = 3;
-  o.block = 8;
   o.route = 8;
   std::mt19937 rng(11);
   std::vector<std::vector<int32_t>> convs;
@@ -685,38 +669,6 @@ class BlockPrefillRun : public ::testing::Test {
     write_synthetic_model(dir, spec);
   }
   void TearDown() override { std::filesystem::remove_all(dir); }
-  // The history's keys and values per layer when a query at position i of layer l attends to
-  // exactly visible(l, i) (ascending positions <= i), with a direct float64 softmax: the reference.
-  void masked_prefill(const ModelFile& model, const std::vector<int32_t>& ids,
-                      const std::function<std::vector<int32_t>(int, int)>& visible,
-                      std::vector<std::vector<float>>& keys, std::vector<std::vector<float>>& values) {
-    const ModelConfig& c = model.config();
-    const int H = int(ids.size()), d = c.head_dim, qdim = c.n_heads * d, kvdim = c.n_kv_heads * d;
-    std::vector<float> x(size_t(H) * c.hidden), q(size_t(H) * qdim), k(size_t(H) * kvdim), v(size_t(H) * kvdim),
-        attn(size_t(H) * qdim);
-    embed(model, ids.data(), H, x.data());
-    keys.clear();
-    values.clear();
-    for (int l = 0; l < c.n_layers; ++l) {
-      const LayerWeights w = load_layer<float>(model, l);
-      attention_qkv(c, w, x.data(), H, 0, q.data(), nullptr, k.data(), v.data());
-      keys.push_back(k);
-      values.push_back(v);
-      for (int i = 0; i < H; ++i)
-        for (int h = 0; h < c.n_heads; ++h) {
-          const int g = h / c.group();
-          std::vector<const float*> ks, vs;
-          for (int32_t j : visible(l, i)) {
-            ks.push_back(k.data() + size_t(j) * kvdim + size_t(g) * d);
-            vs.push_back(v.data() + size_t(j) * kvdim + size_t(g) * d);
-          }
-          const auto o =
-              direct_attention(q.data() + size_t(i) * qdim + size_t(h) * d, d, ks, vs, std::vector<double>(ks.size()));
-          for (int a = 0; a < d; ++a) attn[size_t(i) * qdim + size_t(h) * d + a] = float(o[size_t(a)]);
-        }
-      attention_output_and_mlp(c, w, attn.data(), H, x.data());
-    }
-  }
   // Float32 against float64 attention through two layers: relative ~1e-6 per operation, a few
   // products deep; 1e-4 of the rows' largest magnitude leaves a margin an error in which rows a
   // query sees (O(1) changes) cannot hide in.
@@ -743,7 +695,7 @@ TEST_F(BlockPrefillRun, NothingEvictedIsTheCausalPrefill) {
   const BlockPrefill bp =
       block_prefill(model, w, ids.data(), H, EvictionScore::SnapKV, {H, H + 3, H}, EvictionMerge::Value, nullptr, o);
   std::vector<std::vector<float>> keys, values;
-  masked_prefill(
+  testing::masked_prefill(
       model, ids,
       [](int, int i) {
         std::vector<int32_t> all(size_t(i) + 1);
@@ -788,7 +740,7 @@ TEST_F(BlockPrefillRun, WindowSeesTheSinkAndTheNewestTokens) {
     return kept;
   };
   std::vector<std::vector<float>> keys, values;
-  masked_prefill(
+  testing::masked_prefill(
       model, ids,
       [&](int l, int i) {
         const int s = i / B * B;
@@ -805,7 +757,7 @@ TEST_F(BlockPrefillRun, WindowSeesTheSinkAndTheNewestTokens) {
   EXPECT_EQ(bp.peak_rows, 12 + 20 + 16 + spec.n_layers * B);  // the budgets and a whole block
   // Without the window rule (every budget H) layer 2's keys differ: the test can tell.
   std::vector<std::vector<float>> causal, unused;
-  masked_prefill(
+  testing::masked_prefill(
       model, ids,
       [](int, int i) {
         std::vector<int32_t> all(size_t(i) + 1);
@@ -825,12 +777,8 @@ TEST_F(BlockPrefillRun, WindowSeesTheSinkAndTheNewestTokens) {
 // probabilities). Other kept sets would move the KL by orders more.
 TEST_F(EvictionRun, OneBlockIsTheWholePrefill) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {4};
-  o.conversations = 2;
   o.sink = 2;
   o.recent = 4;
   o.observation = 8;
@@ -838,16 +786,9 @@ TEST_F(EvictionRun, OneBlockIsTheWholePrefill) {
   o.scores = {EvictionScore::Window,     EvictionScore::H2O,     EvictionScore::SnapKV,
               EvictionScore::ValueAware, EvictionScore::KeyNorm, EvictionScore::EpiCache};
   o.episodes = 2;
-  o.block = 8;
-  o.route = 4;
   o.merges = {EvictionMerge::None, EvictionMerge::Value};
   const auto conv = build_conversations(synthetic_documents(spec, 4, 80, 3), o, 0);
-  CacheScheme identity;
-  identity.sink = 4;
-  identity.recent = 8;
-  identity.page_size = 8;
-  identity.path = CodecPath{
-      [](int, KvSide, const float* rows, int n, int64_t, float* out) { std::copy(rows, rows + size_t(n) * 16, out); }};
+  const CacheScheme identity = identity_codec();
   const EvictionResult whole = run_eviction(model, conv, nullptr, &identity, o);
   o.prefill_block = 48;
   const EvictionResult one = run_eviction(model, conv, nullptr, &identity, o);
@@ -878,18 +819,12 @@ TEST_F(EvictionRun, OneBlockIsTheWholePrefill) {
 // Merging with a threshold no cosine reaches is dropping, block by block too: bit for bit.
 TEST_F(EvictionRun, BlockWiseMergingNothingIsDropping) {
   const ModelFile model = ModelFile::open(dir);
-  EvictionOptions o;
-  o.history = 48;
-  o.continuation = 16;
-  o.passages = 2;
+  EvictionOptions o = small_options();
   o.ratios = {4};
-  o.conversations = 2;
   o.sink = 2;
   o.recent = 4;
   o.scores = {EvictionScore::SnapKV, EvictionScore::H2O, EvictionScore::EpiCache};
   o.episodes = 2;
-  o.block = 8;
-  o.route = 4;
   o.prefill_block = 12;
   o.merges = all_eviction_merges();
   o.merge_threshold = 1.5;
