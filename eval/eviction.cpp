@@ -430,6 +430,14 @@ void attention_over_kept(const ModelConfig& c, int64_t n0, int T, const float* q
 }
 
 namespace {
+// Merge masses: the score queries' attention per row, floored at 1e-12 of the head's largest so
+// that every kept row has some (merge_evicted needs a_j > 0).
+std::vector<double> floored_masses(std::vector<double> mass) {
+  const double top = mass.empty() ? 0.0 : *std::max_element(mass.begin(), mass.end());
+  for (double& a : mass) a = std::max(a, 1e-12 * top + 1e-300);
+  return mass;
+}
+
 // Adds to acc (one entry per candidate row: the kept rows, then the block's T rows) the softmax
 // weights that block queries t in [t0, T) of KV head g's query heads put on the candidates they
 // see: every kept row (logit + its log mass) and the block's rows up to their own (float64).
@@ -491,6 +499,10 @@ BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeight
   PerHead h2o, snap = empty, patch = empty;
   if (score == EvictionScore::H2O)
     h2o.assign(size_t(L), std::vector<std::vector<double>>(size_t(G), std::vector<double>(size_t(H), 0.0)));
+  // The block's last `observation` queries rank (snapkv, vatp) or weigh the merges of the scores
+  // that have no queries of their own.
+  const bool observed = score == EvictionScore::SnapKV || score == EvictionScore::ValueAware ||
+                        (merge != EvictionMerge::None && score != EvictionScore::EpiCache);
   std::vector<float> x, q, k, v, attn, kc, vc;
   for (int s = 0; s < H; s += B) {
     const int T = std::min(B, H - s);
@@ -507,10 +519,12 @@ BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeight
       for (int g = 0; g < G; ++g) {
         const auto& kept = out.kept[size_t(l)][size_t(g)];
         const auto& bias = out.log_mass[size_t(l)][size_t(g)];
-        auto& w = snap[size_t(l)][size_t(g)];
-        w.assign(kept.size() + size_t(T), 0.0);
-        add_block_weights(c, q.data(), T, std::max(0, T - o.observation), out.keys[size_t(l)].data(), kept, bias,
-                          k.data(), g, w);
+        if (observed) {
+          auto& w = snap[size_t(l)][size_t(g)];
+          w.assign(kept.size() + size_t(T), 0.0);
+          add_block_weights(c, q.data(), T, std::max(0, T - o.observation), out.keys[size_t(l)].data(), kept, bias,
+                            k.data(), g, w);
+        }
         if (score == EvictionScore::H2O) {
           std::vector<double> all(kept.size() + size_t(T), 0.0);
           add_block_weights(c, q.data(), T, 0, out.keys[size_t(l)].data(), kept, bias, k.data(), g, all);
@@ -611,9 +625,8 @@ BlockPrefill block_prefill(const ModelFile& model, const std::vector<LayerWeight
         out.evicted += n - int64_t(sel.size());
         std::vector<float> gained(sel.size(), 0.0f);
         if (merge != EvictionMerge::None) {
-          std::vector<double> mass = score == EvictionScore::EpiCache ? patch[size_t(l)][size_t(g)] : obs_w;
-          const double top = *std::max_element(mass.begin(), mass.end());
-          for (double& a : mass) a = std::max(a, 1e-12 * top + 1e-300);
+          const std::vector<double> mass =
+              floored_masses(score == EvictionScore::EpiCache ? patch[size_t(l)][size_t(g)] : obs_w);
           int64_t m = 0;
           gained = merge_evicted(merge, o.merge_threshold, kc.data(), vc.data(), n, size_t(d), d, sel, mass, &m);
           out.merged += m;
@@ -998,11 +1011,9 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       int64_t merged = 0, evicted = 0;
       for (int l = 0; l < c.n_layers; ++l)
         for (int g = 0; g < c.n_kv_heads; ++g) {
-          // The attention mass of the score's queries (epicache: the episode's medoid block),
-          // floored at 1e-12 of the head's largest so that every kept token has some.
-          std::vector<double> mass = score == "epicache" ? epi[size_t(l)][size_t(g)] : obs.snap[size_t(l)][size_t(g)];
-          const double top = *std::max_element(mass.begin(), mass.end());
-          for (double& a : mass) a = std::max(a, 1e-12 * top + 1e-300);
+          // The attention mass of the score's queries (epicache: the episode's medoid block).
+          const std::vector<double> mass =
+              floored_masses(score == "epicache" ? epi[size_t(l)][size_t(g)] : obs.snap[size_t(l)][size_t(g)]);
           const std::vector<int32_t>& kg = kept[size_t(l)][size_t(g)];
           int64_t m = 0;
           log_mass[size_t(l)][size_t(g)] =
