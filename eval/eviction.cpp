@@ -813,10 +813,11 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     }
 
   struct Variant {
-    std::string score;
+    std::string score;  // eviction_score_name(kind), or "full" (nothing evicted)
     double ratio;
     bool int2;
     EvictionMerge merge = EvictionMerge::None;
+    EvictionScore kind = EvictionScore::Window;
   };
   std::vector<Variant> variants;
   for (bool q : {false, true}) {
@@ -824,7 +825,7 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
     if (q) variants.push_back({"full", 1, true});
     for (EvictionScore s : scores)
       for (double r : o.ratios)
-        for (EvictionMerge m : o.merges) variants.push_back({eviction_score_name(s), r, q, m});
+        for (EvictionMerge m : o.merges) variants.push_back({eviction_score_name(s), r, q, m, s});
   }
   std::vector<Sums> sums(variants.size());
   std::vector<int64_t> peak(variants.size(), int64_t(c.n_layers) * H);
@@ -1037,17 +1038,15 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
       const Variant& var = variants[vi];
       double merged = 0;
       if (blockwise && var.score != "full") {
-        EvictionScore score = EvictionScore::Window;
-        for (EvictionScore e : scores)
-          if (var.score == eviction_score_name(e)) score = e;
         const std::string key = cat(var.score, ' ', var.ratio, ' ', eviction_merge_name(var.merge));
         auto it = prefilled.find(key);
         if (it == prefilled.end())
-          it = prefilled
-                   .emplace(key, block_prefill(model, weights, conv.data(), H, score, budgets_of(var.ratio), var.merge,
-                                               medoid >= 0 ? conv.data() + size_t(medoid) * o.block : nullptr, o,
-                                               stats ? &qstats : nullptr))
-                   .first;
+          it =
+              prefilled
+                  .emplace(key, block_prefill(model, weights, conv.data(), H, var.kind, budgets_of(var.ratio),
+                                              var.merge, medoid >= 0 ? conv.data() + size_t(medoid) * o.block : nullptr,
+                                              o, stats ? &qstats : nullptr))
+                  .first;
         const BlockPrefill& bp = it->second;
         peak[vi] = bp.peak_rows;
         merged = bp.evicted > 0 ? double(bp.merged) / double(bp.evicted) : 0.0;
@@ -1059,14 +1058,15 @@ EvictionResult run_eviction(const ModelFile& model, const std::vector<std::vecto
         } else {
           continuation(bp.kept, bp.keys, bp.values, &bp.log_mass, lp);
         }
-      } else if (const auto kept = var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2);
-                 var.merge == EvictionMerge::None) {
-        if (var.score == "epicache") peak[vi] = int64_t(c.n_layers) * (H + o.block);
-        continuation(kept, var.int2 ? qkeys : obs.keys, var.int2 ? qvalues : obs.values, nullptr, lp);
       } else {
-        if (var.score == "epicache") peak[vi] = int64_t(c.n_layers) * (H + o.block);
-        merged = merge_into_kept(kept, var.score, var.merge, var.int2);
-        continuation(kept, mk, mv, &log_mass, lp);
+        if (var.score == "epicache") peak[vi] = int64_t(c.n_layers) * (H + o.block);  // the medoid block too
+        const auto kept = var.score == "full" ? all : kept_sets(var.score, var.ratio, var.int2);
+        if (var.merge == EvictionMerge::None) {
+          continuation(kept, var.int2 ? qkeys : obs.keys, var.int2 ? qvalues : obs.values, nullptr, lp);
+        } else {
+          merged = merge_into_kept(kept, var.score, var.merge, var.int2);
+          continuation(kept, mk, mv, &log_mass, lp);
+        }
       }
       double kl = 0, dn = 0, top1 = 0;
       for (int t = 0; t < C; ++t) {
