@@ -1,5 +1,6 @@
 // kvcc memory: how many sequences of a given context fit in a memory budget, in the INT2 paged
 // cache and in a BF16 paged cache of the same page size (runtime/memory.h).
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -121,11 +122,14 @@ const char* const kShapeFlags[] = {"--layers", "--kv-heads", "--head-dim", "--gr
 int run(const Args& a, const CLI::App& app) {
   KvGeometry g;
   std::string source;
+  std::vector<BlockWidths> widths;  // the artifact's (layer, KV head) code widths
   if (!a.artifact.empty()) {
     for (const char* f : kShapeFlags)
       KVCC_REQUIRE(app.count(f) == 0, std::string("--artifact excludes ") + f +
                                           " (the artifact gives the model's shape and its recipe's windows)");
-    g = cache_geometry(read_artifact(a.artifact));  // the runtime's own layout of the recipe
+    const Artifact art = read_artifact(a.artifact);
+    g = cache_geometry(art);  // the runtime's own layout of the recipe
+    widths = cache_widths(art);
     source = a.artifact + ": ";
   } else {
     KVCC_REQUIRE(app.count("--layers") && app.count("--kv-heads") && app.count("--head-dim"),
@@ -139,16 +143,41 @@ int run(const Args& a, const CLI::App& app) {
     g.page_tokens = parse_int("--page-size", a.page_size);
   }
   const int model_kv = g.n_kv_heads, ranks = parse_int("--ranks", a.ranks);
-  if (ranks != 1) g.n_kv_heads = kv_head_slice(g.n_kv_heads, 0, ranks).end;  // checks the division
+  if (ranks != 1) {
+    g.n_kv_heads = kv_head_slice(g.n_kv_heads, 0, ranks).end;  // checks the division
+    if (!widths.empty()) {                                     // the rank whose slice takes the most bytes a page
+      std::vector<BlockWidths> most;
+      size_t most_bytes = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const KvHeadRange s = kv_head_slice(model_kv, r, ranks);
+        std::vector<BlockWidths> w;
+        for (size_t i = 0; i < widths.size(); ++i)
+          if (int(i % size_t(model_kv)) >= s.begin && int(i % size_t(model_kv)) < s.end) w.push_back(widths[i]);
+        const size_t bytes = PageLayout(g, w).page_bytes();
+        if (bytes > most_bytes) most = w, most_bytes = bytes;
+      }
+      widths = most;
+    }
+  }
   const std::vector<int64_t> contexts = parse_contexts(a.context);
   const int64_t budget = parse_bytes(a.budget);
   std::vector<SequenceMemory> rows;
-  for (int64_t c : contexts) rows.push_back(sequence_memory(g, c, budget));  // checks the geometry
+  for (int64_t c : contexts) rows.push_back(sequence_memory(g, c, budget, widths));  // checks the geometry
 
   const std::string keys =
       g.per_channel_keys() ? "; keys per channel over " + std::to_string(g.key_group_tokens) + " tokens" : "";
   std::printf("%s%d layers x %d KV heads, head_dim %d, group %d%s; sink %d, recent %d, page %d tokens\n",
               source.c_str(), g.n_layers, model_kv, g.head_dim, g.group, keys.c_str(), g.sink, g.recent, g.page_tokens);
+  if (!widths.empty() && !PageLayout(g, widths).two_bit()) {
+    int lo[2] = {4, 4}, hi[2] = {1, 1};
+    for (const BlockWidths& w : widths)
+      for (int side = 0; side < 2; ++side) {
+        lo[side] = std::min(lo[side], side ? w.value : w.key);
+        hi[side] = std::max(hi[side], side ? w.value : w.key);
+      }
+    std::printf("code bits per (layer, KV head): keys %d-%d, values %d-%d (the artifact's own widths)\n", lo[0], hi[0],
+                lo[1], hi[1]);
+  }
   if (ranks != 1)
     std::printf("per rank of %d (tensor parallel): %d KV heads each; the budget is one rank's\n", ranks, g.n_kv_heads);
   std::printf("budget %.2f GiB (%lld bytes)\n\n", double(budget) / double(int64_t(1) << 30),

@@ -51,7 +51,7 @@ int verify_artifact_cmd(const std::string& path, double tol) {
   std::string served;
   try {
     check_artifact_for_engine(a, EngineShape{a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim});
-    const std::string gpu = device_scope_problem(cache_geometry(a), a.n_heads);
+    const std::string gpu = device_scope_problem(cache_geometry(a), a.n_heads, cache_widths(a));
     served = gpu.empty() ? "served (host pool and GPU kernels)"
                          : "served by the host pool (CPU reference); the GPU kernels do not take " + gpu;
   } catch (const Error& e) {

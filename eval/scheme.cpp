@@ -56,7 +56,7 @@ CacheScheme runtime_scheme_from_artifact(Artifact artifact, const std::string& n
     // A host runtime with no pages checks everything the real one will: method, bits, group,
     // shapes, and the windows the cache accepts (pages of a multiple of 16 tokens, ring >= page).
     Runtime probe(*s.artifact, engine, RuntimeOptions{0, 1, PoolMemory::Host, 0.0f});
-    scope = device_scope_problem(probe.geometry(), config.n_heads);
+    scope = device_scope_problem(probe.geometry(), config.n_heads, cache_widths(*s.artifact));
   } catch (const Error& e) {
     throw Error("artifact " + name + " cannot be served by the runtime: " + e.what() +
                 " (the codec cache path evaluates it)");

@@ -15,24 +15,34 @@
 // Memory: one pool = [pages region][window-slot region].
 //  - A page id addresses a block for every (layer, KV head) of that page:
 //      page block (page, layer, head), page_head_bytes long:
-//        K codes  [P][d/4]      uint8, 4 codes per byte: channel c in byte c/4, bits 2·(c%4)
-//        V codes  [P][d/4]
+//        K codes  [P][d·B_k/8]  uint8, B_k bits a code, LSB first: channel c at bits c·B_k ..
+//                 c·B_k + B_k − 1 of the row (2 bits: byte c/4, bits 2·(c%4))
+//        V codes  [P][d·B_v/8]
 //        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels of a token;
 //                 or, with per-channel keys (key_group_tokens = T > 0, KIVI), [P/T][d]: one pair
 //                 per channel per group of T consecutive tokens of the page
 //        V params [P][groups]
 //    Per-channel key parameters depend on every token of their group, so they exist only once
 //    the page is full: pages are written once, whole, when the ring flushes them (as always).
+//    Code widths B_k, B_v (1-4 bits) are 2 unless the artifact gives a (layer, KV head) its own
+//    (compile --bits-budget); the blocks of a page then differ in length and PageLayout places
+//    them (in (layer, head) order, each after the last). The CUDA kernels serve 2-bit pools.
 //  - A window slot (one per live sequence) holds for every (layer, KV head):
 //        K sink [S][d] bf16, V sink [S][d], K ring [W][d], V ring [W][d]
 //    It is the only mutable per-sequence state, so forking copies it and shares the pages.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "formats/host_device.h"
 
 namespace kvcc {
+
+// Code bits of one (layer, KV head) block: its key and its value codes (1-4 each).
+struct BlockWidths {
+  int key = 2, value = 2;
+};
 
 struct KvGeometry {
   int n_layers = 0;
@@ -48,8 +58,10 @@ struct KvGeometry {
 
   KVCC_HD bool per_channel_keys() const { return key_group_tokens > 0; }
   KVCC_HD int groups() const { return head_dim / group; }
-  KVCC_HD size_t code_row_bytes() const { return size_t(head_dim) / 4; }
-  KVCC_HD size_t codes_bytes() const { return size_t(page_tokens) * code_row_bytes(); }
+  // A row of head_dim codes of `bits` bits (whole bytes: head_dim is a multiple of 8 wherever a
+  // width other than 2 is used, PageLayout checks).
+  KVCC_HD size_t code_row_bytes(int bits = 2) const { return size_t(head_dim) * size_t(bits) / 8; }
+  KVCC_HD size_t codes_bytes(int bits = 2) const { return size_t(page_tokens) * code_row_bytes(bits); }
   // Per-token (scale, zero) pairs of one side: [P][groups].
   KVCC_HD size_t params_bytes() const { return size_t(page_tokens) * size_t(groups()) * 4; }
   // Key token groups of a page (per-channel keys): P / T.
@@ -58,14 +70,17 @@ struct KvGeometry {
     return per_channel_keys() ? size_t(key_token_groups()) * size_t(head_dim) * 4 : params_bytes();
   }
   KVCC_HD size_t v_params_bytes() const { return params_bytes(); }
-  KVCC_HD size_t page_head_bytes() const { return 2 * codes_bytes() + k_params_bytes() + v_params_bytes(); }
-  KVCC_HD size_t page_bytes() const { return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads); }
-  // Offsets inside one page block.
+  // One page block of widths w, and its parts' offsets; the defaults are the 2-bit block.
+  KVCC_HD size_t page_head_bytes(BlockWidths w = {}) const {
+    return codes_bytes(w.key) + codes_bytes(w.value) + k_params_bytes() + v_params_bytes();
+  }
   KVCC_HD size_t k_codes_offset() const { return 0; }
-  KVCC_HD size_t v_codes_offset() const { return codes_bytes(); }
-  KVCC_HD size_t k_params_offset() const { return 2 * codes_bytes(); }
-  KVCC_HD size_t v_params_offset() const { return 2 * codes_bytes() + k_params_bytes(); }
-  // Byte offset of the page block (page, layer, head) from the start of the pages region.
+  KVCC_HD size_t v_codes_offset(BlockWidths w = {}) const { return codes_bytes(w.key); }
+  KVCC_HD size_t k_params_offset(BlockWidths w = {}) const { return codes_bytes(w.key) + codes_bytes(w.value); }
+  KVCC_HD size_t v_params_offset(BlockWidths w = {}) const { return k_params_offset(w) + k_params_bytes(); }
+  // A page of 2-bit blocks, and the offset of block (page, layer, head) from the start of the
+  // pages region in such a pool (the CUDA kernels' layout; PageLayout's when every width is 2).
+  KVCC_HD size_t page_bytes() const { return page_head_bytes() * size_t(n_layers) * size_t(n_kv_heads); }
   KVCC_HD size_t page_block_offset(int64_t page, int layer, int head) const {
     return ((size_t(page) * size_t(n_layers) + size_t(layer)) * size_t(n_kv_heads) + size_t(head)) * page_head_bytes();
   }
@@ -112,14 +127,51 @@ KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) { return tiers_of(
 // Ring slot of post-sink token i.
 KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent); }
 
-// The 2-bit code of channel c in a packed row.
-KVCC_HD uint8_t unpack_code(const uint8_t* row, int c) { return uint8_t((row[c >> 2] >> (2 * (c & 3))) & 3u); }
-
-// Packs d codes (each 0..3) into d/4 bytes.
-KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row) {
-  for (int b = 0; b < d / 4; ++b)
-    row[b] = uint8_t(codes[4 * b] | (codes[4 * b + 1] << 2) | (codes[4 * b + 2] << 4) | (codes[4 * b + 3] << 6));
+// The code of channel c in a packed row of `bits`-bit codes (a 3-bit code may span two bytes).
+KVCC_HD uint8_t unpack_code(const uint8_t* row, int c, int bits = 2) {
+  const int bit = c * bits, byte = bit >> 3, shift = bit & 7;
+  unsigned v = row[byte];
+  if (shift + bits > 8) v |= unsigned(row[byte + 1]) << 8;
+  return uint8_t((v >> shift) & ((1u << bits) - 1u));
 }
+
+// Packs d codes (each below 2^bits) into d·bits/8 bytes (d·bits a multiple of 8).
+KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row, int bits = 2) {
+  for (int b = 0; b < d * bits / 8; ++b) row[b] = 0;
+  for (int c = 0; c < d; ++c) {
+    const int bit = c * bits, byte = bit >> 3, shift = bit & 7;
+    const unsigned v = unsigned(codes[c]) << shift;
+    row[byte] = uint8_t(row[byte] | (v & 0xFFu));
+    if (v > 0xFFu) row[byte + 1] = uint8_t(row[byte + 1] | (v >> 8));
+  }
+}
+
+// Where the blocks of a page are when (layer, KV head) blocks have their own code widths: block
+// (layer, head) at page·page_bytes() + offset[layer·H + head], the blocks in (layer, head) order.
+// With every width 2 this is KvGeometry::page_block_offset. Host bookkeeping (KvCache owns one).
+class PageLayout {
+ public:
+  PageLayout() = default;
+  // widths: [n_layers · n_kv_heads], each side 1..4 bits; empty: 2 bits everywhere. Throws Error
+  // on a bad width or a row of codes that is not whole bytes.
+  PageLayout(const KvGeometry& g, std::vector<BlockWidths> widths);
+  const BlockWidths& widths(int layer, int head) const {
+    return widths_[size_t(layer) * size_t(heads_) + size_t(head)];
+  }
+  size_t page_bytes() const { return page_bytes_; }
+  size_t block_offset(int64_t page, int layer, int head) const {
+    return size_t(page) * page_bytes_ + offset_[size_t(layer) * size_t(heads_) + size_t(head)];
+  }
+  // Every block 2 bits a side: the CUDA kernels' layout.
+  bool two_bit() const { return two_bit_; }
+
+ private:
+  int heads_ = 0;
+  std::vector<BlockWidths> widths_;
+  std::vector<size_t> offset_;
+  size_t page_bytes_ = 0;
+  bool two_bit_ = true;
+};
 
 // Per (layer, KV head) quantizer of one side (K or V): the uniform grid with a clip ratio, or
 // a 4-level table (oscar-lm). Semantics are codec_scalar.h's.

@@ -10,42 +10,52 @@
 
 namespace kvcc {
 
-void quantize_row(const KvGeometry& g, const SideCodec& codec, const float* row, uint8_t* codes, uint16_t* params) {
+namespace {
+void check_table_width(const SideCodec& codec, int bits) {
+  KVCC_REQUIRE(!codec.use_table || bits == 2, "a 4-level table codes 2 bits, not " + std::to_string(bits));
+}
+}  // namespace
+
+void quantize_row(const KvGeometry& g, const SideCodec& codec, int bits, const float* row, uint8_t* codes,
+                  uint16_t* params) {
   uint8_t unpacked[1024];
   KVCC_REQUIRE(g.head_dim <= 1024, "append: head_dim above 1024");
+  check_table_width(codec, bits);
   for (int grp = 0; grp < g.groups(); ++grp) {
     const float* x = row + grp * g.group;
     GroupParams p;
     if (codec.use_table) {
-      p = quantize_table(x, g.group, codec.levels, 2, unpacked + grp * g.group);
+      p = quantize_table(x, g.group, codec.levels, bits, unpacked + grp * g.group);
     } else {
       const float thr = clip_threshold(x, g.group, double(codec.clip_ratio));
-      p = quantize_uniform(x, g.group, thr, 2, unpacked + grp * g.group);
+      p = quantize_uniform(x, g.group, thr, bits, unpacked + grp * g.group);
     }
     params[2 * grp] = p.scale;
     params[2 * grp + 1] = p.zero;
   }
-  pack_codes(unpacked, g.head_dim, codes);
+  pack_codes(unpacked, g.head_dim, codes, bits);
 }
 
-void dequantize_row(const KvGeometry& g, const SideCodec& codec, const uint8_t* codes, const uint16_t* params,
+void dequantize_row(const KvGeometry& g, const SideCodec& codec, int bits, const uint8_t* codes, const uint16_t* params,
                     float* row) {
+  check_table_width(codec, bits);
   for (int c = 0; c < g.head_dim; ++c) {
     const int grp = c / g.group;
     const float s = float_from_f16(params[2 * grp]);
-    const uint8_t code = unpack_code(codes, c);
+    const uint8_t code = unpack_code(codes, c, bits);
     row[c] = codec.use_table ? table_dequant(code, s, codec.levels)
                              : uniform_dequant(code, s, float_from_f16(params[2 * grp + 1]));
   }
 }
 
-void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, const float* rows, uint8_t* block) {
-  const int d = g.head_dim, P = g.page_tokens;
-  uint8_t* codes = block + (key ? g.k_codes_offset() : g.v_codes_offset());
-  uint16_t* params = reinterpret_cast<uint16_t*>(block + (key ? g.k_params_offset() : g.v_params_offset()));
+void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, BlockWidths w, const float* rows,
+                        uint8_t* block) {
+  const int d = g.head_dim, P = g.page_tokens, bits = key ? w.key : w.value;
+  uint8_t* codes = block + (key ? g.k_codes_offset() : g.v_codes_offset(w));
+  uint16_t* params = reinterpret_cast<uint16_t*>(block + (key ? g.k_params_offset(w) : g.v_params_offset(w)));
   if (!key || !g.per_channel_keys()) {
     for (int r = 0; r < P; ++r)
-      quantize_row(g, codec, rows + size_t(r) * size_t(d), codes + size_t(r) * g.code_row_bytes(),
+      quantize_row(g, codec, bits, rows + size_t(r) * size_t(d), codes + size_t(r) * g.code_row_bytes(bits),
                    params + size_t(r) * 2 * size_t(g.groups()));
     return;
   }
@@ -58,25 +68,29 @@ void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, c
   for (int t0 = 0, grp = 0; t0 < P; t0 += T, ++grp)
     for (int ch = 0; ch < d; ++ch) {
       for (int i = 0; i < T; ++i) x[size_t(i)] = rows[size_t(t0 + i) * size_t(d) + size_t(ch)];
-      const GroupParams p = quantize_uniform(x.data(), T, INFINITY, 2, c.data());  // KIVI's keys: no clip
+      const GroupParams p = quantize_uniform(x.data(), T, INFINITY, bits, c.data());  // KIVI's keys: no clip
       for (int i = 0; i < T; ++i) all[size_t(t0 + i) * size_t(d) + size_t(ch)] = c[size_t(i)];
       params[(size_t(grp) * size_t(d) + size_t(ch)) * 2] = p.scale;
       params[(size_t(grp) * size_t(d) + size_t(ch)) * 2 + 1] = p.zero;
     }
-  for (int r = 0; r < P; ++r) pack_codes(&all[size_t(r) * size_t(d)], d, codes + size_t(r) * g.code_row_bytes());
+  for (int r = 0; r < P; ++r)
+    pack_codes(&all[size_t(r) * size_t(d)], d, codes + size_t(r) * g.code_row_bytes(bits), bits);
 }
 
-void dequantize_page_row(const KvGeometry& g, const SideCodec& codec, bool key, const uint8_t* block, int row,
-                         float* out) {
-  const uint8_t* codes = block + (key ? g.k_codes_offset() : g.v_codes_offset()) + size_t(row) * g.code_row_bytes();
-  const uint16_t* params = reinterpret_cast<const uint16_t*>(block + (key ? g.k_params_offset() : g.v_params_offset()));
+void dequantize_page_row(const KvGeometry& g, const SideCodec& codec, bool key, BlockWidths w, const uint8_t* block,
+                         int row, float* out) {
+  const int bits = key ? w.key : w.value;
+  const uint8_t* codes =
+      block + (key ? g.k_codes_offset() : g.v_codes_offset(w)) + size_t(row) * g.code_row_bytes(bits);
+  const uint16_t* params =
+      reinterpret_cast<const uint16_t*>(block + (key ? g.k_params_offset(w) : g.v_params_offset(w)));
   if (!key || !g.per_channel_keys()) {
-    dequantize_row(g, codec, codes, params + size_t(row) * 2 * size_t(g.groups()), out);
+    dequantize_row(g, codec, bits, codes, params + size_t(row) * 2 * size_t(g.groups()), out);
     return;
   }
   const uint16_t* grp = params + size_t(row / g.key_group_tokens) * size_t(g.head_dim) * 2;
   for (int c = 0; c < g.head_dim; ++c)
-    out[c] = uniform_dequant(unpack_code(codes, c), float_from_f16(grp[2 * c]), float_from_f16(grp[2 * c + 1]));
+    out[c] = uniform_dequant(unpack_code(codes, c, bits), float_from_f16(grp[2 * c]), float_from_f16(grp[2 * c + 1]));
 }
 
 }  // namespace kvcc

@@ -104,10 +104,11 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
       }
       // 3. Every page that became full, whole (per-channel keys need all of its tokens).
       for (int64_t first = t0.hist_tokens; first < t1.hist_tokens; first += g.page_tokens) {
-        uint8_t* blk = cache.pages_base() + g.page_block_offset(pages[size_t(first / g.page_tokens)], layer, h);
+        uint8_t* blk = cache.page_block(pages[size_t(first / g.page_tokens)], layer, h);
+        const BlockWidths w = cache.layout().widths(layer, h);
         const size_t at = size_t(first - t0.hist_tokens) * size_t(d);
-        quantize_page_side(g, codecs[h].key, true, &khist[at], blk);
-        quantize_page_side(g, codecs[h].value, false, &vhist[at], blk);
+        quantize_page_side(g, codecs[h].key, true, w, &khist[at], blk);
+        quantize_page_side(g, codecs[h].value, false, w, &vhist[at], blk);
       }
     }
   }

@@ -32,10 +32,11 @@ void gather_sequence(const KvCache& cache, int layer, int seq, const HeadCodec* 
         vs = win + g.v_sink_elem() + size_t(pos) * size_t(d);
       } else if (pos - t.sink_count < t.hist_tokens) {
         const int64_t post = pos - t.sink_count;
-        const uint8_t* blk = cache.pages_base() + g.page_block_offset(pages[size_t(post / g.page_tokens)], layer, h);
+        const uint8_t* blk = cache.page_block(pages[size_t(post / g.page_tokens)], layer, h);
+        const BlockWidths w = cache.layout().widths(layer, h);
         const int row = int(post % g.page_tokens);
-        dequantize_page_row(g, codecs[h].key, true, blk, row, kd);
-        dequantize_page_row(g, codecs[h].value, false, blk, row, vd);
+        dequantize_page_row(g, codecs[h].key, true, w, blk, row, kd);
+        dequantize_page_row(g, codecs[h].value, false, w, blk, row, vd);
         continue;
       } else {
         const size_t slot = size_t(ring_slot(g, pos - t.sink_count));

@@ -14,8 +14,9 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
   const KvGeometry& g = cache.geometry();
   KVCC_REQUIRE(!g.per_channel_keys(), kPerChannelEvictionRefusal);
   const int d = g.head_dim, L = g.n_layers, H = g.n_kv_heads;
-  const size_t n = plan.moves.size(), G2 = 2 * size_t(g.groups()), cb = g.code_row_bytes();
-  // Staged sources of one (layer, head), both sides: BF16 rows or INT2 rows (codes + params).
+  const size_t n = plan.moves.size(), G2 = 2 * size_t(g.groups()), cb = g.code_row_bytes(4);
+  // Staged sources of one (layer, head), both sides: BF16 rows or INT2 rows (codes + params; a
+  // code row at its own width, in a slot of the widest's bytes).
   std::vector<uint16_t> bf(n * 2 * size_t(d));
   std::vector<uint8_t> codes(n * 2 * cb);
   std::vector<uint16_t> params(n * 2 * G2);
@@ -23,6 +24,9 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
   for (int l = 0; l < L; ++l) {
     for (int h = 0; h < H; ++h) {
       uint16_t* win = cache.windows_base() + g.window_block_elem(plan.seq, l, h);
+      const BlockWidths w = cache.layout().widths(l, h);
+      const int bits[2] = {w.key, w.value};
+      const size_t row_bytes[2] = {g.code_row_bytes(w.key), g.code_row_bytes(w.value)};
       auto win_row = [&](int32_t r, int side) {
         const size_t base = r < g.sink
                                 ? (side == 0 ? g.k_sink_elem() : g.v_sink_elem()) + size_t(r) * size_t(d)
@@ -30,12 +34,12 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
         return win + base;
       };
       auto page_codes = [&](int32_t page, int32_t r, int side) {
-        uint8_t* blk = cache.pages_base() + g.page_block_offset(page, l, h);
-        return blk + (side == 0 ? g.k_codes_offset() : g.v_codes_offset()) + size_t(r) * cb;
+        return cache.page_block(page, l, h) + (side == 0 ? g.k_codes_offset() : g.v_codes_offset(w)) +
+               size_t(r) * row_bytes[side];
       };
       auto page_params = [&](int32_t page, int32_t r, int side) {
-        uint8_t* blk = cache.pages_base() + g.page_block_offset(page, l, h);
-        return reinterpret_cast<uint16_t*>(blk + (side == 0 ? g.k_params_offset() : g.v_params_offset())) +
+        return reinterpret_cast<uint16_t*>(cache.page_block(page, l, h) +
+                                           (side == 0 ? g.k_params_offset(w) : g.v_params_offset(w))) +
                size_t(r) * G2;
       };
       // 1. Read every source (a destination may be another move's source).
@@ -46,7 +50,7 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
           if (mv.src_page == kCompactWindow) {
             std::memcpy(&bf[at * size_t(d)], win_row(mv.src_row, side), size_t(d) * 2);
           } else {
-            std::memcpy(&codes[at * cb], page_codes(mv.src_page, mv.src_row, side), cb);
+            std::memcpy(&codes[at * cb], page_codes(mv.src_page, mv.src_row, side), row_bytes[side]);
             std::memcpy(&params[at * G2], page_params(mv.src_page, mv.src_row, side), G2 * 2);
           }
         }
@@ -64,16 +68,16 @@ void compact_rows_ref(KvCache& cache, const CompactionPlan& plan, const HeadCode
             if (from_window) {
               std::memcpy(dst, &bf[at * size_t(d)], size_t(d) * 2);
             } else {
-              dequantize_row(g, sc, &codes[at * cb], &params[at * G2], row.data());
+              dequantize_row(g, sc, bits[side], &codes[at * cb], &params[at * G2], row.data());
               for (int c = 0; c < d; ++c) dst[c] = bf16_from_float(row[size_t(c)]);
             }
           } else if (from_window) {
             // As append's flush: the BF16 row, as float, through the page-row codec.
             for (int c = 0; c < d; ++c) row[size_t(c)] = float_from_bf16(bf[at * size_t(d) + size_t(c)]);
-            quantize_row(g, sc, row.data(), page_codes(mv.dst_page, mv.dst_row, side),
+            quantize_row(g, sc, bits[side], row.data(), page_codes(mv.dst_page, mv.dst_row, side),
                          page_params(mv.dst_page, mv.dst_row, side));
           } else {
-            std::memcpy(page_codes(mv.dst_page, mv.dst_row, side), &codes[at * cb], cb);
+            std::memcpy(page_codes(mv.dst_page, mv.dst_row, side), &codes[at * cb], row_bytes[side]);
             std::memcpy(page_params(mv.dst_page, mv.dst_row, side), &params[at * G2], G2 * 2);
           }
         }

@@ -44,7 +44,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   KVCC_REQUIRE(config.max_pages >= 0 && config.max_pages < (int64_t(1) << 31), "kv cache: page count out of range");
   KVCC_REQUIRE(config.max_sequences > 0, "kv cache: max_sequences must be positive");
   const KvGeometry& g = config.geometry;
-  pages_region_bytes_ = size_t(config.max_pages) * g.page_bytes();
+  layout_ = PageLayout(g, config.widths);
+  KVCC_REQUIRE(config.memory == PoolMemory::Host || layout_.two_bit(),
+               "kv cache: a device pool holds 2-bit codes only (the CUDA kernels' layout); per-layer code widths "
+               "are served by the host pool");
+  pages_region_bytes_ = size_t(config.max_pages) * layout_.page_bytes();
   pool_bytes_ = pages_region_bytes_ + size_t(config.max_sequences) * g.window_slot_bytes();
   if (config.memory == PoolMemory::Host) {
     pool_ = static_cast<uint8_t*>(std::aligned_alloc(256, (pool_bytes_ + 255) / 256 * 256));
@@ -323,7 +327,7 @@ const std::vector<int32_t>& KvCache::page_table(int seq) const { return seq_at(s
 
 size_t KvCache::bytes_in_use() const {
   const KvGeometry& g = config_.geometry;
-  return size_t(pages_in_use_) * g.page_bytes() + size_t(sequences_live_) * g.window_slot_bytes();
+  return size_t(pages_in_use_) * layout_.page_bytes() + size_t(sequences_live_) * g.window_slot_bytes();
 }
 
 }  // namespace kvcc

@@ -63,6 +63,9 @@ struct KvCacheConfig {
   int64_t max_pages = 0;  // INT2 history pages in the pool
   int max_sequences = 0;  // window slots (live sequences at once)
   PoolMemory memory = PoolMemory::Host;
+  // Code widths per (layer, KV head), [n_layers · n_kv_heads] (kv_layout.h PageLayout); empty:
+  // 2 bits everywhere. A device pool takes 2-bit blocks only (the CUDA kernels' layout).
+  std::vector<BlockWidths> widths;
   // The engine owns the page tables and window slots (RuntimeOptions::engine_tables): the
   // allocator is off (add_sequence, fork, grow and compaction throw Error) and mirror_sequence
   // records what the engine's tables say.
@@ -78,6 +81,12 @@ class KvCache {
 
   const KvGeometry& geometry() const { return config_.geometry; }
   const KvCacheConfig& config() const { return config_; }
+  // Where each (layer, KV head) block of a page is, and its code widths.
+  const PageLayout& layout() const { return layout_; }
+  // The block (page, layer, head): a host or device address, per memory().
+  uint8_t* page_block(int32_t page, int layer, int head) const {
+    return pool_ + layout_.block_offset(page, layer, head);
+  }
   PoolMemory memory() const { return config_.memory; }
 
   // A new empty sequence; its id is its window slot. Throws Error when no slot is free.
@@ -144,6 +153,7 @@ class KvCache {
   int take_slot();
 
   KvCacheConfig config_;
+  PageLayout layout_;
   uint8_t* pool_ = nullptr;
   size_t pool_bytes_ = 0;
   size_t pages_region_bytes_ = 0;

@@ -55,13 +55,15 @@ nlohmann::json cache_json(const kvcc::Artifact& a) {
     refusal = e.what();
   }
   const kvcc::KvGeometry g = kvcc::cache_geometry(a);
+  const std::vector<kvcc::BlockWidths> widths =
+      refusal.empty() ? kvcc::cache_widths(a) : std::vector<kvcc::BlockWidths>{};
   return {{"served", refusal.empty()},
           {"refusal", refusal},
-          {"gpu_refusal", refusal.empty() ? kvcc::device_scope_problem(g, a.n_heads) : refusal},
+          {"gpu_refusal", refusal.empty() ? kvcc::device_scope_problem(g, a.n_heads, widths) : refusal},
           {"keys", g.per_channel_keys() ? "per_channel" : "per_token"},
           {"key_group_tokens", g.key_group_tokens},
           {"value_group", g.group},
-          {"page_bytes", g.page_bytes()},
+          {"page_bytes", refusal.empty() ? kvcc::PageLayout(g, widths).page_bytes() : g.page_bytes()},
           {"slot_bytes", g.window_slot_bytes()}};
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/kv_codec.h"
 #include "formats/method.h"
 #include "runtime/append_ref.h"
 #include "runtime/compact_ref.h"
@@ -48,6 +49,14 @@ KvGeometry cache_geometry(const Artifact& a) {
   return g;
 }
 
+std::vector<BlockWidths> cache_widths(const Artifact& a) {
+  std::vector<BlockWidths> w;
+  for (const HeadArtifact& h : a.heads)
+    w.push_back(
+        BlockWidths{side_code_bits(a.recipe, h.key, KvSide::Key), side_code_bits(a.recipe, h.value, KvSide::Value)});
+  return w;
+}
+
 void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
   KVCC_REQUIRE(a.n_layers == e.n_layers, mismatch("layer count", a.n_layers, e.n_layers));
   KVCC_REQUIRE(a.n_heads == e.n_heads, mismatch("query heads", a.n_heads, e.n_heads));
@@ -59,15 +68,18 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
   KVCC_REQUIRE(served_by_runtime(a.recipe.method),
                "artifact: method '" + a.recipe.method + "' is not served by the INT2 paged runtime (it serves " +
                    method_names([](const MethodTraits& t) { return t.served_by_runtime; }, ", ", ", ") + ")");
-  KVCC_REQUIRE(a.recipe.key_bits == 2 && a.recipe.value_bits == 2, "artifact: the runtime serves 2-bit recipes only");
+  // Code widths: the pages hold 1 to 4 bits a code (kv_layout.h), a level table 2.
   for (size_t i = 0; i < a.heads.size(); ++i)
-    for (const SideArtifact* s : {&a.heads[i].key, &a.heads[i].value})
-      KVCC_REQUIRE(s->bits == 0 || s->bits == 2,
-                   "artifact: per-layer bit widths (layer " + std::to_string(i / size_t(a.n_kv_heads)) + " kv head " +
-                       std::to_string(i % size_t(a.n_kv_heads)) + " " + (s == &a.heads[i].key ? "key" : "value") +
-                       " at " + std::to_string(int(s->bits)) +
-                       " bits) are not served yet: the runtime's pages hold 2-bit codes (validate them with --cache "
-                       "codec)");
+    for (const KvSide which : {KvSide::Key, KvSide::Value}) {
+      const SideArtifact& s = which == KvSide::Key ? a.heads[i].key : a.heads[i].value;
+      const int bits = side_code_bits(a.recipe, s, which);
+      const std::string where = "artifact: layer " + std::to_string(i / size_t(a.n_kv_heads)) + " KV head " +
+                                std::to_string(i % size_t(a.n_kv_heads)) +
+                                (which == KvSide::Key ? " keys" : " values") + " at " + std::to_string(bits) + " bits";
+      KVCC_REQUIRE(bits >= 1 && bits <= 4,
+                   where + ": the runtime's pages hold 1 to 4 bits a code (validate it with --cache codec)");
+      KVCC_REQUIRE(s.levels.empty() || bits == 2, where + " with a 4-level table: a table codes 2 bits");
+    }
   const bool kivi = method_traits(method_of(a.recipe)).codec == CodecFamily::KiviChannel;
   if (kivi) {
     // Per-channel key pages hold whole key groups (kv_layout.h key_group_tokens).
@@ -192,7 +204,12 @@ struct Runtime::DeviceState {};
 std::string device_scope_problem(const KvGeometry& g) {
   return gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend | kGpuPrefill);
 }
-std::string device_scope_problem(const KvGeometry& g, int n_heads) {
+std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths) {
+  for (size_t i = 0; i < widths.size(); ++i)
+    if (widths[i].key != 2 || widths[i].value != 2)
+      return "codes of " + std::to_string(widths[i].key) + " / " + std::to_string(widths[i].value) +
+             " bits (keys / values) in layer " + std::to_string(i / size_t(g.n_kv_heads)) + " KV head " +
+             std::to_string(i % size_t(g.n_kv_heads)) + " (they serve 2-bit codes)";
   return gpu_unsupported_reason(g, n_heads, kGpuAllOps);
 }
 
@@ -235,6 +252,13 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
   n_heads_ = whole ? e.n_heads : e.n_heads / e.n_kv_heads * (kv_end - o.kv_begin);
   KvGeometry g = cache_geometry(a);
   g.n_kv_heads = kv_end - o.kv_begin;
+  std::vector<BlockWidths> widths;  // the slice's (layer, KV head) blocks
+  {
+    const std::vector<BlockWidths> all = cache_widths(a);
+    for (size_t i = 0; i < all.size(); ++i)
+      if (int(i % size_t(a.n_kv_heads)) >= o.kv_begin && int(i % size_t(a.n_kv_heads)) < kv_end)
+        widths.push_back(all[i]);
+  }
   if (o.memory == PoolMemory::Device) {
     // Everything the device pool's append, decode and prefill will check, checked now.
     bool table = false;  // some head of the slice has a level table
@@ -243,7 +267,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
       const int kv = int(i % size_t(a.n_kv_heads));
       if (kv >= o.kv_begin && kv < kv_end) table = table || !h.key.levels.empty() || !h.value.levels.empty();
     }
-    const std::string scope = gpu_unsupported_reason(g, n_heads_, kGpuAllOps, table);
+    std::string scope = device_scope_problem(g, n_heads_, widths);
+    if (scope.empty()) scope = gpu_unsupported_reason(g, n_heads_, kGpuAllOps, table);
     KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
     KVCC_REQUIRE(o.sm_scale >= 0.0f,
                  "runtime: the device pool's kernels need a positive sm_scale (0: 1/sqrt(head_dim))");
@@ -251,7 +276,7 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
     require_hopper();
 #endif
   }
-  cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory, o.engine_tables});
+  cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory, widths, o.engine_tables});
   StepCapacity cap;
   if (o.max_context > 0) {
     limits_.max_batch = o.max_batch > 0 ? o.max_batch : o.max_sequences;

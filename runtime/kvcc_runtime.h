@@ -230,6 +230,9 @@ class Runtime {
 // for the mixed recipe (params "values"); every other served method: per-token groups of `group`
 // channels (0: head_dim) on both sides.
 KvGeometry cache_geometry(const Artifact& artifact);
+// The code widths of the artifact's (layer, KV head) blocks, [n_layers · n_kv_heads] (kv_layout.h
+// PageLayout): each side's own bits (compile --bits-budget) or the recipe's.
+std::vector<BlockWidths> cache_widths(const Artifact& artifact);
 
 // Checks an artifact against the engine's shape and the runtime's scope; throws Error naming
 // the first mismatch.
@@ -240,10 +243,11 @@ void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engi
 // n_heads, the append and prefill kernels' rules on the cache alone: head_dim 128, one (scale,
 // zero) group per row, 64-token pages and <= 64 KV heads. With the model's query heads, all a
 // device Runtime needs, decode included: also a whole number of query heads per KV head, at most
-// 8, and sink and recent windows in multiples of 16 tokens. A Runtime with a device pool refuses a
-// model outside the latter when it is made (never at its first decode or prefill); `kvcc validate
-// --device auto` falls back to the host pool.
+// 8, sink and recent windows in multiples of 16 tokens, and 2-bit codes in every (layer, KV head)
+// block of `widths` (cache_widths). A Runtime with a device pool refuses a model outside the
+// latter when it is made (never at its first decode or prefill); `kvcc validate --device auto`
+// falls back to the host pool.
 std::string device_scope_problem(const KvGeometry& g);
-std::string device_scope_problem(const KvGeometry& g, int n_heads);
+std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths);
 
 }  // namespace kvcc

@@ -36,10 +36,11 @@ int64_t add(int64_t a, int64_t b) {
 }
 }  // namespace
 
-int64_t int2_sequence_bytes(const KvGeometry& g, int64_t context) {
+int64_t int2_sequence_bytes(const KvGeometry& g, int64_t context, const std::vector<BlockWidths>& widths) {
   check(g);
   KVCC_REQUIRE(context >= 0, "memory: negative context " + std::to_string(context));
-  return add(int64_t(g.window_slot_bytes()), mul(history_pages(g, context), int64_t(g.page_bytes())));
+  const PageLayout layout(g, widths);
+  return add(int64_t(g.window_slot_bytes()), mul(history_pages(g, context), int64_t(layout.page_bytes())));
 }
 
 int64_t bf16_page_bytes(const KvGeometry& g) {
@@ -60,11 +61,12 @@ int64_t sequences_in_budget(int64_t budget_bytes, int64_t bytes_per_sequence) {
   return budget_bytes / bytes_per_sequence;
 }
 
-SequenceMemory sequence_memory(const KvGeometry& g, int64_t context, int64_t budget_bytes) {
+SequenceMemory sequence_memory(const KvGeometry& g, int64_t context, int64_t budget_bytes,
+                               const std::vector<BlockWidths>& widths) {
   KVCC_REQUIRE(context > 0, "memory: context must be positive, got " + std::to_string(context));
   SequenceMemory m;
   m.context = context;
-  m.int2_bytes = int2_sequence_bytes(g, context);
+  m.int2_bytes = int2_sequence_bytes(g, context, widths);
   m.bf16_bytes = bf16_sequence_bytes(g, context);
   const double tokens_layers = double(context) * double(g.n_layers);
   m.int2_token_layer = double(m.int2_bytes) / tokens_layers;

@@ -7,13 +7,15 @@
 //   window slot      window_slot_bytes(): BF16 K and V sink [S][d] and ring [W][d] per (layer,
 //                    KV head), allocated whole for every live sequence, however short
 //   history pages    history_pages(g, L) (whole pages of P tokens, kv_layout.h's tiers_of) ×
-//                    page_bytes() (K and V codes [P][d/4] and (scale, zero) fp16 params
-//                    [P][d/G] per (layer, KV head))
+//                    the page's bytes (K and V codes [P][d·B/8], B the block's code bits, 2 unless
+//                    `widths` say otherwise (PageLayout), and (scale, zero) fp16 params [P][d/G]
+//                    per (layer, KV head))
 // BF16 paged cache, per sequence: ceil(L / P) pages of P tokens × 2 (K, V) × d × 2 bytes per
 // (layer, KV head).
 // Pages shared by forks are counted once per sequence here (no sharing).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "formats/kv_layout.h"
 
@@ -21,7 +23,8 @@ namespace kvcc {
 
 // Bytes one sequence of `context` tokens holds in the INT2 cache: its window slot plus its
 // history pages. context >= 0 (0: an empty live sequence, its slot alone).
-int64_t int2_sequence_bytes(const KvGeometry& g, int64_t context);
+// widths: [layers · KV heads] code widths (empty: 2 bits everywhere).
+int64_t int2_sequence_bytes(const KvGeometry& g, int64_t context, const std::vector<BlockWidths>& widths = {});
 // One page of a BF16 paged cache with g's page size, layers, KV heads and head_dim.
 int64_t bf16_page_bytes(const KvGeometry& g);
 // Bytes one sequence of `context` tokens holds in that BF16 cache: ceil(context / P) pages.
@@ -39,6 +42,7 @@ struct SequenceMemory {
 };
 // context > 0, budget >= 0. Throws Error on negative inputs or a geometry the layout cannot hold
 // (non-positive sizes, head_dim not a multiple of 4, a group not dividing it, W < P).
-SequenceMemory sequence_memory(const KvGeometry& g, int64_t context, int64_t budget_bytes);
+SequenceMemory sequence_memory(const KvGeometry& g, int64_t context, int64_t budget_bytes,
+                               const std::vector<BlockWidths>& widths = {});
 
 }  // namespace kvcc

@@ -533,7 +533,7 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
     o.max_sequences = 1;
     o.memory = PoolMemory::Host;
     Runtime host(art, e, o);
-    ASSERT_EQ(device_scope_problem(host.geometry(), sh.n_heads), "");
+    ASSERT_EQ(device_scope_problem(host.geometry(), sh.n_heads, {}), "");
     o.memory = PoolMemory::Device;
     Runtime dev(art, e, o);
     const int seq = host.cache().add_sequence();

@@ -3,7 +3,8 @@
 // (the codec validation and compile use), decode_ref and prefill_ref equal a naive float64
 // attention over the simulation's decoded contents, and the layout's sizes are the hand-worked
 // ones. Both value sides: KIVI's own (per-token groups, no clip) and the mixed recipe's (a
-// rotated per-token grid with a clip ratio).
+// rotated per-token grid with a clip ratio); 2-bit codes, or each (layer, KV head) block at its
+// own key and value widths (1-4 bits, compile --bits-budget's artifacts).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -73,18 +74,29 @@ std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   return out;
 }
 
+// Every width on both sides over the four (layer, KV head) blocks: {1, 3}, {2, 4}, {3, 1}, {4, 2}.
+std::vector<BlockWidths> mixed_widths(const KvGeometry& g) {
+  std::vector<BlockWidths> w;
+  for (int i = 0; i < g.n_layers * g.n_kv_heads; ++i) w.push_back(BlockWidths{1 + i % 4, 1 + (i + 2) % 4});
+  return w;
+}
+
 struct World {
   KvGeometry g;
   Recipe recipe;
+  std::vector<BlockWidths> widths;  // [layers][H]
   KvCache cache;
-  std::vector<float> rot_k, rot_v;  // [layers][H][d][d]
-  std::vector<HeadCodec> codecs;    // [layers][H]
-  std::vector<SideArtifact> value_sides;
+  std::vector<float> rot_k, rot_v;                   // [layers][H][d][d]
+  std::vector<HeadCodec> codecs;                     // [layers][H]
+  std::vector<SideArtifact> key_sides, value_sides;  // with each block's bits, as compile stores them
   std::map<int, std::vector<SimHead>> sim;
   std::mt19937 rng{99};
 
-  World(const KvGeometry& geo, bool mixed)
-      : g(geo), recipe(kivi_recipe(geo, mixed)), cache(KvCacheConfig{geo, 128, 6, PoolMemory::Host}) {
+  World(const KvGeometry& geo, bool mixed, std::vector<BlockWidths> w = {})
+      : g(geo),
+        recipe(kivi_recipe(geo, mixed)),
+        widths(w.empty() ? std::vector<BlockWidths>(size_t(geo.n_layers * geo.n_kv_heads)) : w),
+        cache(KvCacheConfig{geo, 128, 6, PoolMemory::Host, w}) {
     for (int l = 0; l < g.n_layers; ++l) {
       auto rk = random_rotations(g.n_kv_heads, g.head_dim, rng);
       auto rv = random_rotations(g.n_kv_heads, g.head_dim, rng);
@@ -94,9 +106,12 @@ struct World {
         HeadCodec c;  // keys: never clipped; values: the mixed recipe's clip, else none
         c.value.clip_ratio = mixed ? 0.85f + 0.05f * float(h) : 1.0f;
         codecs.push_back(c);
-        SideArtifact s;
-        s.clip_ratio = double(c.value.clip_ratio);
-        value_sides.push_back(s);
+        SideArtifact ks, vs;  // kivi keys: no clip whatever is stored
+        ks.bits = widths[size_t(l * g.n_kv_heads + h)].key;
+        vs.bits = widths[size_t(l * g.n_kv_heads + h)].value;
+        vs.clip_ratio = double(c.value.clip_ratio);
+        key_sides.push_back(ks);
+        value_sides.push_back(vs);
       }
     }
   }
@@ -129,8 +144,7 @@ struct World {
         std::copy_n(s.k[size_t(s.ring[size_t(i)])].data(), d, &ky[size_t(i) * d]);
         std::copy_n(s.v[size_t(s.ring[size_t(i)])].data(), d, &vy[size_t(i) * d]);
       }
-      const SideArtifact key_side;  // kivi keys: no clip whatever is stored
-      roundtrip_rotated(recipe, key_side, KvSide::Key, d, ky.data(), P, kq.data());
+      roundtrip_rotated(recipe, key_sides[size_t(l * g.n_kv_heads + h)], KvSide::Key, d, ky.data(), P, kq.data());
       roundtrip_rotated(recipe, value_sides[size_t(l * g.n_kv_heads + h)], KvSide::Value, d, vy.data(), P, vq.data());
       for (int i = 0; i < P; ++i) {
         const int p = s.ring[size_t(i)];
@@ -184,42 +198,43 @@ struct World {
     for (int l = 0; l < g.n_layers; ++l)
       for (int h = 0; h < H; ++h) {
         const SimHead& s = sim[seq][size_t(l * H + h)];
+        const BlockWidths w = widths[size_t(l * H + h)];
         ASSERT_EQ(int64_t(s.pages.size()) * P, t.hist_tokens);
         for (size_t pg = 0; pg < s.pages.size(); ++pg) {
-          const uint8_t* blk = cache.pages_base() + g.page_block_offset(cache.page_table(seq)[pg], l, h);
-          const uint16_t* kp = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset());
+          const uint8_t* blk = cache.page_block(cache.page_table(seq)[pg], l, h);
+          const uint16_t* kp = reinterpret_cast<const uint16_t*>(blk + g.k_params_offset(w));
           for (int t0 = 0; t0 < P; t0 += T)
             for (int c = 0; c < d; ++c) {
               std::vector<float> x(static_cast<size_t>(T));
               std::vector<uint8_t> codes(static_cast<size_t>(T));
               for (int i = 0; i < T; ++i) x[size_t(i)] = s.k[size_t(s.pages[pg][size_t(t0 + i)])][size_t(c)];
-              const GroupParams p = quantize_uniform(x.data(), T, INFINITY, 2, codes.data());
+              const GroupParams p = quantize_uniform(x.data(), T, INFINITY, w.key, codes.data());
               const size_t at = (size_t(t0 / T) * d + size_t(c)) * 2;
               ASSERT_EQ(kp[at], p.scale) << "page " << pg << " channel " << c;
               ASSERT_EQ(kp[at + 1], p.zero);
               for (int i = 0; i < T; ++i) {
                 const int pos = s.pages[pg][size_t(t0 + i)];
-                const uint8_t* crow = blk + g.k_codes_offset() + size_t(t0 + i) * size_t(d / 4);
-                ASSERT_EQ(unpack_code(crow, c), codes[size_t(i)]) << "pos " << pos << " ch " << c;
+                const uint8_t* crow = blk + g.k_codes_offset() + size_t(t0 + i) * size_t(d * w.key / 8);
+                ASSERT_EQ(unpack_code(crow, c, w.key), codes[size_t(i)]) << "pos " << pos << " ch " << c;
                 const float decoded =
                     uniform_dequant(codes[size_t(i)], float_from_f16(p.scale), float_from_f16(p.zero));
                 ASSERT_EQ(decoded, s.k_hat[size_t(pos)][size_t(c)]) << "pos " << pos << " ch " << c;
               }
             }
           const HeadCodec& hc = codec(l)[h];
-          const uint16_t* vp = reinterpret_cast<const uint16_t*>(blk + g.v_params_offset());
+          const uint16_t* vp = reinterpret_cast<const uint16_t*>(blk + g.v_params_offset(w));
           for (int r = 0; r < P; ++r) {
             const int pos = s.pages[pg][size_t(r)];
-            const uint8_t* crow = blk + g.v_codes_offset() + size_t(r) * size_t(d / 4);
+            const uint8_t* crow = blk + g.v_codes_offset(w) + size_t(r) * size_t(d * w.value / 8);
             for (int grp = 0; grp < d / g.group; ++grp) {
               const float* x = s.v[size_t(pos)].data() + grp * g.group;
               std::vector<uint8_t> codes(static_cast<size_t>(g.group));
               const GroupParams p =
-                  quantize_uniform(x, g.group, clip_threshold(x, g.group, hc.value.clip_ratio), 2, codes.data());
+                  quantize_uniform(x, g.group, clip_threshold(x, g.group, hc.value.clip_ratio), w.value, codes.data());
               ASSERT_EQ(vp[(size_t(r) * (d / g.group) + size_t(grp)) * 2], p.scale) << "pos " << pos;
               ASSERT_EQ(vp[(size_t(r) * (d / g.group) + size_t(grp)) * 2 + 1], p.zero);
               for (int i = 0; i < g.group; ++i) {
-                ASSERT_EQ(unpack_code(crow, grp * g.group + i), codes[size_t(i)]);
+                ASSERT_EQ(unpack_code(crow, grp * g.group + i, w.value), codes[size_t(i)]);
                 ASSERT_EQ(uniform_dequant(codes[size_t(i)], float_from_f16(p.scale), float_from_f16(p.zero)),
                           s.v_hat[size_t(pos)][size_t(grp * g.group + i)]);
               }
@@ -341,6 +356,7 @@ void check_prefill(World& w, int seq) {
 struct Case {
   int key_group_tokens, value_group;
   bool mixed;
+  bool widths = false;  // the blocks at mixed_widths, else 2 bits
 };
 class PerChannelKeys : public ::testing::TestWithParam<Case> {};
 
@@ -348,7 +364,8 @@ class PerChannelKeys : public ::testing::TestWithParam<Case> {};
 // batch, then a fork that diverges; then decode over every kind of length and prefill.
 TEST_P(PerChannelKeys, AppendEqualsCodecAndAttentionEqualsFloat64) {
   const Case c = GetParam();
-  World w(geometry(c.key_group_tokens, c.value_group), c.mixed);
+  const KvGeometry g = geometry(c.key_group_tokens, c.value_group);
+  World w(g, c.mixed, c.widths ? mixed_widths(g) : std::vector<BlockWidths>{});
   const int e = w.add(), a = w.add(), b = w.add(), s = w.add();
   w.append({a, b, s}, {5, 40, 20});
   w.append({a, b}, {35, 1});
@@ -366,13 +383,16 @@ TEST_P(PerChannelKeys, AppendEqualsCodecAndAttentionEqualsFloat64) {
 INSTANTIATE_TEST_SUITE_P(Layouts, PerChannelKeys,
                          // kivi's value groups are its group capped at d (cache_geometry), the mixed
                          // recipe's one group of d.
-                         ::testing::Values(Case{16, 32, true},    // mixed: one key group a page
-                                           Case{8, 32, true},     // mixed: two key groups a page
-                                           Case{8, 8, false},     // kivi: two key groups, values in 4 groups
-                                           Case{16, 16, false}),  // kivi: one key group, values in 2 groups
+                         ::testing::Values(Case{16, 32, true},        // mixed: one key group a page
+                                           Case{8, 32, true},         // mixed: two key groups a page
+                                           Case{8, 8, false},         // kivi: two key groups, values in 4 groups
+                                           Case{16, 16, false},       // kivi: one key group, values in 2 groups
+                                           Case{16, 32, true, true},  // the bits-budget recipe's layout
+                                           Case{8, 8, false, true}),
                          [](const auto& info) {
                            return "T" + std::to_string(info.param.key_group_tokens) + "_G" +
-                                  std::to_string(info.param.value_group) + (info.param.mixed ? "_mixed" : "_kivi");
+                                  std::to_string(info.param.value_group) + (info.param.mixed ? "_mixed" : "_kivi") +
+                                  (info.param.widths ? "_widths" : "");
                          });
 
 // Hand-worked sizes: at d = 128, P = T = 128 a (page, layer, head) block holds 2 × 128 × 32 code

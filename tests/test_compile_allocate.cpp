@@ -3,7 +3,7 @@
 // the integer widths allow, and are the exact optimum of the measured sensitivities (checked by
 // brute force); a layer made very sensitive (sharper attention) gets more key bits; the per-side
 // widths survive both containers and drive the codec, hence validate's codec path, exactly as the
-// artifacts compiled at those widths; the runtime refuses them by name. Weighed by the model's
+// artifacts compiled at those widths, and the runtime's pages hold them. Weighed by the model's
 // KL (compile --sensitivity-model): each layer side's errors scale to its measured KL, and that KL
 // is validate's for the side quantised alone.
 #include <gtest/gtest.h>
@@ -386,14 +386,16 @@ TEST(BitsBudget, CodecAndValidateUseTheWidths) {
   EXPECT_EQ(v.schemes[0].nll, v.schemes[1].nll);
   EXPECT_EQ(v.schemes[0].kl, v.schemes[1].kl);
   EXPECT_GT(v.schemes[0].kl, 0.0);
-  // Its accounting is the artifact's own, and the runtime refuses widths other than 2 by name.
+  // Its accounting is the artifact's own, and the runtime's host pool holds each side at its width.
   EXPECT_NEAR(v.schemes[0].effective_bits, effective_bits_at_lengths(a, v.doc_lengths), 1e-12);
   EXPECT_NEAR(nominal_bits(a), 0.5 * (history_bits(a, KvSide::Key) + history_bits(a, KvSide::Value)) - 0.5, 1e-12);
-  EXPECT_CONTAINS(testing::error_of([&] {
-                    Runtime(a, EngineShape{a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim},
-                            RuntimeOptions{4, 1, PoolMemory::Host, 0.0f});
-                  }),
-                  "per-layer bit widths");
+  Runtime rt(a, EngineShape{a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim},
+             RuntimeOptions{4, 1, PoolMemory::Host, 0.0f});
+  for (int l = 0; l < a.n_layers; ++l)
+    for (int h = 0; h < a.n_kv_heads; ++h) {
+      EXPECT_EQ(rt.cache().layout().widths(l, h).key, int(a.head(l, h).key.bits));
+      EXPECT_EQ(rt.cache().layout().widths(l, h).value, int(a.head(l, h).value.bits));
+    }
 }
 
 }  // namespace

@@ -123,12 +123,12 @@ TEST(ServedShapes, EachRuleNamesItsFieldAndKernels) {
 TEST(ServedShapes, DeviceScopeProblemIsTheTable) {
   KvGeometry g = gpu_geometry(2, 8);
   EXPECT_EQ(device_scope_problem(g), "");
-  EXPECT_EQ(device_scope_problem(g, 32), "");
+  EXPECT_EQ(device_scope_problem(g, 32, {}), "");
   g.sink = 4;
   EXPECT_EQ(device_scope_problem(g), "");  // append and prefill serve any windows
-  EXPECT_TRUE(contains(device_scope_problem(g, 32), "sink 4"));
+  EXPECT_TRUE(contains(device_scope_problem(g, 32, {}), "sink 4"));
   g = gpu_geometry(2, 8);
-  EXPECT_TRUE(contains(device_scope_problem(g, 72), "9 query heads per KV head"));
+  EXPECT_TRUE(contains(device_scope_problem(g, 72, {}), "9 query heads per KV head"));
   g.page_tokens = 32;
   EXPECT_EQ(device_scope_problem(g), gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend | kGpuPrefill));
   EXPECT_TRUE(contains(device_scope_problem(g), "page size 32"));
