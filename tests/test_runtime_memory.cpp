@@ -12,7 +12,9 @@
 #include <string>
 #include <sys/wait.h>
 
+#include "formats/artifact.h"
 #include "formats/error.h"
+#include "formats_test_util.h"
 #include "runtime/kv_cache.h"
 #include "runtime/memory.h"
 
@@ -221,6 +223,39 @@ TEST(RuntimeMemoryCli, ClearErrors) {
   const auto [rc, out] = kvcc("--help");
   EXPECT_EQ(rc, 0);
   EXPECT_NE(out.find("Example"), std::string::npos) << out;
+}
+
+// An artifact whose (layer, KV head) sides have their own code widths (compile --bits-budget):
+// the table's INT2 bytes are those of its pages (PageLayout), by hand: per rank of 2 the rank
+// whose heads take more.
+TEST(RuntimeMemoryCli, ArtifactWidths) {
+  testing::ScratchDir dir;
+  const ModelConfig c = testing::small_config(2, 4, 2, 128);
+  Artifact a = testing::random_artifact(c, testing::small_fingerprint(c), 7);
+  a.recipe.sink = 64;
+  a.recipe.recent = 256;
+  a.recipe.page_size = 64;
+  const BlockWidths w[4] = {{4, 3}, {2, 1}, {2, 2}, {1, 1}};  // (layer, head): 16 code bits a token in all
+  for (int i = 0; i < 4; ++i) {
+    HeadArtifact& h = a.heads[size_t(i)];
+    h.key.levels.clear();
+    h.value.extras.clear();
+    h.key.bits = w[i].key;
+    h.value.bits = w[i].value;
+  }
+  write_artifact(a, dir.file("w.kvcc.h5"));
+  const auto [rc, out] = kvcc("--artifact " + dir.file("w.kvcc.h5") + " --context 1024 --budget 1GiB");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("code bits per (layer, KV head): keys 1-4, values 1-3"), std::string::npos) << out;
+  // 1024 tokens: sink 64, 704 in 11 pages, ring 256. A page: 64 tokens × 128 channels × 16 code
+  // bits / 8 + 4 blocks × 2 sides × 64 × 4 parameter bytes; the slot 2 × 320 × 128 × 2 × 4 bytes.
+  const int64_t page = 64 * 128 * 16 / 8 + 4 * 2 * 64 * 4, slot = 2 * 320 * 128 * 2 * 4;
+  EXPECT_NE(out.find(" " + std::to_string(slot + 11 * page) + " "), std::string::npos) << out;
+  // Rank 0 holds heads {4/3, 2/2} (11 bits), rank 1 {2/1, 1/1} (5 bits): the table is rank 0's.
+  const auto [rc2, out2] = kvcc("--artifact " + dir.file("w.kvcc.h5") + " --context 1024 --budget 1GiB --ranks 2");
+  ASSERT_EQ(rc2, 0) << out2;
+  const int64_t page0 = 64 * 128 * 11 / 8 + 2 * 2 * 64 * 4;
+  EXPECT_NE(out2.find(" " + std::to_string(slot / 2 + 11 * page0) + " "), std::string::npos) << out2;
 }
 #endif
 
