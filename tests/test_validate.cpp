@@ -560,9 +560,13 @@ TEST(ValidateRuntime, Refusals) {
   Artifact spanning = identity_artifact(model, 16, 32, 16);
   spanning.recipe.group = 128;  // two 64-channel heads per group
   refused(spanning, ValidateDevice::Cpu, "spans several KV heads");
+  // Code widths of 1-4 bits are the host pool's; the GPU kernels read 2-bit codes.
   Artifact three_bit = identity_artifact(model, 16, 32, 16);
   three_bit.recipe.key_bits = 3;
-  refused(three_bit, ValidateDevice::Cpu, "2-bit");
+  EXPECT_EQ(runtime_scheme_from_artifact(three_bit, "3 bits", c, ValidateDevice::Auto).path_name(), "runtime/cpu");
+  refused(three_bit, ValidateDevice::Gpu, cuda_device_present() ? "2-bit codes" : "device gpu");
+  three_bit.recipe.key_bits = 5;
+  refused(three_bit, ValidateDevice::Cpu, "1 to 4 bits");
   refused(identity_artifact(model, 16, 32, 8), ValidateDevice::Cpu, "multiple of 16");  // the cache's page rule
   refused(identity_artifact(model, 16, 16, 32), ValidateDevice::Cpu, "recent window");
   const Artifact ok = identity_artifact(model, 16, 32, 16);

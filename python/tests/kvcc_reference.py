@@ -19,6 +19,7 @@ class SideRef:
     rot: torch.Tensor | None  # [d, d] float32 as the runtime holds it (x_rot = x @ rot); None: identity
     clip_ratio: float  # the runtime's float32 value
     levels: torch.Tensor | None  # [4] float32, or None for the uniform grid
+    bits: int = 2  # code bits: the side's own ("bits", compile --bits-budget) or the recipe's
 
 
 @dataclass
@@ -53,10 +54,12 @@ def read_artifact(path: str) -> ArtifactRef:
                         any_rot = True
                         d = rot.shape[0]
                     levels = np.asarray(g["levels"][()]) if "levels" in g else None
+                    bits = float(np.asarray(g["bits"][()]).reshape(-1)[0]) if "bits" in g else 0.0
                     row.append(SideRef(
                         rot=torch.from_numpy(rot.astype(np.float32)) if rot.size else None,
                         clip_ratio=float(np.float32(g.attrs["clip_ratio"])),
                         levels=torch.from_numpy(levels.astype(np.float32)) if levels is not None else None,
+                        bits=int(bits or float(r[f"{name}_bits"])),
                     ))
                 sides[name].append(row)
         head_dim = int(f["model"].attrs["head_dim"]) if "head_dim" in f["model"].attrs else d
@@ -91,7 +94,8 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_dequantize(rows: torch.Tensor, side: SideRef, group: int) -> torch.Tensor:
-    """What INT2 pages give back for rows [N, d] (float32 holding bf16 values): codec_scalar.h."""
+    """What the pages give back for rows [N, d] (float32 holding bf16 values) at the side's code
+    bits: codec_scalar.h."""
     N, d = rows.shape
     x = rows.reshape(N, d // group, group)
     if side.levels is not None:
@@ -116,10 +120,11 @@ def quantize_dequantize(rows: torch.Tensor, side: SideRef, group: int) -> torch.
         xc = torch.maximum(torch.minimum(x, thr), -thr)
         lo = xc.amin(dim=-1, keepdim=True)
         hi = xc.amax(dim=-1, keepdim=True)
-        s = _f16((hi - lo) / torch.tensor(3.0))
+        top = float(2 ** side.bits - 1)
+        s = _f16((hi - lo) / torch.tensor(top))
         s = torch.where((s > 0) & torch.isfinite(s), s, torch.ones_like(s))
         z = _f16(-lo / s)
-        code = torch.floor(xc / s + z + torch.tensor(0.5)).clamp(0, 3)
+        code = torch.floor(xc / s + z + torch.tensor(0.5)).clamp(0, top)
         deq = (code - z) * s
     return deq.reshape(N, d)
 

@@ -311,9 +311,26 @@ def oscar_lm(tmp_path_factory) -> str:
     return str(d / "lm.kvcc.h5")
 
 
-@pytest.mark.parametrize("kind", ["uniform", "level_table"])
+@pytest.fixture(scope="module")
+def oscar_widths(tmp_path_factory) -> str:
+    """A stories260k oscar artifact whose (layer, KV head) sides have their own code widths
+    (compile --bits-budget: 1 to 3 bits here), compiled by the CLI from a small calibration."""
+    if not CLI.is_file():
+        pytest.skip(f"the kvcc CLI ({CLI}; set KVCC_CLI) is needed to compile a --bits-budget artifact")
+    d = tmp_path_factory.mktemp("oscar_widths")
+    ids = d / "ids.txt"
+    ids.write_text("\n".join(" ".join(str((7 * i + 13 * j) % 500 + 3) for j in range(60)) for i in range(8)) + "\n")
+    model = REPO / "cli" / "demo" / "stories260k" / "stories260K.bin"
+    run = lambda *a: subprocess.run([str(CLI), *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
+    run("calibrate-model", "--model", model, "--ids", ids, "-o", d / "stats.h5")
+    run("compile", d / "stats.h5", "--method", "oscar", "--bits-budget", "6", "-o", d / "widths.kvcc.h5")
+    return str(d / "widths.kvcc.h5")
+
+
+@pytest.mark.parametrize("kind", ["uniform", "level_table", "widths"])
 def test_int2_history_matches_torch_codec_reference(kind, request):
-    path = UNIFORM if kind == "uniform" else request.getfixturevalue("oscar_lm")
+    path = {"uniform": lambda: UNIFORM, "level_table": lambda: request.getfixturevalue("oscar_lm"),
+            "widths": lambda: request.getfixturevalue("oscar_widths")}[kind]()
     art = ref.read_artifact(path)
     info = kvcc.load_artifact(path)
     if kind == "level_table":
@@ -321,6 +338,9 @@ def test_int2_history_matches_torch_codec_reference(kind, request):
         assert all(s.levels is not None for side in (art.key, art.value) for row in side for s in row)
     else:
         assert all(s.levels is None for row in art.key for s in row)
+    if kind == "widths":  # sides at 1, 2 and 3 bits
+        widths = {s.bits for side in (art.key, art.value) for row in side for s in row}
+        assert {1, 3} <= widths, widths
     n_max = art.sink + art.recent + 3 * art.page + 20
     pages = 2 * kvcc.pages_for_tokens(info, n_max) + kvcc.pages_for_tokens(info, n_max - 150)
     with kvcc.Runtime(path, max_pages=pages, max_sequences=3) as rt:
