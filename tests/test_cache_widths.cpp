@@ -152,22 +152,27 @@ TEST(CacheWidths, EachBlockIsTheUniformPoolOfItsWidth) {
         EXPECT_EQ(0, std::memcmp(got + g.v_codes_offset(w), val + g.v_codes_offset(wv), g.codes_bytes(w.value)));
         EXPECT_EQ(0, std::memcmp(got + g.v_params_offset(w), val + g.v_params_offset(wv), g.v_params_bytes()));
       }
-  for (int l = 0; l < g.n_layers; ++l) {
-    std::vector<float> mk, mv;
-    gather_sequence(mixed, l, s, codecs.data() + size_t(l) * H, mk, mv);
-    for (int h = 0; h < H; ++h) {
-      const BlockWidths w = mixed.layout().widths(l, h);
-      std::vector<float> kk, kv, vk, vv;
-      gather_sequence(*uniform[size_t(w.key - 1)], l, s, codecs.data() + size_t(l) * H, kk, kv);
-      gather_sequence(*uniform[size_t(w.value - 1)], l, s, codecs.data() + size_t(l) * H, vk, vv);
-      for (int64_t pos = 0; pos < mixed.length(s); ++pos)
-        for (int c = 0; c < d; ++c) {
-          const size_t at = (size_t(pos) * H + size_t(h)) * d + size_t(c);
-          ASSERT_EQ(mk[at], kk[at]) << "layer " << l << " head " << h << " pos " << pos;
-          ASSERT_EQ(mv[at], vv[at]) << "layer " << l << " head " << h << " pos " << pos;
-        }
+  // What sequence m of the widths pool decodes to: per (layer, head), the keys of sequence u in
+  // the uniform pool of the key width, the values of u in that of the value width.
+  auto decodes_as_uniform = [&](int m, int u) {
+    for (int l = 0; l < g.n_layers; ++l) {
+      std::vector<float> mk, mv;
+      gather_sequence(mixed, l, m, codecs.data() + size_t(l) * H, mk, mv);
+      for (int h = 0; h < H; ++h) {
+        const BlockWidths w = mixed.layout().widths(l, h);
+        std::vector<float> kk, kv, vk, vv;
+        gather_sequence(*uniform[size_t(w.key - 1)], l, u, codecs.data() + size_t(l) * H, kk, kv);
+        gather_sequence(*uniform[size_t(w.value - 1)], l, u, codecs.data() + size_t(l) * H, vk, vv);
+        ASSERT_EQ(mk.size(), kk.size());
+        for (size_t at = size_t(h) * d; at < mk.size(); at += size_t(H) * d)
+          for (int c = 0; c < d; ++c) {
+            ASSERT_EQ(mk[at + size_t(c)], kk[at + size_t(c)]) << "layer " << l << " head " << h << " row " << at;
+            ASSERT_EQ(mv[at + size_t(c)], vv[at + size_t(c)]) << "layer " << l << " head " << h << " row " << at;
+          }
+      }
     }
-  }
+  };
+  decodes_as_uniform(s, s);
   EXPECT_EQ(mixed.bytes_in_use(), pages.size() * mixed.layout().page_bytes() + 2 * g.window_slot_bytes());
   EXPECT_EQ(int2_sequence_bytes(g, mixed.length(s), all_widths()),
             int64_t(pages.size() * mixed.layout().page_bytes() + g.window_slot_bytes()));
@@ -181,22 +186,7 @@ TEST(CacheWidths, EachBlockIsTheUniformPoolOfItsWidth) {
   for (int64_t i = 0; i < mixed.length(f); i += 2) kept.push_back(i);
   compact_ref(mixed, f, kept, codecs.data());
   for (auto& u : uniform) compact_ref(*u, s, kept, codecs.data());
-  for (int l = 0; l < g.n_layers; ++l) {
-    std::vector<float> mk, mv;
-    gather_sequence(mixed, l, f, codecs.data() + size_t(l) * H, mk, mv);
-    for (int h = 0; h < H; ++h) {
-      const BlockWidths w = mixed.layout().widths(l, h);
-      std::vector<float> kk, kv, vk, vv;
-      gather_sequence(*uniform[size_t(w.key - 1)], l, s, codecs.data() + size_t(l) * H, kk, kv);
-      gather_sequence(*uniform[size_t(w.value - 1)], l, s, codecs.data() + size_t(l) * H, vk, vv);
-      ASSERT_EQ(mk.size(), kk.size());
-      for (size_t at = size_t(h) * d; at < mk.size(); at += size_t(H) * d)
-        for (int c = 0; c < d; ++c) {
-          ASSERT_EQ(mk[at + size_t(c)], kk[at + size_t(c)]) << "layer " << l << " head " << h;
-          ASSERT_EQ(mv[at + size_t(c)], vv[at + size_t(c)]) << "layer " << l << " head " << h;
-        }
-    }
-  }
+  decodes_as_uniform(f, s);
 }
 
 TEST(CacheWidths, RefusalsByName) {

@@ -296,35 +296,37 @@ def gpu_tol(q: torch.Tensor, k: torch.Tensor, v_stored: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def oscar_lm(tmp_path_factory) -> str:
-    """An oscar-lm artifact (4-level tables on both sides) of the repository's stories260k model,
-    compiled by the CLI from a small calibration (the zoo publishes none)."""
+def stories_stats(tmp_path_factory) -> Path:
+    """Statistics of the repository's stories260k model from a small calibration by the CLI, for
+    the artifacts the zoo does not publish."""
     if not CLI.is_file():
-        pytest.skip(f"the kvcc CLI ({CLI}; set KVCC_CLI) is needed to compile an oscar-lm artifact")
-    d = tmp_path_factory.mktemp("oscar_lm")
+        pytest.skip(f"the kvcc CLI ({CLI}; set KVCC_CLI) is needed to compile the test's artifacts")
+    d = tmp_path_factory.mktemp("stories_stats")
     ids = d / "ids.txt"
     ids.write_text("\n".join(" ".join(str((7 * i + 13 * j) % 500 + 3) for j in range(60)) for i in range(8)) + "\n")
     model = REPO / "cli" / "demo" / "stories260k" / "stories260K.bin"
-    run = lambda *a: subprocess.run([str(CLI), *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
-    run("calibrate-model", "--model", model, "--ids", ids, "-o", d / "stats.h5")
-    run("compile", d / "stats.h5", "--method", "oscar-lm", "--key-bits", "2", "--value-bits", "2", "-o", d / "lm.kvcc.h5")
-    return str(d / "lm.kvcc.h5")
+    subprocess.run([str(CLI), "calibrate-model", "--model", str(model), "--ids", str(ids), "-o", str(d / "stats.h5")],
+                   check=True, capture_output=True, text=True)
+    return d / "stats.h5"
+
+
+def compile_stories(stats: Path, name: str, *args: str) -> str:
+    out = stats.parent / name
+    subprocess.run([str(CLI), "compile", str(stats), *args, "-o", str(out)], check=True, capture_output=True, text=True)
+    return str(out)
 
 
 @pytest.fixture(scope="module")
-def oscar_widths(tmp_path_factory) -> str:
-    """A stories260k oscar artifact whose (layer, KV head) sides have their own code widths
-    (compile --bits-budget: 1 to 3 bits here), compiled by the CLI from a small calibration."""
-    if not CLI.is_file():
-        pytest.skip(f"the kvcc CLI ({CLI}; set KVCC_CLI) is needed to compile a --bits-budget artifact")
-    d = tmp_path_factory.mktemp("oscar_widths")
-    ids = d / "ids.txt"
-    ids.write_text("\n".join(" ".join(str((7 * i + 13 * j) % 500 + 3) for j in range(60)) for i in range(8)) + "\n")
-    model = REPO / "cli" / "demo" / "stories260k" / "stories260K.bin"
-    run = lambda *a: subprocess.run([str(CLI), *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
-    run("calibrate-model", "--model", model, "--ids", ids, "-o", d / "stats.h5")
-    run("compile", d / "stats.h5", "--method", "oscar", "--bits-budget", "6", "-o", d / "widths.kvcc.h5")
-    return str(d / "widths.kvcc.h5")
+def oscar_lm(stories_stats) -> str:
+    """An oscar-lm artifact (4-level tables on both sides)."""
+    return compile_stories(stories_stats, "lm.kvcc.h5", "--method", "oscar-lm", "--key-bits", "2", "--value-bits", "2")
+
+
+@pytest.fixture(scope="module")
+def oscar_widths(stories_stats) -> str:
+    """An oscar artifact whose (layer, KV head) sides have their own code widths (compile
+    --bits-budget: 1 to 3 bits here)."""
+    return compile_stories(stories_stats, "widths.kvcc.h5", "--method", "oscar", "--bits-budget", "6")
 
 
 @pytest.mark.parametrize("kind", ["uniform", "level_table", "widths"])
