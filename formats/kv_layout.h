@@ -58,8 +58,7 @@ struct KvGeometry {
 
   KVCC_HD bool per_channel_keys() const { return key_group_tokens > 0; }
   KVCC_HD int groups() const { return head_dim / group; }
-  // A row of head_dim codes of `bits` bits (whole bytes: head_dim is a multiple of 8 wherever a
-  // width other than 2 is used, PageLayout checks).
+  // A row of head_dim codes of `bits` bits (whole bytes: PageLayout refuses widths that give none).
   KVCC_HD size_t code_row_bytes(int bits = 2) const { return size_t(head_dim) * size_t(bits) / 8; }
   KVCC_HD size_t codes_bytes(int bits = 2) const { return size_t(page_tokens) * code_row_bytes(bits); }
   // Per-token (scale, zero) pairs of one side: [P][groups].

@@ -204,13 +204,21 @@ struct Runtime::DeviceState {};
 std::string device_scope_problem(const KvGeometry& g) {
   return gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend | kGpuPrefill);
 }
-std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths) {
+namespace {
+// The first (layer, KV head) block whose codes are not 2 bits, named, or "".
+std::string wide_block(const KvGeometry& g, const std::vector<BlockWidths>& widths) {
   for (size_t i = 0; i < widths.size(); ++i)
     if (widths[i].key != 2 || widths[i].value != 2)
       return "codes of " + std::to_string(widths[i].key) + " / " + std::to_string(widths[i].value) +
              " bits (keys / values) in layer " + std::to_string(i / size_t(g.n_kv_heads)) + " KV head " +
              std::to_string(i % size_t(g.n_kv_heads)) + " (they serve 2-bit codes)";
-  return gpu_unsupported_reason(g, n_heads, kGpuAllOps);
+  return "";
+}
+}  // namespace
+
+std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths) {
+  const std::string wide = wide_block(g, widths);
+  return wide.empty() ? gpu_unsupported_reason(g, n_heads, kGpuAllOps) : wide;
 }
 
 KvHeadRange kv_head_slice(int n_kv_heads, int rank, int ranks) {
@@ -267,7 +275,7 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
       const int kv = int(i % size_t(a.n_kv_heads));
       if (kv >= o.kv_begin && kv < kv_end) table = table || !h.key.levels.empty() || !h.value.levels.empty();
     }
-    std::string scope = device_scope_problem(g, n_heads_, widths);
+    std::string scope = wide_block(g, widths);
     if (scope.empty()) scope = gpu_unsupported_reason(g, n_heads_, kGpuAllOps, table);
     KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
     KVCC_REQUIRE(o.sm_scale >= 0.0f,
