@@ -6,6 +6,7 @@
 // shapes do not run out of L2), random non-zero data.
 //
 // usage: bench_decode --configs Hq:Hkv:batch:ctx,... --out results.jsonl [--reps N]
+//                     [--keys per-token,per-channel]  (the key pages timed, each config in turn)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -162,11 +163,16 @@ struct Config {
   int hq, hkv, batch, ctx;
 };
 
-// One layer of the kernels' geometry (served.h: kv_layout.h's default windows and pages).
-KvGeometry geometry(int hkv) { return gpu_geometry(1, hkv); }
+// One layer of the kernels' geometry (served.h: kv_layout.h's default windows and pages); chan:
+// per-channel key pages (one group per page, KIVI's keys).
+KvGeometry geometry(int hkv, bool chan = false) {
+  KvGeometry g = gpu_geometry(1, hkv);
+  if (chan) g.key_group_tokens = g.page_tokens;
+  return g;
+}
 
-void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
-  const KvGeometry g = geometry(c.hkv);
+void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, bool chan) {
+  const KvGeometry g = geometry(c.hkv, chan);
   // KVCC_TABLE=1 times the level-table kernel (oscar-lm codecs) on the same random pages.
   const char* table_env = std::getenv("KVCC_TABLE");
   const bool level_table = table_env && std::atoi(table_env);
@@ -174,7 +180,8 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
   std::string why = gpu_unsupported_reason(g, c.hq, kGpuDecode, level_table);
   if (why.empty()) why = gpu_bf16_unsupported_reason(c.hkv, kD, c.hq, kBf16PageTokens);
   if (!why.empty()) {
-    std::printf("decode %2d/%d b=%-3d ctx=%-6d skipped: %s\n", c.hq, c.hkv, c.batch, c.ctx, why.c_str());
+    std::printf("decode %2d/%d b=%-3d ctx=%-6d %s skipped: %s\n", c.hq, c.hkv, c.batch, c.ctx,
+                chan ? "per-channel" : "per-token", why.c_str());
     return;
   }
   const int64_t pages_per_seq = history_pages(g, c.ctx);
@@ -319,17 +326,18 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out) {
     cudaGraphDestroy(graph);
   }
   std::fprintf(out,
-               "{\"kind\":\"decode\",\"q_heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"context\":%d,"
+               "{\"kind\":\"decode\",\"keys\":\"%s\",\"q_heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"context\":%d,"
                "\"int2_us\":%.3f,\"bf16_inhouse_us\":%.3f,\"int2_bytes\":%.0f,\"bf16_bytes\":%.0f,"
                "\"int2_gbps\":%.1f,\"bf16_inhouse_gbps\":%.1f,\"int2_bytes_per_token_layer\":%.2f,"
                "\"bf16_bytes_per_token_layer\":%d,\"replicas\":%d,\"outputs_finite\":%s}\n",
-               c.hq, c.hkv, c.batch, c.ctx, int2_us, bf16_us, int2_bytes, bf16_bytes, int2_bytes / int2_us / 1e3,
-               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, mem_per_token_layer, 2 * c.hkv * kGpuBf16RowBytes, R,
-               finite ? "true" : "false");
+               chan ? "per_channel" : "per_token", c.hq, c.hkv, c.batch, c.ctx, int2_us, bf16_us, int2_bytes,
+               bf16_bytes, int2_bytes / int2_us / 1e3, bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0,
+               mem_per_token_layer, 2 * c.hkv * kGpuBf16RowBytes, R, finite ? "true" : "false");
   std::fflush(out);
-  std::printf("decode %2d/%d b=%-3d ctx=%-6d int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  %s\n",
-              c.hq, c.hkv, c.batch, c.ctx, int2_us, int2_bytes / int2_us / 1e3, bf16_us,
-              bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, finite ? "" : "NON-FINITE OUTPUT");
+  std::printf(
+      "decode %2d/%d b=%-3d ctx=%-6d %-11s int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  %s\n", c.hq,
+      c.hkv, c.batch, c.ctx, chan ? "per-channel" : "per-token", int2_us, int2_bytes / int2_us / 1e3, bf16_us,
+      bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, finite ? "" : "NON-FINITE OUTPUT");
 }
 
 // Append throughput: a prefill of `tokens` into one sequence, and `steps` decode steps of a
@@ -530,10 +538,24 @@ void bench_append(cudaStream_t s, std::FILE* out) {
 int main(int argc, char** argv) {
   std::string configs = "32:8:1:32768,32:8:8:131072", out_path = "bench_decode.jsonl";
   int reps = 30;
+  std::string keys = "per-token";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
     else if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--keys")) keys = argv[i + 1];
+  }
+  std::vector<bool> key_modes;  // per-channel?
+  {
+    std::stringstream ks(keys);
+    std::string k;
+    while (std::getline(ks, k, ',')) {
+      if (k != "per-token" && k != "per-channel") {
+        std::fprintf(stderr, "bench_decode: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
+        return 1;
+      }
+      key_modes.push_back(k == "per-channel");
+    }
   }
   std::FILE* out = std::fopen(out_path.c_str(), "w");
   if (!out) {
@@ -559,7 +581,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad config %s\n", item.c_str());
         return 1;
       }
-      bench_config(c, s, reps, out);
+      for (bool chan : key_modes) bench_config(c, s, reps, out, chan);
     }
     bench_append(s, out);
   } catch (const Error& e) {

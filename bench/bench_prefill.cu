@@ -7,7 +7,10 @@
 // choice (what a Runtime runs), 4 or 8 force a build. bench_sdpa.py --prefill-configs times
 // PyTorch's BF16 attention on the same shapes.
 //
+// --keys per-channel times per-channel key pages (KIVI's keys, one group per page) instead.
+//
 // usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] [--reps N]
+//                      [--keys per-token,per-channel]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,8 +49,9 @@ std::vector<int> parse_ints(const std::string& s, char sep) {
   return out;
 }
 
-void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, bool bf16, int reps) {
-  const KvGeometry g = gpu_geometry(1, n_kv);
+void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, bool bf16, int reps, bool chan) {
+  KvGeometry g = gpu_geometry(1, n_kv);
+  if (chan) g.key_group_tokens = g.page_tokens;
   // Shapes the kernels do not serve are skipped with the table's reason.
   if (const std::string why = gpu_unsupported_reason(g, n_heads, kGpuPrefill); !why.empty()) {
     std::fprintf(stderr, "prefill %d:%d:%d:%d skipped: %s\n", n_heads, n_kv, ctx, T, why.c_str());
@@ -63,7 +67,7 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   for (int64_t p = 0; p < pages; ++p)  // (scale, zero) = (~0.05..0.06, 1.5) in fp16, K and V
     for (int h = 0; h < n_kv; ++h) {
       uint16_t* prm = reinterpret_cast<uint16_t*>(pool.data() + g.page_block_offset(p, 0, h) + g.k_params_offset());
-      for (int i = 0; i < 2 * g.page_tokens; ++i) {
+      for (size_t i = 0; i < (g.k_params_bytes() + g.v_params_bytes()) / 4; ++i) {
         prm[2 * i] = uint16_t(0x2A66 + (rng() & 0xFF));
         prm[2 * i + 1] = 0x3E00;
       }
@@ -127,8 +131,9 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
     const double ms = times[times.size() / 2];
     std::printf(
         "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
-        "\"activations\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
-        n_heads, n_kv, ctx, T, w, bf16 ? "bf16" : "f32", ms, T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
+        "\"activations\": \"%s\", \"keys\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
+        n_heads, n_kv, ctx, T, w, bf16 ? "bf16" : "f32", chan ? "per_channel" : "per_token", ms, T / (ms * 1e-3),
+        flops / (ms * 1e-3) / 1e12);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
   }
@@ -141,16 +146,18 @@ int main(int argc, char** argv) {
   std::vector<int> warps = {0, 4, 8};
   std::string activations = "bf16,f32";
   int reps = 20;
+  std::string keys = "per-token";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--configs") configs = argv[i + 1];
     else if (k == "--warps") warps = parse_ints(argv[i + 1], ',');
     else if (k == "--activations") activations = argv[i + 1];
     else if (k == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (k == "--keys") keys = argv[i + 1];
     else {
       std::fprintf(stderr,
                    "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] "
-                   "[--reps N]\n");
+                   "[--reps N] [--keys per-token,per-channel]\n");
       return 2;
     }
   }
@@ -166,7 +173,9 @@ int main(int argc, char** argv) {
       }
       for (const char* kind : {"bf16", "f32"})
         if (activations.find(kind) != std::string::npos)
-          run_config(c[0], c[1], c[2], c[3], warps, kind[0] == 'b', reps);
+          for (const char* key_kind : {"per-token", "per-channel"})
+            if (keys.find(key_kind) != std::string::npos)
+              run_config(c[0], c[1], c[2], c[3], warps, kind[0] == 'b', reps, key_kind[4] == 'c');
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_prefill: %s\n", e.what());

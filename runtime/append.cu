@@ -184,11 +184,14 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     if (int(blockIdx.x) * kAppTile >= n_moves + n_writes) return;
   }
   const int n_items = n_moves + n_writes;
-  // The input row of item u, or -1 (a move from the old ring).
+  // Per-channel key pages are written whole by quantize_key_pages (launched before): the key side's
+  // moves are done, its window writes remain.
+  const bool skip_moves = side == 0 && geo.per_channel_keys();
+  // The input row of item u, or -1 (a move from the old ring, or one done already).
   auto new_row = [&](int item) {
     if (item < n_moves) {
       const Move& mv = moves[item];
-      return mv.from_ring ? -1 : mv.src;
+      return mv.from_ring || skip_moves ? -1 : mv.src;
     }
     return writes[item - n_moves].src;
   };
@@ -228,6 +231,7 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     for (int u = w; u < nt; u += kAppThreads / 32) {
       const int item = i0 + u;
       if (item < n_moves) {
+        if (skip_moves) continue;
         const Move mv = moves[item];
         if (mv.from_ring == 0) quantize_row(ys[item_slot[u]], mv.page, mv.row, side, h, geo, layer, pages, codecs);
         else if (mv.from_ring == 1)
@@ -236,7 +240,7 @@ __global__ void __launch_bounds__(kAppThreads, 3)
         continue;  // from_ring 2: its window write moves it
       }
       const WindowWrite wr = writes[item - n_moves];
-      if (wr.move >= 0) {
+      if (wr.move >= 0 && !skip_moves) {
         const Move mv = moves[wr.move];
         quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, layer,
                      pages, codecs);
@@ -248,6 +252,97 @@ __global__ void __launch_bounds__(kAppThreads, 3)
       reinterpret_cast<uint2*>(win + dst + size_t(wr.dst) * kD)[lane] =
           reinterpret_cast<const uint2*>(ys[item_slot[u]])[lane];
     }
+  }
+}
+
+// Per-channel key pages (KIVI's keys, key_group_tokens = P): a flushed page's keys are quantised
+// per channel over its P tokens, so they need the whole page at once. The moves of an append are
+// whole pages, P consecutive moves each (rows 0..P-1 in order: plan_append_moves, engine_move), so
+// move P·i + r is row r of the append's page i. A block takes pages of one KV head; thread j is
+// channel j: it rotates column j of the page's new rows exactly as append_rows does (in-order fp32
+// FMA chains, rounded to BF16) or reads its channel of the old ring's rows, then codes its P values
+// on the uniform grid without clip (codec_scalar.h, as page_row_codec.cpp's quantize_page_side)
+// and writes its (scale, zero) pair; four lanes pack each code byte. It runs before append_rows,
+// which writes the ring slots these pages read, and which then skips the key side's moves.
+constexpr int kPageThreads = kD;
+template <typename In>
+__global__ void __launch_bounds__(kPageThreads, 3)
+    quantize_key_pages(const In* k, const float* rot_k, const Move* moves, int n_moves, const int32_t* counts,
+                       bool counts_after_wait, KvGeometry geo, int layer, const __nv_bfloat16* windows,
+                       uint8_t* pages) {
+  constexpr int P = kGpuPageTokens;
+  __shared__ __align__(16) float xs[kAppTile][kD];
+  __shared__ __nv_bfloat16 ys[P][kD];  // the page's rotated keys (thread j reads only its column)
+  const int h = blockIdx.y, j = threadIdx.x;
+  if (counts && !counts_after_wait) {
+    n_moves = counts[0];
+    moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[2]);
+  }
+  if (!counts_after_wait && int(blockIdx.x) * P >= n_moves) {
+    pdl_wait();  // (a dependent's wait covers its predecessors only through this grid's completion)
+    pdl_launch_dependents();
+    return;
+  }
+  float rc[kD];
+  if (rot_k) {
+    const float* col = rot_k + size_t(h) * kD * kD + j;
+#pragma unroll
+    for (int i = 0; i < kD; ++i) rc[i] = col[size_t(i) * kD];
+  }
+  pdl_wait();  // k, the ring and (counts_after_wait) the tables come from preceding kernels
+  pdl_launch_dependents();
+  if (counts_after_wait) {
+    n_moves = counts[0];
+    moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[2]);
+  }
+  const int n_kv = geo.n_kv_heads;
+  for (int page = blockIdx.x; page * P < n_moves; page += gridDim.x) {
+    const Move* pm = moves + size_t(page) * P;
+    for (int r0 = 0; r0 < P; r0 += kAppTile) {
+      __syncthreads();  // xs of the previous tile is consumed
+#pragma unroll
+      for (int c = 0; c < kAppTile; ++c)
+        if (pm[r0 + c].from_ring == 0) xs[c][j] = load_activation(k + (size_t(pm[r0 + c].src) * n_kv + h) * kD + j);
+      __syncthreads();
+      float acc[kAppTile] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (rot_k) {
+#pragma unroll
+        for (int i = 0; i < kD; i += 4)
+#pragma unroll
+          for (int c = 0; c < kAppTile; ++c) {
+            const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);
+            acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
+          }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kAppTile; ++c) acc[c] = xs[c][j];
+      }
+#pragma unroll
+      for (int c = 0; c < kAppTile; ++c) {
+        const Move mv = pm[r0 + c];
+        ys[r0 + c][j] =
+            mv.from_ring ? ring_row(geo, windows, mv.seq_slot, layer, h, 0, mv.src)[j] : __float2bfloat16_rn(acc[c]);
+      }
+    }
+    float lo = INFINITY, hi = -INFINITY;
+    for (int r = 0; r < P; ++r) {
+      const float x = __bfloat162float(ys[r][j]);
+      lo = x < lo ? x : lo;  // (codec_scalar's comparisons: a NaN leaves the bound)
+      hi = x > hi ? x : hi;
+    }
+    const GroupParams prm = uniform_params(lo, hi, 2);
+    const float sc = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
+    uint8_t* blk = pages + geo.page_block_offset(pm[0].page, layer, h);
+    uint8_t* codes = blk + geo.k_codes_offset();
+    for (int r = 0; r < P; ++r) {
+      unsigned v = unsigned(uniform_code(__bfloat162float(ys[r][j]), sc, z, 2)) << (2 * (j & 3));
+      v |= __shfl_xor_sync(0xffffffffu, v, 1);
+      v |= __shfl_xor_sync(0xffffffffu, v, 2);
+      if ((j & 3) == 0) codes[size_t(r) * kGpuCodeRowBytes + (j >> 2)] = uint8_t(v);
+    }
+    uint16_t* params = reinterpret_cast<uint16_t*>(blk + geo.k_params_offset());
+    params[2 * j] = prm.scale;
+    params[2 * j + 1] = prm.zero;
   }
 }
 
@@ -408,6 +503,25 @@ int resident_blocks(Activations act) {
   return n[act == Activations::BFloat16];
 }
 
+// Blocks of quantize_key_pages one SM holds.
+int resident_page_blocks(Activations act) {
+  static const int n[2] = {
+      [] {
+        int b = 0;
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, quantize_key_pages<float>, kPageThreads, 0),
+                   "append (CUDA): occupancy");
+        return std::max(b, 1);
+      }(),
+      [] {
+        int b = 0;
+        check_cuda(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, quantize_key_pages<__nv_bfloat16>, kPageThreads, 0),
+            "append (CUDA): occupancy");
+        return std::max(b, 1);
+      }()};
+  return n[act == Activations::BFloat16];
+}
+
 }  // namespace
 
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {
@@ -443,6 +557,29 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
   c.numAttrs = 1;
   auto* win = reinterpret_cast<__nv_bfloat16*>(windows);
   const auto* counts = static_cast<const int32_t*>(plan.counts);
+  if (g.per_channel_keys()) {
+    // The key pages first (they read ring slots that append_rows overwrites). Pages are whole
+    // P-move runs (plan_append_moves); with device counts the grid is the capacity's, as below.
+    KVCC_REQUIRE(plan.counts || plan.n_moves % g.page_tokens == 0, "append (CUDA): moves are not whole pages");
+    const int64_t n_pages = (int64_t(plan.n_moves) + g.page_tokens - 1) / g.page_tokens;
+    const int64_t page_wave =
+        std::max<int64_t>(1, int64_t(multiprocessors()) * resident_page_blocks(act) / int64_t(g.n_kv_heads));
+    if (n_pages > 0) {
+      cudaLaunchConfig_t pc = c;
+      pc.gridDim = dim3(unsigned(std::min(n_pages, page_wave)), g.n_kv_heads);
+      pc.blockDim = dim3(kPageThreads);
+      if (act == Activations::BFloat16)
+        check_cuda(cudaLaunchKernelEx(&pc, quantize_key_pages<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
+                                      rot_k, plan.moves, plan.n_moves, counts, plan.counts_after_wait, g, layer,
+                                      static_cast<const __nv_bfloat16*>(win), pages),
+                   "append (CUDA) key pages launch");
+      else
+        check_cuda(cudaLaunchKernelEx(&pc, quantize_key_pages<float>, static_cast<const float*>(k), rot_k, plan.moves,
+                                      plan.n_moves, counts, plan.counts_after_wait, g, layer,
+                                      static_cast<const __nv_bfloat16*>(win), pages),
+                   "append (CUDA) key pages launch");
+    }
+  }
   if (act == Activations::BFloat16)
     check_cuda(
         cudaLaunchKernelEx(&c, append_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),

@@ -11,6 +11,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "runtime/compact.h"
+#include "runtime/compact_ref.h"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 #include "runtime/plan.h"
@@ -245,6 +246,7 @@ void compact_rows_device(KvCache& cache, const CompactionPlan& plan, const HeadC
   KVCC_REQUIRE(cache.memory() == PoolMemory::Device, "compact (CUDA): needs a device pool");
   const KvGeometry& g = cache.geometry();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "compact (CUDA)");
+  KVCC_REQUIRE(!g.per_channel_keys(), kPerChannelEvictionRefusal);
   KVCC_REQUIRE(g.head_dim == kDim && g.groups() <= kTeam,
                "compact (CUDA): head_dim " + std::to_string(g.head_dim) + " with " + std::to_string(g.groups()) +
                    " groups per row; the kernels take head_dim 128, at most 8 groups");

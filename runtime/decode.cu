@@ -52,7 +52,6 @@ constexpr int ctas_per_sm(int ring) { return decode_ctas_per_sm(ring); }
 #define KVCC_DECODE_SLACK 4.0f
 #endif
 constexpr float kSlack = KVCC_DECODE_SLACK;
-constexpr int kPageBytes = kGpuPageBytes;  // one (page, layer, head) block (served.h)
 // A page is walked in 16-token subtiles (the MMA's M).
 constexpr int kSubtiles = kGpuPageTokens / 16;
 static_assert(kSubtiles == 4, "load_keys, load_values and int2_page hold a page's 4 subtiles in registers");
@@ -197,19 +196,25 @@ struct ValueRegs {
   uint32_t vw[kSubtiles][4], vp[kSubtiles][2];
   uint32_t vz[kSubtiles][4];  // the A fragment of the Σ P'·z MMA (int2_page)
 };
+// kChan: per-channel key pages, whose key parameters are per channel (read by chan_query) and
+// whose value parameters follow them.
+template <bool kChan>
 __device__ __forceinline__ void load_keys(const uint8_t* blk, KeyRegs& d, int g, int t) {
   const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + kGpuKParamsOffset);
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
     d.kw[s][0] = *reinterpret_cast<const uint2*>(blk + (16 * s + g) * kGpuCodeRowBytes + 8 * t);
     d.kw[s][1] = *reinterpret_cast<const uint2*>(blk + (16 * s + g + 8) * kGpuCodeRowBytes + 8 * t);
-    d.kp[s][0] = kpar[16 * s + g];
-    d.kp[s][1] = kpar[16 * s + g + 8];
+    if (!kChan) {
+      d.kp[s][0] = kpar[16 * s + g];
+      d.kp[s][1] = kpar[16 * s + g + 8];
+    }
   }
 }
+template <bool kChan>
 __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, int g, int t) {
   const uint8_t* vc = blk + kGpuVCodesOffset;
-  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + kGpuVParamsOffset);
+  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + (kChan ? kGpuChanVParamsOffset : kGpuVParamsOffset));
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
     d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * kGpuCodeRowBytes + 4 * g);
@@ -249,44 +254,90 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
   return __byte_perm(lo, hi, x * 0x22u + 0x1010u);
 }
 
+// The fp16 code values 0, 1, 2, 3 as a table (per-channel keys: their codes are the uniform grid's).
+constexpr uint32_t kUniformTable[2] = {0x3C000000u, 0x42004000u};
+
+// Per-channel key pages: k̂_c = s_c·(x_c − z_c) with one (s_c, z_c) per channel of the page, so
+// q·k̂ = Σ_c (q_c·s_c)·x_c − Σ_c (q_c·s_c)·z_c. Per page, the fp16 query fragments (made by
+// rotate_queries: q/max|q|) are multiplied by the page's scales of their channels (b), and the
+// second sum is one number per head (bias of head columns 2t, 2t + 1). Thread (g, t) holds
+// channels 32t .. 32t + 31 of head g: fragment 2m + half (m = 4·word + f) holds channels
+// 32t + 16·word + 4·(2·half + e) + f, e = 0, 1 (rotate_queries' fp16 layout).
+__device__ __forceinline__ void chan_query(const uint8_t* blk, const KeyQuery& q, uint32_t (&b)[16], float (&bias)[2],
+                                           int t) {
+  const uint4* kpar = reinterpret_cast<const uint4*>(blk + kGpuKParamsOffset) + 8 * t;  // 4 (s, z) pairs each
+  float sum = 0.0f;
+#pragma unroll
+  for (int word = 0; word < 2; ++word) {
+    uint4 p[4];  // p[k]: the pairs of channels 32t + 16·word + 4k .. + 3
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = kpar[4 * word + k];
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const int m = 4 * word + f;
+      auto pair = [&](int k) { return f == 0 ? p[k].x : f == 1 ? p[k].y : f == 2 ? p[k].z : p[k].w; };
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t a = pair(2 * half), c = pair(2 * half + 1);
+        const __half2 sc = u32_as_h2(__byte_perm(a, c, 0x5410)), z = u32_as_h2(__byte_perm(a, c, 0x7632));
+        const __half2 bq = __hmul2(u32_as_h2(q.frag[2 * m + half]), sc);
+        b[2 * m + half] = *reinterpret_cast<const uint32_t*>(&bq);
+        const float2 bf = __half22float2(bq), zf = __half22float2(z);
+        sum = fmaf(bf.x, zf.x, fmaf(bf.y, zf.y, sum));
+      }
+    }
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // over t: head g's whole sum
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#pragma unroll
+  for (int c = 0; c < 2; ++c) bias[c] = __shfl_sync(0xffffffffu, sum, 4 * (2 * t + c));
+}
+
 // One INT2 page block, staged in shared memory at blk. kTable: code values from the
-// head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs.
-template <bool kTable>
+// head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs. kChan:
+// per-channel key pages (chan_query), keys on fp16 MMAs too (values uniform: kTable is false).
+template <bool kTable, bool kChan>
 __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, WarpState& st, int g, int t,
                                           const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
+  static_assert(!(kTable && kChan), "per-channel keys take uniform values");
   KeyRegs kr;
-  load_keys(blk, kr, g, t);
+  load_keys<kChan>(blk, kr, g, t);
+  uint32_t bq[16];
+  float bias[2] = {0.0f, 0.0f};
+  if (kChan) chan_query(blk, q, bq, bias, t);
   const auto& kw = kr.kw;
   const auto& kp = kr.kp;
   float sc[kSubtiles][4];
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
-    if (kTable) {
+    if (kTable || kChan) {
       // MMA m = 4·word + f takes field f of the thread's code word `word` (bytes 8t + 4·word ..),
       // bytes (0, 1) as a0 / a1 (tokens g, g + 8) and bytes (2, 3) as a2 / a3.
+      const uint32_t t0 = kChan ? kUniformTable[0] : tk[0], t1 = kChan ? kUniformTable[1] : tk[1];
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         const int f = m & 3;
         const uint32_t wg = (m >> 2) ? kw[s][0].y : kw[s][0].x;
         const uint32_t wg8 = (m >> 2) ? kw[s][1].y : kw[s][1].x;
-        mma_f16(acc, table_pair((wg >> (2 * f)) & 0x0303u, tk[0], tk[1]),
-                table_pair((wg8 >> (2 * f)) & 0x0303u, tk[0], tk[1]),
-                table_pair((wg >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]),
-                table_pair((wg8 >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]), q.frag[2 * m], q.frag[2 * m + 1]);
+        mma_f16(acc, table_pair((wg >> (2 * f)) & 0x0303u, t0, t1), table_pair((wg8 >> (2 * f)) & 0x0303u, t0, t1),
+                table_pair((wg >> (2 * f + 16)) & 0x0303u, t0, t1), table_pair((wg8 >> (2 * f + 16)) & 0x0303u, t0, t1),
+                kChan ? bq[2 * m] : q.frag[2 * m], kChan ? bq[2 * m + 1] : q.frag[2 * m + 1]);
       }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int i = 2 * r + c;
-          const float x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
-          sc[s][i] = x;
-          if (c) mx1 = fmaxf(mx1, x);
-          else mx0 = fmaxf(mx0, x);
+      for (int i = 0; i < 4; ++i) {  // token g (i < 2) or g + 8, head column c = 2t + (i & 1)
+        const int r = i >> 1, c = i & 1;
+        float x;
+        if (kChan) {
+          x = acc[i] - bias[c];
+        } else {
+          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
+          x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
         }
+        sc[s][i] = x;
+        if (c) mx1 = fmaxf(mx1, x);
+        else mx0 = fmaxf(mx0, x);
       }
       continue;
     }
@@ -322,7 +373,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   float msub[2];
   online_rescale<true>(st, mx0 * q.scale[0], mx1 * q.scale[1], msub);
   ValueRegs vr;
-  load_values(blk, vr, g, t);
+  load_values<kChan>(blk, vr, g, t);
   const auto& vw = vr.vw;
   const auto& vp = vr.vp;
   const auto& vz = vr.vz;
@@ -442,9 +493,11 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
 
 enum class Mode { Int2, Bf16Paged };
 
-// kTable: INT2 pages decoded through the per-head level tables (DecodeArgs::tables).
-template <Mode kMode, int kRing, bool kTable = false>
+// kTable: INT2 pages decoded through the per-head level tables (DecodeArgs::tables). kChan:
+// per-channel key pages (int2_page), larger blocks.
+template <Mode kMode, int kRing, bool kTable = false, bool kChan = false>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(DecodeArgs a) {
+  constexpr int kPageBytes = kChan ? kGpuChanPageBytes : kGpuPageBytes;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   __shared__ float qs[kHeads][kD];
@@ -534,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
       issue(k + kRing - 1);
       mbar_wait(bars_s + 8 * (k % kRing), uint32_t(k / kRing) & 1u);  // the stage's (k / kRing)-th fill
       __syncwarp();
-      int2_page<kTable>(ring + (k % kRing) * kPageBytes, kq, st, g, t, tk, tv);
+      int2_page<kTable, kChan>(ring + (k % kRing) * kPageBytes, kq, st, g, t, tk, tv);
       __syncwarp();  // every lane has read stage k % kRing before it is refilled
     }
   } else if (paged_split || win_split) {
@@ -853,7 +906,9 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 // Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
-constexpr size_t int2_smem_bytes(int ring) { return size_t(kWarps) * ring * kPageBytes; }
+constexpr size_t int2_smem_bytes(int ring, bool chan = false) {
+  return size_t(kWarps) * ring * size_t(chan ? kGpuChanPageBytes : kGpuPageBytes);
+}
 static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
 static_assert(4 * sizeof(uint4) * 4 == kDecodeQk8Bytes, "DecodeArgs::qk8 per head: [4 t][4] uint4");
 void prepare_int2_kernels() {
@@ -870,6 +925,9 @@ void prepare_int2_kernels() {
                "decode (CUDA): shared memory attribute");
     check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide, true>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingWide))),
+               "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep, false, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingDeep, true))),
                "decode (CUDA): shared memory attribute");
   });
 }
@@ -945,27 +1003,30 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   };
   if (stages & 1) {
     uint4* qk = mode == Mode::Int2 ? qk8 : nullptr;
+    const bool fp16_query = table || (mode == Mode::Int2 && a.geo.per_channel_keys());
     const dim3 grid(a.n_kv, batch);
     const cudaLaunchConfig_t c = config(grid, kRotThreads, 0);
     if (act == Activations::BFloat16)
       check_cuda(cudaLaunchKernelEx(&c, rotate_queries<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(q), rot_k,
-                                    a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table),
+                                    a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, fp16_query),
                  "decode (CUDA) launch");
     else
       check_cuda(cudaLaunchKernelEx(&c, rotate_queries<float>, static_cast<const float*>(q), rot_k, a.n_heads,
-                                    a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, table),
+                                    a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, fp16_query),
                  "decode (CUDA) launch");
   }
   const dim3 grid(plan.total, a.n_kv, batch);
   if (stages & 2) {
     if (mode == Mode::Int2) {
       prepare_int2_kernels();
-      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes(plan.ring));
+      const bool chan = a.geo.per_channel_keys();
+      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes(plan.ring, chan));
       const bool wide = plan.ring == kRingWide;
-      check_cuda(table ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, true>, a)
-                               : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, true>, a))
-                       : (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide>, a)
-                               : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep>, a)),
+      check_cuda(chan    ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, false, true>, a)
+                 : table ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, true>, a)
+                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, true>, a))
+                         : (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide>, a)
+                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep>, a)),
                  "decode (CUDA) launch");
     } else {
       const cudaLaunchConfig_t c = config(grid, kThreads, kSlabBytes);
@@ -1001,6 +1062,8 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
   KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
                "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
+  KVCC_REQUIRE(!g.per_channel_keys() || shape.ring != kRingWide,
+               "decode (CUDA): per-channel key pages take the 3-stage ring (DecodeShape::ring 0 or 3)");
   DecodeArgs a{};
   if (table) {
     // Code values as fp16: the level table, or the uniform grid's 0..3 (its zero is in the pages).

@@ -55,7 +55,7 @@ namespace {
 
 constexpr int kD = kGpuHeadDim;                   // head_dim
 constexpr int kBN = kPrefillKeyTile;              // key tokens per tile (= page_tokens)
-constexpr int kPageBytes = kGpuPageBytes;         // one (page, layer, head) block (served.h)
+constexpr int kPageBytes = kGpuMaxPageBytes;      // room for one (page, layer, head) block of either kind (served.h)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -69,6 +69,13 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 }
 __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
   return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+// A shared-memory load the compiler keeps where it is (volatile), for the producer's few registers.
+__device__ __forceinline__ __half2 u32_as_h2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
 }
 __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
@@ -577,11 +584,13 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
     const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
     const uint32_t raw_s = smem_addr(sm.raw[0]), raw_bar = smem_addr(sm.raw_full);
     const auto page_of = [&](int u) { return u < u1 && u < n_pages ? page_table[u] : 0; };
+    // Per-channel key pages: their keys expanded to the values they decode to (below), larger blocks.
+    const bool chan = a.geo.per_channel_keys();
     const auto copy_page = [&](int u, int32_t page) {  // unit u's block into raw[(u - u0) % kRaw]
       if (u >= u1 || u >= n_pages) return;
       const int b = (u - u0) % kRaw;
-      bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h), kPageBytes,
-                raw_bar + 8 * b);
+      bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h),
+                chan ? kGpuChanPageBytes : kGpuPageBytes, raw_bar + 8 * b);
     };
     // Thread tid expands word xword of rows xrow + 16·q (q < 4) of both sides. Eight threads (a
     // quarter warp, which a 16-byte store serves at once) take two adjacent rows x four words, so
@@ -623,11 +632,36 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
           *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
           *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
         }
+        if (chan) {
+          // Per-channel keys: the code values just stored become x̂ = (x − z_c)·s_c, in fp16 (x exact, two
+          // roundings), so that the fold takes s = 1, z = 0 for the keys. A second pass over the thread's
+          // own chunks (the words' registers are free by now: the producer has 48 registers).
+          const uint32_t kpc = smem_addr(raw + kGpuKParamsOffset) + 64 * xword;  // its 16 channels' (s, z)
+#pragma unroll 1
+          for (int part = 0; part < 2; ++part) {  // channels 0-7, then 8-15 of its word
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // rows xrow + 16·j
+              uint4* p = reinterpret_cast<uint4*>(sm.k[st] + j * 16 * 64 + (part ? tile_hi : tile_lo));
+              uint4 x = *p;
+              uint32_t* xw = reinterpret_cast<uint32_t*>(&x);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const uint32_t pa = lds_u32(kpc + 32 * part + 8 * e), pb = lds_u32(kpc + 32 * part + 8 * e + 4);
+                const __half2 v = __hmul2(__hsub2(u32_as_h2(xw[e]), u32_as_h2(__byte_perm(pa, pb, 0x7632))),
+                                          u32_as_h2(__byte_perm(pa, pb, 0x5410)));
+                xw[e] = *reinterpret_cast<const uint32_t*>(&v);
+              }
+              *p = x;
+            }
+          }
+        }
         if (tid < kBN) {
-          const float2 kp = __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuKParamsOffset + 4 * tid));
-          const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuVParamsOffset + 4 * tid));
-          sm.tok[st][tid] =
-              make_float4(kp.x * a.sm_scale_log2, a.use_zero[h][0] ? kp.y : 0.0f, vp.x, a.use_zero[h][1] ? vp.y : 0.0f);
+          const float2 kp = chan ? make_float2(1.0f, 0.0f)
+                                 : __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuKParamsOffset + 4 * tid));
+          const float2 vp = __half22float2(
+              *reinterpret_cast<const __half2*>(raw + (chan ? kGpuChanVParamsOffset : kGpuVParamsOffset) + 4 * tid));
+          sm.tok[st][tid] = make_float4(kp.x * a.sm_scale_log2, !chan && a.use_zero[h][0] ? kp.y : 0.0f, vp.x,
+                                        a.use_zero[h][1] ? vp.y : 0.0f);
         }
         fence_proxy_async();  // the stage's stores, before the tensor cores read it
         mbar_arrive(full_s + 8 * st);

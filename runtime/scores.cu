@@ -245,6 +245,9 @@ void attention_scores_int2(const KvGeometry& g, const uint8_t* pages, const uint
                            float sm_scale, const void* q, const float* rot_k, float* scores, void* workspace,
                            size_t workspace_bytes, cudaStream_t stream, Activations act) {
   require_gpu_served(g, n_heads, kGpuPrefill, true, "attention scores");
+  KVCC_REQUIRE(!g.per_channel_keys(),
+               "attention scores (CUDA): per-channel key pages are not supported (the scoring kernel reads per-token "
+               "key scales); score them from a host pool");
   KVCC_REQUIRE(W >= 1 && W <= length, "attention scores: the observation window (" + std::to_string(W) +
                                           ") must be in [1, the sequence's length " + std::to_string(length) + "]");
   KVCC_REQUIRE(length <= int64_t(INT32_MAX) * kTile, "attention scores: sequence too long");

@@ -29,8 +29,9 @@ std::string query_heads_problem(int n_heads, int n_kv, bool decode) {
 
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops, bool level_table) {
   const bool prefill = ops & kGpuPrefill, decode = ops & kGpuDecode;
-  if (g.per_channel_keys())
-    return "per-channel key pages (kivi keys; the kernels read per-token key scales, the host pool serves them)";
+  if (g.per_channel_keys() && (g.key_group_tokens != kGpuPageTokens || g.page_tokens != kGpuPageTokens))
+    return "per-channel key pages in groups of " + str(g.key_group_tokens) +
+           " tokens (the kernels take one group per " + str(kGpuPageTokens) + "-token page; the host pool serves any)";
   if (g.head_dim != kGpuHeadDim) return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
   if (g.group != g.head_dim) return "group " + str(g.group) + " (the kernels need group = head_dim)";
   if (!prefill && !decode) return "";  // append serves any pages, windows and heads
@@ -39,6 +40,8 @@ std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned op
   if (g.n_kv_heads <= 0) return str(g.n_kv_heads) + " KV heads";
   if (prefill && g.n_kv_heads > kPrefillMaxKvHeads)
     return str(g.n_kv_heads) + " KV heads (the kernels take <= " + str(kPrefillMaxKvHeads) + ")";
+  if (decode && level_table && g.per_channel_keys())
+    return "per-channel keys with level-table values (decode takes uniform values beside per-channel keys)";
   if (decode && level_table && g.n_kv_heads > kDecodeMaxTableHeads)
     return str(g.n_kv_heads) + " KV heads with level tables (decode takes <= " + str(kDecodeMaxTableHeads) + ")";
   if (std::string q = query_heads_problem(n_heads, g.n_kv_heads, decode); !q.empty()) return q;

@@ -25,6 +25,13 @@ constexpr int kGpuKParamsOffset = 2 * kGpuCodesBytes;                    // k_pa
 constexpr int kGpuVParamsOffset = 2 * kGpuCodesBytes + kGpuParamsBytes;  // v_params_offset()
 constexpr int kGpuPageBytes = 2 * kGpuCodesBytes + 2 * kGpuParamsBytes;  // page_head_bytes(): 4608
 constexpr int kGpuBf16RowBytes = 2 * kGpuHeadDim;                        // one sink / ring row
+// Per-channel key pages (key_group_tokens = P): one (scale, zero) pair per channel for the page's
+// keys, so the key parameters take head_dim pairs instead of P and the value parameters move.
+constexpr int kGpuChanKParamsBytes = kGpuHeadDim * kGpuParamBytes;               // k_params_bytes(): 512
+constexpr int kGpuChanVParamsOffset = kGpuKParamsOffset + kGpuChanKParamsBytes;  // v_params_offset()
+constexpr int kGpuChanPageBytes = kGpuChanVParamsOffset + kGpuParamsBytes;       // page_head_bytes(): 4864
+// A page block of either kind.
+constexpr int kGpuMaxPageBytes = kGpuChanPageBytes > kGpuPageBytes ? kGpuChanPageBytes : kGpuPageBytes;
 // Decode walks the BF16 sink and ring in tiles of 16 tokens (the MMA's M), so both windows must
 // be multiples of it.
 constexpr int kGpuWindowTile = 16;
@@ -51,7 +58,8 @@ constexpr int kAnyQueryHeads = -1;
 // query-head multiple, <= 8 query heads per KV head and sink and recent windows in multiples of
 // 16 tokens. A Runtime with a device pool asks this for all three when it is made, so that its
 // first decode or prefill never finds the shape unsupported. Per-channel key pages (KIVI keys,
-// kv_layout.h key_group_tokens) are refused for every kernel: they read per-token key scales.
+// kv_layout.h key_group_tokens) are served with one key group per 64-token page, and decode takes
+// them with uniform values only (level_table then refuses).
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops = kGpuAllOps,
                                    bool level_table = true);
 // The same for the BF16 baseline decode (decode_bf16_paged): its own pages of page_tokens tokens.

@@ -87,6 +87,27 @@ TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) {
   w.expect_pools_equal();
 }
 
+// Per-channel key pages (KIVI's keys, one group per page): quantize_key_pages writes the bytes
+// page_row_codec.cpp's quantize_page_side writes, for pages filled from new rows (a long prefill),
+// from the old ring (decode steps) and from both, with the value side beside them unchanged.
+TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytes) {
+  KvGeometry g = test_geometry(2, 2);
+  g.key_group_tokens = g.page_tokens;
+  Twin w(g, 64, 6);
+  for (size_t i = 0; i < w.codecs.size(); i += 2) {  // level-table values beside per-channel keys
+    w.codecs[i].value.use_table = 1;
+    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+    std::copy(lv, lv + 4, w.codecs[i].value.levels);
+  }
+  const int a = w.add(), b = w.add(), c = w.add();
+  w.append({a, b, c}, {1, 63, 400});
+  w.append({a, b, c}, {100, 257, 1});
+  const int f = w.fork(c);
+  w.append({f, c, a}, {64, 3, 700});
+  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});
+  w.expect_pools_equal();
+}
+
 TEST(GpuAppend, RotationMatchesReference) {
   // With rotations the GEMMs round differently, so compare the BF16 window values, not bytes.
   // 9000 rows: more tiles than the append launches blocks for, so each block takes several (its
@@ -170,8 +191,12 @@ struct DevBatch {
 // both sides of half the heads (asymmetric, so the table is not an affine map of the code).
 // repeat: the batch lists the 7 sequences that many times (each entry with its own query): 2
 // gives 56 (sequence, KV head) pairs, which the per-group merge takes (merge_splits_group).
-void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1) {
-  Twin w(test_geometry(2, 4), 256, 10);
+// chan: per-channel key pages (one group per page) with uniform values.
+void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1,
+                      bool chan = false) {
+  KvGeometry geo = test_geometry(2, 4);
+  if (chan) geo.key_group_tokens = geo.page_tokens;
+  Twin w(geo, 256, 10);
   if (table)
     for (size_t i = 0; i < w.codecs.size(); i += 2) {
       const float lk[4] = {-1.62f, -0.41f, 0.37f, 1.71f}, lv[4] = {-1.48f, -0.52f, 0.44f, 1.55f};
@@ -228,7 +253,8 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
       worst = std::max(worst, e);
       EXPECT_LT(e, 1e-2) << "seq " << seqs[b] << " len " << w.host.length(seqs[b]) << " head " << h;
     }
-  std::printf("decode int2: %d heads, worst per-head relative error %.2e\n", n_heads, worst);
+  std::printf("decode int2%s: %d heads, worst per-head relative error %.2e\n", chan ? " (per-channel keys)" : "",
+              n_heads, worst);
 }
 
 TEST(GpuDecode, Int2MatchesReferenceGqa4) { run_decode_check(16, 0); }
@@ -243,6 +269,11 @@ TEST(GpuDecode, Int2LevelTableMatchesReferenceDeepRing) { run_decode_check(16, 0
 // (1000 CTAs: 19 splits per pair, more than one round of the merge's loads.)
 TEST(GpuDecode, Int2MatchesReferenceManyPairs) { run_decode_check(16, 1000, 0, false, 2); }
 TEST(GpuDecode, Int2LevelTableMatchesReferenceManyPairs) { run_decode_check(20, 0, 0, true, 2); }
+// Per-channel key pages: the query scaled per page by the keys' channel scales (fp16 MMAs).
+TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa4) { run_decode_check(16, 0, 0, false, 1, true); }
+TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa8ManySplits) { run_decode_check(32, 4000, 0, false, 1, true); }
+TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa5OneSplit) { run_decode_check(20, 1, 0, false, 1, true); }
+TEST(GpuDecode, Int2PerChannelKeysMatchReferenceManyPairs) { run_decode_check(16, 1000, 0, false, 2, true); }
 
 TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const int H = 2, n_heads = 10, P = 64, d = 128;
@@ -338,6 +369,25 @@ TEST(GpuServed, LaunchersRefuseWhatTheTableRefuses) {
                 nullptr, nullptr, 0, nullptr);
   });
   EXPECT_NE(heads.find("9 query heads per KV head"), std::string::npos) << heads;
+  // Per-channel key pages: decode takes them with uniform values and the 3-stage ring only.
+  g.key_group_tokens = g.page_tokens;
+  codecs[1].value.use_table = 1;
+  const std::string chan_table = message([&] {
+    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{8, 0.1f}, nullptr, nullptr, nullptr,
+                nullptr, nullptr, 0, nullptr);
+  });
+  EXPECT_NE(chan_table.find("level-table values"), std::string::npos) << chan_table;
+  codecs[1].value.use_table = 0;
+  DecodeShape wide{8, 0.1f};
+  wide.ring = 2;
+  const std::string chan_wide = message([&] {
+    decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), wide, nullptr, nullptr, nullptr, nullptr, nullptr,
+                0, nullptr);
+  });
+  EXPECT_NE(chan_wide.find("3-stage ring"), std::string::npos) << chan_wide;
+  g.key_group_tokens = 32;
+  EXPECT_NE(gpu_unsupported_reason(g, 8, kGpuAppend).find("groups of 32 tokens"), std::string::npos);
+  g.key_group_tokens = 0;
   g.group = 32;
   const std::string append = message([&] {
     append_kv(g, nullptr, nullptr, 0, AppendPlanHost{}, codecs.data(), nullptr, nullptr, nullptr, nullptr, nullptr, 0,

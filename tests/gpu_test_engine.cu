@@ -180,9 +180,9 @@ TEST(GpuEngine, DevicePlanIsPlanAppendMoves) {
 
 using testing::EngineTables;
 
-TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
+void captured_engine_step(bool kivi) {
   std::mt19937 rng(23);
-  const Artifact art = gpu_runtime_artifact(rng, false);
+  const Artifact art = gpu_runtime_artifact(rng, false, kivi);
   RuntimeOptions o;
   o.max_pages = 64;
   o.max_sequences = 4;
@@ -375,6 +375,10 @@ TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) {
       "against the CPU reference %.2e\n",
       steps.size(), worst);
 }
+
+TEST(GpuEngine, CapturedEngineStepMatchesOwnTablesAndTheReference) { captured_engine_step(false); }
+// Per-channel key pages: the key-page kernel in the captured step, its grid sized by the capacities.
+TEST(GpuEngine, CapturedEngineStepPerChannelKeys) { captured_engine_step(true); }
 
 }  // namespace
 }  // namespace kvcc

@@ -32,9 +32,9 @@ using testing::random_rows;
 constexpr int kD = kGpuHeadDim;
 constexpr int kLayers = 2, kHeads = 16, kKv = 4;
 
-TEST(GpuGraph, CapturedDecodeStepReplaysBitForBit) {
+void captured_decode_step(bool kivi) {
   std::mt19937 rng(31);
-  const Artifact art = gpu_runtime_artifact(rng, false);
+  const Artifact art = gpu_runtime_artifact(rng, false, kivi);
   RuntimeOptions o;
   o.max_pages = 64;
   o.max_sequences = 3;
@@ -165,6 +165,9 @@ TEST(GpuGraph, CapturedDecodeStepReplaysBitForBit) {
   std::printf("graph replay: %zu steps of %d layers equal to the uncaptured runtime bit for bit\n", steps.size(),
               kLayers);
 }
+
+TEST(GpuGraph, CapturedDecodeStepReplaysBitForBit) { captured_decode_step(false); }
+TEST(GpuGraph, CapturedDecodeStepPerChannelKeysReplaysBitForBit) { captured_decode_step(true); }
 
 }  // namespace
 }  // namespace kvcc

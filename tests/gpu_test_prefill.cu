@@ -241,6 +241,18 @@ TEST(GpuPrefill, MatchesReferenceGqa5LevelTablesOneSplitNoRotation) {
   std::printf("prefill, 5 heads per KV head, level tables, 1 split, identity rotation: worst %.2e\n", worst);
 }
 
+// Per-channel key pages (one group per page): the producer expands the keys to the values they
+// decode to; the default plan (a ragged batch over two launches) and 8 warps with 3 splits.
+TEST(GpuPrefill, PerChannelKeyPagesMatchReference) {
+  KvGeometry g = test_geometry(2, 4);
+  g.key_group_tokens = g.page_tokens;
+  Caches c(g, 256, 10, false);
+  const auto cases = standard_cases(c);
+  const double worst =
+      std::max(check_prefill(c, cases, 16, 1, 0, 0, true, 6), check_prefill(c, cases, 32, 0, 3, 8, true));
+  std::printf("prefill, per-channel key pages: worst %.2e\n", worst);
+}
+
 TEST(GpuPrefill, ManySplitsAndOddWindows) {
   // Sink and ring not multiples of the 64-token tile; more splits than key tiles.
   KvGeometry g = test_geometry(1, 2);
@@ -505,11 +517,13 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
 // Every edge of the served-shape table (runtime/served.h) runs on a device Runtime: 8, 1 and 5
 // query heads per KV head, windows in 16-token multiples that are not page multiples, no sink.
 // Its prefill, append and decode match a host Runtime's; a device Runtime that was made never
-// refuses the shape at its first call.
+// refuses the shape at its first call. The last shape is the mixed recipe's (KIVI keys in
+// per-channel pages, rotated per-token values).
 TEST(GpuRuntime, ServedShapesRunEveryKernel) {
   struct Shape {
     int n_heads, n_kv, sink, recent;
-  } shapes[] = {{64, 8, 16, 96}, {4, 4, 0, 64}, {20, 4, 48, 80}};
+    bool kivi = false;
+  } shapes[] = {{64, 8, 16, 96}, {4, 4, 0, 64}, {20, 4, 48, 80}, {32, 8, 16, 96, true}};
   std::mt19937 rng(21);
   for (const Shape& sh : shapes) {
     Artifact art;
@@ -520,9 +534,14 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
     art.recipe.method = "oscar";
     art.recipe.sink = sh.sink;
     art.recipe.recent = sh.recent;
+    if (sh.kivi) {
+      art.recipe.method = "kivi";
+      art.recipe.group = kGpuPageTokens;
+      art.recipe.params["values"] = "hadamard";
+    }
     for (int i = 0; i < sh.n_kv; ++i) {
       HeadArtifact h;
-      h.key.rotation = random_orthogonal(1, kD, rng);
+      if (!sh.kivi) h.key.rotation = random_orthogonal(1, kD, rng);
       h.value.rotation = random_orthogonal(1, kD, rng);
       h.key.clip_ratio = h.value.clip_ratio = 0.95;
       art.heads.push_back(h);
@@ -534,6 +553,7 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
     o.memory = PoolMemory::Host;
     Runtime host(art, e, o);
     ASSERT_EQ(device_scope_problem(host.geometry(), sh.n_heads, {}), "");
+    ASSERT_EQ(host.geometry().per_channel_keys(), sh.kivi);
     o.memory = PoolMemory::Device;
     Runtime dev(art, e, o);
     const int seq = host.cache().add_sequence();
@@ -568,8 +588,8 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
                              << " row " << row;
       }
     }
-    std::printf("served shape %d/%d, sink %d, ring %d: worst per-head relative error %.2e\n", sh.n_heads, sh.n_kv,
-                sh.sink, sh.recent, worst);
+    std::printf("served shape %d/%d, sink %d, ring %d%s: worst per-head relative error %.2e\n", sh.n_heads, sh.n_kv,
+                sh.sink, sh.recent, sh.kivi ? ", per-channel keys" : "", worst);
   }
 }
 

@@ -32,7 +32,9 @@ inline std::vector<float> random_rows(size_t n, std::mt19937& rng, bool outliers
 // The Runtime tests' artifact (gpu_test_graph.cu, gpu_test_activations.cu): oscar, 2 layers, 16
 // query / 4 KV heads, random rotations, short windows (sink 16, ring 64) so a few steps cross the
 // sink's end, ring wraps and flushes; with level_tables, every other head has 4-level tables.
-inline Artifact gpu_runtime_artifact(std::mt19937& rng, bool level_tables) {
+// kivi: the mixed recipe instead (KIVI keys in per-channel pages of one group, unrotated; values
+// rotated per token).
+inline Artifact gpu_runtime_artifact(std::mt19937& rng, bool level_tables, bool kivi = false) {
   Artifact art;
   art.n_layers = 2;
   art.n_heads = 16;
@@ -42,9 +44,14 @@ inline Artifact gpu_runtime_artifact(std::mt19937& rng, bool level_tables) {
   art.recipe.sink = 16;
   art.recipe.recent = 64;
   art.recipe.page_size = kGpuPageTokens;
+  if (kivi) {
+    art.recipe.method = "kivi";
+    art.recipe.group = kGpuPageTokens;
+    art.recipe.params["values"] = "hadamard";
+  }
   for (int i = 0; i < art.n_layers * art.n_kv_heads; ++i) {
     HeadArtifact h;
-    h.key.rotation = random_orthogonal(1, kGpuHeadDim, rng);
+    if (!kivi) h.key.rotation = random_orthogonal(1, kGpuHeadDim, rng);
     h.value.rotation = random_orthogonal(1, kGpuHeadDim, rng);
     h.key.clip_ratio = 0.9;
     h.value.clip_ratio = 0.95;

@@ -59,6 +59,14 @@ TEST(ServedLayout, ConstantsAreKvLayoutsBytes) {
   EXPECT_EQ(size_t(kGpuVParamsOffset), g.v_params_offset());
   EXPECT_EQ(size_t(kGpuPageBytes), g.page_head_bytes());
   EXPECT_EQ(kGpuPageBytes, 72 * 64);  // docs/runtime.md: 72 bytes per token and head, 64 tokens
+  // Per-channel key pages: one (scale, zero) pair per channel for the page's keys.
+  KvGeometry chan = g;
+  chan.key_group_tokens = chan.page_tokens;
+  EXPECT_EQ(size_t(kGpuChanKParamsBytes), chan.k_params_bytes());
+  EXPECT_EQ(size_t(kGpuChanVParamsOffset), chan.v_params_offset());
+  EXPECT_EQ(size_t(kGpuChanPageBytes), chan.page_head_bytes());
+  EXPECT_EQ(size_t(kGpuKParamsOffset), chan.k_params_offset());
+  EXPECT_EQ(kGpuMaxPageBytes, kGpuChanPageBytes);
   // A window row: the window block holds 2·(S + W) BF16 rows.
   EXPECT_EQ(size_t(kGpuBf16RowBytes), g.window_head_elems() * 2 / (2 * size_t(g.sink + g.recent)));
   EXPECT_EQ(gpu_unsupported_reason(g, 4 * g.n_kv_heads), "");
@@ -92,6 +100,12 @@ TEST(ServedShapes, EachRuleNamesItsFieldAndKernels) {
       {[](KvGeometry&) {}, 72, false, "9 query heads per KV head", true, true, false},
       {[](KvGeometry&) {}, 40, false, "", true, true, true},  // 5 per KV head
       {[](KvGeometry&) {}, 8, false, "", true, true, true},   // 1 per KV head
+      // Per-channel key pages: one key group per 64-token page; decode beside uniform values only.
+      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, false, "", true, true, true},
+      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, true, "level-table values", true, true, false},
+      {[](KvGeometry& g) { g.key_group_tokens = 32; }, 32, false, "groups of 32 tokens", false, false, false},
+      {[](KvGeometry& g) { g.key_group_tokens = g.page_tokens = 128; }, 32, false, "groups of 128 tokens", false, false,
+       false},
   };
   for (const Case& c : cases) {
     KvGeometry g = base;
