@@ -24,22 +24,17 @@ AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<in
   return b;
 }
 
-namespace {
-
-// x_rot = x·R in float64, rounded to BF16 (what the windows hold and what history quantises).
-void rotate_round(const float* x, const float* rot, int d, float* out) {
+void rotate_kv_row(const float* x, const float* rot, int d, float* out) {
   for (int j = 0; j < d; ++j) {
-    double acc = 0.0;
+    float acc = 0.0f;
     if (rot) {
-      for (int i = 0; i < d; ++i) acc += double(x[i]) * double(rot[size_t(i) * size_t(d) + size_t(j)]);
+      for (int i = 0; i < d; ++i) acc = std::fma(x[i], rot[size_t(i) * size_t(d) + size_t(j)], acc);
     } else {
       acc = x[j];
     }
-    out[j] = round_bf16(float(acc));
+    out[j] = round_bf16(acc);
   }
 }
-
-}  // namespace
 
 void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k, const float* v, const float* rot_k,
                 const float* rot_v, const HeadCodec* codecs) {
@@ -82,8 +77,8 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
         const float* vx = v + (r * size_t(H) + size_t(h)) * size_t(d);
         const float* rk = rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr;
         const float* rv = rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr;
-        rotate_round(kx, rk, d, krow.data());
-        rotate_round(vx, rv, d, vrow.data());
+        rotate_kv_row(kx, rk, d, krow.data());
+        rotate_kv_row(vx, rv, d, vrow.data());
         const int64_t pos = n0 + j;
         size_t kdst, vdst;
         if (pos < g.sink) {

@@ -25,6 +25,12 @@ struct AppendBatch {
 AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
                               const std::vector<int>& counts);
 
+// The rotated row the cache stores for x (d values): out_j = bf16(Σ_i x_i·R_ij), the sum one fp32
+// FMA chain over i = 0, 1, .., d-1 (rot null: bf16(x)). The CUDA append and prefill rotate keys
+// and values exactly so, so host and device pools hold the same bytes (a float64 sum rounds to
+// BF16 differently in a few elements per thousand, and one such element can move a 2-bit code).
+void rotate_kv_row(const float* x, const float* rot, int d, float* out);
+
 // k, v: [rows, n_kv, d] post-RoPE, unrotated. rot_k, rot_v: [n_kv, d, d] (x_rot = x·R), or null
 // when the rows are already rotated. codecs: [n_kv] for this layer. The cache must be a host pool.
 void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float* k, const float* v, const float* rot_k,

@@ -7,6 +7,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/page_row_codec.h"
+#include "runtime/append_ref.h"
 
 namespace kvcc {
 
@@ -136,15 +137,12 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
   const int64_t n0 = length < 0 ? cache.length(seq) : length;
   keys.resize((size_t(n0) + size_t(T)) * size_t(H) * size_t(d));
   values.resize(keys.size());
-  std::vector<double> tmp(static_cast<size_t>(d));
   for (int j = 0; j < T; ++j)
-    for (int h = 0; h < H; ++h) {
+    for (int h = 0; h < H; ++h) {  // the new rows as the append will store them
       const size_t src = (size_t(j) * size_t(H) + size_t(h)) * size_t(d);
       const size_t dst = ((size_t(n0) + size_t(j)) * size_t(H) + size_t(h)) * size_t(d);
-      rotate(k + src, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false, tmp.data());
-      for (int c = 0; c < d; ++c) keys[dst + size_t(c)] = round_bf16(float(tmp[size_t(c)]));
-      rotate(v + src, rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr, d, false, tmp.data());
-      for (int c = 0; c < d; ++c) values[dst + size_t(c)] = round_bf16(float(tmp[size_t(c)]));
+      rotate_kv_row(k + src, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, &keys[dst]);
+      rotate_kv_row(v + src, rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr, d, &values[dst]);
     }
   std::vector<double> q_rot(static_cast<size_t>(d));
   for (int j = 0; j < T; ++j)

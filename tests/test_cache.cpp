@@ -87,13 +87,11 @@ void sim_append(const KvGeometry& g, const HeadCodec& codec, SimHead& s, const s
   s.ring.push_back(pos);
 }
 
+// x·R as the cache stores it (append_ref.h: rotate_kv_row, the CUDA kernels' arithmetic;
+// test_cache.cpp's RotateKvRow checks it against float64).
 std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   std::vector<float> out(static_cast<size_t>(d));
-  for (int j = 0; j < d; ++j) {
-    double acc = 0;
-    for (int i = 0; i < d; ++i) acc += double(x[i]) * double(rot[size_t(i * d + j)]);
-    out[size_t(j)] = round_bf16(float(acc));
-  }
+  rotate_kv_row(x, rot, d, out.data());
   return out;
 }
 
@@ -250,6 +248,46 @@ double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
     den += want[i] * want[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The stored rotation is one fp32 FMA chain per output, channels in order (the CUDA kernels'),
+// rounded to BF16: within one BF16 step of the float64 product, exact for permutations, and it
+// keeps the chain's own roundings (a case where float64, or another summation order, rounds to
+// the other BF16 neighbour).
+TEST(CacheAppend, RotateKvRowIsTheInOrderFp32Chain) {
+  constexpr int d = 128;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(d), R(size_t(d) * d), out(d);
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : R) v = nd(rng) / std::sqrt(float(d));
+  rotate_kv_row(x.data(), R.data(), d, out.data());
+  int same = 0;
+  for (int j = 0; j < d; ++j) {
+    double acc = 0;
+    for (int i = 0; i < d; ++i) acc += double(x[size_t(i)]) * double(R[size_t(i) * d + size_t(j)]);
+    const float want = round_bf16(float(acc));
+    same += out[size_t(j)] == want;
+    // Neighbours at most: the fp32 chain is within d·2^-24·Σ|x·R| of the exact sum, far below a BF16 step.
+    EXPECT_LE(std::fabs(out[size_t(j)] - want), std::ldexp(std::fabs(want), -7) + 1e-30f) << j;
+  }
+  EXPECT_GE(same, d - 4);
+  std::vector<float> P(size_t(d) * d, 0.0f);  // a permutation: exact
+  for (int j = 0; j < d; ++j) P[size_t((j * 37 + 5) % d) * d + size_t(j)] = 1.0f;
+  rotate_kv_row(x.data(), P.data(), d, out.data());
+  for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], round_bf16(x[size_t((j * 37 + 5) % d)])) << j;
+  rotate_kv_row(x.data(), nullptr, d, out.data());
+  for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], round_bf16(x[size_t(j)])) << j;
+  // x = (1 + 2^-8, 2^-25, ..): in order, fp32 keeps 1 + 2^-8 (each 2^-25 is below half an ulp),
+  // BF16's tie rounds it to 1; float64 (or the small terms first) lands above the tie: 1 + 2^-7.
+  std::vector<float> t(d, std::ldexp(1.0f, -25)), ones(size_t(d) * d, 0.0f);
+  t[0] = 1.0f + std::ldexp(1.0f, -8);
+  for (int i = 0; i < d; ++i) ones[size_t(i) * d] = 1.0f;
+  rotate_kv_row(t.data(), ones.data(), d, out.data());
+  EXPECT_EQ(out[0], 1.0f);
+  double exact = 0;
+  for (int i = 0; i < d; ++i) exact += double(t[size_t(i)]);
+  EXPECT_EQ(round_bf16(float(exact)), 1.0f + std::ldexp(1.0f, -7));
 }
 
 TEST(CacheLayout, TiersMatchTokenByTokenRing) {

@@ -64,13 +64,11 @@ struct SimHead {
   std::vector<std::vector<int>> pages;           // positions of each history page
 };
 
+// x·R as the cache stores it (append_ref.h: rotate_kv_row, the CUDA kernels' arithmetic;
+// test_cache.cpp's RotateKvRow checks it against float64).
 std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   std::vector<float> out(static_cast<size_t>(d));
-  for (int j = 0; j < d; ++j) {
-    double acc = 0;
-    for (int i = 0; i < d; ++i) acc += double(x[i]) * double(rot[size_t(i * d + j)]);
-    out[size_t(j)] = round_bf16(float(acc));
-  }
+  rotate_kv_row(x, rot, d, out.data());
   return out;
 }
 

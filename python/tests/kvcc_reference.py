@@ -84,9 +84,18 @@ def tiers(ref: ArtifactRef, n: int) -> tuple[int, int, int]:
 
 
 def rotate_round(x: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
-    """x [..., d] float32 -> bf16(x @ rot) as float32, the product accumulated in float64."""
-    y = x.double() @ rot.double() if rot is not None else x.double()
-    return y.float().bfloat16().float()
+    """x [..., d] float32 -> bf16(x @ rot) as float32, as the cache stores it (append_ref.h's
+    rotate_kv_row): each output one float32 fused multiply-add chain over the input channels in
+    order. Each step here is the exact product plus the float32 sum, rounded in float64 and then to
+    float32 (a fused step but for double rounding, which needs a float64 result exactly half-way
+    between two float32s)."""
+    if rot is None:
+        return x.float().bfloat16().float()
+    xd, rd = x.double(), rot.double()
+    acc = torch.zeros(*x.shape[:-1], rot.shape[1], dtype=torch.float64)
+    for i in range(x.shape[-1]):
+        acc = (acc + xd[..., i:i + 1] * rd[i]).float().double()
+    return acc.float().bfloat16().float()
 
 
 def _f16(x: torch.Tensor) -> torch.Tensor:
