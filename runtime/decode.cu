@@ -254,90 +254,141 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
   return __byte_perm(lo, hi, x * 0x22u + 0x1010u);
 }
 
-// The fp16 code values 0, 1, 2, 3 as a table (per-channel keys: their codes are the uniform grid's).
-constexpr uint32_t kUniformTable[2] = {0x3C000000u, 0x42004000u};
-
 // Per-channel key pages: k̂_c = s_c·(x_c − z_c) with one (s_c, z_c) per channel of the page, so
-// q·k̂ = Σ_c (q_c·s_c)·x_c − Σ_c (q_c·s_c)·z_c. Per page, the fp16 query fragments (made by
-// rotate_queries: q/max|q|) are multiplied by the page's scales of their channels (b), and the
-// second sum is one number per head (bias of head columns 2t, 2t + 1). Thread (g, t) holds
-// channels 32t .. 32t + 31 of head g: fragment 2m + half (m = 4·word + f) holds channels
-// 32t + 16·word + 4·(2·half + e) + f, e = 0, 1 (rotate_queries' fp16 layout).
-__device__ __forceinline__ void chan_query(const uint8_t* blk, const KeyQuery& q, uint32_t (&b)[16], float (&bias)[2],
-                                           int t) {
-  const uint4* kpar = reinterpret_cast<const uint4*>(blk + kGpuKParamsOffset) + 8 * t;  // 4 (s, z) pairs each
-  float sum = 0.0f;
+// q·k̂ = Σ_c (q_c·s_c)·x_c − Σ_c (q_c·s_c)·z_c. The key codes enter fp16 MMAs as subnormals κ_j·x,
+// one AND a register as the values' (code_pair): MMA j (0..7) takes code field j of a code word,
+// channels 32t + j and 32t + 8 + j of the thread's first word (a0 / a1: tokens g, g + 8), 32t + 16 + j
+// and 32t + 24 + j of its second (a2 / a3). Its B fragment holds the query for the same channels
+// (rotate_queries' per-channel layout: frag[2j + half]), pre-scaled by f_j = 2^-9 / κ_j so that
+// every product is q̂·x·2^-9 whatever j. Per page (chan_query) the fragments are multiplied by the
+// page's scales of their channels over 2^E (E: the exponent of the page's largest scale, so that
+// fp16 cannot overflow), and Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^7/f_j,
+// for every token row and head column at once:
+//   logit / q.scale = Σ q̂·s·(x − z) = 2^E·(2^9·acc − 2^-7·acc_z).
+// log2 κ_j (code_pair) and the pre-scale f_j.
+__host__ __device__ constexpr int kappa_log2(int j) { return j < 5 ? 2 * j - 24 : 2 * j - 30; }
+__host__ __device__ constexpr float chan_prescale(int j) { return float(1u << (-9 - kappa_log2(j))); }
+// 2^7 / f_j as fp16 bits (2^-8 .. 2^0).
+__device__ __forceinline__ uint32_t chan_zero_scale(int j) {
+  const int e = 7 - (-9 - kappa_log2(j));  // log2(2^7 / f_j), -8 .. 0
+  const uint32_t h = uint32_t(15 + e) << 10;
+  return h | (h << 16);
+}
+
+struct ChanPage {
+  uint32_t b[16];  // the query fragments times the page's channel scales over 2^E
+  float kscale;    // 2^(9 + E)
+  float zbias[2];  // 2^(E - 7)·acc_z for head columns 2t, 2t + 1
+};
+
+// qf: this lane's query fragments in shared memory (word k at qf[32·(k / 4)], component k % 4),
+// not registers: the 2-stage ring's 128 registers would spill with them. Two passes over the
+// page's (s, z) pairs (few registers live): their largest scale, then per MMA j the fragments'
+// channels (pair 16·half + 8·e + j of the thread's 32: channel 32t + 16·half + 8·e + j).
+__device__ __forceinline__ void chan_query(const uint8_t* blk, const uint4* qf, ChanPage& cp) {
+  const int t = threadIdx.x & 3;
+  const uint4* kpar4 = reinterpret_cast<const uint4*>(blk + kGpuKParamsOffset) + 8 * t;
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kpar4);
+  __half2 mx = __float2half2_rn(0.0f);
 #pragma unroll
-  for (int word = 0; word < 2; ++word) {
-    uint4 p[4];  // p[k]: the pairs of channels 32t + 16·word + 4k .. + 3
-#pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = kpar[4 * word + k];
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      const int m = 4 * word + f;
-      auto pair = [&](int k) { return f == 0 ? p[k].x : f == 1 ? p[k].y : f == 2 ? p[k].z : p[k].w; };
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t a = pair(2 * half), c = pair(2 * half + 1);
-        const __half2 sc = u32_as_h2(__byte_perm(a, c, 0x5410)), z = u32_as_h2(__byte_perm(a, c, 0x7632));
-        const __half2 bq = __hmul2(u32_as_h2(q.frag[2 * m + half]), sc);
-        b[2 * m + half] = *reinterpret_cast<const uint32_t*>(&bq);
-        const float2 bf = __half22float2(bq), zf = __half22float2(z);
-        sum = fmaf(bf.x, zf.x, fmaf(bf.y, zf.y, sum));
-      }
-    }
+  for (int i = 0; i < 8; ++i) {
+    const uint4 p = kpar4[i];
+    mx = __hmax2(mx, __hmax2(u32_as_h2(__byte_perm(p.x, p.y, 0x5410)), u32_as_h2(__byte_perm(p.z, p.w, 0x5410))));
   }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // over t: head g's whole sum
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  float smax = fmaxf(__low2float(mx), __high2float(mx));
+  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));  // over the four t: all 128 channels
+  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+  // E: smax·2^-E in [0.5, 1), clamped so that 2^-E is an fp16 (normal or subnormal).
+  const int E = min(16, max(-14, int((__float_as_uint(smax) >> 23) & 0xff) - 126));
+  const uint32_t inv = uint32_t(__half_as_ushort(__float2half_rn(__uint_as_float(uint32_t(127 - E) << 23))));
+  const __half2 inv2 = u32_as_h2(inv | (inv << 16));
+  float acc_z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int c = 0; c < 2; ++c) bias[c] = __shfl_sync(0xffffffffu, sum, 4 * (2 * t + c));
+  for (int j = 0; j < 8; ++j) {
+    uint32_t z[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t a = kpar[16 * half + j], c = kpar[16 * half + 8 + j];
+      const int k = 2 * j + half;
+      const uint4 fw = qf[32 * (k / 4)];
+      const uint32_t f = k % 4 == 0 ? fw.x : k % 4 == 1 ? fw.y : k % 4 == 2 ? fw.z : fw.w;
+      const __half2 bq = __hmul2(u32_as_h2(f), __hmul2(u32_as_h2(__byte_perm(a, c, 0x5410)), inv2));
+      cp.b[k] = *reinterpret_cast<const uint32_t*>(&bq);
+      const __half2 zs = __hmul2(u32_as_h2(__byte_perm(a, c, 0x7632)), u32_as_h2(chan_zero_scale(j)));
+      z[half] = *reinterpret_cast<const uint32_t*>(&zs);
+    }
+    mma_f16(acc_z, z[0], z[0], z[1], z[1], cp.b[2 * j], cp.b[2 * j + 1]);  // every row: Σ B'·z̃ of its head column
+  }
+  const float e2 = __uint_as_float(uint32_t(127 + E) << 23);  // 2^E (E >= -14: normal)
+  cp.kscale = e2 * 512.0f;
+  cp.zbias[0] = acc_z[0] * e2 * (1.0f / 128.0f);
+  cp.zbias[1] = acc_z[1] * e2 * (1.0f / 128.0f);
 }
 
 // One INT2 page block, staged in shared memory at blk. kTable: code values from the
 // head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs. kChan:
 // per-channel key pages (chan_query), keys on fp16 MMAs too (values uniform: kTable is false).
 template <bool kTable, bool kChan>
-__device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, WarpState& st, int g, int t,
-                                          const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
+__device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, const uint4* qf, WarpState& st, int g,
+                                          int t, const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
   static_assert(!(kTable && kChan), "per-channel keys take uniform values");
   KeyRegs kr;
   load_keys<kChan>(blk, kr, g, t);
-  uint32_t bq[16];
-  float bias[2] = {0.0f, 0.0f};
-  if (kChan) chan_query(blk, q, bq, bias, t);
+  ChanPage cp;
+  if (kChan) chan_query(blk, qf, cp);
   const auto& kw = kr.kw;
   const auto& kp = kr.kp;
   float sc[kSubtiles][4];
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
-    if (kTable || kChan) {
+    if (kChan) {
+      // MMA j: code field j of the words (chan_query's layout), one AND a register.
+      const uint32_t w[4] = {kw[s][0].x, kw[s][1].x, kw[s][0].y, kw[s][1].y};  // a0 .. a3's words
+      uint32_t w6[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w6[k] = w[k] >> 6;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t m = j < 5 ? 0x00030003u << (2 * j) : 0x00030003u << (2 * j - 6);
+        const uint32_t* src = j < 5 ? w : w6;
+        mma_f16(acc, src[0] & m, src[1] & m, src[2] & m, src[3] & m, cp.b[2 * j], cp.b[2 * j + 1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // token g (i < 2) or g + 8, head column 2t + (i & 1)
+        const float x = fmaf(acc[i], cp.kscale, -cp.zbias[i & 1]);
+        sc[s][i] = x;
+        if (i & 1) mx1 = fmaxf(mx1, x);
+        else mx0 = fmaxf(mx0, x);
+      }
+      continue;
+    }
+    if (kTable) {
       // MMA m = 4·word + f takes field f of the thread's code word `word` (bytes 8t + 4·word ..),
       // bytes (0, 1) as a0 / a1 (tokens g, g + 8) and bytes (2, 3) as a2 / a3.
-      const uint32_t t0 = kChan ? kUniformTable[0] : tk[0], t1 = kChan ? kUniformTable[1] : tk[1];
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         const int f = m & 3;
         const uint32_t wg = (m >> 2) ? kw[s][0].y : kw[s][0].x;
         const uint32_t wg8 = (m >> 2) ? kw[s][1].y : kw[s][1].x;
-        mma_f16(acc, table_pair((wg >> (2 * f)) & 0x0303u, t0, t1), table_pair((wg8 >> (2 * f)) & 0x0303u, t0, t1),
-                table_pair((wg >> (2 * f + 16)) & 0x0303u, t0, t1), table_pair((wg8 >> (2 * f + 16)) & 0x0303u, t0, t1),
-                kChan ? bq[2 * m] : q.frag[2 * m], kChan ? bq[2 * m + 1] : q.frag[2 * m + 1]);
+        mma_f16(acc, table_pair((wg >> (2 * f)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg8 >> (2 * f)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]),
+                table_pair((wg8 >> (2 * f + 16)) & 0x0303u, tk[0], tk[1]), q.frag[2 * m], q.frag[2 * m + 1]);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // token g (i < 2) or g + 8, head column c = 2t + (i & 1)
-        const int r = i >> 1, c = i & 1;
-        float x;
-        if (kChan) {
-          x = acc[i] - bias[c];
-        } else {
-          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
-          x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
+      for (int r = 0; r < 2; ++r) {
+        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&kp[s][r]));
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 2 * r + c;
+          const float x = fmaf(-sz.y, q.sum[c], acc[i]) * sz.x;
+          sc[s][i] = x;
+          if (c) mx1 = fmaxf(mx1, x);
+          else mx0 = fmaxf(mx0, x);
         }
-        sc[s][i] = x;
-        if (c) mx1 = fmaxf(mx1, x);
-        else mx0 = fmaxf(mx0, x);
       }
       continue;
     }
@@ -568,8 +619,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
     uint4 w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = g < r ? a.qk8[((qb + g) * 4 + t) * 4 + k] : zero4;
+    // Per-channel keys: the fragments in the warp's slot after the page ring (chan_query).
+    uint4* qf = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(dyn_smem) + size_t(kWarps) * kRing * kPageBytes) +
+                warp * 4 * 32 + lane;
+    if (kChan) {
 #pragma unroll
-    for (int k = 0; k < 16; ++k) kq.frag[k] = reinterpret_cast<const uint32_t*>(w)[k];
+      for (int k = 0; k < 4; ++k) qf[32 * k] = w[k];
+      __syncwarp();
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) kq.frag[k] = reinterpret_cast<const uint32_t*>(w)[k];
+    }
     uint32_t tk[2] = {0, 0}, tv[2] = {0, 0};
     if (kTable) {
       tk[0] = a.tables[h][0][0];
@@ -587,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
       issue(k + kRing - 1);
       mbar_wait(bars_s + 8 * (k % kRing), uint32_t(k / kRing) & 1u);  // the stage's (k / kRing)-th fill
       __syncwarp();
-      int2_page<kTable, kChan>(ring + (k % kRing) * kPageBytes, kq, st, g, t, tk, tv);
+      int2_page<kTable, kChan>(ring + (k % kRing) * kPageBytes, kq, qf, st, g, t, tk, tv);
       __syncwarp();  // every lane has read stage k % kRing before it is refilled
     }
   } else if (paged_split || win_split) {
@@ -743,12 +803,15 @@ __device__ __forceinline__ void rotate_quarter(const float (*x)[kD], const float
 //    codes are masked in place, ×4) = hi + lo/254, rounded, so that
 //    q·c = (max|q|/127/254)·(254·acc_hi + acc_lo) with ~15-bit precision (one int8 alone loses
 //    ~1% of a logit's precision, more than the 1e-2 test budget allows);
-//  - fp16 (level table): q_rot/max|q_rot|.
+//  - fp16 (level table): q_rot/max|q_rot|;
+//  - fp16 per-channel (per-channel key pages): q_rot/max|q_rot| times chan_prescale(j), in the
+//    layout chan_query reads.
+enum class QueryKind { Int8, Fp16Table, Fp16Chan };
 constexpr int kRotThreads = 4 * kD;
 template <typename In>
 __global__ void __launch_bounds__(kRotThreads)
     rotate_queries(const In* q, const float* rot_k, int n_heads, int r, float sm_scale_log2, float* q_rot, uint4* qk8,
-                   float* qk_sc, bool fp16_query) {
+                   float* qk_sc, QueryKind kind) {
   __shared__ float qv[kHeads][kD];
   __shared__ float part[4][kHeads][kD];
   __shared__ float wmax[4][4];
@@ -787,7 +850,15 @@ __global__ void __launch_bounds__(kRotThreads)
     uint8_t* dst = reinterpret_cast<uint8_t*>(qk8 + (((size_t(b) * n_kv + h) * kHeads + hh) * 4 + t) * 4);
     float sum;  // Σ over channels of the query as the MMAs see it; exact for int8
     float scale;
-    if (fp16_query) {
+    if (kind == QueryKind::Fp16Chan) {
+      // Channel c = 32t + 16·half + 8·e + jj is element e of word 2·jj + half (chan_query).
+      const float inv = amax > 0.0f ? 1.0f / amax : 1.0f;
+      const int rr = j & 31, jj = rr & 7, half = rr >> 4, e = (rr >> 3) & 1;
+      const __half v = __float2half_rn(x * inv * chan_prescale(jj));
+      reinterpret_cast<__half*>(dst)[(2 * jj + half) * 2 + e] = v;
+      sum = 0.0f;  // (unused: the zeros enter per page)
+      scale = (amax > 0.0f ? amax : 1.0f) * sm_scale_log2;
+    } else if (kind == QueryKind::Fp16Table) {
       // Byte l is element l % 2 of word 2·(4·word + f) + half, word = (l / 4) % 2, half = (l / 2) % 2.
       const float inv = amax > 0.0f ? 1.0f / amax : 1.0f;
       const __half v = __float2half_rn(x * inv);
@@ -906,8 +977,9 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 // Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
+// Per-channel keys add each warp's query fragments (decode_kernel's qf).
 constexpr size_t int2_smem_bytes(int ring, bool chan = false) {
-  return size_t(kWarps) * ring * size_t(chan ? kGpuChanPageBytes : kGpuPageBytes);
+  return size_t(kWarps) * (ring * size_t(chan ? kGpuChanPageBytes : kGpuPageBytes) + (chan ? 4 * 32 * 16 : 0));
 }
 static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
 static_assert(4 * sizeof(uint4) * 4 == kDecodeQk8Bytes, "DecodeArgs::qk8 per head: [4 t][4] uint4");
@@ -928,6 +1000,9 @@ void prepare_int2_kernels() {
                "decode (CUDA): shared memory attribute");
     check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep, false, true>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingDeep, true))),
+               "decode (CUDA): shared memory attribute");
+    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide, false, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingWide, true))),
                "decode (CUDA): shared memory attribute");
   });
 }
@@ -1003,16 +1078,18 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   };
   if (stages & 1) {
     uint4* qk = mode == Mode::Int2 ? qk8 : nullptr;
-    const bool fp16_query = table || (mode == Mode::Int2 && a.geo.per_channel_keys());
+    const QueryKind kind = mode == Mode::Int2 && a.geo.per_channel_keys() ? QueryKind::Fp16Chan
+                           : table                                        ? QueryKind::Fp16Table
+                                                                          : QueryKind::Int8;
     const dim3 grid(a.n_kv, batch);
     const cudaLaunchConfig_t c = config(grid, kRotThreads, 0);
     if (act == Activations::BFloat16)
       check_cuda(cudaLaunchKernelEx(&c, rotate_queries<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(q), rot_k,
-                                    a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, fp16_query),
+                                    a.n_heads, a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, kind),
                  "decode (CUDA) launch");
     else
       check_cuda(cudaLaunchKernelEx(&c, rotate_queries<float>, static_cast<const float*>(q), rot_k, a.n_heads,
-                                    a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, fp16_query),
+                                    a.group_heads, a.sm_scale_log2, q_rot, qk, qk_sc, kind),
                  "decode (CUDA) launch");
   }
   const dim3 grid(plan.total, a.n_kv, batch);
@@ -1022,7 +1099,8 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
       const bool chan = a.geo.per_channel_keys();
       const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes(plan.ring, chan));
       const bool wide = plan.ring == kRingWide;
-      check_cuda(chan    ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, false, true>, a)
+      check_cuda(chan    ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, false, true>, a)
+                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, false, true>, a))
                  : table ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, true>, a)
                                  : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, true>, a))
                          : (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide>, a)
@@ -1058,12 +1136,12 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   bool table = false;
   for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
   require_gpu_served(g, shape.n_heads, kGpuDecode, table, "decode (CUDA)");
+  KVCC_REQUIRE(!(table && g.per_channel_keys()),
+               "decode (CUDA): per-channel keys with level-table values are not supported (kivi's values are uniform)");
   KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
   KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
                "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
-  KVCC_REQUIRE(!g.per_channel_keys() || shape.ring != kRingWide,
-               "decode (CUDA): per-channel key pages take the 3-stage ring (DecodeShape::ring 0 or 3)");
   DecodeArgs a{};
   if (table) {
     // Code values as fp16: the level table, or the uniform grid's 0..3 (its zero is in the pages).

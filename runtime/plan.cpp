@@ -80,10 +80,8 @@ int bf16_target(const DecodeGpu& gpu, int target_ctas) { return target_ctas > 0 
 
 DecodePlan plan_decode_int2(const DecodeGpu& gpu, const KvGeometry& g, int batch, int max_pages, int target_ctas,
                             int ring) {
-  // Per-channel key pages: the 3-stage build only (the 2-stage one's 128 registers would spill).
-  const bool chan = g.per_channel_keys();
   return plan_splits(gpu, batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / kGpuWindowTile, kWarps,
-                     chan ? kGpuChanPageBytes : kGpuPageBytes, chan && ring == 0 ? kDecodeRingDeep : ring);
+                     g.per_channel_keys() ? kGpuChanPageBytes : kGpuPageBytes, ring);
 }
 
 DecodePlan plan_decode_bf16(const DecodeGpu& gpu, int batch, int n_kv, int max_pages, int target_ctas) {

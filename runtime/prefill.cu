@@ -23,7 +23,8 @@
 //     in registers. INT2 pages are expanded to their code values (exact: 0..3, or the level table
 //     rounded to fp16) and the per-token scale and zero are folded in once per token (DESIGN.md):
 //     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
-//     code path serves every tier.
+//     code path serves every tier. Per-channel key pages (KIVI's keys) are expanded to the values
+//     they decode to (a per-page table per channel pair) and then take s = 1, z = 0 too.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
 //     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
 //     through R_vᵀ. The rotations are programmatic dependent launches: each splits its R into
@@ -69,13 +70,6 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 }
 __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
   return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-// A shared-memory load the compiler keeps where it is (volatile), for the producer's few registers.
-__device__ __forceinline__ __half2 u32_as_h2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
-__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
 }
 __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
@@ -506,6 +500,7 @@ struct Smem {
   uint64_t full[kStages];         // stage filled: every producer thread arrives
   uint64_t empty[kStages];        // stage read: every MMA warp arrives
   uint64_t raw_full[kRaw];        // page block landed
+  uint32_t chan_lut[kD / 2][17];  // per-channel key pages: per channel pair, its 16 nibbles' two values (+1: banks)
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment of the swizzle atoms
 static_assert(kTileHalfs * 2 % 1024 == 0, "tiles keep the 1024-byte alignment of the swizzle atoms");
@@ -616,6 +611,23 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
       if (u < n_pages) {
         mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
         const uint8_t* raw = sm.raw[i % kRaw];
+        if (chan) {
+          // Per-channel keys decode to x̂ = (x − z_c)·s_c (uniform_dequant): per channel pair of the
+          // page, a table of the 16 code nibbles' two values (fp32, rounded once to fp16), which the
+          // expansion below reads in place of the plain code-value table (as many lookups; a second
+          // pass applying s and z cost +50% at T = 2048 over 32K, the producer being the limit).
+          // The previous unit's readers passed the barrier above; this one publishes the table.
+          {
+            const int p = tid >> 1, n0 = (tid & 1) * 8;  // channel pair p, nibbles n0 .. n0 + 7
+            const uint2 pz = *reinterpret_cast<const uint2*>(raw + kGpuKParamsOffset + 8 * p);
+            const float2 a = unpack_half2(pz.x), b = unpack_half2(pz.y);  // (s, z) of channels 2p, 2p + 1
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              sm.chan_lut[p][n0 + i] =
+                  pack_half2((float((n0 + i) & 3) - a.y) * a.x, (float((n0 + i) >> 2) - b.y) * b.x);
+          }
+          named_barrier_sync(3, kProducer);
+        }
         // One swizzle phase (row % 8) for a thread's eight words, so their addresses are fixed
         // offsets of one base; the eight loads are issued before the first lookup needs one.
         uint32_t w[8];
@@ -625,35 +637,16 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
                                                     (j & 3) * 16 * kGpuCodeRowBytes + code_off);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const uint32_t* l = lut[j >> 2];
-          const uint4 lo = make_uint4(l[w[j] & 15], l[(w[j] >> 4) & 15], l[(w[j] >> 8) & 15], l[(w[j] >> 12) & 15]);
-          const uint4 hi = make_uint4(l[(w[j] >> 16) & 15], l[(w[j] >> 20) & 15], l[(w[j] >> 24) & 15], l[w[j] >> 28]);
+          const bool ck = chan && j < 4;
+          const uint32_t* l = ck ? &sm.chan_lut[8 * xword][0] : lut[j >> 2];
+          const int ls = ck ? 17 : 0;
+          const uint4 lo = make_uint4(l[w[j] & 15], l[ls + ((w[j] >> 4) & 15)], l[2 * ls + ((w[j] >> 8) & 15)],
+                                      l[3 * ls + ((w[j] >> 12) & 15)]);
+          const uint4 hi = make_uint4(l[4 * ls + ((w[j] >> 16) & 15)], l[5 * ls + ((w[j] >> 20) & 15)],
+                                      l[6 * ls + ((w[j] >> 24) & 15)], l[7 * ls + (w[j] >> 28)]);
           __half* dst = (j >> 2 ? sm.v[st] : sm.k[st]) + (j & 3) * 16 * 64;  // 16 rows further
           *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
           *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
-        }
-        if (chan) {
-          // Per-channel keys: the code values just stored become x̂ = (x − z_c)·s_c, in fp16 (x exact, two
-          // roundings), so that the fold takes s = 1, z = 0 for the keys. A second pass over the thread's
-          // own chunks (the words' registers are free by now: the producer has 48 registers).
-          const uint32_t kpc = smem_addr(raw + kGpuKParamsOffset) + 64 * xword;  // its 16 channels' (s, z)
-#pragma unroll 1
-          for (int part = 0; part < 2; ++part) {  // channels 0-7, then 8-15 of its word
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // rows xrow + 16·j
-              uint4* p = reinterpret_cast<uint4*>(sm.k[st] + j * 16 * 64 + (part ? tile_hi : tile_lo));
-              uint4 x = *p;
-              uint32_t* xw = reinterpret_cast<uint32_t*>(&x);
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const uint32_t pa = lds_u32(kpc + 32 * part + 8 * e), pb = lds_u32(kpc + 32 * part + 8 * e + 4);
-                const __half2 v = __hmul2(__hsub2(u32_as_h2(xw[e]), u32_as_h2(__byte_perm(pa, pb, 0x7632))),
-                                          u32_as_h2(__byte_perm(pa, pb, 0x5410)));
-                xw[e] = *reinterpret_cast<const uint32_t*>(&v);
-              }
-              *p = x;
-            }
-          }
         }
         if (tid < kBN) {
           const float2 kp = chan ? make_float2(1.0f, 0.0f)

@@ -40,8 +40,6 @@ std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned op
   if (g.n_kv_heads <= 0) return str(g.n_kv_heads) + " KV heads";
   if (prefill && g.n_kv_heads > kPrefillMaxKvHeads)
     return str(g.n_kv_heads) + " KV heads (the kernels take <= " + str(kPrefillMaxKvHeads) + ")";
-  if (decode && level_table && g.per_channel_keys())
-    return "per-channel keys with level-table values (decode takes uniform values beside per-channel keys)";
   if (decode && level_table && g.n_kv_heads > kDecodeMaxTableHeads)
     return str(g.n_kv_heads) + " KV heads with level tables (decode takes <= " + str(kDecodeMaxTableHeads) + ")";
   if (std::string q = query_heads_problem(n_heads, g.n_kv_heads, decode); !q.empty()) return q;

@@ -58,8 +58,8 @@ constexpr int kAnyQueryHeads = -1;
 // query-head multiple, <= 8 query heads per KV head and sink and recent windows in multiples of
 // 16 tokens. A Runtime with a device pool asks this for all three when it is made, so that its
 // first decode or prefill never finds the shape unsupported. Per-channel key pages (KIVI keys,
-// kv_layout.h key_group_tokens) are served with one key group per 64-token page, and decode takes
-// them with uniform values only (level_table then refuses).
+// kv_layout.h key_group_tokens) are served with one key group per 64-token page (their values are
+// never level tables: kivi's values are uniform grids; decode_int2 refuses the pairing by name).
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops = kGpuAllOps,
                                    bool level_table = true);
 // The same for the BF16 baseline decode (decode_bf16_paged): its own pages of page_tokens tokens.

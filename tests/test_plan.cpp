@@ -100,9 +100,9 @@ TEST(ServedShapes, EachRuleNamesItsFieldAndKernels) {
       {[](KvGeometry&) {}, 72, false, "9 query heads per KV head", true, true, false},
       {[](KvGeometry&) {}, 40, false, "", true, true, true},  // 5 per KV head
       {[](KvGeometry&) {}, 8, false, "", true, true, true},   // 1 per KV head
-      // Per-channel key pages: one key group per 64-token page; decode beside uniform values only.
+      // Per-channel key pages: one key group per 64-token page.
       {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, false, "", true, true, true},
-      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, true, "level-table values", true, true, false},
+      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, true, "", true, true, true},
       {[](KvGeometry& g) { g.key_group_tokens = 32; }, 32, false, "groups of 32 tokens", false, false, false},
       {[](KvGeometry& g) { g.key_group_tokens = g.page_tokens = 128; }, 32, false, "groups of 128 tokens", false, false,
        false},
