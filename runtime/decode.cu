@@ -11,6 +11,8 @@
 //    (code bits masked into the mantissa of a subnormal, κ = 2^-24 .. 2^-16).
 //    The scale/zero fold (DESIGN.md) is applied once per token:
 //      q·k̂ = s·(q·c − z·Σq),  Σ p·v̂ = Σ (p·s)·c − Σ (p·s)·z,  Σ(p·s)·c = acc/κ.
+//    Per-channel key pages (kChan): keys on fp16 MMAs too, codes as subnormals, the query scaled
+//    per page by the channel scales (chan_query).
 //  - BF16 sink and ring (and the baseline's pages) are extra splits of the same launch; one
 //    merge kernel combines the splits' (max, sum, output) by log-sum-exp and rotates by R_vᵀ.
 // Shared with prefill: the PTX wrappers (runtime/ptx.cuh), the log-sum-exp merge
