@@ -20,6 +20,7 @@
 #include "eval/experiment.h"
 #include "eval/output.h"
 #include "eval/scheme.h"
+#include "runtime/kvcc_runtime.h"
 
 namespace kvcc {
 namespace {
@@ -592,25 +593,38 @@ TEST(ValidateRuntime, Refusals) {
 // differently (docs/runtime.md: ~5e-3 per-head output error), so KLs agree within 10%, NLLs within
 // 1e-3 relative.
 TEST(ValidateRuntime, DevicePoolMatchesHostPool) {
-  if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device (or built without CUDA)";
   const ModelFile model = ModelFile::open(testing::data_models_dir() + "/llama31-hd128");
   const ModelConfig& c = model.config();
   const auto docs = random_documents(c.vocab, {250, 180});
-  const Artifact art = hadamard_artifact(model, 16, 64, 64);
-  for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
-    const ValidationResult r = validate_schemes(model, docs,
-                                                {runtime_scheme_from_artifact(art, "host", c, ValidateDevice::Cpu),
-                                                 runtime_scheme_from_artifact(art, "device", c, ValidateDevice::Gpu)},
-                                                mode, 64);
-    const SchemeMetrics &host = r.schemes[0], &dev = r.schemes[1];
-    EXPECT_EQ(host.cache, "runtime/cpu");
-    EXPECT_EQ(dev.cache, "runtime/gpu");
-    EXPECT_GT(host.kl, 1e-4);
-    EXPECT_NEAR(dev.kl, host.kl, 0.1 * host.kl) << r.mode;
-    EXPECT_NEAR(dev.nll, host.nll, 1e-3 * host.nll) << r.mode;
-    std::printf("  %s: KL host %.4e, device %.4e; NLL host %.6f, device %.6f; %.2f s\n", r.mode.c_str(), host.kl,
-                dev.kl, host.nll, dev.nll, r.seconds);
-  }
+  const Artifact hadamard = hadamard_artifact(model, 16, 64, 64);
+  // The mixed recipe at the kernels' pages: KIVI keys per channel over the 64-token page (no
+  // rotation), Hadamard values per token.
+  Artifact mixed = hadamard;
+  mixed.recipe.method = "kivi";
+  mixed.recipe.group = 64;
+  mixed.recipe.params["values"] = "hadamard";
+  for (HeadArtifact& h : mixed.heads) h.key.rotation.clear();
+  // Both are in the kernels' scope (checked without a GPU too).
+  for (const Artifact* art : {&hadamard, static_cast<const Artifact*>(&mixed)})
+    EXPECT_EQ(device_scope_problem(cache_geometry(*art), c.n_heads, cache_widths(*art)), "") << art->recipe.method;
+  EXPECT_TRUE(cache_geometry(mixed).per_channel_keys());
+  if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device (or built without CUDA)";
+  for (const Artifact* art : {&hadamard, static_cast<const Artifact*>(&mixed)})
+    for (ValidateMode mode : {ValidateMode::PseudoDecode, ValidateMode::Static}) {
+      const ValidationResult r =
+          validate_schemes(model, docs,
+                           {runtime_scheme_from_artifact(*art, "host", c, ValidateDevice::Cpu),
+                            runtime_scheme_from_artifact(*art, "device", c, ValidateDevice::Gpu)},
+                           mode, 64);
+      const SchemeMetrics &host = r.schemes[0], &dev = r.schemes[1];
+      EXPECT_EQ(host.cache, "runtime/cpu");
+      EXPECT_EQ(dev.cache, "runtime/gpu");
+      EXPECT_GT(host.kl, 1e-4);
+      EXPECT_NEAR(dev.kl, host.kl, 0.1 * host.kl) << art->recipe.method << " " << r.mode;
+      EXPECT_NEAR(dev.nll, host.nll, 1e-3 * host.nll) << art->recipe.method << " " << r.mode;
+      std::printf("  %s, %s: KL host %.4e, device %.4e; NLL host %.6f, device %.6f; %.2f s\n",
+                  art->recipe.method.c_str(), r.mode.c_str(), host.kl, dev.kl, host.nll, dev.nll, r.seconds);
+    }
 }
 
 }  // namespace
