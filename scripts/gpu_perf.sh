@@ -23,15 +23,11 @@ exec > >(tee -a "$OUT/perf_log.txt") 2>&1
 gpu_provenance
 CONFIGS=${CONFIGS:-32:8:1:4096,32:8:1:32768,32:8:8:32768,32:8:8:131072,32:8:64:32768,32:8:1:131072}
 t0=$(date +%s)
-# The runtime and formats libraries the variants link against.
-gpu_cmake_build kvcc_runtime kvcc_formats >"$D/cmake_build.txt" 2>&1 &
+# The benchmark and test the variants are linked into (gpu_link takes their link commands).
+gpu_cmake_build bench_decode gpu_test_cache >"$D/cmake_build.txt" 2>&1 &
 cmake_pid=$!
 # Explicit pids: a bare `wait` would also wait for the tee above, which never ends.
 pids=()
-gpu_nvcc -c bench/bench_decode.cu -o "$D/bench.o" &
-pids+=($!)
-gpu_nvcc -c tests/gpu_test_cache.cu -o "$D/test.o" &
-pids+=($!)
 names=()
 for v in "$@"; do
   name=${v%%:*}
@@ -49,10 +45,9 @@ for p in "${pids[@]}"; do wait "$p" || echo "COMPILE FAILED (pid $p)"; done
 wait "$cmake_pid" || { echo "CMAKE BUILD FAILED ($GPU_BUILD)"; tail -20 "$D/cmake_build.txt"; }
 for name in "${names[@]}"; do
   grep -A2 'ModeE0' "$D/ptxas_$name.txt" | grep -E 'registers|spill' | sed "s/^/$name int2 kernel: /"
-  gpu_link "$D/bench_$name" "$D/bench.o" "$D/decode_$name.o" || echo "LINK FAILED $name"
+  gpu_link "$D/bench_$name" bench/bench_decode "$D/decode_$name.o" || echo "LINK FAILED $name"
   case $name in
-    test*) gpu_link "$D/test_$name" "$D/test.o" "$D/decode_$name.o" -lgtest -lgtest_main ||
-             echo "LINK FAILED test $name" ;;
+    test*) gpu_link "$D/test_$name" tests/gpu_test_cache "$D/decode_$name.o" || echo "LINK FAILED test $name" ;;
   esac
 done
 echo "build: $(( $(date +%s) - t0 )) s"
