@@ -133,6 +133,24 @@ __device__ const __nv_bfloat16* ring_row(const KvGeometry& geo, const __nv_bfloa
          size_t(slot) * kD;
 }
 
+// Column j of kAppTile rows x·R (rc: R's column j): each sum one fp32 FMA chain over the input
+// channels in order (append_ref.h's rotate_kv_row, so host and device store the same bytes);
+// without R, x itself. append_rows and quantize_key_pages both rotate through this.
+constexpr int kAppTile = 4;
+__device__ __forceinline__ void rotate_tile(const float (&xs)[kAppTile][kD], const float (&rc)[kD], bool rotate, int j,
+                                            float (&acc)[kAppTile]) {
+#pragma unroll
+  for (int c = 0; c < kAppTile; ++c) acc[c] = rotate ? 0.0f : xs[c][j];
+  if (!rotate) return;
+#pragma unroll
+  for (int i = 0; i < kD; i += 4)
+#pragma unroll
+    for (int c = 0; c < kAppTile; ++c) {
+      const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);  // one address per block
+      acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
+    }
+}
+
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
 // kAppTile items (the moves, then the window writes). Thread j keeps column j of R in registers,
 // loaded once before the wait on the preceding kernel (R does not depend on it), and computes
@@ -147,7 +165,7 @@ __device__ const __nv_bfloat16* ring_row(const KvGeometry& geo, const __nv_bfloa
 // counts[1] writes at byte counts[3] of the header, else n_moves and n_writes. They are read before
 // the wait on the preceding kernel (a host upload is complete by then), or after it when that
 // kernel wrote them (counts_after_wait: a step planned on the device).
-constexpr int kAppTile = 4, kAppThreads = kD;
+constexpr int kAppThreads = kD;
 template <typename In>
 __global__ void __launch_bounds__(kAppThreads, 3)
     append_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, const Move* moves, int n_moves,
@@ -210,20 +228,9 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     const int nr = n_rot;
     for (int r = 0; r < nr; ++r) xs[r][j] = load_activation(x + (size_t(tile_row[r]) * n_kv + h) * kD + j);
     __syncthreads();
-    // The tile's (at most kAppTile) new rows rotated together, each sum in order.
-    float acc[kAppTile] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (R) {
-#pragma unroll
-      for (int i = 0; i < kD; i += 4)
-#pragma unroll
-        for (int c = 0; c < kAppTile; ++c) {
-          const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);  // one address per block
-          acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
-        }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kAppTile; ++c) acc[c] = xs[c][j];
-    }
+    // The tile's (at most kAppTile) new rows rotated together.
+    float acc[kAppTile];
+    rotate_tile(xs, rc, R != nullptr, j, acc);
 #pragma unroll
     for (int c = 0; c < kAppTile; ++c)
       if (c < nr) ys[c][j] = __float2bfloat16_rn(acc[c]);
@@ -304,19 +311,8 @@ __global__ void __launch_bounds__(kPageThreads, 3)
       for (int c = 0; c < kAppTile; ++c)
         if (pm[r0 + c].from_ring == 0) xs[c][j] = load_activation(k + (size_t(pm[r0 + c].src) * n_kv + h) * kD + j);
       __syncthreads();
-      float acc[kAppTile] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (rot_k) {
-#pragma unroll
-        for (int i = 0; i < kD; i += 4)
-#pragma unroll
-          for (int c = 0; c < kAppTile; ++c) {
-            const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);
-            acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
-          }
-      } else {
-#pragma unroll
-        for (int c = 0; c < kAppTile; ++c) acc[c] = xs[c][j];
-      }
+      float acc[kAppTile];
+      rotate_tile(xs, rc, rot_k != nullptr, j, acc);
 #pragma unroll
       for (int c = 0; c < kAppTile; ++c) {
         const Move mv = pm[r0 + c];
@@ -485,40 +481,24 @@ __global__ void __launch_bounds__(kEnginePlanThreads)
   }
 }
 
-// Blocks of append_rows that one SM holds (its registers bound it: R's column is 128 of them).
+// Blocks of `kernel` that one SM holds at `threads` threads (at least 1).
+template <typename Kernel>
+int resident(Kernel kernel, int threads) {
+  int b = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0), "append (CUDA): occupancy");
+  return std::max(b, 1);
+}
+// Blocks of append_rows that one SM holds (its registers bound it: R's column is 128 of them),
+// asked once per activation type.
 int resident_blocks(Activations act) {
-  static const int n[2] = {
-      [] {
-        int b = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, append_rows<float>, kAppThreads, 0),
-                   "append (CUDA): occupancy");
-        return std::max(b, 1);
-      }(),
-      [] {
-        int b = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, append_rows<__nv_bfloat16>, kAppThreads, 0),
-                   "append (CUDA): occupancy");
-        return std::max(b, 1);
-      }()};
+  static const int n[2] = {resident(append_rows<float>, kAppThreads),
+                           resident(append_rows<__nv_bfloat16>, kAppThreads)};
   return n[act == Activations::BFloat16];
 }
-
-// Blocks of quantize_key_pages one SM holds.
+// The same for quantize_key_pages.
 int resident_page_blocks(Activations act) {
-  static const int n[2] = {
-      [] {
-        int b = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, quantize_key_pages<float>, kPageThreads, 0),
-                   "append (CUDA): occupancy");
-        return std::max(b, 1);
-      }(),
-      [] {
-        int b = 0;
-        check_cuda(
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, quantize_key_pages<__nv_bfloat16>, kPageThreads, 0),
-            "append (CUDA): occupancy");
-        return std::max(b, 1);
-      }()};
+  static const int n[2] = {resident(quantize_key_pages<float>, kPageThreads),
+                           resident(quantize_key_pages<__nv_bfloat16>, kPageThreads)};
   return n[act == Activations::BFloat16];
 }
 
