@@ -6,8 +6,9 @@
 //
 //  1. rotate: q·R_k per head into head-major fp16 staging ([n_kv][rows][d]; a query row is a
 //     (new token, query head of the group) pair), on the tensor cores (split bf16 terms);
-//     rotate_kv: k·R_k and v·R_v as the append computes them (in-order fp32 sums rounded to
-//     BF16), so the staged new keys and values are exactly what the ring will hold.
+//     rotate_kv (rotate_kv_short for few rows): k·R_k and v·R_v as the append computes them
+//     (in-order fp32 sums rounded to BF16), so the staged new keys and values are exactly what the
+//     ring will hold.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴
 //     they round).
@@ -87,6 +88,7 @@ __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
 // (no rotation artifacts) is the identity, on the same path.
 constexpr int kRotWarps = 8, kRotTile = 16 * kRotWarps;  // rows per tile: 16 per warp
 constexpr int kRotPitch = kD + 8;                        // bf16 per shared row: ldmatrix rows hit distinct banks
+constexpr int kRotParts = 4;                             // column slices of a tile when tiles are few (rotate)
 
 // x ≈ t[0] + t[1] + t[2], each term the bf16 rounding of what the earlier ones leave (exact differences).
 __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 (&t)[3]) {
@@ -129,30 +131,34 @@ struct RowMap {
 // in the activations' layout (row p = token p / r, query head h·r + p % r), y the fp16 staging at
 // map's rows (the queries). Else x fp32 at map's rows and y in the activations' layout. fp16 saturates beyond ±65504
 // (NaN stays NaN).
-template <bool kIn, typename In, typename Out>
+// kParts > 1 (few rows: a short extend's one tile a head): the columns are split over kParts CTAs,
+// CTA blockIdx.x % kParts taking columns [kD/kParts·part, +kD/kParts): each splits and multiplies
+// that slice of R only, so the tile's latency (R's fill first) is a kParts-th.
+template <bool kIn, typename In, typename Out, int kParts>
 __global__ void __launch_bounds__(32 * kRotWarps, 1)
     rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y,
            const __grid_constant__ RowMap map) {
-  constexpr int kTerms = rot_terms<In>();
+  constexpr int kTerms = rot_terms<In>(), kCols = kD / kParts;
   extern __shared__ __align__(128) uint8_t rot_smem[];
   auto& s = *reinterpret_cast<RotSmem<kTerms>*>(rot_smem);
   __shared__ int64_t src_row[kRotTile], dst_row[kRotTile];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int col0 = kCols * (int(blockIdx.x) % kParts);
   pdl_launch_dependents();  // the next rotation may split its R meanwhile
-  // R's terms, 32 column pairs a thread: their loads issued together (a short extend's few CTAs
-  // wait for this fill first), coalesced, conflict-free stores.
+  // R's terms (the CTA's columns), kCols/8 column pairs a thread: their loads issued together (a
+  // short extend's few CTAs wait for this fill first), coalesced, conflict-free stores.
   const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
-  constexpr int kPairs = kD * kD / 2 / (32 * kRotWarps);
+  constexpr int kPairs = kD * kCols / 2 / (32 * kRotWarps);
   float2 pair[kPairs];
 #pragma unroll
   for (int u = 0; u < kPairs; ++u) {
-    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
+    const int e = tid + u * 32 * kRotWarps, c = e / (kCols / 2), n = col0 + 2 * (e % (kCols / 2));
     pair[u] = R ? __ldg(reinterpret_cast<const float2*>(R + size_t(c) * kD + n))
                 : make_float2(float(c == n), float(c == n + 1));
   }
 #pragma unroll
   for (int u = 0; u < kPairs; ++u) {
-    const int e = tid + u * 32 * kRotWarps, c = e / (kD / 2), n = 2 * (e % (kD / 2));
+    const int e = tid + u * 32 * kRotWarps, c = e / (kCols / 2), n = col0 + 2 * (e % (kCols / 2));
     __nv_bfloat16 lo[3], hi[3];
     split_bf16(pair[u].x, lo);
     split_bf16(pair[u].y, hi);
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
   }
   pdl_wait();  // x comes from the preceding kernel
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int64_t tile = blockIdx.x / kParts; tile < tiles; tile += gridDim.x / kParts) {
     const int64_t p0 = row0 + tile * kRotTile;
     const int n = int(min(int64_t(kRotTile), row0 + rows - p0));
     if (tid < n) {
@@ -213,10 +219,10 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       }
     }
     __syncthreads();
-    // Warp w: rows 16w .. 16w + 15, every column; m16n8k16 MMAs, 2 column tiles per B load.
-    float acc[kD / 8][4];
+    // Warp w: rows 16w .. 16w + 15, the CTA's columns; m16n8k16 MMAs, 2 column tiles per B load.
+    float acc[kCols / 8][4];
 #pragma unroll
-    for (int t = 0; t < kD / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    for (int t = 0; t < kCols / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
 #pragma unroll 1
     for (int k0 = 0; k0 < kD; k0 += 16) {
       uint32_t a[kTerms][4];
@@ -224,11 +230,11 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       for (int i = 0; i < kTerms; ++i)
         ldmatrix_x4(a[i], smem_addr(&s.x[i][16 * warp + lane % 16][k0 + 8 * (lane / 16)]));
 #pragma unroll
-      for (int n0 = 0; n0 < kD; n0 += 16)
+      for (int n0 = 0; n0 < kCols; n0 += 16)
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, smem_addr(&s.r[j][k0 + lane % 8 + 8 * ((lane / 8) % 2)][n0 + 8 * (lane / 16)]));
+          ldmatrix_x4_trans(b, smem_addr(&s.r[j][k0 + lane % 8 + 8 * ((lane / 8) % 2)][col0 + n0 + 8 * (lane / 16)]));
 #pragma unroll
           for (int i = 0; i + j <= 2 && i < kTerms; ++i) {
             mma_bf16(acc[n0 / 8], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);
@@ -242,9 +248,9 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
     for (int half = 0; half < 2; ++half) {
       const int i = 16 * warp + g + 8 * half;
       if (i >= n) continue;
-      Out* dst = y + dst_row[i] * kD + 2 * t;
+      Out* dst = y + dst_row[i] * kD + col0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < kD / 8; ++nt) {
+      for (int nt = 0; nt < kCols / 8; ++nt) {
         const float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
         if constexpr (kIn) {
           *reinterpret_cast<uint32_t*>(dst + 8 * nt) = pack_half2(v0, v1);
@@ -370,6 +376,75 @@ __global__ void __launch_bounds__(kExactThreads, 2) rotate_kv(const In* x, const
       const float2 hi = __bfloat1622float2(__floats2bfloat162_rn(acc[rr][2], acc[rr][3]));
       *reinterpret_cast<uint2*>(y + dst_row[i] * kD + 4 * cg) =
           make_uint2(pack_half2(lo.x, lo.y), pack_half2(hi.x, hi.y));
+    }
+    __syncthreads();  // the next tile's rows overwrite this one's
+  }
+}
+
+// rotate_kv for few rows (short extends, speculative verification): the same in-order sums, spread
+// over more CTAs. rotate_kv gives a head one CTA per 64 rows, so 16 new tokens ran on one CTA a
+// head, each thread summing 32 outputs one after another (13 µs a side at T = 16 over 32K; 9 here).
+// Here a CTA takes a quarter of R's columns (32, in shared memory) and tiles of 16 rows; thread
+// (warp w, lane c) sums column c of its quarter for rows w and w + 8.
+constexpr int kShortRows = 16, kShortCols = 32, kShortThreads = 256, kShortQuarters = kD / kShortCols;
+constexpr int64_t kShortMaxRows = 256;  // rotate_kv_rows' switch: at 256 rows both forms took as long
+static_assert(kShortThreads == 32 * kShortRows / 2, "a warp per two rows, a lane per column");
+template <typename In>
+__global__ void __launch_bounds__(kShortThreads)
+    rotate_kv_short(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, __half* y,
+                    const __grid_constant__ RowMap map) {
+  __shared__ __align__(16) float Rs[kD][kShortCols];  // R[c][quarter's columns]
+  __shared__ __align__(16) float xs[kShortRows][kD];
+  __shared__ int64_t src_row[kShortRows], dst_row[kShortRows];
+  const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
+  const int quarter = int(blockIdx.x) % kShortQuarters, col = quarter * kShortCols + lane;
+  pdl_launch_dependents();
+  const float* R = rot ? rot + size_t(h) * kD * kD + quarter * kShortCols : nullptr;
+  if (R) {  // 4 float4 a thread, loads issued together
+    constexpr int kLoads = kD * kShortCols / 4 / kShortThreads, kRowF4 = kShortCols / 4;
+    float4 r4[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = tid + u * kShortThreads;
+      r4[u] = __ldg(reinterpret_cast<const float4*>(R + size_t(e / kRowF4) * kD) + e % kRowF4);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) reinterpret_cast<float4*>(&Rs[0][0])[tid + u * kShortThreads] = r4[u];
+  }
+  pdl_wait();  // x comes from the preceding kernel
+  const int64_t tiles = (rows + kShortRows - 1) / kShortRows;
+  for (int64_t tile = blockIdx.x / kShortQuarters; tile < tiles; tile += gridDim.x / kShortQuarters) {
+    const int64_t p0 = row0 + tile * kShortRows;
+    const int n = int(min(int64_t(kShortRows), row0 + rows - p0));
+    if (tid < n) {
+      src_row[tid] = (p0 + tid) * n_kv + h;  // (token, KV head) of [T, n_kv, d]
+      dst_row[tid] = map.row(p0 + tid, h);
+    }
+    __syncthreads();  // (also: R is in place)
+    for (int e = tid; e < n * kD; e += kShortThreads)
+      xs[e / kD][e % kD] = load_activation(x + src_row[e / kD] * kD + e % kD);
+    __syncthreads();
+    float acc[2] = {0.0f, 0.0f};
+    if (R) {
+#pragma unroll 8
+      for (int c = 0; c < kD; c += 4) {  // in order: the append's sums, bit for bit
+        const float4 a = *reinterpret_cast<const float4*>(&xs[w][c]);
+        const float4 b = *reinterpret_cast<const float4*>(&xs[w + 8][c]);
+        acc[0] = fmaf(a.w, Rs[c + 3][lane],
+                      fmaf(a.z, Rs[c + 2][lane], fmaf(a.y, Rs[c + 1][lane], fmaf(a.x, Rs[c][lane], acc[0]))));
+        acc[1] = fmaf(b.w, Rs[c + 3][lane],
+                      fmaf(b.z, Rs[c + 2][lane], fmaf(b.y, Rs[c + 1][lane], fmaf(b.x, Rs[c][lane], acc[1]))));
+      }
+    } else {
+      acc[0] = xs[w][col];
+      acc[1] = xs[w + 8][col];
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = w + 8 * half;
+      if (i >= n) continue;
+      const uint32_t h2 = pack_half2(__bfloat162float(__float2bfloat16_rn(acc[half])), 0.0f);
+      reinterpret_cast<uint16_t*>(y)[dst_row[i] * kD + col] = uint16_t(h2 & 0xffffu);
     }
     __syncthreads();  // the next tile's rows overwrite this one's
   }
@@ -904,46 +979,61 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
                  cudaStream_t stream) {
   if (rows == 0) return;
   constexpr size_t kSmem = sizeof(RotSmem<rot_terms<In>()>);
-  static const cudaError_t attribute =
-      cudaFuncSetAttribute(rotate<kIn, In, Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  check_cuda(attribute, "prefill (CUDA): the rotation's shared memory attribute");
+  static const cudaError_t attribute[2] = {
+      cudaFuncSetAttribute(rotate<kIn, In, Out, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)),
+      cudaFuncSetAttribute(rotate<kIn, In, Out, kRotParts>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem))};
+  check_cuda(attribute[0], "prefill (CUDA): the rotation's shared memory attribute");
+  check_cuda(attribute[1], "prefill (CUDA): the rotation's shared memory attribute");
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
+  // Fewer tiles than a quarter of the SMs: each tile's columns split over kRotParts CTAs.
+  const bool split = tiles * n_kv * kRotParts <= multiprocessors();
   // Programmatic dependent launch: the grid starts while its predecessor runs, splits R, then waits
   // (griddepcontrol.wait) for the predecessor's results.
   cudaLaunchAttribute pdl;
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t c{};
-  c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv));
+  c.gridDim = dim3(
+      split ? unsigned(tiles * kRotParts) : unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))),
+      unsigned(n_kv));
   c.blockDim = dim3(32 * kRotWarps);
   c.dynamicSmemBytes = kSmem;
   c.stream = stream;
   c.attrs = &pdl;
   c.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&c, rotate<kIn, In, Out>, x, rot, row0, rows, n_kv, r, y, map),
+  check_cuda(cudaLaunchKernelEx(&c, split ? rotate<kIn, In, Out, kRotParts> : rotate<kIn, In, Out, 1>, x, rot, row0,
+                                rows, n_kv, r, y, map),
              "prefill (CUDA): rotation launch");
 }
 
-// New keys or values through R into the staging (rotate_kv): up to two CTAs an SM per head.
+// New keys or values through R into the staging: rotate_kv_short for few rows, else rotate_kv (up
+// to two CTAs an SM per head).
 template <typename In>
 void rotate_kv_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, __half* y, const RowMap& map,
                     cudaStream_t stream) {
   if (rows == 0) return;
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c{};
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  if (rows <= kShortMaxRows) {
+    c.gridDim = dim3(unsigned(kShortQuarters * ((rows + kShortRows - 1) / kShortRows)), unsigned(n_kv));
+    c.blockDim = dim3(kShortThreads);
+    check_cuda(cudaLaunchKernelEx(&c, rotate_kv_short<In>, x, rot, row0, rows, n_kv, y, map),
+               "prefill (CUDA): key/value rotation launch");
+    return;
+  }
   constexpr size_t kSmem = (kD * kD + kD * kExactRows) * sizeof(float);
   static const cudaError_t attribute =
       cudaFuncSetAttribute(rotate_kv<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   check_cuda(attribute, "prefill (CUDA): the key/value rotation's shared memory attribute");
   const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
-  cudaLaunchAttribute pdl;
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c{};
   c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, 2 * multiprocessors() / n_kv))), unsigned(n_kv));
   c.blockDim = dim3(kExactThreads);
   c.dynamicSmemBytes = kSmem;
-  c.stream = stream;
-  c.attrs = &pdl;
-  c.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&c, rotate_kv<In>, x, rot, row0, rows, n_kv, y, map),
              "prefill (CUDA): key/value rotation launch");
 }

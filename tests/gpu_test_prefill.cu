@@ -297,11 +297,11 @@ struct Tally {
 // within its Tally bound of the exact value, and at least 98% of the queries the exact value's
 // nearest (the truncating sums cross a rounding boundary rarely); a bf16-accurate rotation (R as
 // one bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32
-// activations (split into three terms) and bf16 ones; 300 tokens (a partial tile), 4 query heads
-// per KV head.
-TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
+// activations (split into three terms) and bf16 ones; 4 query heads per KV head; 300 tokens
+// (rotate_kv, a partial tile) and 40 (rotate_kv_short, for up to 256 rows: a partial tile too).
+void rotations_accuracy(int kT) {
   const KvGeometry g = test_geometry(1, 2);
-  constexpr int kHeads = 8, kT = 300;
+  constexpr int kHeads = 8;
   const int n_kv = g.n_kv_heads, r = kHeads / n_kv;
   std::mt19937 rng(5);
   const auto rk = random_rotations(n_kv, kD, rng), rv = random_rotations(n_kv, kD, rng);
@@ -421,6 +421,8 @@ TEST(GpuPrefill, RotationsHaveFp32Accuracy) {
     EXPECT_EQ(out.n, size_t(kT) * kHeads * kD);
   }
 }
+TEST(GpuPrefill, RotationsHaveFp32Accuracy) { rotations_accuracy(300); }
+TEST(GpuPrefill, RotationsOfFewRowsHaveFp32Accuracy) { rotations_accuracy(40); }
 
 TEST(GpuPrefill, RefusesOutOfScope) {
   KvGeometry g = test_geometry(1, 2);
