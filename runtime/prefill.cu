@@ -265,6 +265,19 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
   }
 }
 
+// A key/value tile's rows p0 .. p0 + n - 1 of KV head h (n returned, at most tile_rows): thread i < n
+// records row i's input row ((token, KV head) of [T, n_kv, d]) and its staging row; the caller
+// syncs before reading them.
+__device__ __forceinline__ int kv_tile_rows(int64_t row0, int64_t rows, int64_t p0, int tile_rows, int n_kv, int h,
+                                            const RowMap& map, int64_t* src_row, int64_t* dst_row) {
+  const int n = int(min(int64_t(tile_rows), row0 + rows - p0)), i = threadIdx.x;
+  if (i < n) {
+    src_row[i] = (p0 + i) * n_kv + h;
+    dst_row[i] = map.row(p0 + i, h);
+  }
+  return n;
+}
+
 // New keys and values: x·R[h] as the append computes it (append.cu), each output an fp32 FMA chain
 // over the input channels in order from 0, rounded to bf16 — so the staged rows are exactly what
 // the ring will hold (the tensor cores' truncating sums, rotate's, land on another bf16 value in a
@@ -296,12 +309,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) rotate_kv(const In* x, const
   pdl_wait();  // x comes from the preceding kernel
   const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t p0 = row0 + tile * kExactRows;
-    const int n = int(min(int64_t(kExactRows), row0 + rows - p0));
-    if (tid < n) {
-      src_row[tid] = (p0 + tid) * n_kv + h;  // (token, KV head) of [T, n_kv, d]
-      dst_row[tid] = map.row(p0 + tid, h);
-    }
+    const int n = kv_tile_rows(row0, rows, row0 + tile * kExactRows, kExactRows, n_kv, h, map, src_row, dst_row);
     __syncthreads();  // (also: R is in place)
     // The tile's rows, transposed: lanes take consecutive rows of one chunk of channels, so the
     // transposed stores are consecutive words.
@@ -414,12 +422,7 @@ __global__ void __launch_bounds__(kShortThreads)
   pdl_wait();  // x comes from the preceding kernel
   const int64_t tiles = (rows + kShortRows - 1) / kShortRows;
   for (int64_t tile = blockIdx.x / kShortQuarters; tile < tiles; tile += gridDim.x / kShortQuarters) {
-    const int64_t p0 = row0 + tile * kShortRows;
-    const int n = int(min(int64_t(kShortRows), row0 + rows - p0));
-    if (tid < n) {
-      src_row[tid] = (p0 + tid) * n_kv + h;  // (token, KV head) of [T, n_kv, d]
-      dst_row[tid] = map.row(p0 + tid, h);
-    }
+    const int n = kv_tile_rows(row0, rows, row0 + tile * kShortRows, kShortRows, n_kv, h, map, src_row, dst_row);
     __syncthreads();  // (also: R is in place)
     for (int e = tid; e < n * kD; e += kShortThreads)
       xs[e / kD][e % kD] = load_activation(x + src_row[e / kD] * kD + e % kD);
