@@ -3,13 +3,14 @@
 // events around each call after warm-up (≥ 0.2 s), median of the repetitions; random codes with
 // sane scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
 // history plus the causal half of the new block), as flash-attention benchmarks do. Activations
-// (q, k, v in, the output out) in bfloat16, as engines call it, or float32; warps 0 is the plan's
-// choice (what a Runtime runs), 4 or 8 force a build. bench_sdpa.py --prefill-configs times
-// PyTorch's BF16 attention on the same shapes.
+// (q, k, v in, the output out) in bfloat16, as engines call it, or float32; build 0 is the plan's
+// choice (what a Runtime runs), --warps 4 or 8 force the warps (the plan picks CTAs per SM), 4x1
+// and 4x2 the 4-warp build at one or two CTAs an SM. bench_sdpa.py --prefill-configs times PyTorch's BF16
+// attention on the same shapes.
 //
 // --keys per-channel times per-channel key pages (KIVI's keys, one group per page) instead.
 //
-// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] [--reps N]
+// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8,4x1,4x2] [--activations bf16,f32] [--reps N]
 //                      [--keys per-token,per-channel]
 #include <cuda_runtime.h>
 
@@ -49,7 +50,28 @@ std::vector<int> parse_ints(const std::string& s, char sep) {
   return out;
 }
 
-void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& warps, bool bf16, int reps, bool chan) {
+// A build to time: warps and CTAs per SM (0: the plan's), as --warps spells it ("4x2").
+struct BuildSpec {
+  int warps = 0, per_sm = 0;
+  std::string name;
+};
+std::vector<BuildSpec> parse_builds(const std::string& s) {
+  std::vector<BuildSpec> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    BuildSpec b;
+    b.name = item;
+    const size_t x = item.find('x');
+    b.warps = std::atoi(item.substr(0, x).c_str());
+    if (x != std::string::npos) b.per_sm = std::atoi(item.substr(x + 1).c_str());
+    out.push_back(b);
+  }
+  return out;
+}
+
+void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSpec>& builds, bool bf16, int reps,
+                bool chan) {
   KvGeometry g = gpu_geometry(1, n_kv);
   if (chan) g.key_group_tokens = g.page_tokens;
   // Shapes the kernels do not serve are skipped with the table's reason.
@@ -98,8 +120,8 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
   const std::vector<HeadCodec> codecs(static_cast<size_t>(n_kv));
   const double keys = double(ctx) * T + 0.5 * double(T) * T;
   const double flops = 4.0 * n_heads * kD * keys;
-  for (int w : warps) {
-    PrefillShape shape{n_heads, 1.0f / std::sqrt(float(kD)), 0, w};
+  for (const BuildSpec& build : builds) {
+    PrefillShape shape{n_heads, 1.0f / std::sqrt(float(kD)), 0, build.warps, build.per_sm};
     const std::vector<PrefillSequence> one{{seq, ctx, table.data(), T}};
     const size_t wsb = prefill_workspace_bytes(g, one, shape);
     DeviceBuffer<uint8_t> ws(wsb);
@@ -130,10 +152,10 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
     std::sort(times.begin(), times.end());
     const double ms = times[times.size() / 2];
     std::printf(
-        "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": %d, "
+        "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": \"%s\", "
         "\"activations\": \"%s\", \"keys\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
-        n_heads, n_kv, ctx, T, w, bf16 ? "bf16" : "f32", chan ? "per_channel" : "per_token", ms, T / (ms * 1e-3),
-        flops / (ms * 1e-3) / 1e12);
+        n_heads, n_kv, ctx, T, build.name.c_str(), bf16 ? "bf16" : "f32", chan ? "per_channel" : "per_token", ms,
+        T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
   }
@@ -143,20 +165,20 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<int>& w
 
 int main(int argc, char** argv) {
   std::string configs = "32:8:32768:2048,32:8:32768:256,32:8:32768:16,32:8:4096:2048,32:8:131072:2048";
-  std::vector<int> warps = {0, 4, 8};
+  std::string builds = "0,4,8";
   std::string activations = "bf16,f32";
   int reps = 20;
   std::string keys = "per-token";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--configs") configs = argv[i + 1];
-    else if (k == "--warps") warps = parse_ints(argv[i + 1], ',');
+    else if (k == "--warps") builds = argv[i + 1];
     else if (k == "--activations") activations = argv[i + 1];
     else if (k == "--reps") reps = std::atoi(argv[i + 1]);
     else if (k == "--keys") keys = argv[i + 1];
     else {
       std::fprintf(stderr,
-                   "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8] [--activations bf16,f32] "
+                   "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8,4x1,4x2] [--activations bf16,f32] "
                    "[--reps N] [--keys per-token,per-channel]\n");
       return 2;
     }
@@ -175,7 +197,7 @@ int main(int argc, char** argv) {
         if (activations.find(kind) != std::string::npos)
           for (const char* key_kind : {"per-token", "per-channel"})
             if (keys.find(key_kind) != std::string::npos)
-              run_config(c[0], c[1], c[2], c[3], warps, kind[0] == 'b', reps, key_kind[4] == 'c');
+              run_config(c[0], c[1], c[2], c[3], parse_builds(builds), kind[0] == 'b', reps, key_kind[4] == 'c');
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_prefill: %s\n", e.what());

@@ -107,10 +107,11 @@ void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapaci
 // counts (page tables are not read there). Up to 64 sequences per launch set; no host-to-device
 // copy (their descriptors are kernel parameters).
 struct PrefillShape {
-  int n_heads = 0;     // query heads, a multiple of the KV heads
-  float sm_scale = 0;  // softmax scale, usually 1/sqrt(d)
-  int splits = 0;      // key-range splits per query tile (0: the kernel's plan; tests, tuning)
-  int warps = 0;       // query rows per CTA / 16: 4 or 8 (0: the kernel's choice; tuning)
+  int n_heads = 0;      // query heads, a multiple of the KV heads
+  float sm_scale = 0;   // softmax scale, usually 1/sqrt(d)
+  int splits = 0;       // key-range splits per query tile (0: the kernel's plan; tests, tuning)
+  int warps = 0;        // query rows per CTA / 16: 4 or 8 (0: the kernel's choice; tuning)
+  int ctas_per_sm = 0;  // 2: the 4-warp build at two CTAs an SM, half the K/V stages (0, 1: one; tuning)
 };
 struct PrefillSequence {
   int seq_slot = 0;                     // its window slot in the cache

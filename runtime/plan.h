@@ -83,9 +83,10 @@ size_t decode_workspace_bytes(const DecodeGpu& gpu, const KvGeometry& g, int bat
 constexpr int kPrefillKeyTile = kGpuPageTokens;  // key tokens per tile: one INT2 page
 constexpr int kPrefillMaxSplits = 128;           // key-range splits per query tile, at most
 
-// CTAs of the 4- and 8-warp prefill kernels resident at once on the whole GPU.
+// CTAs of the prefill kernel's builds resident at once on the whole GPU: 4 and 8 warps, and the
+// 4-warp build at two CTAs an SM (0: not available).
 struct PrefillGpu {
-  int resident4 = 0, resident8 = 0;
+  int resident4 = 0, resident8 = 0, resident4_pair = 0;
 };
 
 // A batch of sequences prefilled together (FlashInfer's ragged layout: q, k, v and out hold the
@@ -99,17 +100,19 @@ struct PrefillSeqPlan {
   int64_t part0;          // its first partial row: [splits][n_kv][rows] rows from here
 };
 struct PrefillPlan {
-  int warps = 0;  // one build per launch
+  int warps = 0;        // one build per launch
+  int ctas_per_sm = 1;  // 2: the 4-warp build at two CTAs an SM (only when asked)
   std::vector<PrefillSeqPlan> seqs;
   int64_t tokens = 0, kv_rows = 0, part_rows = 0;  // totals over the batch
 };
-// splits and warps are PrefillShape's overrides (0: the plan's). The splits are planned for the
-// whole batch: every sequence's key range is cut into splits of about the same number of key
-// tiles, so that the batch's CTAs fill the GPU about once and a short extend over a long history
-// is not one long CTA behind the others. Throws Error for warps other than 0, 4 and 8, for
-// mismatched lists and for negative lengths or counts.
+// splits, warps and ctas_per_sm are PrefillShape's overrides (0: the plan's). The splits are
+// planned for the whole batch: every sequence's key range is cut into splits of about the same
+// number of key tiles, so that the batch's CTAs fill the GPU about once and a short extend over a
+// long history is not one long CTA behind the others. Throws Error for warps other than 0, 4 and
+// 8, ctas_per_sm other than 0, 1 and 2 (2 with 4 warps only), for mismatched lists and for
+// negative lengths or counts.
 PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::vector<int64_t>& lengths,
-                         const std::vector<int>& counts, int n_heads, int splits, int warps);
+                         const std::vector<int>& counts, int n_heads, int splits, int warps, int ctas_per_sm = 0);
 
 // Prefill's workspace: byte offsets of the rotated fp16 queries ([n_kv][tokens·r][d]), keys and
 // values ([n_kv][kv_rows][d]), the splits' partial outputs and (max, sum); total bytes.

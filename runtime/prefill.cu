@@ -6,15 +6,16 @@
 //
 //  1. rotate: q·R_k per head into head-major fp16 staging ([n_kv][rows][d]; a query row is a
 //     (new token, query head of the group) pair), on the tensor cores (split bf16 terms);
-//     rotate_kv (rotate_kv_short for few rows): k·R_k and v·R_v as the append computes them
-//     (in-order fp32 sums rounded to BF16), so the staged new keys and values are exactly what the
-//     ring will hold.
+//     rotate_kv (rotate_kv_short for few rows): k·R_k and v·R_v in one launch, as the append
+//     computes them (in-order fp32 sums rounded to BF16), so the staged new keys and values are
+//     exactly what the ring will hold.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴
 //     they round).
 //  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
 //     One CTA = (sequence, key-range split, tile of 64·(MMA warpgroups) query rows, KV head: the
-//     fastest); every query head of the group shares the CTA's K/V tiles. A producer warpgroup
+//     fastest); every query head of the group shares the CTA's K/V tiles. Three builds (Build): 4
+//     or 8 MMA warps, and the 4-warp one at two CTAs an SM. A producer warpgroup
 //     loads key tiles of 64 tokens (INT2 pages by bulk copy, expanded; then the staged fp16 rows,
 //     with the causal mask) into shared-memory stages in the 128-byte-swizzled layout the MMAs
 //     read; each MMA warpgroup owns 64 rows and consumes the stages (mbarriers between the two
@@ -28,8 +29,8 @@
 //     they decode to (a per-page table per channel pair) and then take s = 1, z = 0 too.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
 //     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
-//     through R_vᵀ. The rotations are programmatic dependent launches: each splits its R into
-//     shared memory while its predecessor runs.
+//     through R_vᵀ. Every launch is a programmatic dependent one (launch_dependent): each kernel
+//     starts while its predecessor runs (a rotation splits its R into shared memory meanwhile).
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -278,19 +279,32 @@ __device__ __forceinline__ int kv_tile_rows(int64_t row0, int64_t rows, int64_t 
   return n;
 }
 
+// The key and value sides of a rotate_kv or rotate_kv_short launch (blockIdx.z: 0 keys, 1 values):
+// both in one launch, so that a short extend pays one kernel boundary for them, not two.
+template <typename In>
+struct KvSides {
+  const In* x[2];
+  const float* rot[2];
+  __half* y[2];
+};
+
 // New keys and values: x·R[h] as the append computes it (append.cu), each output an fp32 FMA chain
 // over the input channels in order from 0, rounded to bf16 — so the staged rows are exactly what
 // the ring will hold (the tensor cores' truncating sums, rotate's, land on another bf16 value in a
 // few elements per thousand, and a key one bf16 step off moves a peaked softmax). The keys and
 // values are a quarter of the query rows; register tiles keep the FMAs fed: thread (column group
 // cg, row group rg) sums 4 columns × 8 rows, from R and the tile's rows transposed in shared memory
-// (3 shared loads per 32 FMAs). Rows [row0, row0 + rows) of KV head blockIdx.y, to map's rows of
-// the fp16 staging; tiles of kExactRows, every gridDim.x-th.
+// (3 shared loads per 32 FMAs). Rows [row0, row0 + rows) of KV head blockIdx.y, side blockIdx.z,
+// to map's rows of the fp16 staging; tiles of kExactRows, every gridDim.x-th.
 constexpr int kExactRows = 64, kExactThreads = 256;
 static_assert(kExactThreads == (kD / 4) * (kExactRows / 8), "a thread: 4 columns, 8 rows");
 template <typename In>
-__global__ void __launch_bounds__(kExactThreads, 2) rotate_kv(const In* x, const float* rot, int64_t row0, int64_t rows,
-                                                              int n_kv, __half* y, const __grid_constant__ RowMap map) {
+__global__ void __launch_bounds__(kExactThreads, 2)
+    rotate_kv(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
+  const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
+  const In* x = side ? sides.x[1] : sides.x[0];
+  const float* rot = side ? sides.rot[1] : sides.rot[0];
+  __half* y = side ? sides.y[1] : sides.y[0];
   extern __shared__ __align__(16) float kv_smem[];
   float* Rs = kv_smem;            // [kD][kD]: R[c][n]
   float* xt = kv_smem + kD * kD;  // [kD][kExactRows]: the tile's rows, transposed
@@ -399,11 +413,14 @@ constexpr int64_t kShortMaxRows = 256;  // rotate_kv_rows' switch: at 256 rows b
 static_assert(kShortThreads == 32 * kShortRows / 2, "a warp per two rows, a lane per column");
 template <typename In>
 __global__ void __launch_bounds__(kShortThreads)
-    rotate_kv_short(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, __half* y,
-                    const __grid_constant__ RowMap map) {
+    rotate_kv_short(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
   __shared__ __align__(16) float Rs[kD][kShortCols];  // R[c][quarter's columns]
   __shared__ __align__(16) float xs[kShortRows][kD];
   __shared__ int64_t src_row[kShortRows], dst_row[kShortRows];
+  const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
+  const In* x = side ? sides.x[1] : sides.x[0];
+  const float* rot = side ? sides.rot[1] : sides.rot[0];
+  __half* y = side ? sides.y[1] : sides.y[0];
   const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
   const int quarter = int(blockIdx.x) % kShortQuarters, col = quarter * kShortCols + lane;
   pdl_launch_dependents();
@@ -478,6 +495,7 @@ struct PrefillArgs {
   // whether the stored zero applies (uniform grid) or not (level table: x̂ = s·level[c]).
   float code_value[kPrefillMaxKvHeads][2][4];
   int use_zero[kPrefillMaxKvHeads][2];
+  int fin_rows;  // rows per finish CTA (up to kFinRows)
   int n_seqs;
   SeqArgs seq[kLaunchSeqs];
 };
@@ -495,31 +513,34 @@ __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, Fi
 }
 
 // O = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) over a row's splits, written in fp32 over its
-// split-0 partial (rotate then takes it out through R_vᵀ); launched for sequences of several splits. kFinRows rows per
-// CTA, kSlices slices of kD threads merge disjoint sets of splits (merge_run: one round of loads for up to
-// kSlices·kChunk splits), so few dependent loads are in series when there are many splits.
+// split-0 partial (rotate then takes it out through R_vᵀ); launched for sequences of several splits. a.fin_rows
+// (<= kFinRows) rows per CTA, one after another: kFinRows for long extends, fewer when the rows are
+// few, so that the grid fills the GPU (a short extend's 8 rows a CTA took 12 us at 16 tokens over
+// 32K, each row's merge a chain of dependent loads). kSlices slices of kD threads merge disjoint
+// sets of splits (merge_run: one round of loads for up to kSlices·kChunk splits), so few dependent
+// loads are in series when there are many splits.
 constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
 template <int kChunk>
 __global__ void __launch_bounds__(kFinThreads) finish(const __grid_constant__ PrefillArgs a) {
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
+  pdl_wait();  // the partials come from prefill_kernel
+  pdl_launch_dependents();
   const SeqArgs& sq = seq_of(a, blockIdx.x, [](const SeqArgs& e) { return e.fin0; });
   if (sq.splits == 1) return;  // prefill_kernel normalised its rows
   const int rows = sq.rows, splits = sq.splits, n_kv = a.n_kv;
-  const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * kFinRows, tid = threadIdx.x;
+  const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * a.fin_rows, tid = threadIdx.x;
   const int j = tid % kD, slice = tid / kD;
-  const int n = min(kFinRows, rows - p0);
+  const int n = min(a.fin_rows, rows - p0);
   // Split s of row i: partial row part0 + (s·n_kv + h)·rows + p0 + i.
   const size_t row0 = size_t(sq.part0) + size_t(h) * rows + p0, split_stride = size_t(n_kv) * rows;
-  for (int i = 0; i < kFinRows; ++i) {
+  for (int i = 0; i < n; ++i) {
     float m = -INFINITY, l = 0.0f, acc = 0.0f;
-    if (i < n) {
-      const size_t row = row0 + i;
-      merge_run<kChunk, kD>(
-          a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
-          kSlices, m, l, acc);
-    }
+    const size_t row = row0 + i;
+    merge_run<kChunk, kD>(
+        a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
+        kSlices, m, l, acc);
     part[slice][i][j] = acc;
     if (j == 0) {
       run_m[i][slice] = m;
@@ -540,6 +561,8 @@ __global__ void __launch_bounds__(kFinThreads) finish(const __grid_constant__ Pr
 // most window rows, n_kv, sequences), 32 threads: 16-byte chunks of the K and V rows.
 __global__ void __launch_bounds__(32)
     stage_windows(const __grid_constant__ PrefillArgs a, const __nv_bfloat16* windows) {
+  pdl_wait();  // (the windows come from earlier kernels, complete once the preceding one is)
+  pdl_launch_dependents();
   const SeqArgs& sq = a.seq[blockIdx.z];
   const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
   if (i >= sq.win_rows) return;
@@ -564,15 +587,16 @@ __global__ void __launch_bounds__(32)
 // spreads the 16-byte stores of a warp over the banks.
 constexpr int kTileHalfs = kBN * kD;       // one tile of K or V: 16 KB
 constexpr int kBlockBytes = kBN * 64 * 2;  // one 64-channel block: 8 KB
-constexpr int kStages = 4;                 // K/V tiles: the producer fills up to 3 ahead of the MMAs
-constexpr int kRaw = 6;                    // INT2 page blocks: copies issued up to 5 units ahead
 constexpr int kProducer = 128;             // threads of the producer warpgroup (warps 0-3)
 // Half index of (row, 16-byte chunk c of the 16 in a row) in a tile.
 __device__ __forceinline__ int tile_at(int row, int c) { return (c >> 3) * (kBN * 64) + sw128_offset(row, c & 7) / 2; }
+// kStages K/V tiles (the producer fills up to kStages - 1 ahead of the MMAs), kRaw INT2 page
+// blocks (copies issued up to kRaw - 1 units ahead), a P' buffer per MMA warpgroup.
+template <int kStages, int kRaw, int kWgs>
 struct Smem {
   __half k[kStages][kTileHalfs];  // first: the dynamic allocation is aligned to 1024 bytes below
   __half v[kStages][kTileHalfs];
-  __half p[2][64 * kBN];          // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
+  __half p[kWgs][64 * kBN];       // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
   float4 tok[kStages][kBN];       // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
   uint8_t raw[kRaw][kPageBytes];  // INT2 page blocks as stored, before expansion (bulk copies)
   uint64_t full[kStages];         // stage filled: every producer thread arrives
@@ -580,7 +604,19 @@ struct Smem {
   uint64_t raw_full[kRaw];        // page block landed
   uint32_t chan_lut[kD / 2][17];  // per-channel key pages: per channel pair, its 16 nibbles' two values (+1: banks)
 };
-constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment of the swizzle atoms
+// The kernel's builds: kWarps MMA warps (one or two warpgroups of 64 query rows) and kPerSm CTAs
+// an SM. Two CTAs an SM (the 4-warp build, for few query rows over long histories, where one
+// CTA's chain of expansion, S, softmax and P·V per key tile leaves the SM idle most of the time)
+// take half the K/V stages, so that two fit the SM's shared memory, and split the registers
+// 56 / 200 between the roles (128 a thread at launch).
+template <int kWarps, int kPerSm>
+struct Build {
+  static_assert(kPerSm == 1 || (kPerSm == 2 && kWarps == 4), "two CTAs an SM: the 4-warp build");
+  static constexpr int stages = kPerSm == 2 ? 2 : 4, raw = 6;
+  using Shared = Smem<stages, raw, kWarps / 4>;
+  static constexpr size_t smem_bytes = sizeof(Shared) + 1024;  // + the alignment of the swizzle atoms
+};
+static_assert(2 * (Build<4, 2>::smem_bytes + 1024) <= 228 * 1024, "two CTAs of the 2-stage build fit an SM");
 static_assert(kTileHalfs * 2 % 1024 == 0, "tiles keep the 1024-byte alignment of the swizzle atoms");
 static_assert(kPageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
@@ -599,11 +635,14 @@ static_assert(kPageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 // Loads, expansion and MMAs thus overlap across units instead of sharing one chain per tile
 // (the single-role kernel spent ~3 us a tile with the tensor cores 11-18% busy). kOne: the launch
 // has one sequence, whose fields are then constant-bank operands rather than registers.
-template <int kWarps, bool kOne>
-__global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(const __grid_constant__ PrefillArgs a) {
+template <int kWarps, bool kOne, int kPerSm>
+__global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
+    prefill_kernel(const __grid_constant__ PrefillArgs a) {
   constexpr int kBM = 16 * kWarps;
+  using B = Build<kWarps, kPerSm>;
+  constexpr int kStages = B::stages, kRaw = B::raw;
   extern __shared__ uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  auto& sm = *reinterpret_cast<typename B::Shared*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   __shared__ uint32_t lut[2][16];  // two codes (4 bits) -> their two fp16 x values
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -621,6 +660,8 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   const int n_units = n_pages + (win_rows + last_token) / kBN + 1;
   const int u0 = split * sq.units_per_split, u1 = min(n_units, u0 + sq.units_per_split);
 
+  pdl_wait();  // the staging comes from the preceding kernels, the pages from earlier ones
+  pdl_launch_dependents();
   // An empty split of a short query tile: nothing seen. (A path of its own: an O zeroed on a path
   // into the loop's final wait made ptxas serialise every MMA, C7515.)
   if (u0 >= u1) {
@@ -650,8 +691,10 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   const uint32_t full_s = smem_addr(sm.full), empty_s = smem_addr(sm.empty);
 
   if (cw < 0) {
-    // ---- Producer warpgroup (registers: 48 per thread here, 224 in the MMA warpgroups).
+    // ---- Producer warpgroup (registers: 48 per thread here, 224 in the MMA warpgroups, in the
+    // 8-warp build; 56 and 200 in the two-CTA one).
     if constexpr (kWarps == 8) setmaxnreg_dec<48>();
+    if constexpr (kPerSm == 2) setmaxnreg_dec<56>();
     const int32_t* page_table = sq.page_table;
     const __half* kst = a.k + (size_t(h) * a.kv_rows + sq.kv0) * kD;  // this sequence's staged rows
     const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
@@ -753,6 +796,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
 
   // ---- MMA warpgroups.
   if constexpr (kWarps == 8) setmaxnreg_inc<224>();
+  if constexpr (kPerSm == 2) setmaxnreg_inc<200>();
   // The warp's 16 query rows (16 of its warpgroup's 64): Q fragments (A operand), Σq of the fp16
   // values, token index.
   uint32_t qa[kD / 16][4];
@@ -933,16 +977,25 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, 1) prefill_kernel(con
   }
 }
 
-// The shared-memory attribute of both builds, set once per process.
+// The kernel of a build (kOne: a launch of one sequence).
+template <int kWarps, int kPerSm>
+auto prefill_kernel_of(bool one) {
+  return one ? prefill_kernel<kWarps, true, kPerSm> : prefill_kernel<kWarps, false, kPerSm>;
+}
+
+// The shared-memory attribute of every build, set once per process.
 void prepare_prefill_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
-    for (const void* kernel : {reinterpret_cast<const void*>(prefill_kernel<4, false>),
-                               reinterpret_cast<const void*>(prefill_kernel<4, true>),
-                               reinterpret_cast<const void*>(prefill_kernel<8, false>),
-                               reinterpret_cast<const void*>(prefill_kernel<8, true>)})
-      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
+    const auto set = [](auto kernel, size_t bytes) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                  "prefill (CUDA): shared memory attribute");
+    };
+    for (bool one : {false, true}) {
+      set(prefill_kernel_of<4, 1>(one), Build<4, 1>::smem_bytes);
+      set(prefill_kernel_of<4, 2>(one), Build<4, 2>::smem_bytes);
+      set(prefill_kernel_of<8, 1>(one), Build<8, 1>::smem_bytes);
+    }
   });
 }
 
@@ -950,14 +1003,15 @@ void prepare_prefill_kernels() {
 const PrefillGpu& prefill_gpu() {
   static const PrefillGpu gpu = [] {
     prepare_prefill_kernels();
-    auto resident = [](auto kernel, int threads) {
+    auto resident = [](auto kernel, int threads, size_t bytes) {
       int per_sm = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, kSmemBytes);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, bytes);
       return std::max(1, per_sm) * multiprocessors();
     };
     PrefillGpu p;
-    p.resident4 = resident(prefill_kernel<4, false>, 32 * 4 + kProducer);
-    p.resident8 = resident(prefill_kernel<8, false>, 32 * 8 + kProducer);
+    p.resident4 = resident(prefill_kernel_of<4, 1>(false), 32 * 4 + kProducer, Build<4, 1>::smem_bytes);
+    p.resident4_pair = resident(prefill_kernel_of<4, 2>(false), 32 * 4 + kProducer, Build<4, 2>::smem_bytes);
+    p.resident8 = resident(prefill_kernel_of<8, 1>(false), 32 * 8 + kProducer, Build<8, 1>::smem_bytes);
     return p;
   }();
   return gpu;
@@ -972,7 +1026,28 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
     counts[i] = seqs[i].T;
   }
   return plan_prefill(shape.splits > 0 ? PrefillGpu{} : prefill_gpu(), g, lengths, counts, shape.n_heads, shape.splits,
-                      shape.warps);
+                      shape.warps, shape.ctas_per_sm);
+}
+
+// Every launch of a prefill is a programmatic dependent launch: the grid may start while its
+// predecessor runs (a rotation splits its R meanwhile, the attention sets up its barriers), and
+// each kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote. A short
+// extend is seven kernels of a few microseconds each; launched plainly, each also paid the one
+// before it draining.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      const char* what, Args... args) {
+  cudaLaunchAttribute pdl;
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c{};
+  c.gridDim = grid;
+  c.blockDim = block;
+  c.dynamicSmemBytes = smem;
+  c.stream = stream;
+  c.attrs = &pdl;
+  c.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&c, kernel, args...), what);
 }
 
 // Rows [row0, row0 + rows) of every KV head through R (rotate): at most one CTA an SM per head
@@ -990,43 +1065,24 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
   // Fewer tiles than a quarter of the SMs: each tile's columns split over kRotParts CTAs.
   const bool split = tiles * n_kv * kRotParts <= multiprocessors();
-  // Programmatic dependent launch: the grid starts while its predecessor runs, splits R, then waits
-  // (griddepcontrol.wait) for the predecessor's results.
-  cudaLaunchAttribute pdl;
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c{};
-  c.gridDim = dim3(
+  const dim3 grid(
       split ? unsigned(tiles * kRotParts) : unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))),
       unsigned(n_kv));
-  c.blockDim = dim3(32 * kRotWarps);
-  c.dynamicSmemBytes = kSmem;
-  c.stream = stream;
-  c.attrs = &pdl;
-  c.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&c, split ? rotate<kIn, In, Out, kRotParts> : rotate<kIn, In, Out, 1>, x, rot, row0,
-                                rows, n_kv, r, y, map),
-             "prefill (CUDA): rotation launch");
+  launch_dependent(split ? rotate<kIn, In, Out, kRotParts> : rotate<kIn, In, Out, 1>, grid, dim3(32 * kRotWarps), kSmem,
+                   stream, "prefill (CUDA): rotation launch", x, rot, row0, rows, n_kv, r, y, map);
 }
 
-// New keys or values through R into the staging: rotate_kv_short for few rows, else rotate_kv (up
-// to two CTAs an SM per head).
+// New keys and values through R into the staging, both in one launch: rotate_kv_short for few
+// rows, else rotate_kv (both sides' CTAs together up to two an SM).
 template <typename In>
-void rotate_kv_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, __half* y, const RowMap& map,
+void rotate_kv_rows(const KvSides<In>& sides, int64_t row0, int64_t rows, int n_kv, const RowMap& map,
                     cudaStream_t stream) {
   if (rows == 0) return;
-  cudaLaunchAttribute pdl;
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c{};
-  c.stream = stream;
-  c.attrs = &pdl;
-  c.numAttrs = 1;
+  const char* what = "prefill (CUDA): key/value rotation launch";
   if (rows <= kShortMaxRows) {
-    c.gridDim = dim3(unsigned(kShortQuarters * ((rows + kShortRows - 1) / kShortRows)), unsigned(n_kv));
-    c.blockDim = dim3(kShortThreads);
-    check_cuda(cudaLaunchKernelEx(&c, rotate_kv_short<In>, x, rot, row0, rows, n_kv, y, map),
-               "prefill (CUDA): key/value rotation launch");
+    launch_dependent(rotate_kv_short<In>,
+                     dim3(unsigned(kShortQuarters * ((rows + kShortRows - 1) / kShortRows)), unsigned(n_kv), 2),
+                     dim3(kShortThreads), 0, stream, what, sides, row0, rows, n_kv, map);
     return;
   }
   constexpr size_t kSmem = (kD * kD + kD * kExactRows) * sizeof(float);
@@ -1034,11 +1090,9 @@ void rotate_kv_rows(const In* x, const float* rot, int64_t row0, int64_t rows, i
       cudaFuncSetAttribute(rotate_kv<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   check_cuda(attribute, "prefill (CUDA): the key/value rotation's shared memory attribute");
   const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
-  c.gridDim = dim3(unsigned(std::min<int64_t>(tiles, std::max(1, 2 * multiprocessors() / n_kv))), unsigned(n_kv));
-  c.blockDim = dim3(kExactThreads);
-  c.dynamicSmemBytes = kSmem;
-  check_cuda(cudaLaunchKernelEx(&c, rotate_kv<In>, x, rot, row0, rows, n_kv, y, map),
-             "prefill (CUDA): key/value rotation launch");
+  launch_dependent(rotate_kv<In>,
+                   dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv), 2),
+                   dim3(kExactThreads), kSmem, stream, what, sides, row0, rows, n_kv, map);
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -1058,14 +1112,14 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
                     const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
                     const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
   const int n_kv = g.n_kv_heads;
+  std::vector<int> live;  // sequences with new tokens
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].T > 0) live.push_back(int(i));
   RowMap staged_q;  // [n_kv][q_rows][d]
   staged_q.n = 1;
   staged_q.first[0] = staged_q.offset[0] = 0;
   staged_q.head_stride[0] = a.q_rows;
   rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, a.q, staged_q, stream);
-  std::vector<int> live;  // sequences with new tokens
-  for (size_t i = 0; i < seqs.size(); ++i)
-    if (seqs[i].T > 0) live.push_back(int(i));
   prepare_prefill_kernels();
   for (size_t c0 = 0; c0 < live.size(); c0 += kLaunchSeqs) {
     const size_t c1 = std::min(live.size(), c0 + kLaunchSeqs);
@@ -1085,14 +1139,19 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_kv_rows(k, rot_k, tok0, toks, n_kv, a.k, staged_kv, stream);
-    rotate_kv_rows(v, rot_v, tok0, toks, n_kv, a.v, staged_kv, stream);
+    rotate_kv_rows(KvSides<In>{{k, v}, {rot_k, rot_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
       return plan.seqs[size_t(x)].units_per_split > plan.seqs[size_t(y)].units_per_split;
     });
     a.n_seqs = int(order.size());
+    // finish's rows per CTA: kFinRows, or fewer where that leaves the GPU short of two CTAs an SM.
+    int64_t merged_rows = 0;
+    for (int i : order)
+      if (plan.seqs[size_t(i)].splits > 1) merged_rows += int64_t(plan.seqs[size_t(i)].rows) * n_kv;
+    a.fin_rows =
+        int(std::clamp<int64_t>((merged_rows + 2 * multiprocessors() - 1) / (2 * multiprocessors()), 1, kFinRows));
     int ctas = 0, fin_ctas = 0, max_win = 0, max_splits = 0;
     for (size_t e = 0; e < order.size(); ++e) {
       const PrefillSequence& s = seqs[size_t(order[e])];
@@ -1117,22 +1176,26 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
       d.cta0 = ctas;
       d.fin0 = fin_ctas;
       ctas += sp.row_tiles * sp.splits;
-      fin_ctas += (sp.rows + kFinRows - 1) / kFinRows;
+      fin_ctas += (sp.rows + a.fin_rows - 1) / a.fin_rows;
       max_win = std::max(max_win, sp.win_rows);
       max_splits = std::max(max_splits, sp.splits);
     }
     if (max_win > 0)
-      stage_windows<<<dim3(max_win, n_kv, a.n_seqs), 32, 0, stream>>>(a,
-                                                                      reinterpret_cast<const __nv_bfloat16*>(windows));
+      launch_dependent(stage_windows, dim3(max_win, n_kv, a.n_seqs), dim3(32), 0, stream,
+                       "prefill (CUDA): window staging launch", a, reinterpret_cast<const __nv_bfloat16*>(windows));
     KVCC_REQUIRE(int64_t(ctas) * n_kv < (int64_t(1) << 31), "prefill (CUDA): too many query tiles in one launch");
-    const dim3 grid(unsigned(ctas * n_kv));
+    const dim3 grid(unsigned(ctas * n_kv)), threads(32 * plan.warps + kProducer);
     const bool one = a.n_seqs == 1;
-    const auto kernel = plan.warps == 4 ? (one ? prefill_kernel<4, true> : prefill_kernel<4, false>)
-                                        : (one ? prefill_kernel<8, true> : prefill_kernel<8, false>);
-    kernel<<<grid, 32 * plan.warps + kProducer, kSmemBytes, stream>>>(a);
+    const char* what = "prefill (CUDA): attention launch";
+    if (plan.warps == 8)
+      launch_dependent(prefill_kernel_of<8, 1>(one), grid, threads, Build<8, 1>::smem_bytes, stream, what, a);
+    else if (plan.ctas_per_sm == 2)
+      launch_dependent(prefill_kernel_of<4, 2>(one), grid, threads, Build<4, 2>::smem_bytes, stream, what, a);
+    else launch_dependent(prefill_kernel_of<4, 1>(one), grid, threads, Build<4, 1>::smem_bytes, stream, what, a);
     const int chunk = merge_slice_chunk(max_splits);
     const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
-    if (max_splits > 1) fin<<<dim3(fin_ctas, n_kv), kFinThreads, 0, stream>>>(a);
+    if (max_splits > 1)
+      launch_dependent(fin, dim3(fin_ctas, n_kv), dim3(kFinThreads), 0, stream, "prefill (CUDA): merge launch", a);
     rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, out, merged,
                        stream);
   }

@@ -130,7 +130,7 @@ std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
 // case's splits giving the same merge as the batch's) the batch equals the single launches bit for
 // bit: each sequence's CTAs do the same work wherever they sit in the grid.
 double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int layer, int splits, int warps,
-                     bool rotate, int ragged_copies = 1, bool bitwise = false) {
+                     bool rotate, int ragged_copies = 1, bool bitwise = false, int ctas_per_sm = 0) {
   const KvGeometry& g = c.g;
   std::mt19937 rng(17 + n_heads + splits);
   std::vector<float> rk, rv, rvt;
@@ -142,7 +142,7 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
   DeviceBuffer<float> drk(rk), drv(rv), drvt(rvt);
   const float scale = 1.0f / std::sqrt(float(kD));
   const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
-  const PrefillShape shape{n_heads, scale, splits, warps};
+  const PrefillShape shape{n_heads, scale, splits, warps, ctas_per_sm};
   std::vector<Case> all;
   for (int copy = 0; copy < ragged_copies; ++copy) all.insert(all.end(), cases.begin(), cases.end());
   // Inputs and the reference of every entry of `all` (the first cases.size() are the single runs').
@@ -239,6 +239,36 @@ TEST(GpuPrefill, MatchesReferenceGqa5LevelTablesOneSplitNoRotation) {
   const auto cases = standard_cases(c);
   const double worst = check_prefill(c, cases, 20, 0, 1, 4, false, 6, true);
   std::printf("prefill, 5 heads per KV head, level tables, 1 split, identity rotation: worst %.2e\n", worst);
+}
+
+// The 4-warp build at two CTAs an SM (half the K/V stages, the registers split between the roles)
+// against the reference, and bit for bit against the one-CTA build: the same MMAs and sums in the
+// same order, whatever the stages.
+TEST(GpuPrefill, TwoCtasAnSmMatchReferenceAndOneCtaBitForBit) {
+  Caches c(test_geometry(2, 4), 256, 10, false);
+  const auto cases = standard_cases(c);
+  const double worst = check_prefill(c, cases, 16, 1, 3, 4, true, 6, true, 2);
+  std::printf("prefill, two CTAs an SM, 3 splits: worst %.2e\n", worst);
+  std::mt19937 rng(29);
+  const KvGeometry& g = c.g;
+  const std::vector<float> rk = random_rotations(g.n_kv_heads, kD, rng), rv = random_rotations(g.n_kv_heads, kD, rng);
+  DeviceBuffer<float> drk(rk), drv(rv), drvt(transpose_heads(rv, g.n_kv_heads, kD));
+  std::vector<std::vector<float>> in;
+  for (const Case& cs : cases) {
+    in.push_back(random_rows(size_t(cs.T) * 16 * kD, rng, false));
+    in.push_back(random_rows(size_t(cs.T) * g.n_kv_heads * kD, rng, true));
+    in.push_back(random_rows(size_t(cs.T) * g.n_kv_heads * kD, rng, false));
+  }
+  std::vector<const std::vector<float>*> ptrs;
+  for (const auto& x : in) ptrs.push_back(&x);
+  for (int splits : {1, 3, 40}) {
+    const float scale = 1.0f / std::sqrt(float(kD));
+    const PrefillShape one{16, scale, splits, 4, 1}, two{16, scale, splits, 4, 2};
+    const std::vector<float> a = run_batch(c, cases, ptrs, one, 1, drk, drv, drvt, true);
+    const std::vector<float> b = run_batch(c, cases, ptrs, two, 1, drk, drv, drvt, true);
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << splits << " splits: the two builds differ";
+  }
 }
 
 // Per-channel key pages (one group per page): the producer expands the keys to the values they

@@ -35,7 +35,11 @@ DecodeGpu h200_decode() {
   g.resident_wide = decode_ctas_per_sm(kDecodeRingWide) * kSms;
   return g;
 }
-PrefillGpu h200_prefill() { return PrefillGpu{2 * kSms, kSms}; }
+// One CTA an SM of each build's shared memory, two of the 4-warp build's two-CTA form.
+PrefillGpu h200_prefill() { return PrefillGpu{kSms, kSms, 2 * kSms}; }
+int64_t resident_of(const PrefillGpu& gpu, const PrefillPlan& p) {
+  return p.warps == 8 ? gpu.resident8 : p.ctas_per_sm == 2 ? gpu.resident4_pair : gpu.resident4;
+}
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
@@ -436,6 +440,7 @@ TEST(PrefillPlanning, TilesAndSplitsCoverEveryKey) {
             const int r = n_heads / n_kv;
             ASSERT_EQ(p.seqs.size(), 1u);
             EXPECT_EQ(p.warps, warps ? warps : (T * r >= 128 ? 8 : 4)) << where;
+            EXPECT_EQ(p.ctas_per_sm, 1) << where;  // two an SM only when asked
             const PrefillSeqPlan& s = p.seqs[0];
             expect_covers(s, g, length, T, r, p.warps, where);
             EXPECT_EQ(p.tokens, T);
@@ -446,11 +451,21 @@ TEST(PrefillPlanning, TilesAndSplitsCoverEveryKey) {
               continue;
             }
             expect_four_tiles(s, where);
-            const int ctas = s.row_tiles * n_kv, resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
+            const int ctas = s.row_tiles * n_kv, resident = int(resident_of(gpu, p));
             EXPECT_TRUE(ctas < resident || s.splits == 1) << where;  // the query tiles fill the GPU
             EXPECT_LE(int64_t(s.splits) * ctas, std::max(int64_t(ctas), int64_t(resident) + ctas)) << where;
           }
   EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {4}, 4, 0, 6), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {4}, 4, 0, 8, 2), Error);  // two an SM: 4 warps only
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {4}, 4, 0, 0, 3), Error);
+  EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {4}, 4, 0, 0, -1), Error);
+  // Overrides: one CTA an SM; two (the 4-warp build even where 8 would be planned); a GPU
+  // without the two-CTA form (its residency unknown) plans one.
+  EXPECT_EQ(plan_prefill(gpu, gpu_geometry(1, 2), {4096}, {16}, 4, 0, 0, 1).ctas_per_sm, 1);
+  const PrefillPlan two = plan_prefill(gpu, gpu_geometry(1, 2), {4096}, {2048}, 4, 0, 0, 2);
+  EXPECT_EQ(two.ctas_per_sm, 2);
+  EXPECT_EQ(two.warps, 4);
+  EXPECT_EQ(plan_prefill(PrefillGpu{kSms, kSms, 0}, gpu_geometry(1, 2), {4096}, {16}, 4, 0, 0).ctas_per_sm, 1);
   EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0, 5}, {4}, 4, 0, 0), Error);
   EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {-1}, {4}, 4, 0, 0), Error);
   EXPECT_THROW(plan_prefill(gpu, gpu_geometry(1, 2), {0}, {-4}, 4, 0, 0), Error);
@@ -495,7 +510,7 @@ TEST(PrefillPlanning, RaggedBatchesPlaceEverySequenceAndBalanceTheSplits) {
     EXPECT_EQ(p.kv_rows, kv);
     EXPECT_EQ(p.part_rows, part);
     EXPECT_EQ(p.warps, 2 * rows_big >= rows_all ? 8 : 4);
-    const int64_t resident = p.warps == 4 ? gpu.resident4 : gpu.resident8;
+    const int64_t resident = resident_of(gpu, p);
     // The longest split is within 4 tiles or one mean share of the batch's key tiles per CTA, or
     // within 1.5 shares when that fits the batch in one wave.
     const int64_t mean = std::max<int64_t>(4, ceil_div(work, resident));
@@ -513,26 +528,27 @@ TEST(PrefillPlanning, RaggedBatchesPlaceEverySequenceAndBalanceTheSplits) {
 }
 
 // A split plan fits one wave where it can: 16 tokens over 32K with 8 KV heads on 132 SMs are 16
-// splits a head (128 CTAs), not 17 (136: four CTAs of a second wave, each as long as the first).
+// splits a head (128 CTAs), not 17 (136: four CTAs of a second wave, each as long as the first);
+// at two CTAs an SM, 33 (264 CTAs).
 TEST(PrefillPlanning, SplitsFitOneWave) {
   const PrefillGpu gpu = h200_prefill();
   const KvGeometry g = gpu_geometry(1, 8);
-  for (int warps : {4, 8})
+  for (auto [warps, per_sm] : {std::pair{4, 0}, std::pair{4, 2}, std::pair{8, 0}})
     for (int64_t length : {4096, 32768, 131072})
       for (int T : {1, 16, 30}) {
-        const PrefillPlan p = plan_prefill(gpu, g, {length}, {T}, 32, 0, warps);
+        const PrefillPlan p = plan_prefill(gpu, g, {length}, {T}, 32, 0, warps, per_sm);
         const PrefillSeqPlan& s = p.seqs[0];
-        const int64_t resident = warps == 4 ? gpu.resident4 : gpu.resident8, ctas = int64_t(s.splits) * s.row_tiles * 8;
-        const std::string where =
-            "len " + std::to_string(length) + " T " + std::to_string(T) + " warps " + std::to_string(warps);
+        const int64_t resident = resident_of(gpu, p), ctas = int64_t(s.splits) * s.row_tiles * 8;
+        const std::string where = "len " + std::to_string(length) + " T " + std::to_string(T) + " warps " +
+                                  std::to_string(warps) + "x" + std::to_string(per_sm);
         EXPECT_LE(ctas, resident) << where;
         // and most of it, where the 4-tile minimum does not bind (32K: 512 tiles)
         if (length >= 32768 && s.splits < kPrefillMaxSplits) {
           EXPECT_GE(2 * ctas, resident) << where;
         }
       }
-  // 8 sequences: 4 splits each (256 CTAs of 4 warps on 264), not 5 (320).
-  const PrefillPlan p = plan_prefill(gpu, g, std::vector<int64_t>(8, 32768), std::vector<int>(8, 16), 32, 0, 0);
+  // 8 sequences at two CTAs an SM: 4 splits each (256 CTAs of 4 warps on 264), not 5 (320).
+  const PrefillPlan p = plan_prefill(gpu, g, std::vector<int64_t>(8, 32768), std::vector<int>(8, 16), 32, 0, 0, 2);
   ASSERT_EQ(p.warps, 4);
   for (const PrefillSeqPlan& s : p.seqs) EXPECT_EQ(s.splits, 4);
 }
