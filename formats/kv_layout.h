@@ -15,8 +15,8 @@
 // Memory: one pool = [pages region][window-slot region].
 //  - A page id addresses a block for every (layer, KV head) of that page:
 //      page block (page, layer, head), page_head_bytes long:
-//        K codes  [P][d·B_k/8]  uint8, B_k bits a code, LSB first: channel c at bits c·B_k ..
-//                 c·B_k + B_k − 1 of the row (2 bits: byte c/4, bits 2·(c%4))
+//        K codes  [P][d·B_k/8]  uint8, B_k bits a code, a row in bit planes (pack_codes): at 2
+//                 bits channel c at byte c/4, bits 2·(c%4)
 //        V codes  [P][d·B_v/8]
 //        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels of a token;
 //                 or, with per-channel keys (key_group_tokens = T > 0, KIVI), [P/T][d]: one pair
@@ -126,23 +126,53 @@ KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) { return tiers_of(
 // Ring slot of post-sink token i.
 KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent); }
 
-// The code of channel c in a packed row of `bits`-bit codes (a 3-bit code may span two bytes).
-KVCC_HD uint8_t unpack_code(const uint8_t* row, int c, int bits = 2) {
-  const int bit = c * bits, byte = bit >> 3, shift = bit & 7;
-  unsigned v = row[byte];
-  if (shift + bits > 8) v |= unsigned(row[byte + 1]) << 8;
-  return uint8_t((v >> shift) & ((1u << bits) - 1u));
+// A row of d codes at 1-4 bits (d a multiple of 8) is bit planes, each laid out so that a kernel
+// built for 2-bit rows reads every width with the same channel order (its MMA fragments, its query
+// permutation), only adding planes into the codes it has:
+//  - a 2-bit plane (d/4 bytes): channel c at byte c/4, bits 2·(c%4);
+//  - a 1-bit plane (d/8 bytes): channel c of the row's first half at byte 4·(c/16) + (c%16)/4,
+//    bit c%4, and channel c + d/2 at the same byte, bit 4 + c%4 (a 32-bit word of it holds one bit
+//    of the same 16 + 16 channels as 2-bit words w and w + d/32 hold two).
+// 1 bit: the 1-bit plane. 2 bits: the 2-bit plane. 3 bits: the 2-bit plane of bits 0-1, then the
+// 1-bit plane of bit 2. 4 bits: the 2-bit plane of bits 0-1, then that of bits 2-3. (Codes packed
+// LSB first would put a 3-bit code across two bytes and give each width its own channel order.)
+// Byte and bit of channel c in a 2-bit or 1-bit plane of d channels.
+KVCC_HD int plane_bit(int c, int d, int plane_bits, int& byte) {
+  if (plane_bits == 2) {
+    byte = c >> 2;
+    return 2 * (c & 3);
+  }
+  const int half = c >= d / 2, i = c - half * (d / 2);
+  byte = 4 * (i >> 4) + ((i & 15) >> 2);
+  return 4 * half + (i & 3);
 }
 
-// Packs d codes (each below 2^bits) into d·bits/8 bytes (d·bits a multiple of 8).
+// The code of channel c in a row of d codes at `bits` bits.
+KVCC_HD uint8_t unpack_code(const uint8_t* row, int d, int c, int bits = 2) {
+  unsigned code = 0;
+  for (int b0 = 0, off = 0; b0 < bits;) {  // planes: their lowest code bit, their first byte
+    const int pb = bits - b0 >= 2 ? 2 : 1;
+    int byte;
+    const int shift = plane_bit(c, d, pb, byte);
+    code |= ((unsigned(row[off + byte]) >> shift) & ((1u << pb) - 1u)) << b0;
+    off += d * pb / 8;
+    b0 += pb;
+  }
+  return uint8_t(code);
+}
+
+// Packs d codes (each below 2^bits) into the d·bits/8 bytes of a row (unpack_code's layout).
 KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row, int bits = 2) {
   for (int b = 0; b < d * bits / 8; ++b) row[b] = 0;
-  for (int c = 0; c < d; ++c) {
-    const int bit = c * bits, byte = bit >> 3, shift = bit & 7;
-    const unsigned v = unsigned(codes[c]) << shift;
-    row[byte] = uint8_t(row[byte] | (v & 0xFFu));
-    if (v > 0xFFu) row[byte + 1] = uint8_t(row[byte + 1] | (v >> 8));
-  }
+  for (int c = 0; c < d; ++c)
+    for (int b0 = 0, off = 0; b0 < bits;) {
+      const int pb = bits - b0 >= 2 ? 2 : 1;
+      int byte;
+      const int shift = plane_bit(c, d, pb, byte);
+      row[off + byte] = uint8_t(row[off + byte] | (((unsigned(codes[c]) >> b0) & ((1u << pb) - 1u)) << shift));
+      off += d * pb / 8;
+      b0 += pb;
+    }
 }
 
 // Where the blocks of a page are when (layer, KV head) blocks have their own code widths: block

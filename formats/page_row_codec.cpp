@@ -42,7 +42,7 @@ void dequantize_row(const KvGeometry& g, const SideCodec& codec, int bits, const
   for (int c = 0; c < g.head_dim; ++c) {
     const int grp = c / g.group;
     const float s = float_from_f16(params[2 * grp]);
-    const uint8_t code = unpack_code(codes, c, bits);
+    const uint8_t code = unpack_code(codes, g.head_dim, c, bits);
     row[c] = codec.use_table ? table_dequant(code, s, codec.levels)
                              : uniform_dequant(code, s, float_from_f16(params[2 * grp + 1]));
   }
@@ -90,7 +90,8 @@ void dequantize_page_row(const KvGeometry& g, const SideCodec& codec, bool key, 
   }
   const uint16_t* grp = params + size_t(row / g.key_group_tokens) * size_t(g.head_dim) * 2;
   for (int c = 0; c < g.head_dim; ++c)
-    out[c] = uniform_dequant(unpack_code(codes, c, bits), float_from_f16(grp[2 * c]), float_from_f16(grp[2 * c + 1]));
+    out[c] = uniform_dequant(unpack_code(codes, g.head_dim, c, bits), float_from_f16(grp[2 * c]),
+                             float_from_f16(grp[2 * c + 1]));
 }
 
 }  // namespace kvcc

@@ -321,7 +321,7 @@ TEST(CacheLayout, PageAndSlotSizes) {
   pack_codes(codes, 8, row);
   EXPECT_EQ(row[0], 0b11100100);
   EXPECT_EQ(row[1], 0b00011011);
-  for (int c = 0; c < 8; ++c) EXPECT_EQ(unpack_code(row, c), codes[c]);
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(unpack_code(row, 8, c), codes[c]);
 }
 
 TEST(CacheAllocator, AccountingForkFreeAndOutOfMemory) {

@@ -213,7 +213,7 @@ struct World {
               for (int i = 0; i < T; ++i) {
                 const int pos = s.pages[pg][size_t(t0 + i)];
                 const uint8_t* crow = blk + g.k_codes_offset() + size_t(t0 + i) * size_t(d * w.key / 8);
-                ASSERT_EQ(unpack_code(crow, c, w.key), codes[size_t(i)]) << "pos " << pos << " ch " << c;
+                ASSERT_EQ(unpack_code(crow, d, c, w.key), codes[size_t(i)]) << "pos " << pos << " ch " << c;
                 const float decoded =
                     uniform_dequant(codes[size_t(i)], float_from_f16(p.scale), float_from_f16(p.zero));
                 ASSERT_EQ(decoded, s.k_hat[size_t(pos)][size_t(c)]) << "pos " << pos << " ch " << c;
@@ -232,7 +232,7 @@ struct World {
               ASSERT_EQ(vp[(size_t(r) * (d / g.group) + size_t(grp)) * 2], p.scale) << "pos " << pos;
               ASSERT_EQ(vp[(size_t(r) * (d / g.group) + size_t(grp)) * 2 + 1], p.zero);
               for (int i = 0; i < g.group; ++i) {
-                ASSERT_EQ(unpack_code(crow, grp * g.group + i, w.value), codes[size_t(i)]);
+                ASSERT_EQ(unpack_code(crow, d, grp * g.group + i, w.value), codes[size_t(i)]);
                 ASSERT_EQ(uniform_dequant(codes[size_t(i)], float_from_f16(p.scale), float_from_f16(p.zero)),
                           s.v_hat[size_t(pos)][size_t(grp * g.group + i)]);
               }

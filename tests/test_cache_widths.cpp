@@ -1,6 +1,6 @@
 // Code widths per (layer, KV head) block (kv_layout.h PageLayout, compile --bits-budget's
-// artifacts) in the host pool: codes pack LSB first at 1-4 bits (checked against a bit-by-bit
-// writer), the blocks tile a page in (layer, head) order and reduce to the 2-bit layout, and a pool
+// artifacts) in the host pool: codes pack in bit planes at 1-4 bits (checked against a writer of
+// the planes by hand), the blocks tile a page in (layer, head) order and reduce to the 2-bit layout, and a pool
 // whose blocks have their own widths holds, block for block, the bytes of uniform pools at those
 // widths given the same appends (so every width is the one the per-channel tests check against
 // the codec); compaction moves rows at their widths. What the runtime refuses is named.
@@ -42,19 +42,50 @@ KvGeometry geometry() {
 // Every width on both sides: {1, 3}, {2, 4}, {3, 1}, {4, 2}.
 std::vector<BlockWidths> all_widths() { return {{1, 3}, {2, 4}, {3, 1}, {4, 2}}; }
 
-TEST(CacheWidths, CodesPackLsbFirstAtEveryWidth) {
-  std::mt19937 rng(5);
-  for (int bits = 1; bits <= 4; ++bits) {
-    const int d = 40;  // d·bits a multiple of 8 at every width
-    std::vector<uint8_t> codes(static_cast<size_t>(d)), row(size_t(d * bits / 8), 0xAB), want(row.size(), 0);
-    for (auto& c : codes) c = uint8_t(rng() % (1u << bits));
-    // Bit i of the row is bit (i mod bits) of code i / bits.
-    for (int i = 0; i < d * bits; ++i)
-      if ((codes[size_t(i / bits)] >> (i % bits)) & 1u) want[size_t(i / 8)] |= uint8_t(1u << (i % 8));
-    pack_codes(codes.data(), d, row.data(), bits);
-    EXPECT_EQ(row, want) << bits << " bits";
-    for (int c = 0; c < d; ++c) ASSERT_EQ(unpack_code(row.data(), c, bits), codes[size_t(c)]) << bits << " bits";
+// The bit planes of a row (kv_layout.h's pack_codes), written another way: each plane as the
+// sequence of its 2-bit or 1-bit fields in the order the layout gives them. A 2-bit plane is
+// channels 0, 1, .. d − 1 at consecutive 2-bit fields (LSB first); a 1-bit plane is, per 4-byte
+// word k, four bytes j each holding channels 16k + 4j .. + 3 of the first half in bits 0-3 and the
+// same channels of the second half in bits 4-7.
+std::vector<uint8_t> planes_by_hand(const std::vector<uint8_t>& codes, int bits) {
+  const int d = int(codes.size());
+  std::vector<uint8_t> row;
+  for (int b0 = 0; b0 < bits;) {
+    const int pb = bits - b0 >= 2 ? 2 : 1;
+    std::vector<uint8_t> plane(size_t(d * pb / 8), 0);
+    auto field = [&](int c) { return (codes[size_t(c)] >> b0) & ((1 << pb) - 1); };
+    if (pb == 2) {
+      for (int c = 0; c < d; ++c) plane[size_t(c / 4)] = uint8_t(plane[size_t(c / 4)] | field(c) << (2 * (c % 4)));
+    } else {
+      for (int byte = 0; byte < d / 8; ++byte)
+        for (int bit = 0; bit < 8; ++bit) {
+          const int i = 16 * (byte / 4) + 4 * (byte % 4) + bit % 4, c = i + (bit >= 4 ? d / 2 : 0);
+          plane[size_t(byte)] = uint8_t(plane[size_t(byte)] | field(c) << bit);
+        }
+    }
+    row.insert(row.end(), plane.begin(), plane.end());
+    b0 += pb;
   }
+  return row;
+}
+
+TEST(CacheWidths, CodesPackInBitPlanesAtEveryWidth) {
+  std::mt19937 rng(5);
+  for (int d : {8, 16, 40, 128})
+    for (int bits = 1; bits <= 4; ++bits) {
+      std::vector<uint8_t> codes(static_cast<size_t>(d)), row(size_t(d * bits / 8), 0xAB);
+      for (auto& c : codes) c = uint8_t(rng() % (1u << bits));
+      pack_codes(codes.data(), d, row.data(), bits);
+      EXPECT_EQ(row, planes_by_hand(codes, bits)) << d << " channels, " << bits << " bits";
+      for (int c = 0; c < d; ++c)
+        ASSERT_EQ(unpack_code(row.data(), d, c, bits), codes[size_t(c)]) << d << " channels, " << bits << " bits";
+    }
+  // 2 bits: the layout the CUDA kernels read (channel c at byte c/4, bits 2·(c%4)); the planes of
+  // wider codes follow it, the low bits first.
+  const std::vector<uint8_t> c4 = {0x1, 0x6, 0xB, 0xC, 0x0, 0xF, 0x5, 0xA};
+  std::vector<uint8_t> r4(4);
+  pack_codes(c4.data(), 8, r4.data(), 4);
+  EXPECT_EQ(r4, (std::vector<uint8_t>{0b00111001, 0b10011100, 0b11100100, 0b10011100}));
 }
 
 TEST(CacheWidths, BlocksTileThePageInOrder) {
