@@ -1,6 +1,6 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
-// (their new tokens one after another in q, k, v and out). Five kernels, up to seven launches for
+// (their new tokens one after another in q, k, v and out). Five kernels, up to six launches for
 // up to kLaunchSeqs sequences; the batch's sequences and their offsets are kernel parameters
 // (PrefillArgs), so a launch needs no copy to the device:
 //
