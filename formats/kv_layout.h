@@ -136,28 +136,31 @@ KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent)
 // 1 bit: the 1-bit plane. 2 bits: the 2-bit plane. 3 bits: the 2-bit plane of bits 0-1, then the
 // 1-bit plane of bit 2. 4 bits: the 2-bit plane of bits 0-1, then that of bits 2-3. (Codes packed
 // LSB first would put a 3-bit code across two bytes and give each width its own channel order.)
-// Byte and bit of channel c in a 2-bit or 1-bit plane of d channels.
-KVCC_HD int plane_bit(int c, int d, int plane_bits, int& byte) {
-  if (plane_bits == 2) {
-    byte = c >> 2;
-    return 2 * (c & 3);
+//
+// Channel c's fields in a row of d codes at `bits` bits, planes in order: f(byte, shift, width,
+// code_bit) for each, the field's width bits at `shift` of row byte `byte` holding code bits
+// code_bit .. code_bit + width − 1.
+template <class F>
+KVCC_HD void for_each_code_field(int c, int d, int bits, F f) {
+  for (int code_bit = 0, off = 0; code_bit < bits;) {
+    const int width = bits - code_bit >= 2 ? 2 : 1;
+    if (width == 2) {
+      f(off + (c >> 2), 2 * (c & 3), width, code_bit);
+    } else {
+      const int half = c >= d / 2, i = c - half * (d / 2);
+      f(off + 4 * (i >> 4) + ((i & 15) >> 2), 4 * half + (i & 3), width, code_bit);
+    }
+    off += d * width / 8;
+    code_bit += width;
   }
-  const int half = c >= d / 2, i = c - half * (d / 2);
-  byte = 4 * (i >> 4) + ((i & 15) >> 2);
-  return 4 * half + (i & 3);
 }
 
 // The code of channel c in a row of d codes at `bits` bits.
 KVCC_HD uint8_t unpack_code(const uint8_t* row, int d, int c, int bits = 2) {
   unsigned code = 0;
-  for (int b0 = 0, off = 0; b0 < bits;) {  // planes: their lowest code bit, their first byte
-    const int pb = bits - b0 >= 2 ? 2 : 1;
-    int byte;
-    const int shift = plane_bit(c, d, pb, byte);
-    code |= ((unsigned(row[off + byte]) >> shift) & ((1u << pb) - 1u)) << b0;
-    off += d * pb / 8;
-    b0 += pb;
-  }
+  for_each_code_field(c, d, bits, [&](int byte, int shift, int width, int code_bit) {
+    code |= ((unsigned(row[byte]) >> shift) & ((1u << width) - 1u)) << code_bit;
+  });
   return uint8_t(code);
 }
 
@@ -165,14 +168,9 @@ KVCC_HD uint8_t unpack_code(const uint8_t* row, int d, int c, int bits = 2) {
 KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row, int bits = 2) {
   for (int b = 0; b < d * bits / 8; ++b) row[b] = 0;
   for (int c = 0; c < d; ++c)
-    for (int b0 = 0, off = 0; b0 < bits;) {
-      const int pb = bits - b0 >= 2 ? 2 : 1;
-      int byte;
-      const int shift = plane_bit(c, d, pb, byte);
-      row[off + byte] = uint8_t(row[off + byte] | (((unsigned(codes[c]) >> b0) & ((1u << pb) - 1u)) << shift));
-      off += d * pb / 8;
-      b0 += pb;
-    }
+    for_each_code_field(c, d, bits, [&](int byte, int shift, int width, int code_bit) {
+      row[byte] = uint8_t(row[byte] | (((unsigned(codes[c]) >> code_bit) & ((1u << width) - 1u)) << shift));
+    });
 }
 
 // Where the blocks of a page are when (layer, KV head) blocks have their own code widths: block

@@ -1032,7 +1032,7 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
 // Every launch of a prefill is a programmatic dependent launch: the grid may start while its
 // predecessor runs (a rotation splits its R meanwhile, the attention sets up its barriers), and
 // each kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote. A short
-// extend is seven kernels of a few microseconds each; launched plainly, each also paid the one
+// extend is six kernels of a few microseconds each; launched plainly, each also paid the one
 // before it draining.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -1060,8 +1060,7 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
   static const cudaError_t attribute[2] = {
       cudaFuncSetAttribute(rotate<kIn, In, Out, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)),
       cudaFuncSetAttribute(rotate<kIn, In, Out, kRotParts>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem))};
-  check_cuda(attribute[0], "prefill (CUDA): the rotation's shared memory attribute");
-  check_cuda(attribute[1], "prefill (CUDA): the rotation's shared memory attribute");
+  for (const cudaError_t e : attribute) check_cuda(e, "prefill (CUDA): the rotation's shared memory attribute");
   const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
   // Fewer tiles than a quarter of the SMs: each tile's columns split over kRotParts CTAs.
   const bool split = tiles * n_kv * kRotParts <= multiprocessors();
@@ -1112,14 +1111,14 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
                     const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
                     const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
   const int n_kv = g.n_kv_heads;
-  std::vector<int> live;  // sequences with new tokens
-  for (size_t i = 0; i < seqs.size(); ++i)
-    if (seqs[i].T > 0) live.push_back(int(i));
   RowMap staged_q;  // [n_kv][q_rows][d]
   staged_q.n = 1;
   staged_q.first[0] = staged_q.offset[0] = 0;
   staged_q.head_stride[0] = a.q_rows;
   rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, a.q, staged_q, stream);
+  std::vector<int> live;  // sequences with new tokens
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].T > 0) live.push_back(int(i));
   prepare_prefill_kernels();
   for (size_t c0 = 0; c0 < live.size(); c0 += kLaunchSeqs) {
     const size_t c1 = std::min(live.size(), c0 + kLaunchSeqs);
