@@ -321,8 +321,8 @@ struct Tally {
 };
 
 // The rotations, read where the call leaves them. The staged new keys and values (rotate_kv) are
-// exactly what the append puts in the ring: the bf16 rounding of the in-order fp32 FMA chain,
-// computed here with std::fma. The staged queries (fp16) and the output (the merged rows left in
+// exactly what the append puts in the ring: append_ref.h's rotate_kv_row (formats/kv_rotation.h's
+// exact fixed-point sums, rounded to bf16). The staged queries (fp16) and the output (the merged rows left in
 // split 0's partials, times R_vᵀ) come from the tensor cores' split-term rotation (rotate): each
 // within its Tally bound of the exact value, and at least 98% of the queries the exact value's
 // nearest (the truncating sums cross a rounding boundary rarely); a bf16-accurate rotation (R as
@@ -395,6 +395,11 @@ void rotations_accuracy(int kT) {
     };
     Tally staged, out;
     size_t kv_differ = 0, kv_n = 0;
+    std::vector<FixedRotation> fixed_k, fixed_v;
+    for (int h = 0; h < n_kv; ++h) {
+      fixed_k.push_back(fixed_rotation(&rk[size_t(h) * kD * kD], kD));
+      fixed_v.push_back(fixed_rotation(&rv[size_t(h) * kD * kD], kD));
+    }
     for (int h = 0; h < n_kv; ++h)
       for (int t = 0; t < kT; ++t)
         for (int n = 0; n < kD; ++n) {
@@ -407,20 +412,19 @@ void rotations_accuracy(int kT) {
             staged.nearest += got == double(float_from_f16(f16_from_float(float(y))));
           }
           const size_t row = size_t(h) * plan.kv_rows + sp.kv0 + sp.win_rows + t;
-          // k, v: the append's in-order fp32 sums, through bf16 (the ring's value), then fp16 as the
-          // staging holds every row, a ring row read back included (bf16 -> fp16 loses bits only
-          // below fp16's normal range, 2^-14)
+          // k, v: the append's rotation (rotate_kv_row: exact fixed-point sums, rounded to bf16,
+          // the ring's value), then fp16 as the staging holds every row, a ring row read back
+          // included (bf16 -> fp16 loses bits only below fp16's normal range, 2^-14)
           for (int side = 0; side < 2; ++side) {
             const float* x = &(side ? v : k)[(size_t(t) * n_kv + h) * kD];
-            const float* R = &(side ? rv : rk)[size_t(h) * kD * kD];
-            float chain = 0.0f;
-            for (int ci = 0; ci < kD; ++ci) chain = std::fma(x[ci], R[size_t(ci) * kD + n], chain);
-            const float ring = float_from_bf16(bf16_from_float(chain));
+            std::vector<float> stored(kD);
+            rotate_kv_row(x, &(side ? fixed_v : fixed_k)[size_t(h)], kD, stored.data());
+            const float ring = stored[size_t(n)];
             const float want = float_from_f16(f16_from_float(ring));
             const float got = float(f16_at(side ? lay.v : lay.k, row * kD + n));
             if (got != want && kv_differ < 4)
-              std::printf("  staged %s row %zu channel %d: %.9g, the append's sum %.9g (bf16 %.9g, fp16 of it %.9g)\n",
-                          side ? "v" : "k", row, n, got, chain, ring, want);
+              std::printf("  staged %s row %zu channel %d: %.9g, the append's row %.9g (fp16 of it %.9g)\n",
+                          side ? "v" : "k", row, n, got, ring, want);
             kv_differ += got != want;
             ++kv_n;
           }
