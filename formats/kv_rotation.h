@@ -30,19 +30,47 @@ KVCC_HD int rot_exponent(float a) {
   return e;
 }
 
-// RN(v · 2^(bits − e)) (exact scaling in float64, ties to even).
-KVCC_HD int32_t rot_fixed(float v, int e, int bits) { return int32_t(rint(ldexp(double(v), bits - e))); }
+// RN(v · 2^(bits − e)), ties to even: the scaling is exact in float32 (a power of two; a result
+// below float32's normal range is far below 1/2 and rounds to 0 either way).
+KVCC_HD int32_t rot_fixed(float v, int e, int bits) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(ldexpf(v, bits - e));
+#else
+  return int32_t(std::nearbyint(std::ldexp(v, bits - e)));
+#endif
+}
 
-// bf16_RN(t · 2^shift), t an exact sum (|t| < 2^53): t·2^shift is exact in float64; rounded toward
-// zero to float32 with a sticky last bit (round to odd), then to nearest bf16, which is the nearest
-// bf16 of the exact value (float32 keeps 16 more bits than bf16, over the same exponent range).
+// The bf16 bits nearest to t·2^shift (ties to even; |t| < 2^62), by integer arithmetic alone, so
+// host and device agree by construction: the leading bit of |t| fixes the result's exponent, the
+// bits below its last kept bit (8 significant bits, fewer below bf16's normal range) round it.
 KVCC_HD uint16_t rot_bf16(int64_t t, int shift) {
-  const double d = ldexp(double(t), shift);
-  float f = float(d);
-  if (fabs(double(f)) > fabs(d)) f = nextafterf(f, 0.0f);
-  uint32_t b = f32_bits(f);
-  if (double(f) != d) b |= 1u;
-  return bf16_from_float(f32_from_bits(b));
+  if (t == 0) return 0;
+  const uint16_t sign = t < 0 ? 0x8000u : 0u;
+  const uint64_t a = t < 0 ? uint64_t(-t) : uint64_t(t);
+#if defined(__CUDA_ARCH__)
+  const int n = 63 - __clzll(static_cast<long long>(a));
+#else
+  const int n = 63 - __builtin_clzll(a);
+#endif
+  const int E = n + shift;  // the value is in [2^E, 2^(E + 1))
+  if (E > 127) return uint16_t(sign | 0x7f80u);
+  const int last = (E < -126 ? -126 : E) - 7;  // exponent of the result's last kept bit
+  const int cut = last - shift;                // bits of a below it
+  uint64_t m;
+  if (cut <= 0) {
+    m = a << -cut;
+  } else if (cut > 63) {
+    m = 0;  // below half of the smallest subnormal
+  } else {
+    m = a >> cut;
+    const uint64_t rem = a & ((uint64_t(1) << cut) - 1), half = uint64_t(1) << (cut - 1);
+    if (rem > half || (rem == half && (m & 1))) ++m;
+  }
+  // m·2^last: normal (m in [2^7, 2^8]) or subnormal (E < -126: m < 2^7, the field's exponent 0); a
+  // carry to 2^8 or to 2^7 moves into the exponent field by the addition itself.
+  const uint32_t field = E < -126 ? 0u : uint32_t(last + 7 + 127 - 1) << 7;
+  const uint32_t bits = field + uint32_t(m);
+  return uint16_t(sign | (bits >= 0x7f80u ? 0x7f80u : bits));
 }
 
 }  // namespace kvcc

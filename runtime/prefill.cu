@@ -335,10 +335,9 @@ __global__ void __launch_bounds__(kKvThreads, 2)
     if (!rot) continue;
     __syncthreads();
     for (int m = 0; m < mtiles; ++m)
-      rotate_rows(xr, m, rc, w, [&](int row, int col, uint32_t yb) {
-        if (row < n)
-          *reinterpret_cast<uint32_t*>(y + dst_row[row] * kD + col) =
-              pack_half2(float_from_bf16(uint16_t(yb & 0xffffu)), float_from_bf16(uint16_t(yb >> 16)));
+      rotate_rows(xr, m, n, rc, w, [&](int row, int col, uint32_t yb) {
+        *reinterpret_cast<uint32_t*>(y + dst_row[row] * kD + col) =
+            pack_half2(float_from_bf16(uint16_t(yb & 0xffffu)), float_from_bf16(uint16_t(yb >> 16)));
       });
   }
 }

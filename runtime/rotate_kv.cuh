@@ -91,8 +91,8 @@ __device__ __forceinline__ void put_rot_row(const float (&v)[4], RotRows<kRows>&
     mx = fmaxf(mx, fabsf(v[u]));
   }
   finite = __all_sync(0xffffffffu, finite);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  // (non-negative floats order as their bit patterns)
+  mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
   const int e = rot_exponent(finite ? mx : 0.0f);
   uint32_t p[3] = {0, 0, 0};
   if (finite)
@@ -109,9 +109,11 @@ __device__ __forceinline__ void put_rot_row(const float (&v)[4], RotRows<kRows>&
 }
 
 // Rows [16m, 16m + 16) of rr times the warp's column block cb (rc): out(row, col, y) for each
-// pair of adjacent output columns (col, col + 1), y their two bf16 values (col's in the low half).
+// pair of adjacent output columns (col, col + 1) of the rows below n, y their two bf16 values
+// (col's in the low half).
 template <int kRows, typename Out>
-__device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, const RotCols& rc, int cb, Out&& out) {
+__device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, int n, const RotCols& rc, int cb,
+                                            Out&& out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int acc[4][4][4];  // [weight 2^24, 2^16, 2^8, 2^0][n-tile][fragment element]
 #pragma unroll
@@ -142,21 +144,23 @@ __device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, con
   }
   const int ex[2] = {rr.ex[r0], rr.ex[r0 + 8]};
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
+  for (int half = 0; half < 2; ++half) {
+    if (r0 + 8 * half >= n) continue;  // (a decode step's tile holds a few rows of the 16)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int nt = 0; nt < 4; ++nt) {
       uint32_t y = 0;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int i = 2 * half + c;
-        const int64_t sum = (int64_t(acc[0][n][i]) << 24) + (int64_t(acc[1][n][i]) << 16) +
-                            (int64_t(acc[2][n][i]) << 8) + int64_t(acc[3][n][i]);
+        const int64_t sum = (int64_t(acc[0][nt][i]) << 24) + (int64_t(acc[1][nt][i]) << 16) +
+                            (int64_t(acc[2][nt][i]) << 8) + int64_t(acc[3][nt][i]);
         const uint16_t b =
-            ex[half] == kRotBadRow ? kRotNaN : rot_bf16(sum, ex[half] + rc.e[n][c] - kRotXBits - kRotRBits);
+            ex[half] == kRotBadRow ? kRotNaN : rot_bf16(sum, ex[half] + rc.e[nt][c] - kRotXBits - kRotRBits);
         y |= uint32_t(b) << (16 * c);
       }
-      out(r0 + 8 * half, 32 * cb + 8 * n + 2 * t, y);
+      out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
     }
+  }
 }
 
 }  // namespace kvcc

@@ -14,6 +14,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "formats/kv_rotation.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
@@ -365,6 +366,38 @@ TEST(CacheAppend, RotateKvRowIsTheExactFixedPointSum) {
   std::vector<float> bad(32 * 32, 0.0f);
   bad[5] = std::nanf("");
   EXPECT_THROW(fixed_rotation(bad.data(), 32), Error);
+}
+
+// rot_bf16 (integer rounding of t·2^s to bf16) against the nearest of the bf16 values around it,
+// measured in long double (exact here: |t| < 2^40 and the candidates' bits lie within 64 bits of
+// t's), across normal, subnormal, zero and overflowing results.
+TEST(CacheAppend, RotBf16IsTheNearestBf16) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200000; ++trial) {
+    const int bits = 1 + int(rng() % 40);
+    int64_t t = int64_t(rng() >> (64 - bits)) | (int64_t(1) << (bits - 1));
+    if (trial % 7 == 0) t |= 0xff;  // long runs of ones: carries into the exponent
+    if (rng() & 1) t = -t;
+    const int s = int(rng() % 320) - 200;  // results from below the subnormals to above the largest
+    const long double v = std::ldexp(static_cast<long double>(t), s);
+    const uint16_t got = rot_bf16(t, s);
+    // The candidates: the bf16 below |v| (truncation of its float value toward zero) and the next.
+    const long double av = std::fabs(v);
+    if (av >= std::ldexp(1.0L, 128)) {
+      ASSERT_EQ(got & 0x7fffu, 0x7f80u) << t << " " << s;
+      continue;
+    }
+    float f = static_cast<float>(av);
+    if (static_cast<long double>(f) > av) f = std::nextafter(f, 0.0f);
+    const uint16_t lo = uint16_t(f32_bits(f) >> 16), hi = uint16_t(lo + 1);
+    const long double dlo = av - static_cast<long double>(float_from_bf16(lo));
+    // (IEEE rounding to nearest: beyond the largest bf16 by half a step or more gives inf, as if
+    // the next value were 2^128)
+    const long double dhi = (hi == 0x7f80u ? std::ldexp(1.0L, 128) : static_cast<long double>(float_from_bf16(hi))) - av;
+    const uint16_t want = (dlo < dhi || (dlo == dhi && (lo & 1) == 0)) ? lo : hi;
+    ASSERT_EQ(got, uint16_t(want | (t < 0 ? 0x8000u : 0u))) << "t " << t << " s " << s;
+  }
+  EXPECT_EQ(rot_bf16(0, -30), 0u);
 }
 
 TEST(CacheLayout, TiersMatchTokenByTokenRing) {
