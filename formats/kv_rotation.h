@@ -25,6 +25,8 @@ constexpr uint16_t kRotNaN = 0x7fc0;
 
 // e with a in [2^(e-1), 2^e) (a >= 0 finite); 0 for a = 0.
 KVCC_HD int rot_exponent(float a) {
+  const uint32_t u = f32_bits(a);
+  if (u >= 0x00800000u) return int(u >> 23) - 126;  // normal: the exponent field
   int e = 0;
   (void)frexpf(a, &e);
   return e;
@@ -32,9 +34,14 @@ KVCC_HD int rot_exponent(float a) {
 
 // RN(v · 2^(bits − e)), ties to even: the scaling is exact in float32 (a power of two; a result
 // below float32's normal range is far below 1/2 and rounds to 0 either way).
+// On the device: the scale as a float32 power of two where one exists (the product is then
+// ldexpf's), and the rounding by adding 1.5·2^23, which leaves RN(y) in the low bits of the sum for
+// |y| <= 2^22 (two adds on the fast pipes instead of a conversion).
 KVCC_HD int32_t rot_fixed(float v, int e, int bits) {
 #if defined(__CUDA_ARCH__)
-  return __float2int_rn(ldexpf(v, bits - e));
+  const int k = bits - e;
+  const float y = k >= -126 && k <= 127 ? v * __int_as_float((127 + k) << 23) : ldexpf(v, k);
+  return int32_t(__float_as_uint(y + 12582912.0f) - 0x4B400000u);
 #else
   return int32_t(std::nearbyint(std::ldexp(v, bits - e)));
 #endif

@@ -88,6 +88,13 @@ __device__ float warp_kth_smallest_of_top(const float a[4], int k) {
   }
 }
 
+// A key that orders floats (not NaN) as signed integers, and back.
+__device__ __forceinline__ int float_order(float f) {
+  const int b = __float_as_int(f);
+  return b >= 0 ? b : b ^ 0x7fffffff;
+}
+__device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
+
 // One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
 // l holds channels 4l .. 4l + 3, i.e. code byte l.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
@@ -132,11 +139,10 @@ __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page
       lo = fminf(lo, c[e]);
       hi = fmaxf(hi, c[e]);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-    }
+    // The warp's min and max by redux.sync on keys that order floats as signed integers (a
+    // NaN lane, which holds ±inf here, is as fminf / fmaxf would leave it).
+    lo = ordered_float(__reduce_min_sync(0xffffffffu, float_order(lo)));
+    hi = ordered_float(__reduce_max_sync(0xffffffffu, float_order(hi)));
     prm = uniform_params(lo, hi, 2);
     const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
 #pragma unroll

@@ -393,7 +393,8 @@ TEST(CacheAppend, RotBf16IsTheNearestBf16) {
     const long double dlo = av - static_cast<long double>(float_from_bf16(lo));
     // (IEEE rounding to nearest: beyond the largest bf16 by half a step or more gives inf, as if
     // the next value were 2^128)
-    const long double dhi = (hi == 0x7f80u ? std::ldexp(1.0L, 128) : static_cast<long double>(float_from_bf16(hi))) - av;
+    const long double dhi =
+        (hi == 0x7f80u ? std::ldexp(1.0L, 128) : static_cast<long double>(float_from_bf16(hi))) - av;
     const uint16_t want = (dlo < dhi || (dlo == dhi && (lo & 1) == 0)) ? lo : hi;
     ASSERT_EQ(got, uint16_t(want | (t < 0 ? 0x8000u : 0u))) << "t " << t << " s " << s;
   }
