@@ -21,6 +21,18 @@ constexpr int kRotD = 128;
 constexpr int kRotRowBytes = kRotD + 16;
 constexpr int kRotBadRow = INT_MIN;  // a row exponent: the row holds NaN or inf (rotates to NaN)
 
+// rot_bf16 with the rounding on the conversion unit: f = RN24(t) (one I2F), then RN8 of f, which is
+// RN8(t) unless f sits exactly on a bf16 tie (t may be on either side of it: rot_bf16 then), and the
+// scale added to the exponent field where the result stays a normal bf16 (else rot_bf16).
+__device__ __forceinline__ uint16_t rot_bf16_fast(int64_t t, int shift) {
+  const uint32_t u = __float_as_uint(__ll2float_rn(t));
+  const int e = int((u >> 23) & 0xff);  // t != 0: 127 + its leading bit (t < 2^62)
+  if ((u & 0xffffu) == 0x8000u || t == 0 || e + shift < 1 + 1 || e + shift > 254 - 1) return rot_bf16(t, shift);
+  const uint32_t b = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RN8 of f (a carry moves the exponent)
+  const uint32_t r = b + (uint32_t(shift) << 7);
+  return uint16_t(((r & 0x7f80u) >= 0x7f80u) ? ((b & 0x8000u) | 0x7f80u) : r);
+}
+
 // Up to kRows rows in fixed point: the byte planes of X = hi·2^16 + mid·2^8 + lo (hi s8, the others
 // u8) and each row's exponent e_x.
 template <int kRows>
@@ -152,10 +164,11 @@ __device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, int
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int i = 2 * half + c;
-        const int64_t sum = (int64_t(acc[0][nt][i]) << 24) + (int64_t(acc[1][nt][i]) << 16) +
-                            (int64_t(acc[2][nt][i]) << 8) + int64_t(acc[3][nt][i]);
+        // (each partial below 2^31: hi < 2^28, lo < 2^30 + 2^23)
+        const int32_t hi = acc[0][nt][i] * 256 + acc[1][nt][i], lo = acc[2][nt][i] * 256 + acc[3][nt][i];
+        const int64_t sum = (int64_t(hi) << 16) + int64_t(lo);
         const uint16_t b =
-            ex[half] == kRotBadRow ? kRotNaN : rot_bf16(sum, ex[half] + rc.e[nt][c] - kRotXBits - kRotRBits);
+            ex[half] == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex[half] + rc.e[nt][c] - kRotXBits - kRotRBits);
         y |= uint32_t(b) << (16 * c);
       }
       out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
