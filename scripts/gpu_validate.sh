@@ -10,7 +10,8 @@
 # usage: OUT=dir [RUNS="runtime:gpu runtime:cpu codec:auto"] [BUILD=CMake build dir, default build-gpu]
 #        scripts/gpu_validate.sh   (writes validate_*.txt / .json into the output directory)
 # Another model and its run: M=model dir, IDS=token ids, ART="a.kvcc.h5 b.kvcc.h5" (every artifact
-# in one validate), WINDOWS="--sink 4 --recent 128 --page-size 64" (the artifacts' own: WINDOWS=""),
+# in one validate), WINDOWS="--sink 16 --recent 128 --page-size 64" (the default; the artifacts' own:
+# WINDOWS=""; the GPU kernels take windows in multiples of 16 tokens),
 # LENGTH="--tokens 8192" (or e.g. "--max-seq-len 16384 --late-from 8192": whole long documents).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_common.sh"
@@ -28,11 +29,11 @@ M=${M:-.device/gutenberg-27m}
 if [ -d "$M" ]; then
   IDS=${IDS:-.device/gutenberg_heldout_half.ids}
   ART=${ART:-$(ls zoo/published/gutenberg-27m/oscar-*/artifact.*.kvcc.h5 | head -1)}
+  arts=()
+  for a in $ART; do arts+=(-a "$a"); done
   for run in ${RUNS:-runtime:gpu runtime:cpu codec:auto}; do
     set -- ${run/:/ }
     s=$(date +%s%N)
-    arts=()
-    for a in $ART; do arts+=(-a "$a"); done
     "$BUILD/cli/kvcc" validate --model "$M" "${arts[@]}" --ids "$IDS" ${LENGTH:---tokens ${TOKENS:-8192}} \
       ${WINDOWS---sink 16 --recent 128 --page-size 64} --cache "$1" --device "$2" \
       --json "$OUT/validate_$1_$2.json" > "$OUT/validate_$1_$2.txt" 2>&1
