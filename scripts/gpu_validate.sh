@@ -9,6 +9,10 @@
 # the CPU runtime and the codec path. (scripts/gpu_run.sh runs the device-pool test only.)
 # usage: OUT=dir [RUNS="runtime:gpu runtime:cpu codec:auto"] [BUILD=CMake build dir, default build-gpu]
 #        scripts/gpu_validate.sh   (writes validate_*.txt / .json into the output directory)
+# Another model and its run: M=model dir, IDS=token ids, ART="a.kvcc.h5 b.kvcc.h5" (every artifact
+# in one validate), WINDOWS="--sink 16 --recent 128 --page-size 64" (the default; the artifacts' own:
+# WINDOWS=""; the GPU kernels take windows in multiples of 16 tokens),
+# LENGTH="--tokens 8192" (or e.g. "--max-seq-len 16384 --late-from 8192": whole long documents).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_common.sh"
 BUILD=${BUILD:-$GPU_BUILD}
@@ -20,16 +24,18 @@ gpu_cmake_build kvcc test_validate >"$OUT/validate_build.txt" 2>&1 ||
 echo "validate build: $(( $(date +%s) - t0 )) s"
 "$BUILD/tests/test_validate" --gtest_filter='ValidateRuntime.*' | tee "$OUT/validate_device_test.txt" |
   grep -E '^\[ *(OK|FAILED|PASSED|SKIPPED) *\]|KL host'
-M=.device/gutenberg-27m
-[ -d "$M" ] || [ ! -f "$M.tar.xz" ] || tar -C .device -xJf "$M.tar.xz"
+M=${M:-.device/gutenberg-27m}
+[ -d "$M" ] || [ ! -f "$M.tar.xz" ] || tar -C "$(dirname "$M")" -xJf "$M.tar.xz"
 if [ -d "$M" ]; then
   IDS=${IDS:-.device/gutenberg_heldout_half.ids}
   ART=${ART:-$(ls zoo/published/gutenberg-27m/oscar-*/artifact.*.kvcc.h5 | head -1)}
+  arts=()
+  for a in $ART; do arts+=(-a "$a"); done
   for run in ${RUNS:-runtime:gpu runtime:cpu codec:auto}; do
     set -- ${run/:/ }
     s=$(date +%s%N)
-    "$BUILD/cli/kvcc" validate --model "$M" -a "$ART" --ids "$IDS" --tokens "${TOKENS:-8192}" \
-      --sink 16 --recent 128 --page-size 64 --cache "$1" --device "$2" \
+    "$BUILD/cli/kvcc" validate --model "$M" "${arts[@]}" --ids "$IDS" ${LENGTH:---tokens ${TOKENS:-8192}} \
+      ${WINDOWS---sink 16 --recent 128 --page-size 64} --cache "$1" --device "$2" \
       --json "$OUT/validate_$1_$2.json" > "$OUT/validate_$1_$2.txt" 2>&1
     echo "validate --cache $1 --device $2: exit $?, $(( ($(date +%s%N) - s) / 1000000 )) ms wall"
     tail -n 4 "$OUT/validate_$1_$2.txt"
