@@ -209,9 +209,9 @@ constexpr int kShortTile = 4, kLongTile = 64;
 static_assert(kAppThreads / 32 * 32 == kD, "a warp per 32 output columns");
 template <typename In, int kTile>
 __global__ void __launch_bounds__(kAppThreads, 3)
-    append_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, const Move* moves, int n_moves,
-                const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait, KvGeometry geo,
-                int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
+    append_rows(const In* k, const In* v, const RotFragments* rot_k, const RotFragments* rot_v, const Move* moves,
+                int n_moves, const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait,
+                KvGeometry geo, int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
   constexpr int kRows = (kTile + 15) / 16 * 16;
   __shared__ __align__(16) RotRows<kRows> xr;
   __shared__ __align__(16) __nv_bfloat16 ys[kTile][kD];
@@ -230,9 +230,9 @@ __global__ void __launch_bounds__(kAppThreads, 3)
   if (!counts_after_wait && int(blockIdx.x) * kTile >= n_moves + n_writes) return;
   const int n_kv = geo.n_kv_heads;
   const In* x = side ? v : k;
-  const float* R = side ? rot_v : rot_k;
+  const RotFragments* R = side ? rot_v : rot_k;
   RotCols rc;
-  if (R) load_rot_cols(R + size_t(h) * kD * kD, w, rc);
+  if (R) load_rot_frags(R + h, w, rc);
   pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kAppThreads, 3)
 constexpr int kPageThreads = kD;
 template <typename In>
 __global__ void __launch_bounds__(kPageThreads, 3)
-    quantize_key_pages(const In* k, const float* rot_k, const Move* moves, int n_moves, const int32_t* counts,
+    quantize_key_pages(const In* k, const RotFragments* rot_k, const Move* moves, int n_moves, const int32_t* counts,
                        bool counts_after_wait, KvGeometry geo, int layer, const __nv_bfloat16* windows,
                        uint8_t* pages) {
   constexpr int P = kGpuPageTokens;
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kPageThreads, 3)
     return;
   }
   RotCols rc;
-  if (rot_k) load_rot_cols(rot_k + size_t(h) * kD * kD, w, rc);
+  if (rot_k) load_rot_frags(rot_k + h, w, rc);
   pdl_wait();  // k, the ring and (counts_after_wait) the tables come from preceding kernels
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -555,18 +555,33 @@ int resident_page_blocks(Activations act) {
   return n[act == Activations::BFloat16];
 }
 
+// One warp per (head, column block): R in fixed point once, as the kernels hold it.
+__global__ void __launch_bounds__(128) rot_fragments_kernel(const float* rot, RotFragments* out) {
+  RotCols rc;
+  rot_cols_from_fp32(rot + size_t(blockIdx.x) * kD * kD, threadIdx.x / 32, rc);
+  store_rot_frags(rc, threadIdx.x / 32, out + blockIdx.x);
+}
+
 }  // namespace
+
+void rot_fragments(const float* rot, int64_t n, RotFragments* out, cudaStream_t stream) {
+  KVCC_REQUIRE(n >= 0 && n < (int64_t(1) << 31), "rot_fragments: head count out of range");
+  if (n == 0) return;
+  require_hopper();
+  rot_fragments_kernel<<<unsigned(n), 128, 0, stream>>>(rot, out);
+  check_cuda(cudaGetLastError(), "rot_fragments launch");
+}
 
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {
   return append_workspace(g, rows, max_moves).bytes;
 }
 
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
-                       const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                       cudaStream_t stream, Activations act) {
+                       const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+                       const RotFragments* rot_v, cudaStream_t stream, Activations act) {
   const int64_t items = int64_t(plan.n_moves) + plan.n_writes;
   if (items == 0) return;
-  // Blocks per (KV head, side): each loads R's 64 KB once for all the tiles it takes, so about one
+  // Blocks per (KV head, side): each loads R's 36 KB of fragments once for all the tiles it takes, so about one
   // wave of them, and with host counts at least one per 32 tiles. With device counts the grid is
   // the capacities' (every step launches the same): the blocks beyond a step's tiles only read its
   // counts and exit. Tiles of 4 items spread a decode step's few rows over more blocks (at batch 64
@@ -638,8 +653,9 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
 }
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
-               const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act) {
+               const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+               const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+               Activations act) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");

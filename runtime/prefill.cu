@@ -285,7 +285,7 @@ __device__ __forceinline__ int kv_tile_rows(int64_t row0, int64_t rows, int64_t 
 template <typename In>
 struct KvSides {
   const In* x[2];
-  const float* rot[2];
+  const RotFragments* rot[2];
   __half* y[2];
 };
 
@@ -293,7 +293,7 @@ struct KvSides {
 // fixed-point sums on int8 MMAs, rounded to bf16), so the staged rows are exactly what the ring
 // will hold (a key one bf16 step off moves a peaked softmax: the tensor cores' truncating fp32
 // sums landed on another bf16 value in a few elements per thousand). A CTA of 4 warps, warp w
-// output columns 32w .. + 31 (R's fixed-point fragments in registers, built before the wait on
+// output columns 32w .. + 31 (R's fixed-point fragments in registers, loaded before the wait on
 // the preceding kernel), takes tiles of up to kKvRows rows of KV head blockIdx.y, side blockIdx.z,
 // every gridDim.x-th: warps put the rows in fixed point, then rotate them in 16-row MMA tiles into
 // map's rows of the fp16 staging (fp16 of the bf16 value). Without R: fp16(bf16(x)).
@@ -303,14 +303,14 @@ __global__ void __launch_bounds__(kKvThreads, 2)
     rotate_kv(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
   const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
   const In* x = side ? sides.x[1] : sides.x[0];
-  const float* rot = side ? sides.rot[1] : sides.rot[0];
+  const RotFragments* rot = side ? sides.rot[1] : sides.rot[0];
   __half* y = side ? sides.y[1] : sides.y[0];
   __shared__ __align__(16) RotRows<kKvRows> xr;
   __shared__ int64_t src_row[kKvRows], dst_row[kKvRows];
   const int h = blockIdx.y, w = threadIdx.x / 32, lane = threadIdx.x % 32;
   pdl_launch_dependents();
   RotCols rc;
-  if (rot) load_rot_cols(rot + size_t(h) * kD * kD, w, rc);
+  if (rot) load_rot_frags(rot + h, w, rc);
   pdl_wait();  // x comes from the preceding kernel
   const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -970,7 +970,8 @@ void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequen
 template <typename In, typename Out>
 void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vector<PrefillSequence>& seqs,
                     const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
-                    const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
+                    const float* rot_v_t, const RotFragments* fixed_k, const RotFragments* fixed_v, Out* out,
+                    cudaStream_t stream) {
   const int n_kv = g.n_kv_heads;
   RowMap staged_q;  // [n_kv][q_rows][d]
   staged_q.n = 1;
@@ -999,7 +1000,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_kv_rows(KvSides<In>{{k, v}, {rot_k, rot_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
+    rotate_kv_rows(KvSides<In>{{k, v}, {fixed_k, fixed_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
@@ -1071,13 +1072,13 @@ size_t prefill_workspace_bytes(const KvGeometry& g, const std::vector<PrefillSeq
 
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                   const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
-                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                  Activations act) {
+                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v_t,
+                  const RotFragments* fixed_k, const RotFragments* fixed_v, void* out, void* workspace,
+                  size_t workspace_bytes, cudaStream_t stream, Activations act) {
   require_hopper();
   check_scope(g, layer, seqs, shape);
-  KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
-               "prefill (CUDA): give all three rotations or none");
+  KVCC_REQUIRE(bool(rot_k) == bool(rot_v_t) && bool(rot_k) == bool(fixed_k) && bool(rot_k) == bool(fixed_v),
+               "prefill (CUDA): give all four rotations or none");
   const PrefillPlan plan = plan_of(g, seqs, shape);
   if (plan.tokens == 0) return;
   const PrefillWorkspace lay = prefill_workspace(g, plan, shape.n_heads);
@@ -1106,11 +1107,11 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
     }
   if (act == Activations::BFloat16)
     launch_prefill(g, windows, seqs, plan, a, static_cast<const __nv_bfloat16*>(q),
-                   static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, rot_v_t,
-                   static_cast<__nv_bfloat16*>(out), stream);
+                   static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), rot_k, rot_v_t, fixed_k,
+                   fixed_v, static_cast<__nv_bfloat16*>(out), stream);
   else
     launch_prefill(g, windows, seqs, plan, a, static_cast<const float*>(q), static_cast<const float*>(k),
-                   static_cast<const float*>(v), rot_k, rot_v, rot_v_t, static_cast<float*>(out), stream);
+                   static_cast<const float*>(v), rot_k, rot_v_t, fixed_k, fixed_v, static_cast<float*>(out), stream);
   check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
 }
 

@@ -12,6 +12,7 @@
 
 #include "formats/fp16.h"
 #include "formats/kv_rotation.h"
+#include "runtime/kv_kernels.h"
 #include "runtime/ptx.cuh"
 
 namespace kvcc {
@@ -51,8 +52,14 @@ struct RotCols {
   int e[4][2];
 };
 
+// A lane's RotCols as words: hi (32), lo (32), the exponents (8).
+constexpr int kRotLaneWords = 72;
+static_assert(sizeof(RotCols) == kRotLaneWords * 4, "RotCols is its words");
+static_assert(kRotFragmentWords == kRotD / 32 * kRotLaneWords * 32, "RotFragments: 4 warps' fragments");
+
 // R: one head's [kRotD][kRotD] fp32 (x_rot = x·R; finite: the artifact's check). Every lane calls.
-__device__ __forceinline__ void load_rot_cols(const float* R, int cb, RotCols& rc) {
+// (Once per layer, by rot_fragments; the kernels read the result with load_rot_frags.)
+__device__ __forceinline__ void rot_cols_from_fp32(const float* R, int cb, RotCols& rc) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
@@ -87,6 +94,31 @@ __device__ __forceinline__ void load_rot_cols(const float* R, int cb, RotCols& r
       }
     rc.e[n][0] = __shfl_sync(0xffffffffu, e, 8 * t);  // lane 4·g' holds column g' = 2t
     rc.e[n][1] = __shfl_sync(0xffffffffu, e, 8 * t + 4);
+  }
+}
+
+// RotFragments layout: column block cb's words as [cb][18 uint4][lane] (word q of a lane in uint4
+// q / 4), so that each of a warp's 18 loads reads 512 contiguous bytes.
+// Word q of a lane's RotCols (q a constant after unrolling: the fragments stay in registers).
+__device__ __forceinline__ uint32_t& rot_word(RotCols& rc, int q) {
+  return q < 32   ? rc.hi[q / 8][(q / 2) % 4][q % 2]
+         : q < 64 ? rc.lo[(q - 32) / 8][((q - 32) / 2) % 4][q % 2]
+                  : reinterpret_cast<uint32_t&>(rc.e[(q - 64) / 2][q % 2]);
+}
+__device__ __forceinline__ void store_rot_frags(RotCols& rc, int cb, RotFragments* F) {
+  uint4* dst = reinterpret_cast<uint4*>(F->words) + cb * (kRotLaneWords / 4) * 32 + (threadIdx.x & 31);
+#pragma unroll
+  for (int q = 0; q < kRotLaneWords / 4; ++q)
+    dst[32 * q] =
+        make_uint4(rot_word(rc, 4 * q), rot_word(rc, 4 * q + 1), rot_word(rc, 4 * q + 2), rot_word(rc, 4 * q + 3));
+}
+__device__ __forceinline__ void load_rot_frags(const RotFragments* F, int cb, RotCols& rc) {
+  const uint4* src = reinterpret_cast<const uint4*>(F->words) + cb * (kRotLaneWords / 4) * 32 + (threadIdx.x & 31);
+#pragma unroll
+  for (int q = 0; q < kRotLaneWords / 4; ++q) {
+    const uint4 u = __ldg(src + 32 * q);
+    rot_word(rc, 4 * q) = u.x, rot_word(rc, 4 * q + 1) = u.y, rot_word(rc, 4 * q + 2) = u.z,
+                     rot_word(rc, 4 * q + 3) = u.w;
   }
 }
 

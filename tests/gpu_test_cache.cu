@@ -63,10 +63,11 @@ struct Twin : PoolPair {
       const float* lrk = rk.empty() ? nullptr : rk.data() + size_t(l) * dd;
       const float* lrv = rv.empty() ? nullptr : rv.data() + size_t(l) * dd;
       append_ref(host, l, batch, k.data(), v.data(), lrk, lrv, cod);
-      DeviceBuffer<float> dk(k), dv(v), drk(lrk ? std::vector<float>(lrk, lrk + dd) : std::vector<float>()),
-          drv(lrv ? std::vector<float>(lrv, lrv + dd) : std::vector<float>());
-      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), lrk ? drk.data() : nullptr,
-                lrv ? drv.data() : nullptr, ws.data(), ws.bytes(), nullptr);
+      DeviceBuffer<float> dk(k), dv(v);
+      const DeviceBuffer<RotFragments> fk = testing::device_fragments(lrk, g.n_kv_heads),
+                                       fv = testing::device_fragments(lrv, g.n_kv_heads);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), fk.data(), fv.data(),
+                ws.data(), ws.bytes(), nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
@@ -148,9 +149,11 @@ TEST(GpuAppend, RotationMatchesReference) {
   AppendPlanHost plan{{s}, {0}, {kRows}, {0}, {std::vector<int32_t>(pt.begin(), pt.end())}};
   const size_t wsb = append_workspace_bytes(g, kRows, kRows);
   DeviceBuffer<uint8_t> ws(wsb);
-  DeviceBuffer<float> dk(k), dv(v), drk(rk), drv(rv);
-  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.data(), dv.data(), drk.data(),
-            drv.data(), ws.data(), wsb, nullptr);
+  DeviceBuffer<float> dk(k), dv(v);
+  const DeviceBuffer<RotFragments> fk = testing::device_fragments(rk.data(), 2),
+                                   fv = testing::device_fragments(rv.data(), 2);
+  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.data(), dv.data(), fk.data(), fv.data(),
+            ws.data(), wsb, nullptr);
   // Both rotate as rotate_kv_row: the pools (windows and pages) hold the same bytes.
   std::vector<uint8_t> d(dev.pool_bytes());
   CUDA_OK(cudaMemcpy(d.data(), dev.pages_base(), d.size(), cudaMemcpyDeviceToHost));
