@@ -90,7 +90,7 @@ struct DeviceRotations {
   bool on;
   DeviceRotations(const std::vector<float>& k, const std::vector<float>& v, int n_kv)
       : rk_(k),
-        rvt_(transpose_heads(v, n_kv, kD)),
+        rvt_(v.empty() ? v : transpose_heads(v, n_kv, kD)),
         fk_(testing::device_fragments(k.empty() ? nullptr : k.data(), size_t(n_kv))),
         fv_(testing::device_fragments(v.empty() ? nullptr : v.data(), size_t(n_kv))),
         on(!k.empty()) {}
