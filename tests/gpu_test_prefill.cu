@@ -342,7 +342,7 @@ struct Tally {
 // nearest (the truncating sums cross a rounding boundary rarely); a bf16-accurate rotation (R as
 // one bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32
 // activations (split into three terms) and bf16 ones; 4 query heads per KV head; 300 tokens
-// (rotate_kv, a partial tile) and 40 (rotate_kv_short, for up to 256 rows: a partial tile too).
+// (rotate_kv: four whole 64-row tiles and a partial one) and 40 (one partial tile).
 void rotations_accuracy(int kT) {
   const KvGeometry g = test_geometry(1, 2);
   constexpr int kHeads = 8;
