@@ -351,6 +351,9 @@ void bench_append(cudaStream_t s, std::FILE* out) {
   }
   std::mt19937 rng(3);
   const DeviceBuffer<float> rk(random_orthogonal(8, kD, rng, false)), rv(random_orthogonal(8, kD, rng, false));
+  DeviceBuffer<RotFragments> fk(8), fv(8);  // (built once, as the Runtime does at load)
+  rot_fragments(rk.data(), 8, fk.data(), nullptr);
+  rot_fragments(rv.data(), 8, fv.data(), nullptr);
   std::vector<HeadCodec> codecs(8);
   for (auto& c : codecs) c.key.clip_ratio = c.value.clip_ratio = 0.95f;
   const int tokens = 32768;
@@ -376,8 +379,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
     cache.grow(id, tokens);
     AppendPlanHost plan{{id}, {0}, {tokens}, {0}, {cache.page_table(id)}};
     CK(cudaEventRecord(a, s));
-    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), rk.data(),
-              rv.data(), ws.data(), wsb, s);
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), fk.data(),
+              fv.data(), ws.data(), wsb, s);
     CK(cudaEventRecord(b, s));
     CK(cudaEventSynchronize(b));
     float t;
@@ -424,8 +427,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
       std::vector<float> lt;
       for (int rep = 0; rep < 10; ++rep) {
         CK(cudaEventRecord(a, s));
-        append_kv_planned(g, cache.pages_base(), cache.windows_base(), 0, d, d_codecs.data(), kp, vp, rk.data(),
-                          rv.data(), s, act);
+        append_kv_planned(g, cache.pages_base(), cache.windows_base(), 0, d, d_codecs.data(), kp, vp, fk.data(),
+                          fv.data(), s, act);
         CK(cudaEventRecord(b, s));
         CK(cudaEventSynchronize(b));
         float t1;
@@ -455,8 +458,8 @@ void bench_append(cudaStream_t s, std::FILE* out) {
       plan.row_offsets.push_back(i);
       plan.page_tables.push_back(cache.page_table(ids[size_t(i)]));
     }
-    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), rk.data(),
-              rv.data(), ws.data(), wsb, s);
+    append_kv(g, cache.pages_base(), cache.windows_base(), 0, plan, codecs.data(), k.data(), v.data(), fk.data(),
+              fv.data(), ws.data(), wsb, s);
   }
   CK(cudaEventRecord(b, s));
   CK(cudaEventSynchronize(b));
@@ -502,11 +505,11 @@ void bench_append(cudaStream_t s, std::FILE* out) {
         // A warm-up launch, then kLayers back to back as a step's layers run (the same moves each
         // time: idempotent), so the events time the kernels and not one launch's latency.
         append_kv_planned(g, cache.pages_base(), cache.windows_base(), 0, d, d_codecs.data(), k.data(), v.data(),
-                          rk.data(), rv.data(), s);
+                          fk.data(), fv.data(), s);
         CK(cudaEventRecord(a, s));
         for (int l = 0; l < kLayers; ++l)
           append_kv_planned(g, cache.pages_base(), cache.windows_base(), 0, d, d_codecs.data(), k.data(), v.data(),
-                            rk.data(), rv.data(), s);
+                            fk.data(), fv.data(), s);
         CK(cudaEventRecord(b, s));
         CK(cudaEventSynchronize(b));
         float t1;

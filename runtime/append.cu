@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <type_traits>
 
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
@@ -19,6 +20,7 @@
 #include "runtime/kv_kernels.h"
 #include "runtime/plan.h"
 #include "runtime/ptx.cuh"
+#include "runtime/rotate_kv.cuh"
 #include "runtime/served.h"
 
 namespace kvcc {
@@ -62,6 +64,37 @@ __device__ float warp_kth_smallest(float a[4], int k) {
   return __shfl_sync(0xffffffffu, mine, e >> 2);
 }
 
+// The same value when it is among the 16 largest (k >= 113: the clip ratios fitted and published
+// are 0.92 or more, k >= 117): m = 129 - k rounds of a warp maximum (redux.sync on the bit
+// patterns, which order non-negative floats as integers), each taking one copy of the largest
+// left out of the lowest lane holding it. a: |x| (a NaN takes key 0: never above a number).
+constexpr int kTopRounds = 16;
+__device__ float warp_kth_smallest_of_top(const float a[4], int k) {
+  const int lane = threadIdx.x & 31, m = 4 * 32 + 1 - k;
+  unsigned key[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) key[e] = isnan(a[e]) ? 0u : __float_as_uint(a[e]);
+  for (int round = 1;; ++round) {
+    const unsigned mine = max(max(key[0], key[1]), max(key[2], key[3]));
+    const unsigned w = __reduce_max_sync(0xffffffffu, mine);
+    if (round == m) return __uint_as_float(w);
+    const unsigned holders = __ballot_sync(0xffffffffu, mine == w);
+    if (lane == __ffs(holders) - 1) {
+      if (key[0] == w) key[0] = 0u;
+      else if (key[1] == w) key[1] = 0u;
+      else if (key[2] == w) key[2] = 0u;
+      else key[3] = 0u;
+    }
+  }
+}
+
+// A key that orders floats (not NaN) as signed integers, and back.
+__device__ __forceinline__ int float_order(float f) {
+  const int b = __float_as_int(f);
+  return b >= 0 ? b : b ^ 0x7fffffff;
+}
+__device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
+
 // One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
 // l holds channels 4l .. 4l + 3, i.e. code byte l.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
@@ -97,7 +130,8 @@ __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page
     float a[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
-    const float thr = warp_kth_smallest(a, clip_rank(double(codec.clip_ratio), kD));
+    const int k = clip_rank(double(codec.clip_ratio), kD);  // (one per head and side: the branch is the warp's)
+    const float thr = k > 4 * 32 - kTopRounds ? warp_kth_smallest_of_top(a, k) : warp_kth_smallest(a, k);
     float lo = INFINITY, hi = -INFINITY, c[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -105,11 +139,10 @@ __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page
       lo = fminf(lo, c[e]);
       hi = fmaxf(hi, c[e]);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-    }
+    // The warp's min and max by redux.sync on keys that order floats as signed integers (a
+    // NaN lane, which holds ±inf here, is as fminf / fmaxf would leave it).
+    lo = ordered_float(__reduce_min_sync(0xffffffffu, float_order(lo)));
+    hi = ordered_float(__reduce_max_sync(0xffffffffu, float_order(hi)));
     prm = uniform_params(lo, hi, 2);
     const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
 #pragma unroll
@@ -133,32 +166,38 @@ __device__ const __nv_bfloat16* ring_row(const KvGeometry& geo, const __nv_bfloa
          size_t(slot) * kD;
 }
 
-// Column j of kAppTile rows x·R (rc: R's column j): each sum one fp32 FMA chain over the input
-// channels in order (append_ref.h's rotate_kv_row, so host and device store the same bytes);
-// without R, x itself. append_rows and quantize_key_pages both rotate through this.
-constexpr int kAppTile = 4;
-__device__ __forceinline__ void rotate_tile(const float (&xs)[kAppTile][kD], const float (&rc)[kD], bool rotate, int j,
-                                            float (&acc)[kAppTile]) {
-#pragma unroll
-  for (int c = 0; c < kAppTile; ++c) acc[c] = rotate ? 0.0f : xs[c][j];
-  if (!rotate) return;
-#pragma unroll
-  for (int i = 0; i < kD; i += 4)
-#pragma unroll
-    for (int c = 0; c < kAppTile; ++c) {
-      const float4 xv = *reinterpret_cast<const float4*>(&xs[c][i]);  // one address per block
-      acc[c] = fmaf(xv.w, rc[i + 3], fmaf(xv.z, rc[i + 2], fmaf(xv.y, rc[i + 1], fmaf(xv.x, rc[i], acc[c]))));
-    }
+// A row's 128 input values, 4 a lane (channels 4·lane ..), as floats.
+template <typename In>
+__device__ __forceinline__ void load_row4(const In* row, float (&v)[4]) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (std::is_same<In, float>::value) {
+    const float4 f = reinterpret_cast<const float4*>(row)[lane];
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    const uint2 b = reinterpret_cast<const uint2*>(row)[lane];
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  }
+}
+__device__ __forceinline__ void store_row4_bf16(const float (&v)[4], __nv_bfloat16* row) {
+  const int lane = threadIdx.x & 31;
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
+  reinterpret_cast<uint2*>(row)[lane] =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
-// kAppTile items (the moves, then the window writes). Thread j keeps column j of R in registers,
-// loaded once before the wait on the preceding kernel (R does not depend on it), and computes
-// column j of the rotated row of every item in a tile that takes a new row (x = k for side 0, v
-// for side 1): bf16(x[row, head, :] · R[head]), each sum over i in order. Then warp w stores items
-// w, w + 4, ..: a move quantises its row (new, or from the old ring) into its page row; a window
-// write first moves the ring slot it replaces, if a move is paired with it (plan_append_moves:
-// the move has from_ring == 2, the write its index), then writes the row into sink or ring.
+// kTile items (the moves, then the window writes). Warp w keeps output columns 32w .. 32w + 31 of
+// R in fixed point in registers (rotate_kv.cuh), built once before the wait on the preceding
+// kernel (R does not depend on it). Per tile, the items that take a new row (x = k for side 0, v
+// for side 1) have their rows put in fixed point by warps, row by row, and rotated on the tensor
+// cores into bf16 rows (kv_rotation.h's exact sums); without R the rows are rounded to bf16. Then
+// warp w stores items w, w + 4, ..: a move quantises its row (new, or from the old ring) into its
+// page row; a window write first moves the ring slot it replaces, if a move is paired with it
+// (plan_append_moves: the move has from_ring == 2, the write its index), then writes the row into
+// sink or ring. Tiles of 4 spread a decode step's few rows over many blocks; tiles of 64 (long
+// appends) fill the MMAs' 16-row tiles.
 // (Rotating into a staging buffer in one launch and storing in a second cost a kernel boundary:
 // the decode step per layer at batch 1 / 32K took 23.6 us against 20.2, measured.)
 // counts (device, may be null; DeviceAppendPlan::counts): counts[0] moves at byte counts[2] and
@@ -166,15 +205,18 @@ __device__ __forceinline__ void rotate_tile(const float (&xs)[kAppTile][kD], con
 // the wait on the preceding kernel (a host upload is complete by then), or after it when that
 // kernel wrote them (counts_after_wait: a step planned on the device).
 constexpr int kAppThreads = kD;
-template <typename In>
+constexpr int kShortTile = 4, kLongTile = 64;
+static_assert(kAppThreads / 32 * 32 == kD, "a warp per 32 output columns");
+template <typename In, int kTile>
 __global__ void __launch_bounds__(kAppThreads, 3)
-    append_rows(const In* k, const In* v, const float* rot_k, const float* rot_v, const Move* moves, int n_moves,
-                const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait, KvGeometry geo,
-                int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
-  __shared__ __align__(16) float xs[kAppTile][kD];
-  __shared__ __align__(16) __nv_bfloat16 ys[kAppTile][kD];
-  __shared__ int tile_row[kAppTile];   // rotated row r: its input row
-  __shared__ int item_slot[kAppTile];  // item u of the tile: its rotated row, or -1
+    append_rows(const In* k, const In* v, const RotFragments* rot_k, const RotFragments* rot_v, const Move* moves,
+                int n_moves, const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait,
+                KvGeometry geo, int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
+  constexpr int kRows = (kTile + 15) / 16 * 16;
+  __shared__ __align__(16) RotRows<kRows> xr;
+  __shared__ __align__(16) __nv_bfloat16 ys[kTile][kD];
+  __shared__ int tile_row[kTile];   // rotated row r: its input row
+  __shared__ int item_slot[kTile];  // item u of the tile: its rotated row, or -1
   __shared__ int n_rot;
   const int side = blockIdx.z, h = blockIdx.y, j = threadIdx.x, lane = j & 31, w = j >> 5;
   auto read_counts = [&] {
@@ -185,21 +227,17 @@ __global__ void __launch_bounds__(kAppThreads, 3)
   };
   // A host upload of the step's tables is done before any kernel after it: read before the wait.
   if (counts && !counts_after_wait) read_counts();
-  if (!counts_after_wait && int(blockIdx.x) * kAppTile >= n_moves + n_writes) return;
+  if (!counts_after_wait && int(blockIdx.x) * kTile >= n_moves + n_writes) return;
   const int n_kv = geo.n_kv_heads;
   const In* x = side ? v : k;
-  const float* R = side ? rot_v : rot_k;
-  float rc[kD];
-  if (R) {
-    const float* col = R + size_t(h) * kD * kD + j;
-#pragma unroll
-    for (int i = 0; i < kD; ++i) rc[i] = col[size_t(i) * kD];
-  }
+  const RotFragments* R = side ? rot_v : rot_k;
+  RotCols rc;
+  if (R) load_rot_frags(R + h, w, rc);
   pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
   if (counts_after_wait) {
     read_counts();
-    if (int(blockIdx.x) * kAppTile >= n_moves + n_writes) return;
+    if (int(blockIdx.x) * kTile >= n_moves + n_writes) return;
   }
   const int n_items = n_moves + n_writes;
   // Per-channel key pages are written whole by quantize_key_pages (launched before): the key side's
@@ -213,27 +251,38 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     }
     return writes[item - n_moves].src;
   };
-  for (int i0 = blockIdx.x * kAppTile; i0 < n_items; i0 += gridDim.x * kAppTile) {
-    const int nt = min(kAppTile, n_items - i0);
+  for (int i0 = blockIdx.x * kTile; i0 < n_items; i0 += gridDim.x * kTile) {
+    const int nt = min(kTile, n_items - i0);
     __syncthreads();  // the previous tile's shared rows are consumed
     if (w == 0) {
-      const int row = lane < nt ? new_row(i0 + lane) : -1;
-      const unsigned takes = __ballot_sync(0xffffffffu, row >= 0);
-      const int r = __popc(takes & ((1u << lane) - 1));
-      if (lane < kAppTile) item_slot[lane] = row >= 0 ? r : -1;
-      if (row >= 0) tile_row[r] = row;
-      if (lane == 0) n_rot = __popc(takes);
+      int base = 0;
+#pragma unroll
+      for (int u0 = 0; u0 < kTile; u0 += 32) {
+        const int u = u0 + lane;
+        const int row = u < nt ? new_row(i0 + u) : -1;
+        const unsigned takes = __ballot_sync(0xffffffffu, row >= 0);
+        const int r = base + __popc(takes & ((1u << lane) - 1));
+        if (u < kTile) item_slot[u] = row >= 0 ? r : -1;
+        if (row >= 0) tile_row[r] = row;
+        base += __popc(takes);
+      }
+      if (lane == 0) n_rot = base;
     }
     __syncthreads();
-    const int nr = n_rot;
-    for (int r = 0; r < nr; ++r) xs[r][j] = load_activation(x + (size_t(tile_row[r]) * n_kv + h) * kD + j);
-    __syncthreads();
-    // The tile's (at most kAppTile) new rows rotated together.
-    float acc[kAppTile];
-    rotate_tile(xs, rc, R != nullptr, j, acc);
-#pragma unroll
-    for (int c = 0; c < kAppTile; ++c)
-      if (c < nr) ys[c][j] = __float2bfloat16_rn(acc[c]);
+    const int nr = n_rot, mtiles = (nr + 15) / 16;
+    // The tile's new rows: in fixed point (then rotated together), or rounded to bf16.
+    for (int r = w; r < (R ? 16 * mtiles : nr); r += kAppThreads / 32) {
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (r < nr) load_row4(x + (size_t(tile_row[r]) * n_kv + h) * kD, xv);
+      if (R) put_rot_row(xv, xr, r);
+      else store_row4_bf16(xv, ys[r]);
+    }
+    if (R) {
+      __syncthreads();
+      for (int m = 0; m < mtiles; ++m)
+        rotate_rows(xr, m, nr, rc, w,
+                    [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; });
+    }
     __syncthreads();
     for (int u = w; u < nt; u += kAppThreads / 32) {
       const int item = i0 + u;
@@ -265,22 +314,24 @@ __global__ void __launch_bounds__(kAppThreads, 3)
 // Per-channel key pages (KIVI's keys, key_group_tokens = P): a flushed page's keys are quantised
 // per channel over its P tokens, so they need the whole page at once. The moves of an append are
 // whole pages, P consecutive moves each (rows 0..P-1 in order: plan_append_moves, engine_move), so
-// move P·i + r is row r of the append's page i. A block takes pages of one KV head; thread j is
-// channel j: it rotates column j of the page's new rows exactly as append_rows does (in-order fp32
-// FMA chains, rounded to BF16) or reads its channel of the old ring's rows, then codes its P values
-// on the uniform grid without clip (codec_scalar.h, as page_row_codec.cpp's quantize_page_side)
-// and writes its (scale, zero) pair; four lanes pack each code byte. It runs before append_rows,
-// which writes the ring slots these pages read, and which then skips the key side's moves.
+// move P·i + r is row r of the append's page i. A block takes pages of one KV head: warps put the
+// page's new rows in fixed point and rotate them as append_rows does (rotate_kv.cuh), or copy the
+// old ring's rows; then thread j, channel j, codes its P values on the uniform grid without clip
+// (codec_scalar.h, as page_row_codec.cpp's quantize_page_side) and writes its (scale, zero) pair;
+// four lanes pack each code byte. It runs before append_rows, which writes the ring slots these
+// pages read, and which then skips the key side's moves.
 constexpr int kPageThreads = kD;
 template <typename In>
 __global__ void __launch_bounds__(kPageThreads, 3)
-    quantize_key_pages(const In* k, const float* rot_k, const Move* moves, int n_moves, const int32_t* counts,
+    quantize_key_pages(const In* k, const RotFragments* rot_k, const Move* moves, int n_moves, const int32_t* counts,
                        bool counts_after_wait, KvGeometry geo, int layer, const __nv_bfloat16* windows,
                        uint8_t* pages) {
   constexpr int P = kGpuPageTokens;
-  __shared__ __align__(16) float xs[kAppTile][kD];
-  __shared__ __nv_bfloat16 ys[P][kD];  // the page's rotated keys (thread j reads only its column)
-  const int h = blockIdx.y, j = threadIdx.x;
+  static_assert(P % 16 == 0, "whole MMA row tiles");
+  __shared__ __align__(16) RotRows<P> xr;
+  __shared__ __align__(16) __nv_bfloat16 ys[P][kD];  // the page's rotated keys
+  __shared__ bool is_new[P];                         // row r is a new row (not the old ring's)
+  const int h = blockIdx.y, j = threadIdx.x, w = j >> 5;
   if (counts && !counts_after_wait) {
     n_moves = counts[0];
     moves = reinterpret_cast<const Move*>(reinterpret_cast<const uint8_t*>(counts) + counts[2]);
@@ -290,12 +341,8 @@ __global__ void __launch_bounds__(kPageThreads, 3)
     pdl_launch_dependents();
     return;
   }
-  float rc[kD];
-  if (rot_k) {
-    const float* col = rot_k + size_t(h) * kD * kD + j;
-#pragma unroll
-    for (int i = 0; i < kD; ++i) rc[i] = col[size_t(i) * kD];
-  }
+  RotCols rc;
+  if (rot_k) load_rot_frags(rot_k + h, w, rc);
   pdl_wait();  // k, the ring and (counts_after_wait) the tables come from preceding kernels
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -305,21 +352,26 @@ __global__ void __launch_bounds__(kPageThreads, 3)
   const int n_kv = geo.n_kv_heads;
   for (int page = blockIdx.x; page * P < n_moves; page += gridDim.x) {
     const Move* pm = moves + size_t(page) * P;
-    for (int r0 = 0; r0 < P; r0 += kAppTile) {
-      __syncthreads();  // xs of the previous tile is consumed
-#pragma unroll
-      for (int c = 0; c < kAppTile; ++c)
-        if (pm[r0 + c].from_ring == 0) xs[c][j] = load_activation(k + (size_t(pm[r0 + c].src) * n_kv + h) * kD + j);
-      __syncthreads();
-      float acc[kAppTile];
-      rotate_tile(xs, rc, rot_k != nullptr, j, acc);
-#pragma unroll
-      for (int c = 0; c < kAppTile; ++c) {
-        const Move mv = pm[r0 + c];
-        ys[r0 + c][j] =
-            mv.from_ring ? ring_row(geo, windows, mv.seq_slot, layer, h, 0, mv.src)[j] : __float2bfloat16_rn(acc[c]);
-      }
+    __syncthreads();  // the previous page's rows are consumed
+    for (int r = w; r < P; r += kPageThreads / 32) {
+      const Move mv = pm[r];
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (mv.from_ring == 0) load_row4(k + (size_t(mv.src) * n_kv + h) * kD, xv);
+      else
+        reinterpret_cast<uint2*>(ys[r])[j & 31] =
+            reinterpret_cast<const uint2*>(ring_row(geo, windows, mv.seq_slot, layer, h, 0, mv.src))[j & 31];
+      if (rot_k) put_rot_row(xv, xr, r);  // (an old ring row's zeros: its outputs are not kept)
+      else if (mv.from_ring == 0) store_row4_bf16(xv, ys[r]);
+      if ((j & 31) == 0) is_new[r] = mv.from_ring == 0;
     }
+    if (rot_k) {
+      __syncthreads();
+      for (int m = 0; m < P / 16; ++m)
+        rotate_rows(xr, m, P, rc, w, [&](int row, int col, uint32_t y) {
+          if (is_new[row]) *reinterpret_cast<uint32_t*>(&ys[row][col]) = y;
+        });
+    }
+    __syncthreads();
     float lo = INFINITY, hi = -INFINITY;
     for (int r = 0; r < P; ++r) {
       const float x = __bfloat162float(ys[r][j]);
@@ -488,11 +540,12 @@ int resident(Kernel kernel, int threads) {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0), "append (CUDA): occupancy");
   return std::max(b, 1);
 }
-// Blocks of append_rows that one SM holds (its registers bound it: R's column is 128 of them),
-// asked once per activation type.
+// Blocks of append_rows that one SM holds (its registers bound it: R's fixed-point fragments are
+// 64 of them), asked once per activation type and tile.
+template <int kTile>
 int resident_blocks(Activations act) {
-  static const int n[2] = {resident(append_rows<float>, kAppThreads),
-                           resident(append_rows<__nv_bfloat16>, kAppThreads)};
+  static const int n[2] = {resident(append_rows<float, kTile>, kAppThreads),
+                           resident(append_rows<__nv_bfloat16, kTile>, kAppThreads)};
   return n[act == Activations::BFloat16];
 }
 // The same for quantize_key_pages.
@@ -502,26 +555,47 @@ int resident_page_blocks(Activations act) {
   return n[act == Activations::BFloat16];
 }
 
+// One warp per (head, column block): R in fixed point once, as the kernels hold it.
+__global__ void __launch_bounds__(128) rot_fragments_kernel(const float* rot, RotFragments* out) {
+  RotCols rc;
+  rot_cols_from_fp32(rot + size_t(blockIdx.x) * kD * kD, threadIdx.x / 32, rc);
+  store_rot_frags(rc, threadIdx.x / 32, out + blockIdx.x);
+}
+
 }  // namespace
+
+void rot_fragments(const float* rot, int64_t n, RotFragments* out, cudaStream_t stream) {
+  KVCC_REQUIRE(n >= 0 && n < (int64_t(1) << 31), "rot_fragments: head count out of range");
+  if (n == 0) return;
+  require_hopper();
+  rot_fragments_kernel<<<unsigned(n), 128, 0, stream>>>(rot, out);
+  check_cuda(cudaGetLastError(), "rot_fragments launch");
+}
 
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves) {
   return append_workspace(g, rows, max_moves).bytes;
 }
 
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
-                       const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                       cudaStream_t stream, Activations act) {
+                       const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+                       const RotFragments* rot_v, cudaStream_t stream, Activations act) {
   const int64_t items = int64_t(plan.n_moves) + plan.n_writes;
   if (items == 0) return;
-  // Blocks per (KV head, side): each loads R's 64 KB once for all the tiles it takes, so about one
+  // Blocks per (KV head, side): each loads R's 36 KB of fragments once for all the tiles it takes, so about one
   // wave of them, and with host counts at least one per 32 tiles. With device counts the grid is
   // the capacities' (every step launches the same): the blocks beyond a step's tiles only read its
-  // counts and exit. Tiles of 4 items spread a decode step's few rows over more blocks: at batch
-  // 64 the kernel took 7.9 us per layer against 15.7 with tiles of 16, and a 32K-token append
-  // 2150 us against 1933 (measured).
-  const int64_t tiles = (items + kAppTile - 1) / kAppTile;
+  // counts and exit. Tiles of 4 items spread a decode step's few rows over more blocks (at batch 64
+  // the kernel took 7.9 us per layer against 15.7 with tiles of 16, measured with fp32 rotations);
+  // a long append (host counts, kLongItems items or more) takes tiles of 64, whose rows fill the
+  // rotation's 16-row MMA tiles.
+  constexpr int64_t kLongItems = 2048;
+  const bool long_tiles = !plan.counts && items >= kLongItems;
+  const int tile = long_tiles ? kLongTile : kShortTile;
+  const int64_t tiles = (items + tile - 1) / tile;
   const int64_t wave =
-      std::max<int64_t>(1, int64_t(multiprocessors()) * resident_blocks(act) / (int64_t(g.n_kv_heads) * 2));
+      std::max<int64_t>(1, int64_t(multiprocessors()) *
+                               (long_tiles ? resident_blocks<kLongTile>(act) : resident_blocks<kShortTile>(act)) /
+                               (int64_t(g.n_kv_heads) * 2));
   const dim3 grid(unsigned(std::min(tiles, plan.counts ? wave : std::max(wave, (tiles + 31) / 32))), g.n_kv_heads, 2);
   // Programmatic dependent launch: the kernel is launched while its predecessor runs and waits
   // (griddepcontrol.wait) for its results, hiding launch latency; it lets its own dependents
@@ -560,22 +634,28 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
                    "append (CUDA) key pages launch");
     }
   }
-  if (act == Activations::BFloat16)
-    check_cuda(
-        cudaLaunchKernelEx(&c, append_rows<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
-                           static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, plan.moves, plan.n_moves, plan.writes,
-                           plan.n_writes, counts, plan.counts_after_wait, g, layer, win, pages, codecs),
-        "append (CUDA) launch");
-  else
-    check_cuda(cudaLaunchKernelEx(&c, append_rows<float>, static_cast<const float*>(k), static_cast<const float*>(v),
-                                  rot_k, rot_v, plan.moves, plan.n_moves, plan.writes, plan.n_writes, counts,
-                                  plan.counts_after_wait, g, layer, win, pages, codecs),
+  auto launch = [&](auto kernel, const auto* kx, const auto* vx) {
+    check_cuda(cudaLaunchKernelEx(&c, kernel, kx, vx, rot_k, rot_v, plan.moves, plan.n_moves, plan.writes,
+                                  plan.n_writes, counts, plan.counts_after_wait, g, layer, win, pages, codecs),
                "append (CUDA) launch");
+  };
+  const auto* kb = static_cast<const __nv_bfloat16*>(k);
+  const auto* vb = static_cast<const __nv_bfloat16*>(v);
+  const auto* kf = static_cast<const float*>(k);
+  const auto* vf = static_cast<const float*>(v);
+  if (act == Activations::BFloat16) {
+    if (long_tiles) launch(append_rows<__nv_bfloat16, kLongTile>, kb, vb);
+    else launch(append_rows<__nv_bfloat16, kShortTile>, kb, vb);
+  } else {
+    if (long_tiles) launch(append_rows<float, kLongTile>, kf, vf);
+    else launch(append_rows<float, kShortTile>, kf, vf);
+  }
 }
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
-               const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act) {
+               const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+               const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+               Activations act) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");

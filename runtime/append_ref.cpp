@@ -7,6 +7,7 @@
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
+#include "formats/kv_rotation.h"
 #include "formats/page_row_codec.h"
 
 namespace kvcc {
@@ -24,15 +25,46 @@ AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<in
   return b;
 }
 
-void rotate_kv_row(const float* x, const float* rot, int d, float* out) {
+FixedRotation fixed_rotation(const float* rot, int d) {
+  FixedRotation r{d, std::vector<int32_t>(size_t(d) * size_t(d)), std::vector<int>(size_t(d))};
   for (int j = 0; j < d; ++j) {
-    float acc = 0.0f;
-    if (rot) {
-      for (int i = 0; i < d; ++i) acc = std::fma(x[i], rot[size_t(i) * size_t(d) + size_t(j)], acc);
-    } else {
-      acc = x[j];
+    float mx = 0.0f;
+    for (int i = 0; i < d; ++i) {
+      const float a = rot[size_t(i) * size_t(d) + size_t(j)];
+      KVCC_REQUIRE(std::isfinite(a), "rotation: column " + std::to_string(j) + " holds NaN or inf");
+      mx = std::max(mx, std::fabs(a));
     }
-    out[j] = round_bf16(acc);
+    const int e = rot_exponent(mx);
+    r.e[size_t(j)] = e;
+    for (int i = 0; i < d; ++i)
+      r.q[size_t(i) * size_t(d) + size_t(j)] = rot_fixed(rot[size_t(i) * size_t(d) + size_t(j)], e, kRotRBits);
+  }
+  return r;
+}
+
+void rotate_kv_row(const float* x, const FixedRotation* rot, int d, float* out) {
+  if (!rot) {
+    for (int j = 0; j < d; ++j) out[j] = round_bf16(x[j]);
+    return;
+  }
+  KVCC_REQUIRE(rot->d == d, "rotate_kv_row: the rotation is for another head_dim");
+  float mx = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < d; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    mx = std::max(mx, std::fabs(x[i]));
+  }
+  if (!finite) {
+    for (int j = 0; j < d; ++j) out[j] = float_from_bf16(kRotNaN);
+    return;
+  }
+  const int ex = rot_exponent(mx);
+  std::vector<int64_t> X(static_cast<size_t>(d));
+  for (int i = 0; i < d; ++i) X[size_t(i)] = rot_fixed(x[i], ex, kRotXBits);
+  for (int j = 0; j < d; ++j) {
+    int64_t t = 0;
+    for (int i = 0; i < d; ++i) t += X[size_t(i)] * rot->q[size_t(i) * size_t(d) + size_t(j)];
+    out[j] = float_from_bf16(rot_bf16(t, ex + rot->e[size_t(j)] - kRotXBits - kRotRBits));
   }
 }
 
@@ -44,6 +76,11 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
   const int d = g.head_dim, H = g.n_kv_heads;
   std::vector<float> krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
   std::vector<float> khist, vhist;  // the rows entering history, [moved tokens][d], page by page
+  std::vector<FixedRotation> fk, fv;
+  for (int h = 0; h < H; ++h) {
+    if (rot_k) fk.push_back(fixed_rotation(rot_k + size_t(h) * size_t(d) * size_t(d), d));
+    if (rot_v) fv.push_back(fixed_rotation(rot_v + size_t(h) * size_t(d) * size_t(d), d));
+  }
   for (size_t bi = 0; bi < batch.seqs.size(); ++bi) {
     const int seq = batch.seqs[bi];
     const int64_t n0 = batch.old_lengths[bi], n1 = n0 + batch.counts[bi];
@@ -75,10 +112,8 @@ void append_ref(KvCache& cache, int layer, const AppendBatch& batch, const float
         const size_t r = size_t(batch.row_offsets[bi] + j);
         const float* kx = k + (r * size_t(H) + size_t(h)) * size_t(d);
         const float* vx = v + (r * size_t(H) + size_t(h)) * size_t(d);
-        const float* rk = rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr;
-        const float* rv = rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr;
-        rotate_kv_row(kx, rk, d, krow.data());
-        rotate_kv_row(vx, rv, d, vrow.data());
+        rotate_kv_row(kx, rot_k ? &fk[size_t(h)] : nullptr, d, krow.data());
+        rotate_kv_row(vx, rot_v ? &fv[size_t(h)] : nullptr, d, vrow.data());
         const int64_t pos = n0 + j;
         size_t kdst, vdst;
         if (pos < g.sink) {

@@ -25,11 +25,18 @@ struct AppendBatch {
 AppendBatch make_append_batch(const std::vector<int>& seqs, const std::vector<int64_t>& old_lengths,
                               const std::vector<int>& counts);
 
-// The rotated row the cache stores for x (d values): out_j = bf16(Σ_i x_i·R_ij), the sum one fp32
-// FMA chain over i = 0, 1, .., d-1 (rot null: bf16(x)). The CUDA append and prefill rotate keys
-// and values exactly so, so host and device pools hold the same bytes (a float64 sum rounds to
-// BF16 differently in a few elements per thousand, and one such element can move a 2-bit code).
-void rotate_kv_row(const float* x, const float* rot, int d, float* out);
+// A rotation R (d × d, x_rot = x·R, finite) in the cache's fixed point (formats/kv_rotation.h):
+// q[i·d + j] = Rq_ij and e[j], the exponent of column j.
+struct FixedRotation {
+  int d = 0;
+  std::vector<int32_t> q;
+  std::vector<int> e;
+};
+FixedRotation fixed_rotation(const float* rot, int d);
+// The rotated row the cache stores for x (d values): out_j = bf16(x·R)_j in kv_rotation.h's exact
+// arithmetic (rot null: bf16(x)). The CUDA append and prefill compute the same integers, so host
+// and device pools hold the same bytes.
+void rotate_kv_row(const float* x, const FixedRotation* rot, int d, float* out);
 
 // k, v: [rows, n_kv, d] post-RoPE, unrotated. rot_k, rot_v: [n_kv, d, d] (x_rot = x·R), or null
 // when the rows are already rotated. codecs: [n_kv] for this layer. The cache must be a host pool.

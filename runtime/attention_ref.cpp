@@ -137,13 +137,17 @@ void prefill_ref(const KvCache& cache, int layer, int seq, int T, const float* q
   const int64_t n0 = length < 0 ? cache.length(seq) : length;
   keys.resize((size_t(n0) + size_t(T)) * size_t(H) * size_t(d));
   values.resize(keys.size());
-  for (int j = 0; j < T; ++j)
-    for (int h = 0; h < H; ++h) {  // the new rows as the append will store them
+  for (int h = 0; h < H; ++h) {  // the new rows as the append will store them
+    FixedRotation fk, fv;
+    if (rot_k) fk = fixed_rotation(rot_k + size_t(h) * size_t(d) * size_t(d), d);
+    if (rot_v) fv = fixed_rotation(rot_v + size_t(h) * size_t(d) * size_t(d), d);
+    for (int j = 0; j < T; ++j) {
       const size_t src = (size_t(j) * size_t(H) + size_t(h)) * size_t(d);
       const size_t dst = ((size_t(n0) + size_t(j)) * size_t(H) + size_t(h)) * size_t(d);
-      rotate_kv_row(k + src, rot_k ? rot_k + size_t(h) * size_t(d) * size_t(d) : nullptr, d, &keys[dst]);
-      rotate_kv_row(v + src, rot_v ? rot_v + size_t(h) * size_t(d) * size_t(d) : nullptr, d, &values[dst]);
+      rotate_kv_row(k + src, rot_k ? &fk : nullptr, d, &keys[dst]);
+      rotate_kv_row(v + src, rot_v ? &fv : nullptr, d, &values[dst]);
     }
+  }
   std::vector<double> q_rot(static_cast<size_t>(d));
   for (int j = 0; j < T; ++j)
     for (int qh = 0; qh < n_heads; ++qh) {

@@ -63,24 +63,38 @@ void decode_bf16_paged(int n_kv_heads, int head_dim, int page_tokens, const uint
                        const DeviceBatch& batch, const DecodeShape& shape, const float* q, const float* rot_k,
                        const float* rot_v_t, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// R_k or R_v of one KV head as the append and prefill multiply keys and values by it: the stored
+// rotation's fixed point (formats/kv_rotation.h) laid out as the int8 MMA operands the kernels
+// hold in registers (runtime/rotate_kv.cuh). A layer's rotations do not change while it serves, so
+// they are built once (rot_fragments) and a kernel loads 36 KB a head, where converting R itself
+// cost each launch more than a decode step's whole append did before.
+constexpr int kRotFragmentWords = 9216;
+struct RotFragments {
+  uint32_t words[kRotFragmentWords];
+};
+// rot: device [n, d, d] fp32, n heads (of one layer or several, as the artifact stores them; finite);
+// out: device [n].
+void rot_fragments(const float* rot, int64_t n, RotFragments* out, cudaStream_t stream);
+
 // Append (one layer, a batch of sequences): rotate (x·R), round to BF16, quantise the tokens that
 // move into history, write sink and ring. The cache must have grown already (KvCache::grow).
 // k, v: device [rows, n_kv, d] unrotated (rows of sequence i start at row_offsets[i]);
-// rot_k, rot_v: device [n_kv, d, d], or null when k and v are already rotated.
-// codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
+// rot_k, rot_v: device [n_kv] (rot_fragments of R_k and R_v), or null when k and v are already
+// rotated. codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
 // (AppendPlanHost, plan_append_moves: runtime/plan.h).
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves);
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
-               const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
+               const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+               const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+               Activations act = Activations::Float32);
 // One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
 // rotate, quantise the moves, write the windows, in one launch; no host work, no copies, no
 // workspace. codecs: device [n_kv] of this layer. With plan.counts
 // (the step's counts on the device) the launches are the same for every step within the
 // capacities, so they can be captured in a CUDA graph and replayed.
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
-                       const HeadCodec* codecs, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                       cudaStream_t stream, Activations act = Activations::Float32);
+                       const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
+                       const RotFragments* rot_v, cudaStream_t stream, Activations act = Activations::Float32);
 
 // Plans a step from an engine's own tables on the device (EngineStep, runtime/engine_step.h: every
 // array a device pointer): the moves and window writes plan_append_moves would make from the same
@@ -102,7 +116,9 @@ void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapaci
 // kPrefillMaxKvHeads KV heads (served.h).
 // q: device [ΣT, n_heads, d], k, v: device [ΣT, n_kv, d], post-RoPE, unrotated, the sequences'
 // tokens one after another in the list's order (FlashInfer's ragged layout; out likewise).
-// rot_k, rot_v, rot_v_t: device [n_kv, d, d] (R_k, R_v, R_vᵀ), or all null (identity).
+// rot_k, rot_v_t: device [n_kv, d, d] (R_k for the queries, R_vᵀ for the outputs); fixed_k,
+// fixed_v: device [n_kv] (rot_fragments of R_k and R_v, for the new keys and values); all four
+// null: identity.
 // codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same lengths and
 // counts (page tables are not read there). Up to 64 sequences per launch set; no host-to-device
 // copy (their descriptors are kernel parameters).
@@ -123,9 +139,9 @@ size_t prefill_workspace_bytes(const KvGeometry& g, const std::vector<PrefillSeq
                                const PrefillShape& shape);
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                   const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
-                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                  Activations act = Activations::Float32);
+                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v_t,
+                  const RotFragments* fixed_k, const RotFragments* fixed_v, void* out, void* workspace,
+                  size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
 
 // Attention-based token scores of one sequence (runtime/scores.cu; reference:
 // attention_scores_ref): the W queries of its last W tokens (positions length−W..length−1, already

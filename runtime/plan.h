@@ -101,7 +101,7 @@ struct PrefillSeqPlan {
 };
 struct PrefillPlan {
   int warps = 0;        // one build per launch
-  int ctas_per_sm = 1;  // 2: the 4-warp build at two CTAs an SM (only when asked)
+  int ctas_per_sm = 1;  // 2: the 4-warp build at two CTAs an SM
   std::vector<PrefillSeqPlan> seqs;
   int64_t tokens = 0, kv_rows = 0, part_rows = 0;  // totals over the batch
 };

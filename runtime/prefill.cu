@@ -6,9 +6,9 @@
 //
 //  1. rotate: q·R_k per head into head-major fp16 staging ([n_kv][rows][d]; a query row is a
 //     (new token, query head of the group) pair), on the tensor cores (split bf16 terms);
-//     rotate_kv (rotate_kv_short for few rows): k·R_k and v·R_v in one launch, as the append
-//     computes them (in-order fp32 sums rounded to BF16), so the staged new keys and values are
-//     exactly what the ring will hold.
+//     rotate_kv: k·R_k and v·R_v in one launch, as the append computes them (rotate_kv.cuh: exact
+//     fixed-point sums on the tensor cores, rounded to BF16), so the staged new keys and values
+//     are exactly what the ring will hold.
 //  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
 //     widened to fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴
 //     they round).
@@ -51,6 +51,7 @@
 #include "runtime/merge.cuh"
 #include "runtime/plan.h"
 #include "runtime/ptx.cuh"
+#include "runtime/rotate_kv.cuh"
 #include "runtime/served.h"
 
 namespace kvcc {
@@ -279,194 +280,65 @@ __device__ __forceinline__ int kv_tile_rows(int64_t row0, int64_t rows, int64_t 
   return n;
 }
 
-// The key and value sides of a rotate_kv or rotate_kv_short launch (blockIdx.z: 0 keys, 1 values):
-// both in one launch, so that a short extend pays one kernel boundary for them, not two.
+// The key and value sides of a rotate_kv launch (blockIdx.z: 0 keys, 1 values): both in one
+// launch, so that a short extend pays one kernel boundary for them, not two.
 template <typename In>
 struct KvSides {
   const In* x[2];
-  const float* rot[2];
+  const RotFragments* rot[2];
   __half* y[2];
 };
 
-// New keys and values: x·R[h] as the append computes it (append.cu), each output an fp32 FMA chain
-// over the input channels in order from 0, rounded to bf16 — so the staged rows are exactly what
-// the ring will hold (the tensor cores' truncating sums, rotate's, land on another bf16 value in a
-// few elements per thousand, and a key one bf16 step off moves a peaked softmax). The keys and
-// values are a quarter of the query rows; register tiles keep the FMAs fed: thread (column group
-// cg, row group rg) sums 4 columns × 8 rows, from R and the tile's rows transposed in shared memory
-// (3 shared loads per 32 FMAs). Rows [row0, row0 + rows) of KV head blockIdx.y, side blockIdx.z,
-// to map's rows of the fp16 staging; tiles of kExactRows, every gridDim.x-th.
-constexpr int kExactRows = 64, kExactThreads = 256;
-static_assert(kExactThreads == (kD / 4) * (kExactRows / 8), "a thread: 4 columns, 8 rows");
+// New keys and values: x·R[h] as the append computes it (rotate_kv.cuh: kv_rotation.h's exact
+// fixed-point sums on int8 MMAs, rounded to bf16), so the staged rows are exactly what the ring
+// will hold (a key one bf16 step off moves a peaked softmax: the tensor cores' truncating fp32
+// sums landed on another bf16 value in a few elements per thousand). A CTA of 4 warps, warp w
+// output columns 32w .. + 31 (R's fixed-point fragments in registers, loaded before the wait on
+// the preceding kernel), takes tiles of up to kKvRows rows of KV head blockIdx.y, side blockIdx.z,
+// every gridDim.x-th: warps put the rows in fixed point, then rotate them in 16-row MMA tiles into
+// map's rows of the fp16 staging (fp16 of the bf16 value). Without R: fp16(bf16(x)).
+constexpr int kKvRows = 64, kKvThreads = 128;
 template <typename In>
-__global__ void __launch_bounds__(kExactThreads, 2)
+__global__ void __launch_bounds__(kKvThreads, 2)
     rotate_kv(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
   const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
   const In* x = side ? sides.x[1] : sides.x[0];
-  const float* rot = side ? sides.rot[1] : sides.rot[0];
+  const RotFragments* rot = side ? sides.rot[1] : sides.rot[0];
   __half* y = side ? sides.y[1] : sides.y[0];
-  extern __shared__ __align__(16) float kv_smem[];
-  float* Rs = kv_smem;            // [kD][kD]: R[c][n]
-  float* xt = kv_smem + kD * kD;  // [kD][kExactRows]: the tile's rows, transposed
-  __shared__ int64_t src_row[kExactRows], dst_row[kExactRows];
-  const int h = blockIdx.y, tid = threadIdx.x, cg = tid % (kD / 4), rg = tid / (kD / 4);
+  __shared__ __align__(16) RotRows<kKvRows> xr;
+  __shared__ int64_t src_row[kKvRows], dst_row[kKvRows];
+  const int h = blockIdx.y, w = threadIdx.x / 32, lane = threadIdx.x % 32;
   pdl_launch_dependents();
-  const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
-  if (R) {  // 16 float4 a thread, loads issued together
-    constexpr int kLoads = kD * kD / 4 / kExactThreads;
-    float4 r4[kLoads];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) r4[u] = __ldg(reinterpret_cast<const float4*>(R) + tid + u * kExactThreads);
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) reinterpret_cast<float4*>(Rs)[tid + u * kExactThreads] = r4[u];
-  }
+  RotCols rc;
+  if (rot) load_rot_frags(rot + h, w, rc);
   pdl_wait();  // x comes from the preceding kernel
-  const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
+  const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int n = kv_tile_rows(row0, rows, row0 + tile * kExactRows, kExactRows, n_kv, h, map, src_row, dst_row);
-    __syncthreads();  // (also: R is in place)
-    // The tile's rows, transposed: lanes take consecutive rows of one chunk of channels, so the
-    // transposed stores are consecutive words.
-    if constexpr (std::is_same<In, float>::value) {
-      constexpr int kLoads = kExactRows * (kD / 4) / kExactThreads;
-      float4 f[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 4 * (e / kExactRows);
-        f[u] = i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + c)) : make_float4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 4 * (e / kExactRows);
-        xt[(c + 0) * kExactRows + i] = f[u].x;
-        xt[(c + 1) * kExactRows + i] = f[u].y;
-        xt[(c + 2) * kExactRows + i] = f[u].z;
-        xt[(c + 3) * kExactRows + i] = f[u].w;
-      }
-    } else {
-      constexpr int kLoads = kExactRows * (kD / 8) / kExactThreads;
-      uint4 b[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 8 * (e / kExactRows);
-        b[u] = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + c)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = tid + u * kExactThreads, i = e % kExactRows, c = 8 * (e / kExactRows);
-        const uint32_t w[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 v2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[q]));
-          xt[(c + 2 * q) * kExactRows + i] = v2.x;
-          xt[(c + 2 * q + 1) * kExactRows + i] = v2.y;
-        }
-      }
-    }
+    __syncthreads();  // the previous tile's rows are consumed
+    const int n = kv_tile_rows(row0, rows, row0 + tile * kKvRows, kKvRows, n_kv, h, map, src_row, dst_row);
     __syncthreads();
-    float acc[8][4];
-    if (R) {
+    const int mtiles = (n + 15) / 16;
+    for (int r = w; r < (rot ? 16 * mtiles : n); r += kKvThreads / 32) {
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (r < n)
 #pragma unroll
-      for (int rr = 0; rr < 8; ++rr) acc[rr][0] = acc[rr][1] = acc[rr][2] = acc[rr][3] = 0.0f;
-#pragma unroll 4
-      for (int c = 0; c < kD; ++c) {  // in order: the append's sums, bit for bit
-        const float4 r4 = *reinterpret_cast<const float4*>(&Rs[c * kD + 4 * cg]);
-        const float4 xa = *reinterpret_cast<const float4*>(&xt[c * kExactRows + 8 * rg]);
-        const float4 xb = *reinterpret_cast<const float4*>(&xt[c * kExactRows + 8 * rg + 4]);
-        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) {
-          acc[rr][0] = fmaf(xv[rr], r4.x, acc[rr][0]);
-          acc[rr][1] = fmaf(xv[rr], r4.y, acc[rr][1]);
-          acc[rr][2] = fmaf(xv[rr], r4.z, acc[rr][2]);
-          acc[rr][3] = fmaf(xv[rr], r4.w, acc[rr][3]);
-        }
+        for (int u = 0; u < 4; ++u) xv[u] = load_activation(x + src_row[r] * kD + 4 * lane + u);
+      if (rot) {
+        put_rot_row(xv, xr, r);
+      } else {
+        const float2 a = __bfloat1622float2(__floats2bfloat162_rn(xv[0], xv[1]));
+        const float2 b = __bfloat1622float2(__floats2bfloat162_rn(xv[2], xv[3]));
+        *reinterpret_cast<uint2*>(y + dst_row[r] * kD + 4 * lane) =
+            make_uint2(pack_half2(a.x, a.y), pack_half2(b.x, b.y));
       }
-    } else {  // no rotation: the rows themselves, as the append takes them (from global memory:
-              // the transposed tile would put a warp's reads in one bank)
-#pragma unroll
-      for (int rr = 0; rr < 8; ++rr)
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          acc[rr][q] = 8 * rg + rr < n ? load_activation(x + src_row[8 * rg + rr] * kD + 4 * cg + q) : 0.0f;
     }
-#pragma unroll
-    for (int rr = 0; rr < 8; ++rr) {
-      const int i = 8 * rg + rr;
-      if (i >= n) continue;
-      const float2 lo = __bfloat1622float2(__floats2bfloat162_rn(acc[rr][0], acc[rr][1]));
-      const float2 hi = __bfloat1622float2(__floats2bfloat162_rn(acc[rr][2], acc[rr][3]));
-      *reinterpret_cast<uint2*>(y + dst_row[i] * kD + 4 * cg) =
-          make_uint2(pack_half2(lo.x, lo.y), pack_half2(hi.x, hi.y));
-    }
-    __syncthreads();  // the next tile's rows overwrite this one's
-  }
-}
-
-// rotate_kv for few rows (short extends, speculative verification): the same in-order sums, spread
-// over more CTAs. rotate_kv gives a head one CTA per 64 rows, so 16 new tokens ran on one CTA a
-// head, each thread summing 32 outputs one after another (13 µs a side at T = 16 over 32K; 9 here).
-// Here a CTA takes a quarter of R's columns (32, in shared memory) and tiles of 16 rows; thread
-// (warp w, lane c) sums column c of its quarter for rows w and w + 8.
-constexpr int kShortRows = 16, kShortCols = 32, kShortThreads = 256, kShortQuarters = kD / kShortCols;
-constexpr int64_t kShortMaxRows = 256;  // rotate_kv_rows' switch: at 256 rows both forms took as long
-static_assert(kShortThreads == 32 * kShortRows / 2, "a warp per two rows, a lane per column");
-template <typename In>
-__global__ void __launch_bounds__(kShortThreads)
-    rotate_kv_short(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
-  __shared__ __align__(16) float Rs[kD][kShortCols];  // R[c][quarter's columns]
-  __shared__ __align__(16) float xs[kShortRows][kD];
-  __shared__ int64_t src_row[kShortRows], dst_row[kShortRows];
-  const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
-  const In* x = side ? sides.x[1] : sides.x[0];
-  const float* rot = side ? sides.rot[1] : sides.rot[0];
-  __half* y = side ? sides.y[1] : sides.y[0];
-  const int h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, w = tid / 32;
-  const int quarter = int(blockIdx.x) % kShortQuarters, col = quarter * kShortCols + lane;
-  pdl_launch_dependents();
-  const float* R = rot ? rot + size_t(h) * kD * kD + quarter * kShortCols : nullptr;
-  if (R) {  // 4 float4 a thread, loads issued together
-    constexpr int kLoads = kD * kShortCols / 4 / kShortThreads, kRowF4 = kShortCols / 4;
-    float4 r4[kLoads];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int e = tid + u * kShortThreads;
-      r4[u] = __ldg(reinterpret_cast<const float4*>(R + size_t(e / kRowF4) * kD) + e % kRowF4);
-    }
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) reinterpret_cast<float4*>(&Rs[0][0])[tid + u * kShortThreads] = r4[u];
-  }
-  pdl_wait();  // x comes from the preceding kernel
-  const int64_t tiles = (rows + kShortRows - 1) / kShortRows;
-  for (int64_t tile = blockIdx.x / kShortQuarters; tile < tiles; tile += gridDim.x / kShortQuarters) {
-    const int n = kv_tile_rows(row0, rows, row0 + tile * kShortRows, kShortRows, n_kv, h, map, src_row, dst_row);
-    __syncthreads();  // (also: R is in place)
-    for (int e = tid; e < n * kD; e += kShortThreads)
-      xs[e / kD][e % kD] = load_activation(x + src_row[e / kD] * kD + e % kD);
+    if (!rot) continue;
     __syncthreads();
-    float acc[2] = {0.0f, 0.0f};
-    if (R) {
-#pragma unroll 8
-      for (int c = 0; c < kD; c += 4) {  // in order: the append's sums, bit for bit
-        const float4 a = *reinterpret_cast<const float4*>(&xs[w][c]);
-        const float4 b = *reinterpret_cast<const float4*>(&xs[w + 8][c]);
-        acc[0] = fmaf(a.w, Rs[c + 3][lane],
-                      fmaf(a.z, Rs[c + 2][lane], fmaf(a.y, Rs[c + 1][lane], fmaf(a.x, Rs[c][lane], acc[0]))));
-        acc[1] = fmaf(b.w, Rs[c + 3][lane],
-                      fmaf(b.z, Rs[c + 2][lane], fmaf(b.y, Rs[c + 1][lane], fmaf(b.x, Rs[c][lane], acc[1]))));
-      }
-    } else {
-      acc[0] = xs[w][col];
-      acc[1] = xs[w + 8][col];
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = w + 8 * half;
-      if (i >= n) continue;
-      const uint32_t h2 = pack_half2(__bfloat162float(__float2bfloat16_rn(acc[half])), 0.0f);
-      reinterpret_cast<uint16_t*>(y)[dst_row[i] * kD + col] = uint16_t(h2 & 0xffffu);
-    }
-    __syncthreads();  // the next tile's rows overwrite this one's
+    for (int m = 0; m < mtiles; ++m)
+      rotate_rows(xr, m, n, rc, w, [&](int row, int col, uint32_t yb) {
+        *reinterpret_cast<uint32_t*>(y + dst_row[row] * kD + col) =
+            pack_half2(float_from_bf16(uint16_t(yb & 0xffffu)), float_from_bf16(uint16_t(yb >> 16)));
+      });
   }
 }
 
@@ -684,7 +556,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
   }
   if (warp == 0) {
     mbar_init(sm.full, kStages, lane, kProducer);
-    mbar_init(sm.empty, kStages, lane, kWarps);
+    mbar_init(sm.empty, kStages, lane, 32 * kWarps);  // every MMA thread arrives (below)
     mbar_init(sm.raw_full, kRaw, lane, 1);
   }
   __syncthreads();  // the barriers and the lookup table
@@ -926,7 +798,12 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
     else softmax(std::false_type{});
     wgmma_wait<0>();  // the P·V of unit u-1: O holds units < u, scaled to the old maxima; P' is free
     wgmma_hold(o);
-    if (u > u0 && lane == 0) mbar_arrive(empty_s + 8 * ((i - 1) % kStages));  // unit u-1's stage is read
+    // Unit u-1's stage is read: every thread arrives for its own reads (of the per-token scales in
+    // the softmax, and its share of the P·V just waited for). One arrive a warp after the
+    // warpgroup's barrier orders them as well, but compute-sanitizer's racecheck does not follow
+    // that chain and reported the producer's next writes of the scales as hazards in the 2-stage
+    // builds; with an arrive a thread it reports none, and the times did not change (H100).
+    if (u > u0) mbar_arrive(empty_s + 8 * ((i - 1) % kStages));
     // O to the new maxima, skipped where no row of the warp's has a new one (most tiles, once the
     // first few have been seen).
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
@@ -1071,27 +948,16 @@ void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int 
                    stream, "prefill (CUDA): rotation launch", x, rot, row0, rows, n_kv, r, y, map);
 }
 
-// New keys and values through R into the staging, both in one launch: rotate_kv_short for few
-// rows, else rotate_kv (both sides' CTAs together up to two an SM).
+// New keys and values through R into the staging, both in one launch: a CTA per 64 rows of a
+// (KV head, side), up to a wave (two CTAs an SM).
 template <typename In>
 void rotate_kv_rows(const KvSides<In>& sides, int64_t row0, int64_t rows, int n_kv, const RowMap& map,
                     cudaStream_t stream) {
   if (rows == 0) return;
-  const char* what = "prefill (CUDA): key/value rotation launch";
-  if (rows <= kShortMaxRows) {
-    launch_dependent(rotate_kv_short<In>,
-                     dim3(unsigned(kShortQuarters * ((rows + kShortRows - 1) / kShortRows)), unsigned(n_kv), 2),
-                     dim3(kShortThreads), 0, stream, what, sides, row0, rows, n_kv, map);
-    return;
-  }
-  constexpr size_t kSmem = (kD * kD + kD * kExactRows) * sizeof(float);
-  static const cudaError_t attribute =
-      cudaFuncSetAttribute(rotate_kv<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  check_cuda(attribute, "prefill (CUDA): the key/value rotation's shared memory attribute");
-  const int64_t tiles = (rows + kExactRows - 1) / kExactRows;
-  launch_dependent(rotate_kv<In>,
-                   dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv), 2),
-                   dim3(kExactThreads), kSmem, stream, what, sides, row0, rows, n_kv, map);
+  const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
+  launch_dependent(
+      rotate_kv<In>, dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv), 2),
+      dim3(kKvThreads), 0, stream, "prefill (CUDA): key/value rotation launch", sides, row0, rows, n_kv, map);
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -1109,7 +975,8 @@ void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequen
 template <typename In, typename Out>
 void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vector<PrefillSequence>& seqs,
                     const PrefillPlan& plan, PrefillArgs& a, const In* q, const In* k, const In* v, const float* rot_k,
-                    const float* rot_v, const float* rot_v_t, Out* out, cudaStream_t stream) {
+                    const float* rot_v_t, const RotFragments* fixed_k, const RotFragments* fixed_v, Out* out,
+                    cudaStream_t stream) {
   const int n_kv = g.n_kv_heads;
   RowMap staged_q;  // [n_kv][q_rows][d]
   staged_q.n = 1;
@@ -1138,7 +1005,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_kv_rows(KvSides<In>{{k, v}, {rot_k, rot_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
+    rotate_kv_rows(KvSides<In>{{k, v}, {fixed_k, fixed_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
@@ -1210,13 +1077,13 @@ size_t prefill_workspace_bytes(const KvGeometry& g, const std::vector<PrefillSeq
 
 void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                   const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
-                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v,
-                  const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                  Activations act) {
+                  const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v_t,
+                  const RotFragments* fixed_k, const RotFragments* fixed_v, void* out, void* workspace,
+                  size_t workspace_bytes, cudaStream_t stream, Activations act) {
   require_hopper();
   check_scope(g, layer, seqs, shape);
-  KVCC_REQUIRE(bool(rot_k) == bool(rot_v) && bool(rot_v) == bool(rot_v_t),
-               "prefill (CUDA): give all three rotations or none");
+  KVCC_REQUIRE(bool(rot_k) == bool(rot_v_t) && bool(rot_k) == bool(fixed_k) && bool(rot_k) == bool(fixed_v),
+               "prefill (CUDA): give all four rotations or none");
   const PrefillPlan plan = plan_of(g, seqs, shape);
   if (plan.tokens == 0) return;
   const PrefillWorkspace lay = prefill_workspace(g, plan, shape.n_heads);
@@ -1245,11 +1112,11 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
     }
   if (act == Activations::BFloat16)
     launch_prefill(g, windows, seqs, plan, a, static_cast<const __nv_bfloat16*>(q),
-                   static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), rot_k, rot_v, rot_v_t,
-                   static_cast<__nv_bfloat16*>(out), stream);
+                   static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v), rot_k, rot_v_t, fixed_k,
+                   fixed_v, static_cast<__nv_bfloat16*>(out), stream);
   else
     launch_prefill(g, windows, seqs, plan, a, static_cast<const float*>(q), static_cast<const float*>(k),
-                   static_cast<const float*>(v), rot_k, rot_v, rot_v_t, static_cast<float*>(out), stream);
+                   static_cast<const float*>(v), rot_k, rot_v_t, fixed_k, fixed_v, static_cast<float*>(out), stream);
   check_cuda(cudaGetLastError(), "prefill (CUDA) launch");
 }
 

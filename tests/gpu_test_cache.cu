@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -62,10 +63,11 @@ struct Twin : PoolPair {
       const float* lrk = rk.empty() ? nullptr : rk.data() + size_t(l) * dd;
       const float* lrv = rv.empty() ? nullptr : rv.data() + size_t(l) * dd;
       append_ref(host, l, batch, k.data(), v.data(), lrk, lrv, cod);
-      DeviceBuffer<float> dk(k), dv(v), drk(lrk ? std::vector<float>(lrk, lrk + dd) : std::vector<float>()),
-          drv(lrv ? std::vector<float>(lrv, lrv + dd) : std::vector<float>());
-      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), lrk ? drk.data() : nullptr,
-                lrv ? drv.data() : nullptr, ws.data(), ws.bytes(), nullptr);
+      DeviceBuffer<float> dk(k), dv(v);
+      const DeviceBuffer<RotFragments> fk = testing::device_fragments(lrk, g.n_kv_heads),
+                                       fv = testing::device_fragments(lrv, g.n_kv_heads);
+      append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), fk.data(), fv.data(),
+                ws.data(), ws.bytes(), nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
@@ -147,9 +149,11 @@ TEST(GpuAppend, RotationMatchesReference) {
   AppendPlanHost plan{{s}, {0}, {kRows}, {0}, {std::vector<int32_t>(pt.begin(), pt.end())}};
   const size_t wsb = append_workspace_bytes(g, kRows, kRows);
   DeviceBuffer<uint8_t> ws(wsb);
-  DeviceBuffer<float> dk(k), dv(v), drk(rk), drv(rv);
-  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.data(), dv.data(), drk.data(),
-            drv.data(), ws.data(), wsb, nullptr);
+  DeviceBuffer<float> dk(k), dv(v);
+  const DeviceBuffer<RotFragments> fk = testing::device_fragments(rk.data(), 2),
+                                   fv = testing::device_fragments(rv.data(), 2);
+  append_kv(g, dev.pages_base(), dev.windows_base(), 0, plan, codecs.data(), dk.data(), dv.data(), fk.data(), fv.data(),
+            ws.data(), wsb, nullptr);
   // Both rotate as rotate_kv_row: the pools (windows and pages) hold the same bytes.
   std::vector<uint8_t> d(dev.pool_bytes());
   CUDA_OK(cudaMemcpy(d.data(), dev.pages_base(), d.size(), cudaMemcpyDeviceToHost));
@@ -344,6 +348,52 @@ TEST(GpuDecode, Bf16PagedMatchesFloat64) {
       const size_t o = (b * n_heads + qh) * d;
       EXPECT_LT(rel(got.data() + o, want.data() + o, d), 1e-2) << "len " << lens[b] << " head " << qh;
     }
+}
+
+// The fp16 conversions on the device (formats/fp16.h: the conversion unit for finite values and
+// inf, the software path for NaN) give the host's bits: every half to float, and to half the
+// floats around every half's rounding boundaries (the midpoint to the next half and its float
+// neighbours: ties to even, subnormals, the overflow edge), NaNs with payloads and a random spread.
+__global__ void fp16_conversions(const float* f, uint16_t* h, int n, uint32_t* back) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) h[i] = f16_from_float(f[i]);
+  if (i < 65536) back[i] = f32_bits(float_from_f16(uint16_t(i)));
+}
+TEST(GpuFormats, Fp16ConversionsMatchHostBits) {
+  std::vector<float> f;
+  for (uint32_t h = 0; h < 0x7c00u; ++h) {
+    const uint32_t sign = (h & 1u) << 31;  // (both signs over the halves)
+    const float a = float_from_f16(uint16_t(h)), b = float_from_f16(uint16_t(h + 1));
+    const uint32_t mid = f32_bits(0.5f * (a + b)) | sign;  // exact: a and b are within float's range
+    for (uint32_t m : {mid - 1, mid, mid + 1}) f.push_back(f32_from_bits(m));
+    f.push_back(f32_from_bits(f32_bits(a) | sign));
+  }
+  for (uint32_t x : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffc12345u, 0x7fbfffffu, 0x477fefffu,
+                     0x477ff000u, 0x33000000u, 0x33000001u, 0x32ffffffu})
+    f.push_back(f32_from_bits(x));
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200000; ++i) f.push_back(f32_from_bits(uint32_t(rng())));
+  const int n = int(f.size());
+  DeviceBuffer<float> df(f);
+  DeviceBuffer<uint16_t> dh(f.size());
+  DeviceBuffer<uint32_t> dback(65536);
+  CUDA_OK(cudaMemset(dh.data(), 0xff, f.size() * 2));
+  fp16_conversions<<<(std::max(n, 65536) + 255) / 256, 256>>>(df.data(), dh.data(), n, dback.data());
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint16_t> h(f.size());
+  std::vector<uint32_t> back(65536);
+  CUDA_OK(cudaMemcpy(h.data(), dh.data(), h.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(back.data(), dback.data(), back.size() * 4, cudaMemcpyDeviceToHost));
+  int wrong = 0;
+  for (int i = 0; i < n; ++i)
+    if (h[i] != f16_from_float(f[i]) && ++wrong <= 5)
+      ADD_FAILURE() << "f16_from_float(0x" << std::hex << f32_bits(f[i]) << "): device 0x" << h[i] << ", host 0x"
+                    << f16_from_float(f[i]);
+  for (uint32_t i = 0; i < 65536; ++i)
+    if (back[i] != f32_bits(float_from_f16(uint16_t(i))) && ++wrong <= 10)
+      ADD_FAILURE() << "float_from_f16(0x" << std::hex << i << "): device 0x" << back[i] << ", host 0x"
+                    << f32_bits(float_from_f16(uint16_t(i)));
+  EXPECT_EQ(wrong, 0);
 }
 
 // The launchers ask the same table as the Runtime (runtime/served.h) and name what they refuse;

@@ -83,10 +83,26 @@ struct Case {
 
 // One GPU prefill of `cases` as one ragged batch (their inputs one after another): NaN sentinels
 // in the output and the workspace, run twice; every element written, the runs bit-identical.
+// A layer's rotations on the device as prefill_int2 takes them, or none (every pointer null).
+struct DeviceRotations {
+  DeviceBuffer<float> rk_, rvt_;        // R_k (queries), R_vᵀ (outputs)
+  DeviceBuffer<RotFragments> fk_, fv_;  // R_k, R_v for the new keys and values
+  bool on;
+  DeviceRotations(const std::vector<float>& k, const std::vector<float>& v, int n_kv)
+      : rk_(k),
+        rvt_(v.empty() ? v : transpose_heads(v, n_kv, kD)),
+        fk_(testing::device_fragments(k.empty() ? nullptr : k.data(), size_t(n_kv))),
+        fv_(testing::device_fragments(v.empty() ? nullptr : v.data(), size_t(n_kv))),
+        on(!k.empty()) {}
+  const float* k() const { return on ? rk_.data() : nullptr; }
+  const float* vt() const { return on ? rvt_.data() : nullptr; }
+  const RotFragments* fixed_k() const { return on ? fk_.data() : nullptr; }
+  const RotFragments* fixed_v() const { return on ? fv_.data() : nullptr; }
+};
+
 std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
                              const std::vector<const std::vector<float>*>& in, const PrefillShape& shape, int layer,
-                             const DeviceBuffer<float>& drk, const DeviceBuffer<float>& drv,
-                             const DeviceBuffer<float>& drvt, bool rotate) {
+                             const DeviceRotations& rot) {
   const KvGeometry& g = c.g;
   std::vector<float> q, k, v;
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -111,8 +127,7 @@ std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
     EXPECT_EQ(cudaMemset(dout.data(), 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
     EXPECT_EQ(cudaMemset(ws.data(), 0xff, wsb), cudaSuccess);
     prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, seqs, cod, shape, dq.data(), dk.data(), dv.data(),
-                 rotate ? drk.data() : nullptr, rotate ? drv.data() : nullptr, rotate ? drvt.data() : nullptr,
-                 dout.data(), ws.data(), wsb, nullptr);
+                 rot.k(), rot.vt(), rot.fixed_k(), rot.fixed_v(), dout.data(), ws.data(), wsb, nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost),
               cudaSuccess);
@@ -133,13 +148,12 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
                      bool rotate, int ragged_copies = 1, bool bitwise = false, int ctas_per_sm = 0) {
   const KvGeometry& g = c.g;
   std::mt19937 rng(17 + n_heads + splits);
-  std::vector<float> rk, rv, rvt;
+  std::vector<float> rk, rv;
   if (rotate) {
     rk = random_rotations(g.n_kv_heads, kD, rng);
     rv = random_rotations(g.n_kv_heads, kD, rng);
-    rvt = transpose_heads(rv, g.n_kv_heads, kD);
   }
-  DeviceBuffer<float> drk(rk), drv(rv), drvt(rvt);
+  const DeviceRotations rot(rk, rv, g.n_kv_heads);
   const float scale = 1.0f / std::sqrt(float(kD));
   const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
   const PrefillShape shape{n_heads, scale, splits, warps, ctas_per_sm};
@@ -191,14 +205,14 @@ double check_prefill(Caches& c, const std::vector<Case>& cases, int n_heads, int
   double worst = 0;
   std::vector<float> singles;
   for (size_t i = 0; i < cases.size(); ++i) {
-    const std::vector<float> got = run_batch(c, {cases[i]}, inputs(i, 1), shape, layer, drk, drv, drvt, rotate);
+    const std::vector<float> got = run_batch(c, {cases[i]}, inputs(i, 1), shape, layer, rot);
     const double e = compare(got, i, 1, "alone");
     std::printf("  len %5lld T %4d: worst per-head relative error %.2e\n", (long long)c.host.length(cases[i].seq),
                 cases[i].T, e);
     worst = std::max(worst, e);
     singles.insert(singles.end(), got.begin(), got.end());
   }
-  const std::vector<float> batch = run_batch(c, all, inputs(0, all.size()), shape, layer, drk, drv, drvt, rotate);
+  const std::vector<float> batch = run_batch(c, all, inputs(0, all.size()), shape, layer, rot);
   const double e = compare(batch, 0, all.size(), "ragged batch");
   std::printf("  ragged batch of %zu sequences: worst per-head relative error %.2e\n", all.size(), e);
   if (bitwise)
@@ -252,7 +266,7 @@ TEST(GpuPrefill, TwoCtasAnSmMatchReferenceAndOneCtaBitForBit) {
   std::mt19937 rng(29);
   const KvGeometry& g = c.g;
   const std::vector<float> rk = random_rotations(g.n_kv_heads, kD, rng), rv = random_rotations(g.n_kv_heads, kD, rng);
-  DeviceBuffer<float> drk(rk), drv(rv), drvt(transpose_heads(rv, g.n_kv_heads, kD));
+  const DeviceRotations rot(rk, rv, g.n_kv_heads);
   std::vector<std::vector<float>> in;
   for (const Case& cs : cases) {
     in.push_back(random_rows(size_t(cs.T) * 16 * kD, rng, false));
@@ -264,8 +278,8 @@ TEST(GpuPrefill, TwoCtasAnSmMatchReferenceAndOneCtaBitForBit) {
   for (int splits : {1, 3, 40}) {
     const float scale = 1.0f / std::sqrt(float(kD));
     const PrefillShape one{16, scale, splits, 4, 1}, two{16, scale, splits, 4, 2};
-    const std::vector<float> a = run_batch(c, cases, ptrs, one, 1, drk, drv, drvt, true);
-    const std::vector<float> b = run_batch(c, cases, ptrs, two, 1, drk, drv, drvt, true);
+    const std::vector<float> a = run_batch(c, cases, ptrs, one, 1, rot);
+    const std::vector<float> b = run_batch(c, cases, ptrs, two, 1, rot);
     ASSERT_EQ(a.size(), b.size());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << splits << " splits: the two builds differ";
   }
@@ -321,14 +335,14 @@ struct Tally {
 };
 
 // The rotations, read where the call leaves them. The staged new keys and values (rotate_kv) are
-// exactly what the append puts in the ring: the bf16 rounding of the in-order fp32 FMA chain,
-// computed here with std::fma. The staged queries (fp16) and the output (the merged rows left in
+// exactly what the append puts in the ring: append_ref.h's rotate_kv_row (formats/kv_rotation.h's
+// exact fixed-point sums, rounded to bf16). The staged queries (fp16) and the output (the merged rows left in
 // split 0's partials, times R_vᵀ) come from the tensor cores' split-term rotation (rotate): each
 // within its Tally bound of the exact value, and at least 98% of the queries the exact value's
 // nearest (the truncating sums cross a rounding boundary rarely); a bf16-accurate rotation (R as
 // one bf16 term) misses by ~2^-12·Σ|x_c·R_c|, 16x the bound's accumulation term. fp32
 // activations (split into three terms) and bf16 ones; 4 query heads per KV head; 300 tokens
-// (rotate_kv, a partial tile) and 40 (rotate_kv_short, for up to 256 rows: a partial tile too).
+// (rotate_kv: four whole 64-row tiles and a partial one) and 40 (one partial tile).
 void rotations_accuracy(int kT) {
   const KvGeometry g = test_geometry(1, 2);
   constexpr int kHeads = 8;
@@ -336,7 +350,7 @@ void rotations_accuracy(int kT) {
   std::mt19937 rng(5);
   const auto rk = random_rotations(n_kv, kD, rng), rv = random_rotations(n_kv, kD, rng);
   const auto rvt = transpose_heads(rv, n_kv, kD);
-  DeviceBuffer<float> drk(rk), drv(rv), drvt(rvt);
+  const DeviceRotations rot(rk, rv, n_kv);
   Caches c(g, 16, 2, false);
   const int s = c.add();
   c.sync_device();
@@ -370,7 +384,7 @@ void rotations_accuracy(int kT) {
     DeviceBuffer<uint8_t> dout(q.size() * (bf16 ? 2 : 4));
     CUDA_OK(cudaMemset(ws.data(), 0xff, wsb));
     prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), 0, seqs, c.codecs.data(), shape, dq.data(), dk.data(),
-                 dv.data(), drk.data(), drv.data(), drvt.data(), dout.data(), ws.data(), wsb, nullptr, act);
+                 dv.data(), rot.k(), rot.vt(), rot.fixed_k(), rot.fixed_v(), dout.data(), ws.data(), wsb, nullptr, act);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint8_t> w = ws.download(), o = dout.download();
     auto f16_at = [&w](size_t off, size_t i) {
@@ -395,6 +409,11 @@ void rotations_accuracy(int kT) {
     };
     Tally staged, out;
     size_t kv_differ = 0, kv_n = 0;
+    std::vector<FixedRotation> fixed_k, fixed_v;
+    for (int h = 0; h < n_kv; ++h) {
+      fixed_k.push_back(fixed_rotation(&rk[size_t(h) * kD * kD], kD));
+      fixed_v.push_back(fixed_rotation(&rv[size_t(h) * kD * kD], kD));
+    }
     for (int h = 0; h < n_kv; ++h)
       for (int t = 0; t < kT; ++t)
         for (int n = 0; n < kD; ++n) {
@@ -407,20 +426,19 @@ void rotations_accuracy(int kT) {
             staged.nearest += got == double(float_from_f16(f16_from_float(float(y))));
           }
           const size_t row = size_t(h) * plan.kv_rows + sp.kv0 + sp.win_rows + t;
-          // k, v: the append's in-order fp32 sums, through bf16 (the ring's value), then fp16 as the
-          // staging holds every row, a ring row read back included (bf16 -> fp16 loses bits only
-          // below fp16's normal range, 2^-14)
+          // k, v: the append's rotation (rotate_kv_row: exact fixed-point sums, rounded to bf16,
+          // the ring's value), then fp16 as the staging holds every row, a ring row read back
+          // included (bf16 -> fp16 loses bits only below fp16's normal range, 2^-14)
           for (int side = 0; side < 2; ++side) {
             const float* x = &(side ? v : k)[(size_t(t) * n_kv + h) * kD];
-            const float* R = &(side ? rv : rk)[size_t(h) * kD * kD];
-            float chain = 0.0f;
-            for (int ci = 0; ci < kD; ++ci) chain = std::fma(x[ci], R[size_t(ci) * kD + n], chain);
-            const float ring = float_from_bf16(bf16_from_float(chain));
+            std::vector<float> stored(kD);
+            rotate_kv_row(x, &(side ? fixed_v : fixed_k)[size_t(h)], kD, stored.data());
+            const float ring = stored[size_t(n)];
             const float want = float_from_f16(f16_from_float(ring));
             const float got = float(f16_at(side ? lay.v : lay.k, row * kD + n));
             if (got != want && kv_differ < 4)
-              std::printf("  staged %s row %zu channel %d: %.9g, the append's sum %.9g (bf16 %.9g, fp16 of it %.9g)\n",
-                          side ? "v" : "k", row, n, got, chain, ring, want);
+              std::printf("  staged %s row %zu channel %d: %.9g, the append's row %.9g (fp16 of it %.9g)\n",
+                          side ? "v" : "k", row, n, got, ring, want);
             kv_differ += got != want;
             ++kv_n;
           }

@@ -13,12 +13,24 @@
 #include "formats/kv_layout.h"
 #include "runtime/device_buffer.h"
 #include "runtime/kv_cache.h"
+#include "runtime/kv_kernels.h"
 #include "runtime/served.h"
 #include "cache_test_util.h"
 
 namespace kvcc::testing {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// Host rotations [n, d, d] (d = kGpuHeadDim) as the append and prefill take them (rot_fragments,
+// built on the device); null or n = 0: none (an empty buffer, whose data() is null).
+inline DeviceBuffer<RotFragments> device_fragments(const float* rot, size_t n) {
+  if (!rot || n == 0) return {};
+  const DeviceBuffer<float> d(std::vector<float>(rot, rot + n * kGpuHeadDim * kGpuHeadDim));
+  DeviceBuffer<RotFragments> f(n);
+  rot_fragments(d.data(), int64_t(n), f.data(), nullptr);
+  check_cuda(cudaDeviceSynchronize(), "rot_fragments");
+  return f;
+}
 
 // n values of head_dim-wide rows: keys with 4 outlier channels (×6) and an offset (+0.3), as real
 // keys have, or plain standard normal values.

@@ -3,7 +3,9 @@
 // references against a naive float64 attention over that simulation's contents.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
+#include "formats/kv_rotation.h"
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
@@ -88,10 +91,11 @@ void sim_append(const KvGeometry& g, const HeadCodec& codec, SimHead& s, const s
 }
 
 // x·R as the cache stores it (append_ref.h: rotate_kv_row, the CUDA kernels' arithmetic;
-// test_cache.cpp's RotateKvRow checks it against float64).
+// test_cache.cpp's RotateKvRow* tests check it against exact sums).
 std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   std::vector<float> out(static_cast<size_t>(d));
-  rotate_kv_row(x, rot, d, out.data());
+  const FixedRotation r = fixed_rotation(rot, d);
+  rotate_kv_row(x, &r, d, out.data());
   return out;
 }
 
@@ -250,44 +254,151 @@ double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-// The stored rotation is one fp32 FMA chain per output, channels in order (the CUDA kernels'),
-// rounded to BF16: within one BF16 step of the float64 product, exact for permutations, and it
-// keeps the chain's own roundings (a case where float64, or another summation order, rounds to
-// the other BF16 neighbour).
-TEST(CacheAppend, RotateKvRowIsTheInOrderFp32Chain) {
-  constexpr int d = 128;
+__extension__ typedef __int128 Int128;  // exact sums for the rotation's oracle (GCC and Clang)
+
+// The nearest bf16 to t·2^s (t an exact integer sum, |t| < 2^60), found another way than
+// kv_rotation.h's round to odd: the bf16 values around a long double estimate, their distances
+// to t·2^s compared exactly as integers in units of 2^(s − 8) (below any candidate's last bit).
+float nearest_bf16_exact(Int128 t, int s) {
+  if (t == 0) return 0.0f;
+  const uint16_t guess = bf16_from_float(float(std::ldexp(static_cast<long double>(t), s)));
+  float best = 0.0f;
+  Int128 best_dist = -1;
+  for (int step = -2; step <= 2; ++step) {
+    const float c = float_from_bf16(uint16_t(int(guess) + step));  // same sign: steps of |value|
+    if (!std::isfinite(c) || c == 0.0f || (c < 0) != (t < 0)) continue;
+    int e = 0;
+    const Int128 m = Int128(std::ldexp(std::frexp(c, &e), 8));  // c = m·2^(e − 8), |m| < 2^8
+    if (e - s < 0) continue;  // below 2^s: not a neighbour of an integer multiple of 2^s >= 2^s
+    const Int128 diff = (t << 8) - (m << (e - s));
+    const Int128 dist = diff < 0 ? -diff : diff;
+    if (best_dist < 0 || dist < best_dist || (dist == best_dist && (bf16_from_float(c) & 1) == 0)) {
+      best = c;
+      best_dist = dist;
+    }
+  }
+  return best;
+}
+
+// The stored rotation (formats/kv_rotation.h): column j of R and the row x in fixed point, the sum
+// exact, rounded once to BF16. Checked against a second computation of the same definition (the
+// fixed points from a loop over exponents, the sum in Int128, the rounding by exact comparison
+// of the bf16 neighbours), against the float64 product (within half a BF16 step plus what the
+// fixed points drop), exact for permutations of bf16 rows, NaN rows for non-finite inputs.
+TEST(CacheAppend, RotateKvRowIsTheExactFixedPointSum) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
-  std::vector<float> x(d), R(size_t(d) * d), out(d);
-  for (auto& v : x) v = nd(rng);
-  for (auto& v : R) v = nd(rng) / std::sqrt(float(d));
-  rotate_kv_row(x.data(), R.data(), d, out.data());
-  int same = 0;
-  for (int j = 0; j < d; ++j) {
-    double acc = 0;
-    for (int i = 0; i < d; ++i) acc += double(x[size_t(i)]) * double(R[size_t(i) * d + size_t(j)]);
-    const float want = round_bf16(float(acc));
-    same += out[size_t(j)] == want;
-    // Neighbours at most: the fp32 chain is within d·2^-24·Σ|x·R| of the exact sum, far below a BF16 step.
-    EXPECT_LE(std::fabs(out[size_t(j)] - want), std::ldexp(std::fabs(want), -7) + 1e-30f) << j;
+  for (const int d : {32, 128}) {
+    std::vector<float> x(static_cast<size_t>(d)), R(static_cast<size_t>(d * d)), out(static_cast<size_t>(d));
+    for (int trial = 0; trial < 20; ++trial) {
+      for (int i = 0; i < d; ++i) x[size_t(i)] = nd(rng) * (i % 9 == 0 ? 20.0f : 1.0f) * (trial % 2 ? 1e-3f : 1.0f);
+      for (auto& v : R) v = nd(rng) / std::sqrt(float(d));
+      const FixedRotation f = fixed_rotation(R.data(), d);
+      rotate_kv_row(x.data(), &f, d, out.data());
+      auto exponent_above = [](double a) {  // e with a < 2^e <= 2a (a > 0)
+        int e = -200;
+        while (std::ldexp(1.0, e) <= a) ++e;
+        return e;
+      };
+      double xmax = 0;
+      for (float v : x) xmax = std::max(xmax, double(std::fabs(v)));
+      const int ex = exponent_above(xmax);
+      for (int j = 0; j < d; ++j) {
+        double cmax = 0;
+        for (int i = 0; i < d; ++i) cmax = std::max(cmax, double(std::fabs(R[size_t(i) * d + size_t(j)])));
+        const int ej = exponent_above(cmax);
+        Int128 t = 0;
+        double real = 0, dropped = 0;
+        for (int i = 0; i < d; ++i) {
+          const double r = R[size_t(i) * d + size_t(j)];
+          const int64_t X = std::llrint(std::ldexp(double(x[size_t(i)]), 22 - ex));
+          const int64_t Q = std::llrint(std::ldexp(r, 14 - ej));
+          ASSERT_LE(std::llabs(X), int64_t(1) << 22);
+          ASSERT_LE(std::llabs(Q), int64_t(1) << 14);
+          t += Int128(X) * Q;
+          real += double(x[size_t(i)]) * r;
+          dropped += std::ldexp(std::fabs(r), ex - 23) + std::ldexp(std::fabs(double(x[size_t(i)])), ej - 15);
+        }
+        ASSERT_EQ(out[size_t(j)], nearest_bf16_exact(t, ex + ej - 36)) << "d " << d << " trial " << trial << " j " << j;
+        EXPECT_LE(std::fabs(double(out[size_t(j)]) - real), std::ldexp(std::fabs(real), -8) + dropped * 1.0001) << j;
+      }
+    }
+    // A permutation of bf16 values within 2^14 of the row's largest: exact.
+    std::vector<float> P(size_t(d) * size_t(d), 0.0f);
+    for (int j = 0; j < d; ++j) P[size_t((j * 37 + 5) % d) * d + size_t(j)] = 1.0f;
+    for (int i = 0; i < d; ++i) {
+      const float v = nd(rng);
+      x[size_t(i)] = round_bf16(std::copysign(std::max(std::fabs(v), 1e-3f), v));
+    }
+    const FixedRotation fp = fixed_rotation(P.data(), d);
+    rotate_kv_row(x.data(), &fp, d, out.data());
+    for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], x[size_t((j * 37 + 5) % d)]) << j;
+    rotate_kv_row(x.data(), nullptr, d, out.data());
+    for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], round_bf16(x[size_t(j)])) << j;
+    // Below the fixed point's last bit (2^(e_x − 22)) an element is dropped: (1 + 2^-8, 2^-25, ..)
+    // summed by a column of ones is 1 + 2^-8 exactly, a tie that BF16 rounds to 1 (the float64 sum
+    // lies above it: 1 + 2^-7).
+    std::vector<float> tiny(size_t(d), std::ldexp(1.0f, -25)), ones(size_t(d) * size_t(d), 0.0f);
+    tiny[0] = 1.0f + std::ldexp(1.0f, -8);
+    for (int i = 0; i < d; ++i) ones[size_t(i) * d] = 1.0f;
+    const FixedRotation fo = fixed_rotation(ones.data(), d);
+    rotate_kv_row(tiny.data(), &fo, d, out.data());
+    EXPECT_EQ(out[0], 1.0f);
+    // Just above that tie by 2^-34, below float32's last bit: the one rounding sees it (1 + 2^-7),
+    // where rounding to float32 first would make the tie again. x = (1 + 2^-8, 2^-21, 0, ..) and
+    // column 0 of R = (1, 2^-13, 0, ..) are exact in fixed point (X_1 = 1, Rq_10 = 1).
+    std::vector<float> near(size_t(d), 0.0f), col(size_t(d) * size_t(d), 0.0f);
+    near[0] = 1.0f + std::ldexp(1.0f, -8);
+    near[1] = std::ldexp(1.0f, -21);
+    col[0] = 1.0f;
+    col[size_t(d)] = std::ldexp(1.0f, -13);
+    const FixedRotation fc = fixed_rotation(col.data(), d);
+    rotate_kv_row(near.data(), &fc, d, out.data());
+    EXPECT_EQ(out[0], 1.0f + std::ldexp(1.0f, -7));
+    // Non-finite rows rotate to NaN everywhere; a zero row to zeros.
+    x[size_t(d / 2)] = std::numeric_limits<float>::infinity();
+    rotate_kv_row(x.data(), &fp, d, out.data());
+    for (int j = 0; j < d; ++j) EXPECT_TRUE(std::isnan(out[size_t(j)])) << j;
+    std::fill(x.begin(), x.end(), 0.0f);
+    rotate_kv_row(x.data(), &fp, d, out.data());
+    for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], 0.0f) << j;
   }
-  EXPECT_GE(same, d - 4);
-  std::vector<float> P(size_t(d) * d, 0.0f);  // a permutation: exact
-  for (int j = 0; j < d; ++j) P[size_t((j * 37 + 5) % d) * d + size_t(j)] = 1.0f;
-  rotate_kv_row(x.data(), P.data(), d, out.data());
-  for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], round_bf16(x[size_t((j * 37 + 5) % d)])) << j;
-  rotate_kv_row(x.data(), nullptr, d, out.data());
-  for (int j = 0; j < d; ++j) EXPECT_EQ(out[size_t(j)], round_bf16(x[size_t(j)])) << j;
-  // x = (1 + 2^-8, 2^-25, ..): in order, fp32 keeps 1 + 2^-8 (each 2^-25 is below half an ulp),
-  // BF16's tie rounds it to 1; float64 (or the small terms first) lands above the tie: 1 + 2^-7.
-  std::vector<float> t(d, std::ldexp(1.0f, -25)), ones(size_t(d) * d, 0.0f);
-  t[0] = 1.0f + std::ldexp(1.0f, -8);
-  for (int i = 0; i < d; ++i) ones[size_t(i) * d] = 1.0f;
-  rotate_kv_row(t.data(), ones.data(), d, out.data());
-  EXPECT_EQ(out[0], 1.0f);
-  double exact = 0;
-  for (int i = 0; i < d; ++i) exact += double(t[size_t(i)]);
-  EXPECT_EQ(round_bf16(float(exact)), 1.0f + std::ldexp(1.0f, -7));
+  std::vector<float> bad(32 * 32, 0.0f);
+  bad[5] = std::nanf("");
+  EXPECT_THROW(fixed_rotation(bad.data(), 32), Error);
+}
+
+// rot_bf16 (integer rounding of t·2^s to bf16) against the nearest of the bf16 values around it,
+// measured in long double (exact here: |t| < 2^40 and the candidates' bits lie within 64 bits of
+// t's), across normal, subnormal, zero and overflowing results.
+TEST(CacheAppend, RotBf16IsTheNearestBf16) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200000; ++trial) {
+    const int bits = 1 + int(rng() % 40);
+    int64_t t = int64_t(rng() >> (64 - bits)) | (int64_t(1) << (bits - 1));
+    if (trial % 7 == 0) t |= 0xff;  // long runs of ones: carries into the exponent
+    if (rng() & 1) t = -t;
+    const int s = int(rng() % 320) - 200;  // results from below the subnormals to above the largest
+    const long double v = std::ldexp(static_cast<long double>(t), s);
+    const uint16_t got = rot_bf16(t, s);
+    // The candidates: the bf16 below |v| (truncation of its float value toward zero) and the next.
+    const long double av = std::fabs(v);
+    if (av >= std::ldexp(1.0L, 128)) {
+      ASSERT_EQ(got & 0x7fffu, 0x7f80u) << t << " " << s;
+      continue;
+    }
+    float f = static_cast<float>(av);
+    if (static_cast<long double>(f) > av) f = std::nextafter(f, 0.0f);
+    const uint16_t lo = uint16_t(f32_bits(f) >> 16), hi = uint16_t(lo + 1);
+    const long double dlo = av - static_cast<long double>(float_from_bf16(lo));
+    // (IEEE rounding to nearest: beyond the largest bf16 by half a step or more gives inf, as if
+    // the next value were 2^128)
+    const long double dhi =
+        (hi == 0x7f80u ? std::ldexp(1.0L, 128) : static_cast<long double>(float_from_bf16(hi))) - av;
+    const uint16_t want = (dlo < dhi || (dlo == dhi && (lo & 1) == 0)) ? lo : hi;
+    ASSERT_EQ(got, uint16_t(want | (t < 0 ? 0x8000u : 0u))) << "t " << t << " s " << s;
+  }
+  EXPECT_EQ(rot_bf16(0, -30), 0u);
 }
 
 TEST(CacheLayout, TiersMatchTokenByTokenRing) {

@@ -65,10 +65,11 @@ struct SimHead {
 };
 
 // x·R as the cache stores it (append_ref.h: rotate_kv_row, the CUDA kernels' arithmetic;
-// test_cache.cpp's RotateKvRow checks it against float64).
+// test_cache.cpp's RotateKvRow* tests check it against exact sums).
 std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   std::vector<float> out(static_cast<size_t>(d));
-  rotate_kv_row(x, rot, d, out.data());
+  const FixedRotation r = fixed_rotation(rot, d);
+  rotate_kv_row(x, &r, d, out.data());
   return out;
 }
 

@@ -84,18 +84,34 @@ def tiers(ref: ArtifactRef, n: int) -> tuple[int, int, int]:
 
 
 def rotate_round(x: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
-    """x [..., d] float32 -> bf16(x @ rot) as float32, as the cache stores it (append_ref.h's
-    rotate_kv_row): each output one float32 fused multiply-add chain over the input channels in
-    order. Each step here is the exact product plus the float32 sum, rounded in float64 and then to
-    float32 (a fused step but for double rounding, which needs a float64 result exactly half-way
-    between two float32s)."""
+    """x [..., d] float32 -> bf16(x @ rot) as float32, as the cache stores it (formats/kv_rotation.h):
+    column j of rot as integers Rq = RN(rot · 2^(14 − e_j)) (e_j: max |rot[:, j]| in [2^(e_j−1), 2^e_j)),
+    each row as X = RN(x · 2^(22 − e_x)), the sum X @ Rq exact in int64, rounded once to bf16 (here
+    by integer arithmetic on the sum's leading 8 bits; rows with NaN or inf give NaN)."""
     if rot is None:
         return x.float().bfloat16().float()
-    xd, rd = x.double(), rot.double()
-    acc = torch.zeros(*x.shape[:-1], rot.shape[1], dtype=torch.float64)
-    for i in range(x.shape[-1]):
-        acc = (acc + xd[..., i:i + 1] * rd[i]).float().double()
-    return acc.float().bfloat16().float()
+    xf, rf = x.float(), rot.float()
+    e_col = torch.frexp(rf.abs().amax(dim=0)).exponent.long()  # [d]
+    rq = torch.round(torch.ldexp(rf.double(), (14 - e_col).double())).long()
+    e_row = torch.frexp(torch.nan_to_num(xf.abs(), nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)).exponent.long()
+    xq = torch.round(torch.ldexp(torch.nan_to_num(xf.double(), nan=0.0, posinf=0.0, neginf=0.0),
+                                 (22 - e_row).double())).long()
+    t = xq @ rq  # exact: |t| < 2^43
+    shift = e_row + e_col - 36
+    a = t.abs()
+    n = torch.frexp(a.double()).exponent.long() - 1  # a's leading bit (a < 2^53: exact)
+    cut = (n - 7).clamp(min=0)
+    m = a >> cut
+    rem = a - (m << cut)
+    half = torch.where(cut > 0, torch.ones_like(cut) << (cut - 1).clamp(min=0), torch.zeros_like(cut))
+    up = (cut > 0) & ((rem > half) | ((rem == half) & (m % 2 == 1)))
+    m = m + up.long()
+    y = torch.ldexp(m.double(), (cut + shift).double()) * torch.sign(t).double()
+    low = (n + shift < -126) & (a > 0)
+    assert not bool(low.any()), "rotate_round: a bf16 subnormal result (not needed by the tests)"
+    y = y.float()
+    bad = ~torch.isfinite(xf).all(dim=-1, keepdim=True)
+    return torch.where(bad, torch.full_like(y, float("nan")), y)
 
 
 def _f16(x: torch.Tensor) -> torch.Tensor:
