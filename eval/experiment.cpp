@@ -45,6 +45,17 @@ double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int
   return bits / elements;
 }
 
+double stored_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
+  double bits = 0, elements = 0;
+  for (int64_t n : lengths) {
+    if (n <= 0) continue;
+    bits += double(n) * stored_bits(artifact, n);
+    elements += double(n);
+  }
+  KVCC_REQUIRE(elements > 0, "stored bits need at least one evaluated token");
+  return bits / elements;
+}
+
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
   KVCC_REQUIRE(values.size() == weights.size(), "clustered_standard_error: values and weights differ in length");
   const size_t D = values.size();
@@ -66,15 +77,13 @@ double clustered_standard_error(const std::vector<double>& values, const std::ve
 
 namespace {
 
-// History tokens (post-sink, whole pages) of a sequence of n tokens: the runtime's tiers_of. With
-// a ring smaller than a page (which the runtime does not serve) only whole pages are quantised.
+// History tokens (post-sink, whole pages) of a sequence of n tokens: kv_layout.h's quantised_tokens.
 int64_t history_tokens(const CacheScheme& s, int64_t n) {
   KvGeometry g;
   g.sink = s.sink;
   g.recent = s.recent;
   g.page_tokens = s.page_size;
-  const int64_t post = n - std::min<int64_t>(n, s.sink);
-  return std::min(tiers_of(g, n).hist_tokens, post / s.page_size * s.page_size);
+  return quantised_tokens(g, n);
 }
 
 // One layer's cache of one sequence as attention sees it: [length, kv_dim] keys and values, with
@@ -408,6 +417,7 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
       m.method = art->recipe.method;
       m.nominal_bits = nominal_bits(*art);
       m.effective_bits = effective_bits_at_lengths(*art, result.doc_lengths);
+      m.stored_bits = stored_bits_at_lengths(*art, result.doc_lengths);
     }
     result.schemes.push_back(m);
   }
