@@ -23,37 +23,31 @@ const char* validate_precision_name(ValidatePrecision precision) {
   return precision == ValidatePrecision::Float ? "float" : "double";
 }
 
+namespace {
+
+// Σ_docs len·bits_at(len) / Σ len over the documents with tokens.
+template <typename BitsAt>
+double length_weighted(const std::vector<int64_t>& lengths, BitsAt bits_at) {
+  double bits = 0, elements = 0;
+  for (int64_t n : lengths) {
+    if (n <= 0) continue;
+    bits += double(n) * bits_at(n);
+    elements += double(n);
+  }
+  KVCC_REQUIRE(elements > 0, "bits per element need at least one evaluated token");
+  return bits / elements;
+}
+
+}  // namespace
+
 double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths) {
-  double bits = 0, elements = 0;
-  for (int64_t n : lengths) {
-    if (n <= 0) continue;
-    bits += double(n) * effective_bits(recipe, head_dim, n);
-    elements += double(n);
-  }
-  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
-  return bits / elements;
+  return length_weighted(lengths, [&](int64_t n) { return effective_bits(recipe, head_dim, n); });
 }
-
 double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
-  double bits = 0, elements = 0;
-  for (int64_t n : lengths) {
-    if (n <= 0) continue;
-    bits += double(n) * effective_bits(artifact, n);
-    elements += double(n);
-  }
-  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
-  return bits / elements;
+  return length_weighted(lengths, [&](int64_t n) { return effective_bits(artifact, n); });
 }
-
 double stored_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
-  double bits = 0, elements = 0;
-  for (int64_t n : lengths) {
-    if (n <= 0) continue;
-    bits += double(n) * stored_bits(artifact, n);
-    elements += double(n);
-  }
-  KVCC_REQUIRE(elements > 0, "stored bits need at least one evaluated token");
-  return bits / elements;
+  return length_weighted(lengths, [&](int64_t n) { return stored_bits(artifact, n); });
 }
 
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {

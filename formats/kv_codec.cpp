@@ -543,7 +543,7 @@ namespace {
 // Tokens of a context_len-token sequence in quantised pages: every token past the windows (the
 // published accounting), or the whole pages the cache holds (kv_layout.h's quantised_tokens).
 int64_t quantised_count(const Recipe& r, int64_t context_len, bool whole_pages) {
-  KVCC_REQUIRE(context_len > 0, "effective bits need a positive context length");
+  KVCC_REQUIRE(context_len > 0, "bits per element need a positive context length");
   if (!whole_pages) return context_len - std::min<int64_t>(context_len, int64_t(r.sink) + r.recent);
   KVCC_REQUIRE(r.page_size > 0, "stored bits need the recipe's page size");
   KvGeometry g;
@@ -559,26 +559,25 @@ double bits_per_element(int64_t n, int64_t quantised, double key_tier, double va
   return 0.5 * ((window * 16.0 + q * key_tier) / double(n) + (window * 16.0 + q * value_tier) / double(n));
 }
 
+double artifact_bits(const Artifact& a, int64_t n, bool whole_pages) {
+  return bits_per_element(n, quantised_count(a.recipe, n, whole_pages), history_bits(a, KvSide::Key),
+                          history_bits(a, KvSide::Value));
+}
+
+double recipe_bits(const Recipe& r, int head_dim, int64_t n, bool whole_pages) {
+  return bits_per_element(n, quantised_count(r, n, whole_pages), history_bits(r, KvSide::Key, head_dim),
+                          history_bits(r, KvSide::Value, head_dim));
+}
+
 }  // namespace
 
-double effective_bits(const Artifact& a, int64_t context_len) {
-  return bits_per_element(context_len, quantised_count(a.recipe, context_len, false), history_bits(a, KvSide::Key),
-                          history_bits(a, KvSide::Value));
+double effective_bits(const Artifact& a, int64_t context_len) { return artifact_bits(a, context_len, false); }
+double effective_bits(const Recipe& r, int head_dim, int64_t context_len) {
+  return recipe_bits(r, head_dim, context_len, false);
 }
-
-double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {
-  return bits_per_element(context_len, quantised_count(recipe, context_len, false),
-                          history_bits(recipe, KvSide::Key, head_dim), history_bits(recipe, KvSide::Value, head_dim));
-}
-
-double stored_bits(const Artifact& a, int64_t context_len) {
-  return bits_per_element(context_len, quantised_count(a.recipe, context_len, true), history_bits(a, KvSide::Key),
-                          history_bits(a, KvSide::Value));
-}
-
-double stored_bits(const Recipe& recipe, int head_dim, int64_t context_len) {
-  return bits_per_element(context_len, quantised_count(recipe, context_len, true),
-                          history_bits(recipe, KvSide::Key, head_dim), history_bits(recipe, KvSide::Value, head_dim));
+double stored_bits(const Artifact& a, int64_t context_len) { return artifact_bits(a, context_len, true); }
+double stored_bits(const Recipe& r, int head_dim, int64_t context_len) {
+  return recipe_bits(r, head_dim, context_len, true);
 }
 
 }  // namespace kvcc
