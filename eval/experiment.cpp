@@ -23,26 +23,31 @@ const char* validate_precision_name(ValidatePrecision precision) {
   return precision == ValidatePrecision::Float ? "float" : "double";
 }
 
-double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths) {
+namespace {
+
+// Σ_docs len·bits_at(len) / Σ len over the documents with tokens.
+template <typename BitsAt>
+double length_weighted(const std::vector<int64_t>& lengths, BitsAt bits_at) {
   double bits = 0, elements = 0;
   for (int64_t n : lengths) {
     if (n <= 0) continue;
-    bits += double(n) * effective_bits(recipe, head_dim, n);
+    bits += double(n) * bits_at(n);
     elements += double(n);
   }
-  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
+  KVCC_REQUIRE(elements > 0, "bits per element need at least one evaluated token");
   return bits / elements;
 }
 
+}  // namespace
+
+double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths) {
+  return length_weighted(lengths, [&](int64_t n) { return effective_bits(recipe, head_dim, n); });
+}
 double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
-  double bits = 0, elements = 0;
-  for (int64_t n : lengths) {
-    if (n <= 0) continue;
-    bits += double(n) * effective_bits(artifact, n);
-    elements += double(n);
-  }
-  KVCC_REQUIRE(elements > 0, "effective bits need at least one evaluated token");
-  return bits / elements;
+  return length_weighted(lengths, [&](int64_t n) { return effective_bits(artifact, n); });
+}
+double stored_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths) {
+  return length_weighted(lengths, [&](int64_t n) { return stored_bits(artifact, n); });
 }
 
 double clustered_standard_error(const std::vector<double>& values, const std::vector<double>& weights) {
@@ -66,15 +71,13 @@ double clustered_standard_error(const std::vector<double>& values, const std::ve
 
 namespace {
 
-// History tokens (post-sink, whole pages) of a sequence of n tokens: the runtime's tiers_of. With
-// a ring smaller than a page (which the runtime does not serve) only whole pages are quantised.
+// History tokens (post-sink, whole pages) of a sequence of n tokens: kv_layout.h's quantised_tokens.
 int64_t history_tokens(const CacheScheme& s, int64_t n) {
   KvGeometry g;
   g.sink = s.sink;
   g.recent = s.recent;
   g.page_tokens = s.page_size;
-  const int64_t post = n - std::min<int64_t>(n, s.sink);
-  return std::min(tiers_of(g, n).hist_tokens, post / s.page_size * s.page_size);
+  return quantised_tokens(g, n);
 }
 
 // One layer's cache of one sequence as attention sees it: [length, kv_dim] keys and values, with
@@ -408,6 +411,7 @@ ValidationResult validate_schemes(const ModelFile& model, const std::vector<std:
       m.method = art->recipe.method;
       m.nominal_bits = nominal_bits(*art);
       m.effective_bits = effective_bits_at_lengths(*art, result.doc_lengths);
+      m.stored_bits = stored_bits_at_lengths(*art, result.doc_lengths);
     }
     result.schemes.push_back(m);
   }

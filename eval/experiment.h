@@ -74,9 +74,11 @@ struct SchemeMetrics {
   // the per-document paired NLL differences against the reference (header comment).
   double kl_stderr = 0, ppl_rel_change_stderr = 0;
   std::vector<double> layer_rel_error;  // per layer: Σ‖o − o_ref‖² / Σ‖o_ref‖² of attention outputs
-  double nominal_bits = 0, effective_bits = 0;  // 0 for schemes without an artifact
-  std::vector<DocumentMetrics> per_document;    // in the order of ValidationResult::doc_lengths
-  LateMetrics late;                             // with ValidationResult::late_from > 0
+  // 0 for schemes without an artifact. effective: the published accounting (every token past sink +
+  // recent quantised); stored: what the paged cache holds (whole pages; formats/kv_codec.h).
+  double nominal_bits = 0, effective_bits = 0, stored_bits = 0;
+  std::vector<DocumentMetrics> per_document;  // in the order of ValidationResult::doc_lengths
+  LateMetrics late;                           // with ValidationResult::late_from > 0
 };
 
 struct ValidationResult {
@@ -128,6 +130,8 @@ double clustered_standard_error(const std::vector<double>& values, const std::ve
 double effective_bits_at_lengths(const Recipe& recipe, int head_dim, const std::vector<int64_t>& lengths);
 // The same for an artifact's own accounting (per-side widths counted at their bits).
 double effective_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths);
+// The same average of stored_bits (what the paged cache holds at each length).
+double stored_bits_at_lengths(const Artifact& artifact, const std::vector<int64_t>& lengths);
 
 // The documents a validation runs on: text (split by `separator`, tokenized by the model's
 // tokenizer with its BOS policy) or a pre-tokenized id file; each truncated to max_seq_len

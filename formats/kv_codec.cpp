@@ -8,6 +8,7 @@
 #include "formats/codec_commvq.h"
 #include "formats/codec_scalar.h"
 #include "formats/error.h"
+#include "formats/kv_layout.h"
 #include "formats/method.h"
 
 namespace kvcc {
@@ -537,25 +538,46 @@ double nominal_bits(const Artifact& a) {
   return sum / double(2 * a.heads.size());
 }
 
-double effective_bits(const Artifact& a, int64_t context_len) {
-  KVCC_REQUIRE(context_len > 0, "effective bits need a positive context length");
-  const Recipe& r = a.recipe;
-  const double window = double(std::min<int64_t>(context_len, int64_t(r.sink) + r.recent));
-  const double quantised = double(context_len) - window;
-  double total = 0.0;
-  for (KvSide s : {KvSide::Key, KvSide::Value})
-    total += (window * 16.0 + quantised * history_bits(a, s)) / double(context_len);
-  return 0.5 * total;
+namespace {
+
+// Tokens of a context_len-token sequence in quantised pages: every token past the windows (the
+// published accounting), or the whole pages the cache holds (kv_layout.h's quantised_tokens).
+int64_t quantised_count(const Recipe& r, int64_t context_len, bool whole_pages) {
+  KVCC_REQUIRE(context_len > 0, "bits per element need a positive context length");
+  if (!whole_pages) return context_len - std::min<int64_t>(context_len, int64_t(r.sink) + r.recent);
+  KVCC_REQUIRE(r.page_size > 0, "stored bits need the recipe's page size");
+  KvGeometry g;
+  g.sink = r.sink;
+  g.recent = r.recent;
+  g.page_tokens = r.page_size;
+  return quantised_tokens(g, context_len);
 }
 
-double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len) {
-  KVCC_REQUIRE(context_len > 0, "effective bits need a positive context length");
-  const double window = double(std::min<int64_t>(context_len, int64_t(recipe.sink) + recipe.recent));
-  const double quantised = double(context_len) - window;
-  double total = 0.0;
-  for (KvSide s : {KvSide::Key, KvSide::Value})
-    total += (window * 16.0 + quantised * history_bits(recipe, s, head_dim)) / double(context_len);
-  return 0.5 * total;
+// Mean over K and V of (the BF16 tokens · 16 + the quantised ones · their tier's bits) / n.
+double bits_per_element(int64_t n, int64_t quantised, double key_tier, double value_tier) {
+  const double q = double(quantised), window = double(n) - q;
+  return 0.5 * ((window * 16.0 + q * key_tier) / double(n) + (window * 16.0 + q * value_tier) / double(n));
+}
+
+double artifact_bits(const Artifact& a, int64_t n, bool whole_pages) {
+  return bits_per_element(n, quantised_count(a.recipe, n, whole_pages), history_bits(a, KvSide::Key),
+                          history_bits(a, KvSide::Value));
+}
+
+double recipe_bits(const Recipe& r, int head_dim, int64_t n, bool whole_pages) {
+  return bits_per_element(n, quantised_count(r, n, whole_pages), history_bits(r, KvSide::Key, head_dim),
+                          history_bits(r, KvSide::Value, head_dim));
+}
+
+}  // namespace
+
+double effective_bits(const Artifact& a, int64_t context_len) { return artifact_bits(a, context_len, false); }
+double effective_bits(const Recipe& r, int head_dim, int64_t context_len) {
+  return recipe_bits(r, head_dim, context_len, false);
+}
+double stored_bits(const Artifact& a, int64_t context_len) { return artifact_bits(a, context_len, true); }
+double stored_bits(const Recipe& r, int head_dim, int64_t context_len) {
+  return recipe_bits(r, head_dim, context_len, true);
 }
 
 }  // namespace kvcc

@@ -104,17 +104,23 @@ double std_imbalance(const float* tile, int rows, int cols);
 
 // Bits per element averaged over K and V. nominal: the code bits alone (a turboquant split counts
 // its fractional budget). effective: codes plus every fp16 scale, zero and norm, plus the BF16
-// sink and recent tokens (recipe.sink + recipe.recent, 16 bits each) at context_len tokens.
+// sink and recent tokens (recipe.sink + recipe.recent, 16 bits each) at context_len tokens: the
+// published accounting (a sliding window of exactly sink + recent tokens; OSCAR's numbers).
+// stored: the same for what the paged cache holds, whole pages (kv_layout.h quantised_tokens: the
+// ring holds recent − page + 1 .. recent tokens, ~(page − 1)/2 fewer than the published count on
+// average), the number to match when recipes differ in page size.
 // Scales KVarN can fold (RTN scale into the balancing scale) are counted folded, as its fork stores them.
 double nominal_bits(const Recipe& recipe);
 double history_bits(const Recipe& recipe, KvSide which, int head_dim);  // quantised tier only
 double effective_bits(const Recipe& recipe, int head_dim, int64_t context_len);
+double stored_bits(const Recipe& recipe, int head_dim, int64_t context_len);
 // An artifact's own accounting: with per-side widths (SideArtifact::bits) each (layer, KV head)
 // side counts at its width, and these are means over them (every side holds the same number of
 // elements); without, they equal the recipe's.
 double nominal_bits(const Artifact& artifact);
 double history_bits(const Artifact& artifact, KvSide which);
 double effective_bits(const Artifact& artifact, int64_t context_len);
+double stored_bits(const Artifact& artifact, int64_t context_len);
 // Whether any side has a width of its own.
 bool has_side_bits(const Artifact& artifact);
 

@@ -123,6 +123,15 @@ KVCC_HD KvTiers tiers_of(const KvGeometry& g, int64_t n) {
 
 KVCC_HD int64_t history_pages(const KvGeometry& g, int64_t n) { return tiers_of(g, n).hist_tokens / g.page_tokens; }
 
+// Tokens of a sequence of length n in quantised pages: tiers_of's history, which for a ring at
+// least a page long (every geometry the runtime serves) is at most the post-sink tokens; with a
+// ring shorter than a page (the codec path of validate only) whole pages of the post-sink tokens.
+KVCC_HD int64_t quantised_tokens(const KvGeometry& g, int64_t n) {
+  const int64_t post = n - (n < g.sink ? n : g.sink), hist = tiers_of(g, n).hist_tokens;
+  const int64_t whole = post / g.page_tokens * g.page_tokens;
+  return hist < whole ? hist : whole;
+}
+
 // Ring slot of post-sink token i.
 KVCC_HD int ring_slot(const KvGeometry& g, int64_t i) { return int(i % g.recent); }
 

@@ -16,6 +16,7 @@
 
 #include "formats/error.h"
 #include "formats/fp16.h"
+#include "formats/kv_codec.h"
 #include "forward_test_util.h"
 #include "eval/experiment.h"
 #include "eval/output.h"
@@ -327,6 +328,32 @@ TEST(Validate, EffectiveBitsHandWorked) {
   // 36 tokens: all window, 16 bits each = 576. Together (736 + 576) / 136.
   EXPECT_NEAR(effective_bits_at_lengths(r, 64, {100, 36}), 1312.0 / 136.0, 1e-12);
   EXPECT_NEAR(effective_bits_at_lengths(r, 64, {100}), 7.36, 1e-12);
+}
+
+// Stored bits count whole pages: sink 4, ring 32, pages of 16. 90 tokens: 86 post-sink, history
+// the 4 pages flushed so far (64 tokens: a page leaves the ring when the ring would exceed 32),
+// ring 22; BF16 4 + 22 = 26 tokens, so (26·16 + 64·2.5) / 90 = 6.4, against the published
+// accounting's 36 BF16 tokens: (36·16 + 54·2.5) / 90 = 7.9. 100 tokens: 96 post-sink, history 64,
+// ring 32: both 7.36. A ring shorter than a page (the codec path only) quantises whole pages of the
+// post-sink tokens: pages of 64, ring 16, 100 tokens: history 64, BF16 36.
+TEST(Validate, StoredBitsCountWholePages) {
+  Recipe r;
+  r.method = "identity";
+  r.key_bits = r.value_bits = 2;
+  r.group = 0;  // 2.5 bits a quantised element at head_dim 64
+  r.sink = 4;
+  r.recent = 32;
+  r.page_size = 16;
+  EXPECT_NEAR(stored_bits(r, 64, 90), 6.4, 1e-12);
+  EXPECT_NEAR(effective_bits(r, 64, 90), 7.9, 1e-12);
+  EXPECT_NEAR(stored_bits(r, 64, 100), 7.36, 1e-12);
+  EXPECT_NEAR(effective_bits(r, 64, 100), 7.36, 1e-12);
+  EXPECT_NEAR(stored_bits(r, 64, 20), 16.0, 1e-12);  // all in the windows
+  r.page_size = 64;
+  r.recent = 16;
+  EXPECT_NEAR(stored_bits(r, 64, 100), (36.0 * 16 + 64.0 * 2.5) / 100.0, 1e-12);
+  r.page_size = 0;
+  EXPECT_THROW(stored_bits(r, 64, 100), Error);
 }
 
 TEST(Validate, RefusesArtifactForAnotherModel) {
