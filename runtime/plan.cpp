@@ -142,7 +142,7 @@ PrefillPlan plan_prefill(const PrefillGpu& gpu, const KvGeometry& g, const std::
   }
   p.warps = ctas_per_sm == 2 ? 4 : warps > 0 ? warps : (rows_all > 0 && 2 * rows_big >= rows_all ? 8 : 4);
   // The 4-warp build at two CTAs an SM where the GPU holds two: at few query rows one CTA's chain
-  // per key tile leaves the SM idle (T = 16 over 32K 7-12% faster, 128K 15%, H100); the 8-warp
+  // per key tile leaves the SM idle (T = 16 over 32K 7-12% faster, 128K 15-18%, H100); the 8-warp
   // build wins from 128 rows, where two 4-warp CTAs were 10-20% slower (T = 64, 256 over 32K).
   p.ctas_per_sm = ctas_per_sm > 0 ? ctas_per_sm : (p.warps == 4 && gpu.resident4_pair > 0 ? 2 : 1);
   std::vector<int> units(counts.size());

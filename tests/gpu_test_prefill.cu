@@ -81,8 +81,6 @@ struct Case {
   int seq, T;
 };
 
-// One GPU prefill of `cases` as one ragged batch (their inputs one after another): NaN sentinels
-// in the output and the workspace, run twice; every element written, the runs bit-identical.
 // A layer's rotations on the device as prefill_int2 takes them, or none (every pointer null).
 struct DeviceRotations {
   DeviceBuffer<float> rk_, rvt_;        // R_k (queries), R_vᵀ (outputs)
@@ -100,6 +98,8 @@ struct DeviceRotations {
   const RotFragments* fixed_v() const { return on ? fv_.data() : nullptr; }
 };
 
+// One GPU prefill of `cases` as one ragged batch (their inputs one after another): NaN sentinels
+// in the output and the workspace, run twice; every element written, the runs bit-identical.
 std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
                              const std::vector<const std::vector<float>*>& in, const PrefillShape& shape, int layer,
                              const DeviceRotations& rot) {
