@@ -271,9 +271,10 @@ int run_compile(Args& a) {
               r.group > 0 ? r.group : art.head_dim, r.sink, r.recent, r.page_size);
   std::printf(
       "bits/element: nominal %.3f; quantised tier K %.3f V %.3f; effective (with BF16 "
-      "sink+recent) %.3f at 2048 tokens, %.3f at 32768, %.3f at 131072\n",
+      "sink+recent) %.3f at 2048 tokens, %.3f at 32768, %.3f at 131072; stored (whole pages) %.3f, %.3f, %.3f\n",
       nominal_bits(art), history_bits(art, KvSide::Key), history_bits(art, KvSide::Value), effective_bits(art, 2048),
-      effective_bits(art, 32768), effective_bits(art, 131072));
+      effective_bits(art, 32768), effective_bits(art, 131072), stored_bits(art, 2048), stored_bits(art, 32768),
+      stored_bits(art, 131072));
   if (has_side_bits(art)) {  // --bits-budget: the widths chosen, per layer
     std::printf(
         "widths (%s, %s, budget %s bits%s): K/V bits per layer", r.params.at("bits_granularity").c_str(),
@@ -290,6 +291,12 @@ int run_compile(Args& a) {
       std::printf(" %d:%s/%s", l, k.c_str(), v.c_str());
     }
     std::printf("\n");
+    // The budget is the published accounting (what papers' bits and validate's `bits` state); the
+    // cache stores whole pages, a few hundredths below it.
+    if (a.options.budget_context > 0)
+      std::printf("budget context %lld tokens: effective %.3f bits, stored (whole pages) %.3f\n",
+                  static_cast<long long>(a.options.budget_context), effective_bits(art, a.options.budget_context),
+                  stored_bits(art, a.options.budget_context));
   }
   // Either side on a clipped grid (a mixed kivi recipe: keys unclipped, values fitted).
   if (method_traits(method_of(side_recipe(r, KvSide::Key))).fit == Fit::ClipRatio ||

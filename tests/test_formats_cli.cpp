@@ -11,6 +11,7 @@
 
 #include "formats/artifact.h"
 #include "formats/h5.h"
+#include "formats/kv_codec.h"
 #include "formats/method.h"
 #include "formats/stats.h"
 #include "formats_test_util.h"
@@ -97,6 +98,35 @@ TEST_F(FormatsCli, CompileRefusesOptionsTheMethodIgnores) {
 }
 
 // eviction's block-wise prefill refuses what it cannot measure before opening anything.
+// compile's summary prints the artifact's bits in both accountings, as the library computes them
+// for the written file: effective (the published one: every token past sink + recent quantised)
+// and stored (whole pages), the stored below the effective by the ring's partial page.
+TEST_F(FormatsCli, CompilePrintsEffectiveAndStoredBits) {
+  write_stats(testing::random_stats(config, fp, 6, 40, 5).stats, dir.file("s.h5"));
+  const std::string path = dir.file("a.kvcc.h5");
+  const RunResult r = run_kvcc(dir, "compile " + dir.file("s.h5") +
+                                        " -m hadamard --sink 4 --recent 64 --page-size 16 "
+                                        "--threads 1 -o " +
+                                        path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const Artifact a = read_artifact(path);
+  const size_t eff = r.out.find("effective (with BF16 sink+recent) "), st = r.out.find("stored (whole pages) ");
+  ASSERT_NE(eff, std::string::npos) << r.out;
+  ASSERT_NE(st, std::string::npos) << r.out;
+  double e[3], s[3];
+  ASSERT_EQ(std::sscanf(r.out.c_str() + eff, "effective (with BF16 sink+recent) %lf at 2048 tokens, %lf at 32768, %lf",
+                        &e[0], &e[1], &e[2]),
+            3)
+      << r.out;
+  ASSERT_EQ(std::sscanf(r.out.c_str() + st, "stored (whole pages) %lf, %lf, %lf", &s[0], &s[1], &s[2]), 3) << r.out;
+  const int64_t ctx[3] = {2048, 32768, 131072};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(e[i], effective_bits(a, ctx[i]), 5e-4) << ctx[i];  // printed to 3 decimals
+    EXPECT_NEAR(s[i], stored_bits(a, ctx[i]), 5e-4) << ctx[i];
+  }
+  EXPECT_LT(stored_bits(a, 2048), effective_bits(a, 2048));
+}
+
 TEST_F(FormatsCli, EvictionRefusesWhatBlockWisePrefillCannotRun) {
   const std::string base = "eviction --model " + dir.file("m") + " --data " + dir.file("t.txt") + " ";
   expect_one_line_error(run_kvcc(dir, base + "--prefill-block 64 --scores snapkv,emitted"),
