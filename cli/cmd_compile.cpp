@@ -194,7 +194,7 @@ void add_compile_options(CLI::App& sub, Args& a) {
   sub.add_option("--bits-budget", o.bits_budget,
                  "choose key and value widths (1-4 bits) per layer under this many bits per element, "
                  "from the attention error each width gives on the held-out rows (uniform-grid methods and kivi)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_real());
   sub.add_option("--budget-context", o.budget_context,
                  "with --bits-budget: the budget is effective bits at this context (BF16 windows counted); "
                  "0: the quantised tier alone (the long-context limit)")

@@ -176,7 +176,7 @@ Command reg{
           ->transform(whole_number(0, 2147483647))
           ->capture_default_str();
       sub.add_option("--block", a->block, "tokens per pseudo-decode block")
-          ->check(CLI::PositiveNumber)
+          ->transform(whole_number(1, 2147483647))
           ->capture_default_str();
       sub.add_option("--late-from", a->late_from,
                      "also report the predictions at positions >= N on their own (long-range use of the cache, "
@@ -196,15 +196,17 @@ Command reg{
       sub.add_option("--device", a->device, "auto (default) | cpu | gpu (for --cache runtime)")
           ->transform(CLI::CheckedTransformer(std::map<std::string, ValidateDevice>{
               {"auto", ValidateDevice::Auto}, {"cpu", ValidateDevice::Cpu}, {"gpu", ValidateDevice::Gpu}}));
-      sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens")->check(CLI::NonNegativeNumber);
+      sub.add_option("--sink", a->sink, "override every artifact's BF16 sink tokens")
+          ->transform(whole_number(0, 2147483647));
       sub.add_option("--recent", a->recent, "override every artifact's recent-ring tokens")
-          ->check(CLI::NonNegativeNumber);
-      sub.add_option("--page-size", a->page_size, "override every artifact's page size")->check(CLI::PositiveNumber);
+          ->transform(whole_number(0, 2147483647));
+      sub.add_option("--page-size", a->page_size, "override every artifact's page size")
+          ->transform(whole_number(1, 2147483647));
       sub.add_option("--json", a->json_path, "write the metrics as JSON");
       sub.add_option("--svg", a->svg_path, "write a plot of KL vs effective bits");
       sub.add_option("--dump-logits", a->dump_path, "write every scored position's logits (safetensors)");
       sub.add_option("--dump-top-k", a->dump_top_k, "with --dump-logits: only the K most likely ids and log-probs")
-          ->check(CLI::PositiveNumber);
+          ->transform(whole_number(1, 2147483647));
       return [a] { return run_validate(*a); };
     }};
 

@@ -148,6 +148,10 @@ TEST_F(BadInputs, CliNumbersOutOfRangeAreRefusedByName) {
   expect_error(run(base + "--recent -3"), {"--recent", "got '-3'"});
   expect_error(run(base + "--group -16"), {"--group", "got '-16'"});
   expect_error(run("compile " + stats + " -m random --seed -1 -o " + file("a.kvcc.h5")), {"--seed", "got '-1'"});
+  // A real option: NaN and infinity are refused too (every comparison with NaN is false).
+  for (const char* b : {"nan", "inf", "-1", "0", "2.3x"})
+    expect_error(run(base + "--bits-budget " + b),
+                 {"--bits-budget", "must be a finite number > 0", "got '" + std::string(b) + "'"});
   EXPECT_FALSE(testing::file_exists(file("a.kvcc.h5")));
   const RunResult ok = run(base + "--sink 0 --recent 0 --page-size 8");
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
@@ -159,6 +163,12 @@ TEST_F(BadInputs, CliNumbersOutOfRangeAreRefusedByName) {
   expect_error(run(cal + "--max-seq-len -1"), {"--max-seq-len"});
   expect_error(run(cal + "--reservoir 0"), {"--reservoir"});
   EXPECT_FALSE(testing::file_exists(file("c.h5")));
+  const std::string val = "validate --model " + model + " --ids " + ids + " -a " + file("none.kvcc.h5") + " ";
+  expect_error(run(val + "--sink -3"), {"--sink", "got '-3'"});
+  expect_error(run(val + "--recent -1"), {"--recent", "got '-1'"});
+  expect_error(run(val + "--page-size 0"), {"--page-size", "got '0'"});
+  expect_error(run(val + "--block 0"), {"--block", "got '0'"});
+  expect_error(run(val + "--dump-top-k -2"), {"--dump-top-k", "got '-2'"});
   // A leading zero is decimal, not octal.
   const RunResult ten = run(cal + "--tokens 010 --reservoir 16");
   ASSERT_EQ(ten.exit_code, 0) << ten.err;
