@@ -232,7 +232,7 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
                   ->capture_default_str();
               sub.add_option("--ratios", a->options.ratios, "token compression ratios (>= 1)")
                   ->delimiter(',')
-                  ->check(CLI::Range(1.0, 1e6))
+                  ->check(real_in(1.0, 1e6))
                   ->capture_default_str();
               sub.add_option("--scores", a->scores, "scores to run (default: all; qmoment and qgauss need --stats)")
                   ->delimiter(',')
@@ -273,7 +273,7 @@ Command reg{"eviction", 55, "Measure token eviction: which history tokens to kee
               sub.add_option("--merge-threshold", a->options.merge_threshold,
                              "merge an evicted token only if its key's cosine with the nearest kept key is at least "
                              "this (-1: every evicted token merges; > 1: none does)")
-                  ->check(CLI::Range(-2.0, 2.0))
+                  ->check(real_in(-2.0, 2.0))
                   ->capture_default_str();
               sub.add_option("--prefill-block", a->options.prefill_block,
                              "0: prefill the whole history, then evict; B: prefill it in blocks of B tokens, each "

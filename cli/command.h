@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,23 +31,42 @@ std::vector<Registered>& registry();
 // to 2^64-5 and reads "010" as octal.
 CLI::Validator whole_number(long long min, unsigned long long max);
 
-// The check of a real option: a finite number > 0. CLI11's PositiveNumber lets "nan" through
-// (every comparison with NaN is false) and "inf" too.
+// The whole of text as a finite number (CLI11's PositiveNumber and Range let "nan" through, every
+// comparison with NaN being false, and "inf" too).
+inline bool parse_finite(const std::string& text, double& v) {
+  size_t used = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return used == text.size() && std::isfinite(v);
+}
+
+// The check of a real option: a finite number > 0.
 inline CLI::Validator positive_real() {
   return CLI::Validator(
       [](std::string& text) -> std::string {
         double v = 0;
-        size_t used = 0;
-        try {
-          v = std::stod(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used != text.size() || !std::isfinite(v) || v <= 0)
-          return "must be a finite number > 0, got '" + text + "'";
+        if (!parse_finite(text, v) || v <= 0) return "must be a finite number > 0, got '" + text + "'";
         return std::string();
       },
       "> 0");
+}
+
+// The check of a real option in [lo, hi].
+inline CLI::Validator real_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        double v = 0;
+        if (!parse_finite(text, v) || v < lo || v > hi) {
+          std::ostringstream m;
+          m << "must be a finite number in [" << lo << ", " << hi << "], got '" << text << "'";
+          return m.str();
+        }
+        return std::string();
+      },
+      "");
 }
 
 // True when stderr is a terminal (progress bars) — plain lines otherwise.

@@ -169,6 +169,10 @@ TEST_F(BadInputs, CliNumbersOutOfRangeAreRefusedByName) {
   expect_error(run(val + "--page-size 0"), {"--page-size", "got '0'"});
   expect_error(run(val + "--block 0"), {"--block", "got '0'"});
   expect_error(run(val + "--dump-top-k -2"), {"--dump-top-k", "got '-2'"});
+  const std::string evict = "eviction --model " + model + " --ids " + ids + " ";
+  expect_error(run(evict + "--ratios 2,nan"), {"--ratios", "must be a finite number in [1, 1e+06], got 'nan'"});
+  expect_error(run(evict + "--ratios 0.5"), {"--ratios", "got '0.5'"});
+  expect_error(run(evict + "--merge-threshold inf"), {"--merge-threshold", "got 'inf'"});
   // A leading zero is decimal, not octal.
   const RunResult ten = run(cal + "--tokens 010 --reservoir 16");
   ASSERT_EQ(ten.exit_code, 0) << ten.err;
