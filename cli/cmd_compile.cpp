@@ -291,7 +291,7 @@ int run_compile(Args& a) {
       std::printf(" %d:%s/%s", l, k.c_str(), v.c_str());
     }
     std::printf("\n");
-    // The budget is the published accounting (what papers' bits and validate's `bits` state); the
+    // The budget is the published accounting (the bits papers state and validate's `eff.` column); the
     // cache stores whole pages, a few hundredths below it.
     if (a.options.budget_context > 0)
       std::printf("budget context %lld tokens: effective %.3f bits, stored (whole pages) %.3f\n",
