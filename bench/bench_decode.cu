@@ -7,6 +7,7 @@
 //
 // usage: bench_decode --configs Hq:Hkv:batch:ctx,... --out results.jsonl [--reps N]
 //                     [--keys per-token,per-channel]  (the key pages timed, each config in turn)
+//                     [--widths K/V,...]  (code widths of the pages timed, default 2/2; each in turn)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -53,8 +54,8 @@ __device__ __forceinline__ uint16_t rand_bf16(uint64_t i, uint32_t seed) {
 }
 
 // Random INT2 pages: random code bytes, realistic (scale, zero) fp16 pairs.
-__global__ void fill_int2_pages(uint32_t* words, size_t n_words, KvGeometry g, uint32_t seed) {
-  const size_t block_words = g.page_head_bytes() / 4, params_from = 2 * g.codes_bytes() / 4;
+__global__ void fill_int2_pages(uint32_t* words, size_t n_words, KvGeometry g, BlockWidths w, uint32_t seed) {
+  const size_t block_words = g.page_head_bytes(w) / 4, params_from = g.k_params_offset(w) / 4;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_words; i += size_t(gridDim.x) * blockDim.x) {
     const uint32_t r = hash32(i * 0x9E3779B97F4A7C15ULL + seed);
     if (i % block_words < params_from) {
@@ -171,8 +172,9 @@ KvGeometry geometry(int hkv, bool chan = false) {
   return g;
 }
 
-void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, bool chan) {
+void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, bool chan, BlockWidths widths) {
   const KvGeometry g = geometry(c.hkv, chan);
+  const std::vector<BlockWidths> layer_widths(size_t(c.hkv), widths);
   // KVCC_TABLE=1 times the level-table kernel (oscar-lm codecs) on the same random pages.
   const char* table_env = std::getenv("KVCC_TABLE");
   const bool level_table = table_env && std::atoi(table_env);
@@ -188,13 +190,14 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, boo
   const KvTiers tiers = tiers_of(g, c.ctx);
   // Bytes read: INT2 page blocks and BF16 window rows (K and V) per (sequence, KV head).
   const double int2_bytes = double(c.batch) * c.hkv *
-                            (double(pages_per_seq) * double(g.page_head_bytes()) +
+                            (double(pages_per_seq) * double(g.page_head_bytes(widths)) +
                              double(tiers.sink_count + tiers.ring_count) * 2 * kGpuBf16RowBytes);
   const double bf16_bytes = double(c.batch) * c.hkv * double(c.ctx) * 2 * kGpuBf16RowBytes;
   const int R = int(std::clamp(std::ceil(512e6 / int2_bytes), 1.0, 16.0));
 
   // INT2 cache, R replicas of the batch, through the allocator.
-  KvCache cache(KvCacheConfig{g, pages_per_seq * R * c.batch, R * c.batch, PoolMemory::Device});
+  KvCache cache(KvCacheConfig{g, pages_per_seq * R * c.batch, R * c.batch, PoolMemory::Device, layer_widths});
+  const LayerBlocks blocks = cache.layout().layer_blocks(0);
   std::vector<std::vector<int>> seqs(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < c.batch; ++b) {
@@ -204,7 +207,7 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, boo
     }
   const double mem_per_token_layer = double(cache.bytes_in_use()) / (double(R) * c.batch * c.ctx * g.n_layers);
   fill_int2_pages<<<2048, 256, 0, s>>>(reinterpret_cast<uint32_t*>(cache.pages_base()),
-                                       size_t(cache.pages_in_use()) * g.page_bytes() / 4, g, 11);
+                                       size_t(cache.pages_in_use()) * cache.layout().page_bytes() / 4, g, widths, 11);
   fill_bf16<<<2048, 256, 0, s>>>(cache.windows_base(), size_t(R) * c.batch * g.window_slot_bytes() / 2, 13);
   CK(cudaGetLastError());
 
@@ -272,7 +275,7 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, boo
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (int r = 0; r < R; ++r)
     decode_int2(g, cache.pages_base(), cache.windows_base(), 0, batches[size_t(r)], codecs.data(), shape, dq.data(), rk,
-                rvt, dout.data(), ws.data(), ws_int2, s);
+                rvt, dout.data(), ws.data(), ws_int2, s, Activations::Float32, &blocks);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   const double int2_us = time_graph(exec, s, reps) / R;
@@ -326,18 +329,22 @@ void bench_config(const Config& c, cudaStream_t s, int reps, std::FILE* out, boo
     cudaGraphDestroy(graph);
   }
   std::fprintf(out,
-               "{\"kind\":\"decode\",\"keys\":\"%s\",\"q_heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"context\":%d,"
+               "{\"kind\":\"decode\",\"keys\":\"%s\",\"key_bits\":%d,\"value_bits\":%d,\"q_heads\":%d,\"kv_heads\":%d,"
+               "\"batch\":%d,\"context\":%d,"
                "\"int2_us\":%.3f,\"bf16_inhouse_us\":%.3f,\"int2_bytes\":%.0f,\"bf16_bytes\":%.0f,"
                "\"int2_gbps\":%.1f,\"bf16_inhouse_gbps\":%.1f,\"int2_bytes_per_token_layer\":%.2f,"
                "\"bf16_bytes_per_token_layer\":%d,\"replicas\":%d,\"outputs_finite\":%s}\n",
-               chan ? "per_channel" : "per_token", c.hq, c.hkv, c.batch, c.ctx, int2_us, bf16_us, int2_bytes,
-               bf16_bytes, int2_bytes / int2_us / 1e3, bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0,
-               mem_per_token_layer, 2 * c.hkv * kGpuBf16RowBytes, R, finite ? "true" : "false");
+               chan ? "per_channel" : "per_token", widths.key, widths.value, c.hq, c.hkv, c.batch, c.ctx, int2_us,
+               bf16_us, int2_bytes, bf16_bytes, int2_bytes / int2_us / 1e3,
+               bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, mem_per_token_layer, 2 * c.hkv * kGpuBf16RowBytes, R,
+               finite ? "true" : "false");
   std::fflush(out);
   std::printf(
-      "decode %2d/%d b=%-3d ctx=%-6d %-11s int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  %s\n", c.hq,
-      c.hkv, c.batch, c.ctx, chan ? "per-channel" : "per-token", int2_us, int2_bytes / int2_us / 1e3, bf16_us,
-      bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0, finite ? "" : "NON-FINITE OUTPUT");
+      "decode %2d/%d b=%-3d ctx=%-6d %-11s %d/%d bits int2 %8.1f us (%6.0f GB/s)  bf16 in-house %8.1f us (%6.0f GB/s)  "
+      "%s\n",
+      c.hq, c.hkv, c.batch, c.ctx, chan ? "per-channel" : "per-token", widths.key, widths.value, int2_us,
+      int2_bytes / int2_us / 1e3, bf16_us, bf16_us > 0 ? bf16_bytes / bf16_us / 1e3 : 0.0,
+      finite ? "" : "NON-FINITE OUTPUT");
 }
 
 // Append throughput: a prefill of `tokens` into one sequence, and `steps` decode steps of a
@@ -541,12 +548,28 @@ void bench_append(cudaStream_t s, std::FILE* out) {
 int main(int argc, char** argv) {
   std::string configs = "32:8:1:32768,32:8:8:131072", out_path = "bench_decode.jsonl";
   int reps = 30;
-  std::string keys = "per-token";
+  std::string keys = "per-token", widths_arg = "2/2";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
     else if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--keys")) keys = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--widths")) widths_arg = argv[i + 1];
+  }
+  std::vector<BlockWidths> widths;
+  {
+    std::stringstream ws(widths_arg);
+    std::string w;
+    while (std::getline(ws, w, ',')) {
+      BlockWidths b;
+      char tail = 0;
+      if (std::sscanf(w.c_str(), "%d/%d%c", &b.key, &b.value, &tail) != 2 || b.key < 1 || b.key > 4 || b.value < 1 ||
+          b.value > 4) {
+        std::fprintf(stderr, "bench_decode: --widths takes K/V pairs of 1-4 bits, not '%s'\n", w.c_str());
+        return 1;
+      }
+      widths.push_back(b);
+    }
   }
   std::vector<bool> key_modes;  // per-channel?
   {
@@ -584,7 +607,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad config %s\n", item.c_str());
         return 1;
       }
-      for (bool chan : key_modes) bench_config(c, s, reps, out, chan);
+      for (bool chan : key_modes)
+        for (const BlockWidths& w : widths) bench_config(c, s, reps, out, chan, w);
     }
     bench_append(s, out);
   } catch (const Error& e) {

@@ -33,6 +33,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "formats/host_device.h"
@@ -182,6 +183,24 @@ KVCC_HD void pack_codes(const uint8_t* codes, int d, uint8_t* row, int bits = 2)
     });
 }
 
+// One layer's blocks as the CUDA kernels address them: every KV head of the layer at the same
+// widths, block (page, head) at page·page_bytes + layer_offset + head·head_bytes. The 2-bit layout
+// of KvGeometry (page_block_offset) by default; PageLayout::layer_blocks for a pool with widths.
+struct LayerBlocks {
+  size_t page_bytes = 0, layer_offset = 0, head_bytes = 0;
+  BlockWidths widths;
+  KVCC_HD size_t block_offset(int64_t page, int head) const {
+    return size_t(page) * page_bytes + layer_offset + size_t(head) * head_bytes;
+  }
+};
+KVCC_HD LayerBlocks two_bit_layer_blocks(const KvGeometry& g, int layer) {
+  LayerBlocks b;
+  b.page_bytes = g.page_bytes();
+  b.layer_offset = g.page_block_offset(0, layer, 0);
+  b.head_bytes = g.page_head_bytes();
+  return b;
+}
+
 // Where the blocks of a page are when (layer, KV head) blocks have their own code widths: block
 // (layer, head) at page·page_bytes() + offset[layer·H + head], the blocks in (layer, head) order.
 // With every width 2 this is KvGeometry::page_block_offset. Host bookkeeping (KvCache owns one).
@@ -198,11 +217,16 @@ class PageLayout {
   size_t block_offset(int64_t page, int layer, int head) const {
     return size_t(page) * page_bytes_ + offset_[size_t(layer) * size_t(heads_) + size_t(head)];
   }
-  // Every block 2 bits a side: the CUDA kernels' layout.
+  // Every block 2 bits a side.
   bool two_bit() const { return two_bit_; }
+  // Layer `layer`'s blocks for the CUDA kernels; throws Error when its KV heads differ in widths.
+  LayerBlocks layer_blocks(int layer) const;
+  // Why the CUDA kernels cannot hold this layout (a layer whose KV heads differ in widths), or "".
+  std::string kernel_problem() const;
 
  private:
   int heads_ = 0;
+  KvGeometry geo_;
   std::vector<BlockWidths> widths_;
   std::vector<size_t> offset_;
   size_t page_bytes_ = 0;

@@ -95,17 +95,37 @@ __device__ __forceinline__ int float_order(float f) {
 }
 __device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
 
+// Writes one row of codes at `bits` bits (kv_layout.h's bit planes) from a warp whose lane l holds
+// the codes of channels 4l .. 4l + 3: in a 2-bit plane they are byte l; in the 1-bit plane lanes l
+// and l + 16 share byte l % 16 (low and high nibble).
+__device__ __forceinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
+  const int lane = threadIdx.x & 31;
+  int off = 0;
+  for (int cb = 0; cb + 2 <= bits; cb += 2, off += kD / 4)  // 2-bit planes: code bits cb, cb + 1
+    row[off + lane] = uint8_t(((codes[0] >> cb) & 3) | (((codes[1] >> cb) & 3) << 2) | (((codes[2] >> cb) & 3) << 4) |
+                              (((codes[3] >> cb) & 3) << 6));
+  if (bits & 1) {  // the 1-bit plane: the top code bit
+    const int cb = bits - 1;
+    unsigned nib = ((codes[0] >> cb) & 1) | (((codes[1] >> cb) & 1) << 1) | (((codes[2] >> cb) & 1) << 2) |
+                   (((codes[3] >> cb) & 1) << 3);
+    nib <<= 4 * (lane >> 4);
+    nib |= __shfl_xor_sync(0xffffffffu, nib, 16);
+    if (lane < 16) row[off + lane] = uint8_t(nib);
+  }
+}
+
 // One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
-// l holds channels 4l .. 4l + 3, i.e. code byte l.
+// l holds channels 4l .. 4l + 3, i.e. code byte l of a 2-bit plane.
 static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
-// src: the row (global or shared memory); (page, row): where it goes.
+// src: the row (global or shared memory); (page, row): where it goes, in the layer's blocks lb.
 __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int side, int h,
-                             const KvGeometry& geo, int layer, uint8_t* pages, const HeadCodec* codecs) {
+                             const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages, const HeadCodec* codecs) {
   const int lane = threadIdx.x & 31;
   float x[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) x[e] = __bfloat162float(src[4 * lane + e]);
   const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
+  const int bits = side ? lb.widths.value : lb.widths.key;  // (a level table: 2, check_layer_blocks)
   GroupParams prm;
   uint8_t codes[4];
   if (codec.use_table) {
@@ -143,17 +163,19 @@ __device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page
     // NaN lane, which holds ±inf here, is as fminf / fmaxf would leave it).
     lo = ordered_float(__reduce_min_sync(0xffffffffu, float_order(lo)));
     hi = ordered_float(__reduce_max_sync(0xffffffffu, float_order(hi)));
-    prm = uniform_params(lo, hi, 2);
+    prm = uniform_params(lo, hi, bits);
     const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, 2);
+    for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, bits);
   }
-  uint8_t* blk = pages + geo.page_block_offset(page, layer, h);
+  const BlockWidths wd = lb.widths;
+  uint8_t* blk = pages + lb.block_offset(page, h);
   uint8_t* row =
-      blk + (side ? geo.v_codes_offset() : geo.k_codes_offset()) + size_t(row_in_page) * geo.code_row_bytes();
-  row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
+      blk + (side ? geo.v_codes_offset(wd) : geo.k_codes_offset()) + size_t(row_in_page) * geo.code_row_bytes(bits);
+  if (bits == 2) row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
+  else pack_row(codes, bits, row);
   if (lane == 0) {
-    uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset() : geo.k_params_offset()));
+    uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset(wd) : geo.k_params_offset(wd)));
     params[2 * row_in_page] = prm.scale;
     params[2 * row_in_page + 1] = prm.zero;
   }
@@ -211,7 +233,8 @@ template <typename In, int kTile>
 __global__ void __launch_bounds__(kAppThreads, 3)
     append_rows(const In* k, const In* v, const RotFragments* rot_k, const RotFragments* rot_v, const Move* moves,
                 int n_moves, const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait,
-                KvGeometry geo, int layer, __nv_bfloat16* windows, uint8_t* pages, const HeadCodec* codecs) {
+                KvGeometry geo, int layer, LayerBlocks lb, __nv_bfloat16* windows, uint8_t* pages,
+                const HeadCodec* codecs) {
   constexpr int kRows = (kTile + 15) / 16 * 16;
   __shared__ __align__(16) RotRows<kRows> xr;
   __shared__ __align__(16) __nv_bfloat16 ys[kTile][kD];
@@ -289,16 +312,16 @@ __global__ void __launch_bounds__(kAppThreads, 3)
       if (item < n_moves) {
         if (skip_moves) continue;
         const Move mv = moves[item];
-        if (mv.from_ring == 0) quantize_row(ys[item_slot[u]], mv.page, mv.row, side, h, geo, layer, pages, codecs);
+        if (mv.from_ring == 0) quantize_row(ys[item_slot[u]], mv.page, mv.row, side, h, geo, lb, pages, codecs);
         else if (mv.from_ring == 1)
-          quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo,
-                       layer, pages, codecs);
+          quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, lb,
+                       pages, codecs);
         continue;  // from_ring 2: its window write moves it
       }
       const WindowWrite wr = writes[item - n_moves];
       if (wr.move >= 0 && !skip_moves) {
         const Move mv = moves[wr.move];
-        quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, layer,
+        quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, lb,
                      pages, codecs);
         __syncwarp();  // every lane has read the slot's old row
       }
@@ -318,19 +341,21 @@ __global__ void __launch_bounds__(kAppThreads, 3)
 // page's new rows in fixed point and rotate them as append_rows does (rotate_kv.cuh), or copy the
 // old ring's rows; then thread j, channel j, codes its P values on the uniform grid without clip
 // (codec_scalar.h, as page_row_codec.cpp's quantize_page_side) and writes its (scale, zero) pair;
-// four lanes pack each code byte. It runs before append_rows, which writes the ring slots these
+// four lanes pack each byte of a 2-bit plane; a 1-bit plane's bytes (channels j and j + 64) are
+// gathered in shared memory. It runs before append_rows, which writes the ring slots these
 // pages read, and which then skips the key side's moves.
 constexpr int kPageThreads = kD;
 template <typename In>
 __global__ void __launch_bounds__(kPageThreads, 3)
     quantize_key_pages(const In* k, const RotFragments* rot_k, const Move* moves, int n_moves, const int32_t* counts,
-                       bool counts_after_wait, KvGeometry geo, int layer, const __nv_bfloat16* windows,
+                       bool counts_after_wait, KvGeometry geo, int layer, LayerBlocks lb, const __nv_bfloat16* windows,
                        uint8_t* pages) {
   constexpr int P = kGpuPageTokens;
   static_assert(P % 16 == 0, "whole MMA row tiles");
   __shared__ __align__(16) RotRows<P> xr;
   __shared__ __align__(16) __nv_bfloat16 ys[P][kD];  // the page's rotated keys
   __shared__ bool is_new[P];                         // row r is a new row (not the old ring's)
+  __shared__ uint32_t one_bit[P][kD / 32];           // the rows' 1-bit planes (odd widths)
   const int h = blockIdx.y, j = threadIdx.x, w = j >> 5;
   if (counts && !counts_after_wait) {
     n_moves = counts[0];
@@ -353,6 +378,7 @@ __global__ void __launch_bounds__(kPageThreads, 3)
   for (int page = blockIdx.x; page * P < n_moves; page += gridDim.x) {
     const Move* pm = moves + size_t(page) * P;
     __syncthreads();  // the previous page's rows are consumed
+    for (int i = j; i < P * (kD / 32); i += kPageThreads) one_bit[i / (kD / 32)][i % (kD / 32)] = 0;
     for (int r = w; r < P; r += kPageThreads / 32) {
       const Move mv = pm[r];
       float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -378,17 +404,33 @@ __global__ void __launch_bounds__(kPageThreads, 3)
       lo = x < lo ? x : lo;  // (codec_scalar's comparisons: a NaN leaves the bound)
       hi = x > hi ? x : hi;
     }
-    const GroupParams prm = uniform_params(lo, hi, 2);
+    const int bits = lb.widths.key;
+    const GroupParams prm = uniform_params(lo, hi, bits);
     const float sc = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
-    uint8_t* blk = pages + geo.page_block_offset(pm[0].page, layer, h);
+    uint8_t* blk = pages + lb.block_offset(pm[0].page, h);
     uint8_t* codes = blk + geo.k_codes_offset();
+    const int row_bytes = int(geo.code_row_bytes(bits)), one_off = bits / 2 * (kD / 4);
+    // Channel j's place in the 1-bit plane (kv_layout.h): byte 4·(i / 16) + (i % 16) / 4 of the
+    // half's channel i, bit i % 4 (+ 4 in the second half).
+    const int i1 = j & (kD / 2 - 1), byte1 = 4 * (i1 >> 4) + ((i1 & 15) >> 2);
+    const int shift1 = 8 * (byte1 & 3) + (i1 & 3) + 4 * (j >= kD / 2);
     for (int r = 0; r < P; ++r) {
-      unsigned v = unsigned(uniform_code(__bfloat162float(ys[r][j]), sc, z, 2)) << (2 * (j & 3));
-      v |= __shfl_xor_sync(0xffffffffu, v, 1);
-      v |= __shfl_xor_sync(0xffffffffu, v, 2);
-      if ((j & 3) == 0) codes[size_t(r) * kGpuCodeRowBytes + (j >> 2)] = uint8_t(v);
+      const unsigned code = uniform_code(__bfloat162float(ys[r][j]), sc, z, bits);
+      for (int cb = 0; cb + 2 <= bits; cb += 2) {  // 2-bit planes: code bits cb, cb + 1
+        unsigned v = ((code >> cb) & 3u) << (2 * (j & 3));
+        v |= __shfl_xor_sync(0xffffffffu, v, 1);
+        v |= __shfl_xor_sync(0xffffffffu, v, 2);
+        if ((j & 3) == 0) codes[size_t(r) * row_bytes + cb / 2 * (kD / 4) + (j >> 2)] = uint8_t(v);
+      }
+      if (bits & 1) atomicOr(&one_bit[r][byte1 >> 2], ((code >> (bits - 1)) & 1u) << shift1);
     }
-    uint16_t* params = reinterpret_cast<uint16_t*>(blk + geo.k_params_offset());
+    if (bits & 1) {
+      __syncthreads();
+      for (int i = j; i < P * (kD / 32); i += kPageThreads)
+        *reinterpret_cast<uint32_t*>(codes + size_t(i / (kD / 32)) * row_bytes + one_off + 4 * (i % (kD / 32))) =
+            one_bit[i / (kD / 32)][i % (kD / 32)];
+    }
+    uint16_t* params = reinterpret_cast<uint16_t*>(blk + geo.k_params_offset(lb.widths));
     params[2 * j] = prm.scale;
     params[2 * j + 1] = prm.zero;
   }
@@ -578,9 +620,11 @@ size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_mov
 
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
-                       const RotFragments* rot_v, cudaStream_t stream, Activations act) {
+                       const RotFragments* rot_v, cudaStream_t stream, Activations act, const LayerBlocks* blocks) {
   const int64_t items = int64_t(plan.n_moves) + plan.n_writes;
   if (items == 0) return;
+  const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
+  check_layer_blocks(g, lb, false, "append (CUDA)");
   // Blocks per (KV head, side): each loads R's 36 KB of fragments once for all the tiles it takes, so about one
   // wave of them, and with host counts at least one per 32 tiles. With device counts the grid is
   // the capacities' (every step launches the same): the blocks beyond a step's tiles only read its
@@ -624,19 +668,19 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
       pc.blockDim = dim3(kPageThreads);
       if (act == Activations::BFloat16)
         check_cuda(cudaLaunchKernelEx(&pc, quantize_key_pages<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(k),
-                                      rot_k, plan.moves, plan.n_moves, counts, plan.counts_after_wait, g, layer,
+                                      rot_k, plan.moves, plan.n_moves, counts, plan.counts_after_wait, g, layer, lb,
                                       static_cast<const __nv_bfloat16*>(win), pages),
                    "append (CUDA) key pages launch");
       else
         check_cuda(cudaLaunchKernelEx(&pc, quantize_key_pages<float>, static_cast<const float*>(k), rot_k, plan.moves,
-                                      plan.n_moves, counts, plan.counts_after_wait, g, layer,
+                                      plan.n_moves, counts, plan.counts_after_wait, g, layer, lb,
                                       static_cast<const __nv_bfloat16*>(win), pages),
                    "append (CUDA) key pages launch");
     }
   }
   auto launch = [&](auto kernel, const auto* kx, const auto* vx) {
     check_cuda(cudaLaunchKernelEx(&c, kernel, kx, vx, rot_k, rot_v, plan.moves, plan.n_moves, plan.writes,
-                                  plan.n_writes, counts, plan.counts_after_wait, g, layer, win, pages, codecs),
+                                  plan.n_writes, counts, plan.counts_after_wait, g, layer, lb, win, pages, codecs),
                "append (CUDA) launch");
   };
   const auto* kb = static_cast<const __nv_bfloat16*>(k);
@@ -654,11 +698,14 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
 
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
                const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
-               const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-               Activations act) {
+               const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream, Activations act,
+               const LayerBlocks* blocks) {
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
+  bool table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
+  if (blocks) check_layer_blocks(g, *blocks, table, "append (CUDA)");
   // Plan the moves and window writes (the same walk as append_ref).
   const AppendMoves m = plan_append_moves(g, plan);
   if (m.rows == 0) return;
@@ -683,7 +730,7 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   check_cuda(
       cudaMemcpyAsync(d_codecs, codecs, size_t(g.n_kv_heads) * sizeof(HeadCodec), cudaMemcpyHostToDevice, stream),
       "append (CUDA): copy codecs");
-  append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, stream, act);
+  append_kv_planned(g, pages, windows, layer, d, d_codecs, k, v, rot_k, rot_v, stream, act, blocks);
 }
 
 }  // namespace kvcc

@@ -22,9 +22,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "formats/error.h"
 #include "formats/fp16.h"
@@ -95,10 +98,12 @@ __host__ __device__ constexpr float kappa_inv(int j) { return float(1u << (j < 5
 
 struct DecodeArgs {
   // INT2 cache
-  const uint8_t* pages;
+  const uint8_t* pages;  // the layer's first block (LayerBlocks::block_offset(0, 0))
   const __nv_bfloat16* windows;
   KvGeometry geo;
   int layer;
+  uint32_t page_stride;  // LayerBlocks::page_bytes; a block is GpuBlock's kBytes of the layer's widths
+  BlockWidths widths;    // the layer's code widths (the kernel build's kKB, kVB)
   // BF16 baseline cache
   const __nv_bfloat16* bf16_pages;
   int bf16_page_tokens;
@@ -189,40 +194,69 @@ __device__ __forceinline__ void online_rescale(WarpState& st, float mx0, float m
 // subtile s, the K code words of tokens g and g+8 (8 bytes at 8t) and their (scale, zero) pairs;
 // then the V code words of tokens 2t, 2t+1, 2t+8, 2t+9 (4 bytes at 4g) and the (scale, zero)
 // pairs of tokens g and g+8. Keys and values are loaded separately, just before their MMAs, so
-// that fewer registers are live at once.
+// that fewer registers are live at once. Codes of other widths than 2 (GpuPlanes): kw / vw hold
+// the row's first plane, kx / vx its second. A 1-bit plane's word is read where it holds the same
+// channels as the 2-bit word (kv_layout.h: the 16 + 16 channels of 2-bit words w and w + 4), and
+// shifted so that its bits 0-3 of each byte are those channels' (bits 4-7 hold the row's second half).
 struct KeyRegs {
-  uint2 kw[kSubtiles][2];
+  uint2 kw[kSubtiles][2], kx[kSubtiles][2];
   uint32_t kp[kSubtiles][2];
 };
 struct ValueRegs {
-  uint32_t vw[kSubtiles][4], vp[kSubtiles][2];
+  uint32_t vw[kSubtiles][4], vx[kSubtiles][4], vp[kSubtiles][2];
   uint32_t vz[kSubtiles][4];  // the A fragment of the Σ P'·z MMA (int2_page)
 };
+// The key words of one plane at byte `off` of rows g and g + 8 of subtile s (rows of kRow bytes).
+template <bool kOneBit, int kRow>
+__device__ __forceinline__ void load_key_plane(const uint8_t* codes, int off, int s, int g, int t, uint2 (&w)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* row = codes + (16 * s + g + 8 * r) * kRow + off;
+    if (kOneBit) {
+      const uint2 x = *reinterpret_cast<const uint2*>(row + 8 * (t & 1));
+      w[r] = make_uint2(x.x >> (4 * (t >> 1)), x.y >> (4 * (t >> 1)));
+    } else {
+      w[r] = *reinterpret_cast<const uint2*>(row + 8 * t);
+    }
+  }
+}
 // kChan: per-channel key pages, whose key parameters are per channel (read by chan_query) and
 // whose value parameters follow them.
-template <bool kChan>
+template <bool kChan, int kKB, int kVB>
 __device__ __forceinline__ void load_keys(const uint8_t* blk, KeyRegs& d, int g, int t) {
-  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + kGpuKParamsOffset);
+  using B = GpuBlock<kKB, kVB, kChan>;
+  using Pl = GpuPlanes<kKB>;
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(blk + B::kKParamsOffset);
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
-    d.kw[s][0] = *reinterpret_cast<const uint2*>(blk + (16 * s + g) * kGpuCodeRowBytes + 8 * t);
-    d.kw[s][1] = *reinterpret_cast<const uint2*>(blk + (16 * s + g + 8) * kGpuCodeRowBytes + 8 * t);
+    load_key_plane<Pl::kFirstOneBit, B::kKRowBytes>(blk, 0, s, g, t, d.kw[s]);
+    if (Pl::kSecond) load_key_plane<Pl::kSecondOneBit, B::kKRowBytes>(blk, Pl::kSecondOffset, s, g, t, d.kx[s]);
     if (!kChan) {
       d.kp[s][0] = kpar[16 * s + g];
       d.kp[s][1] = kpar[16 * s + g + 8];
     }
   }
 }
-template <bool kChan>
+// The value words of one plane at byte `off` of rows 2t, 2t + 1, 2t + 8, 2t + 9 of subtile s.
+template <bool kOneBit, int kRow>
+__device__ __forceinline__ void load_value_plane(const uint8_t* codes, int off, int s, int g, int t, uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* row = codes + (16 * s + 2 * t + (i & 1) + 8 * (i >> 1)) * kRow + off;
+    w[i] = kOneBit ? *reinterpret_cast<const uint32_t*>(row + 4 * (g & 3)) >> (4 * (g >> 2))
+                   : *reinterpret_cast<const uint32_t*>(row + 4 * g);
+  }
+}
+template <bool kChan, int kKB, int kVB>
 __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, int g, int t) {
-  const uint8_t* vc = blk + kGpuVCodesOffset;
-  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + (kChan ? kGpuChanVParamsOffset : kGpuVParamsOffset));
+  using B = GpuBlock<kKB, kVB, kChan>;
+  using Pl = GpuPlanes<kVB>;
+  const uint8_t* vc = blk + B::kVCodesOffset;
+  const uint32_t* vpar = reinterpret_cast<const uint32_t*>(blk + B::kVParamsOffset);
 #pragma unroll
   for (int s = 0; s < kSubtiles; ++s) {
-    d.vw[s][0] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t) * kGpuCodeRowBytes + 4 * g);
-    d.vw[s][1] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 1) * kGpuCodeRowBytes + 4 * g);
-    d.vw[s][2] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 8) * kGpuCodeRowBytes + 4 * g);
-    d.vw[s][3] = *reinterpret_cast<const uint32_t*>(vc + (16 * s + 2 * t + 9) * kGpuCodeRowBytes + 4 * g);
+    load_value_plane<Pl::kFirstOneBit, B::kVRowBytes>(vc, 0, s, g, t, d.vw[s]);
+    if (Pl::kSecond) load_value_plane<Pl::kSecondOneBit, B::kVRowBytes>(vc, Pl::kSecondOffset, s, g, t, d.vx[s]);
     d.vp[s][0] = vpar[16 * s + g];
     d.vp[s][1] = vpar[16 * s + g + 8];
     const uint2 za = *reinterpret_cast<const uint2*>(vpar + 16 * s + 2 * t);
@@ -232,6 +266,34 @@ __device__ __forceinline__ void load_values(const uint8_t* blk, ValueRegs& d, in
     d.vz[s][2] = __byte_perm(zb.x, zb.y, 0x7632);
     d.vz[s][3] = zb.y;
   }
+}
+
+// Bit `from` of each lane (a byte: 0x01010101, or a 16-bit half: 0x00010001) of u moved to bit `to`.
+__device__ __forceinline__ uint32_t bit_to(uint32_t u, int from, int to, uint32_t lanes) {
+  return (to >= from ? u << (to - from) : u >> (from - to)) & (lanes << to);
+}
+// Field f (channel 4·byte + f) of the 4 bytes of a key code word pair as int8 codes times σ_f
+// (1 for even f, 4 for odd: the query of odd fields is divided by 4, rotate_queries), the A
+// operand of the int8 key MMAs: w the first plane's word, w4 = w >> 4, x the second plane's.
+template <int kBits>
+__device__ __forceinline__ uint32_t key_field_s8(uint32_t w, uint32_t w4, uint32_t x, int f) {
+  const int sigma = 2 * (f & 1);  // log2 of σ_f, as a bit position
+  if (kBits == 1) return bit_to(w, f, sigma, 0x01010101u);
+  const uint32_t m = (f & 1) ? 0x0C0C0C0Cu : 0x03030303u;
+  const uint32_t lo = (f < 2 ? w : w4) & m;
+  if (kBits == 2) return lo;
+  if (kBits == 3) return lo | bit_to(x, f, 2 + sigma, 0x01010101u);  // code bit 2: ×4
+  return lo | ((f < 2 ? x << 2 : x >> 2) & (m << 2));                // code bits 2-3: ×4
+}
+// The 1-bit plane's bit of channel j of each 16-bit half (byte j / 4, bit j % 4: code_pair's
+// channel j) at code_pair's place of field j, so that it enters an fp16 MMA as κ_j·bit.
+__device__ __forceinline__ uint32_t bit_pair(uint32_t x, int j) {
+  return bit_to(x, 8 * (j >> 2) + (j & 3), j < 5 ? 2 * j : 2 * j - 6, 0x00010001u);
+}
+// Field j of a plane's word as fp16 subnormals κ_j·c (code_pair, or bit_pair for a 1-bit plane).
+template <bool kOneBit>
+__device__ __forceinline__ uint32_t plane_pair(uint32_t w, int j) {
+  return kOneBit ? bit_pair(w, j) : code_pair(w, j);
 }
 
 // The query side of the int8 key MMAs (made by rotate_queries). Channel c of a key code row sits
@@ -287,9 +349,10 @@ struct ChanPage {
 // not registers: the 2-stage ring's 128 registers would spill with them. Two passes over the
 // page's (s, z) pairs (few registers live): their largest scale, then per MMA j the fragments'
 // channels (pair 16·half + 8·e + j of the thread's 32: channel 32t + 16·half + 8·e + j).
-__device__ __forceinline__ void chan_query(const uint8_t* blk, const uint4* qf, ChanPage& cp) {
+// kparams: the page's key parameters.
+__device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, ChanPage& cp) {
   const int t = threadIdx.x & 3;
-  const uint4* kpar4 = reinterpret_cast<const uint4*>(blk + kGpuKParamsOffset) + 8 * t;
+  const uint4* kpar4 = reinterpret_cast<const uint4*>(kparams) + 8 * t;
   const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kpar4);
   __half2 mx = __float2half2_rn(0.0f);
 #pragma unroll
@@ -330,15 +393,22 @@ __device__ __forceinline__ void chan_query(const uint8_t* blk, const uint4* qf, 
 // One INT2 page block, staged in shared memory at blk. kTable: code values from the
 // head's level tables (tk, tv: lo and hi words of DecodeArgs::tables) on fp16 MMAs. kChan:
 // per-channel key pages (chan_query), keys on fp16 MMAs too (values uniform: kTable is false).
-template <bool kTable, bool kChan>
+// kKB, kVB: the code widths (a level table: 2 bits). A second plane of weight 4 adds MMAs: the
+// int8 keys take it in the same operand (codes up to 15·σ_f), the per-channel keys in a second
+// accumulator, the values with P' × 4 as B (exact: a power of two, far from fp16's range).
+template <bool kTable, bool kChan, int kKB, int kVB>
 __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, const uint4* qf, WarpState& st, int g,
                                           int t, const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
   static_assert(!(kTable && kChan), "per-channel keys take uniform values");
+  static_assert(!kTable || (kKB == 2 && kVB == 2), "level tables are 2-bit codes");
+  using KPl = GpuPlanes<kKB>;
+  using VPl = GpuPlanes<kVB>;
   KeyRegs kr;
-  load_keys<kChan>(blk, kr, g, t);
+  load_keys<kChan, kKB, kVB>(blk, kr, g, t);
   ChanPage cp;
-  if (kChan) chan_query(blk, qf, cp);
+  if (kChan) chan_query(blk + GpuBlock<kKB, kVB, kChan>::kKParamsOffset, qf, cp);
   const auto& kw = kr.kw;
+  const auto& kx = kr.kx;
   const auto& kp = kr.kp;
   float sc[kSubtiles][4];
   float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -347,18 +417,30 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     if (kChan) {
       // MMA j: code field j of the words (chan_query's layout), one AND a register.
       const uint32_t w[4] = {kw[s][0].x, kw[s][1].x, kw[s][0].y, kw[s][1].y};  // a0 .. a3's words
+      const uint32_t x2[4] = {kx[s][0].x, kx[s][1].x, kx[s][0].y, kx[s][1].y};
       uint32_t w6[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) w6[k] = w[k] >> 6;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const uint32_t m = j < 5 ? 0x00030003u << (2 * j) : 0x00030003u << (2 * j - 6);
-        const uint32_t* src = j < 5 ? w : w6;
-        mma_f16(acc, src[0] & m, src[1] & m, src[2] & m, src[3] & m, cp.b[2 * j], cp.b[2 * j + 1]);
+        if (KPl::kFirstOneBit) {
+          mma_f16(acc, bit_pair(w[0], j), bit_pair(w[1], j), bit_pair(w[2], j), bit_pair(w[3], j), cp.b[2 * j],
+                  cp.b[2 * j + 1]);
+        } else {
+          const uint32_t m = j < 5 ? 0x00030003u << (2 * j) : 0x00030003u << (2 * j - 6);
+          const uint32_t* src = j < 5 ? w : w6;
+          mma_f16(acc, src[0] & m, src[1] & m, src[2] & m, src[3] & m, cp.b[2 * j], cp.b[2 * j + 1]);
+        }
+        if (KPl::kSecond) {
+          constexpr bool kOne2 = KPl::kSecondOneBit;
+          mma_f16(acc2, plane_pair<kOne2>(x2[0], j), plane_pair<kOne2>(x2[1], j), plane_pair<kOne2>(x2[2], j),
+                  plane_pair<kOne2>(x2[3], j), cp.b[2 * j], cp.b[2 * j + 1]);
+        }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // token g (i < 2) or g + 8, head column 2t + (i & 1)
+      for (int i = 0; i < 4; ++i) {                              // token g (i < 2) or g + 8, head column 2t + (i & 1)
+        if (KPl::kSecond) acc[i] = fmaf(4.0f, acc2[i], acc[i]);  // the second plane's code bits weigh 4
         const float x = fmaf(acc[i], cp.kscale, -cp.zbias[i & 1]);
         sc[s][i] = x;
         if (i & 1) mx1 = fmaxf(mx1, x);
@@ -397,14 +479,14 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
     // A fragment words: token g chunk 0, token g+8 chunk 0, token g chunk 1, token g+8 chunk 1.
     const uint32_t w[4] = {kw[s][0].x, kw[s][1].x, kw[s][0].y, kw[s][1].y};
+    const uint32_t x2[4] = {kx[s][0].x, kx[s][1].x, kx[s][0].y, kx[s][1].y};
     uint32_t w4[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w4[k] = w[k] >> 4;
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      const uint32_t* src = f < 2 ? w : w4;
-      const uint32_t m = (f & 1) ? 0x0C0C0C0Cu : 0x03030303u;
-      const uint32_t a0 = src[0] & m, a1 = src[1] & m, a2 = src[2] & m, a3 = src[3] & m;
+      const uint32_t a0 = key_field_s8<kKB>(w[0], w4[0], x2[0], f), a1 = key_field_s8<kKB>(w[1], w4[1], x2[1], f);
+      const uint32_t a2 = key_field_s8<kKB>(w[2], w4[2], x2[2], f), a3 = key_field_s8<kKB>(w[3], w4[3], x2[3], f);
       mma_s8(hi, a0, a1, a2, a3, q.frag[2 * f], q.frag[2 * f + 1]);
       mma_s8(lo, a0, a1, a2, a3, q.frag[8 + 2 * f], q.frag[8 + 2 * f + 1]);
     }
@@ -414,7 +496,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
 #pragma unroll
       for (int c = 0; c < 2; ++c) {  // head column 2t + c
         const int i = 2 * r + c;
-        const float qc = float(hi[i] * kLoScale + lo[i]);  // exact: |.| < 2^24
+        const float qc = float(hi[i] * kLoScale + lo[i]);  // exact at 2 bits (|.| < 2^24), else within 2^-24
         // The logit without its per-column scale (q.scale > 0), which enters with the max.
         const float x = fmaf(-sz.y, q.sum[c], qc) * sz.x;
         sc[s][i] = x;
@@ -426,8 +508,9 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   float msub[2];
   online_rescale<true>(st, mx0 * q.scale[0], mx1 * q.scale[1], msub);
   ValueRegs vr;
-  load_values<kChan>(blk, vr, g, t);
+  load_values<kChan, kKB, kVB>(blk, vr, g, t);
   const auto& vw = vr.vw;
+  const auto& vx = vr.vx;
   const auto& vp = vr.vp;
   const auto& vz = vr.vz;
 #pragma unroll
@@ -467,9 +550,23 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     const uint32_t hi_a = __byte_perm(vw[s][0], vw[s][1], 0x7632);
     const uint32_t lo_b = __byte_perm(vw[s][2], vw[s][3], 0x5410);
     const uint32_t hi_b = __byte_perm(vw[s][2], vw[s][3], 0x7632);
+    constexpr bool kOne = VPl::kFirstOneBit;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      mma_f16(st.o[j], code_pair(lo_a, j), code_pair(hi_a, j), code_pair(lo_b, j), code_pair(hi_b, j), b01, b23);
+      mma_f16(st.o[j], plane_pair<kOne>(lo_a, j), plane_pair<kOne>(hi_a, j), plane_pair<kOne>(lo_b, j),
+              plane_pair<kOne>(hi_b, j), b01, b23);
+    if (VPl::kSecond) {
+      const __half2 four = __float2half2_rn(4.0f);
+      const __half2 q01 = __hmul2(u32_as_h2(b01), four), q23 = __hmul2(u32_as_h2(b23), four);
+      const uint32_t b01x4 = *reinterpret_cast<const uint32_t*>(&q01), b23x4 = *reinterpret_cast<const uint32_t*>(&q23);
+      const uint32_t xlo_a = __byte_perm(vx[s][0], vx[s][1], 0x5410), xhi_a = __byte_perm(vx[s][0], vx[s][1], 0x7632);
+      const uint32_t xlo_b = __byte_perm(vx[s][2], vx[s][3], 0x5410), xhi_b = __byte_perm(vx[s][2], vx[s][3], 0x7632);
+      constexpr bool kOne2 = VPl::kSecondOneBit;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        mma_f16(st.o[j], plane_pair<kOne2>(xlo_a, j), plane_pair<kOne2>(xhi_a, j), plane_pair<kOne2>(xlo_b, j),
+                plane_pair<kOne2>(xhi_b, j), b01x4, b23x4);
+    }
   }
 }
 
@@ -547,10 +644,10 @@ __device__ __forceinline__ void bf16_tile(const __nv_bfloat16* kbase, const __nv
 enum class Mode { Int2, Bf16Paged };
 
 // kTable: INT2 pages decoded through the per-head level tables (DecodeArgs::tables). kChan:
-// per-channel key pages (int2_page), larger blocks.
-template <Mode kMode, int kRing, bool kTable = false, bool kChan = false>
+// per-channel key pages (int2_page), larger blocks. kKB, kVB: the layer's code widths.
+template <Mode kMode, int kRing, bool kTable = false, bool kChan = false, int kKB = 2, int kVB = 2>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(DecodeArgs a) {
-  constexpr int kPageBytes = kChan ? kGpuChanPageBytes : kGpuPageBytes;
+  constexpr int kPageBytes = GpuBlock<kKB, kVB, kChan>::kBytes;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   __shared__ float qs[kHeads][kD];
@@ -582,16 +679,15 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
   __shared__ __align__(8) uint64_t bars[kWarps][kRing];  // per warp and ring stage: its page has landed
   if (int2_split) mbar_init(bars[warp], kRing, lane);
   // Shared-space addresses of the warp's ring and barriers, made once (per page, with the page's
-  // global address hoisted too: 3% at batch 8 / 128K, measured).
+  // global address hoisted too: 3% at batch 8 / 128K, measured on the 2-bit pool's layout).
   const uint32_t ring_s = smem_addr(ring), bars_s = smem_addr(bars[warp]);
-  // Page p's block of this (layer, head) is at head_base + p·page_stride (KvGeometry::page_block_offset).
-  const uint8_t* head_base = a.pages + a.geo.page_block_offset(0, a.layer, h);
-  const size_t page_stride = a.geo.page_bytes();
   auto issue = [&](int k) {
     if ((k & 31) == 0) ids = k + lane < n_mine ? pt[p0 + warp + (k + lane) * kWarps] : 0;
     const int id = __shfl_sync(0xffffffffu, ids, k & 31);
     if (k < n_mine) {
-      const uint8_t* src = head_base + size_t(uint32_t(id)) * page_stride;
+      // Page id's block of this head (LayerBlocks; unhoisted: a hoisted base spilled the
+      // 2-bit per-channel build at 128 registers).
+      const uint8_t* src = a.pages + (size_t(h) * kPageBytes + size_t(uint32_t(id)) * a.page_stride);
       if (lane == 0) bulk_copy(ring_s + (k % kRing) * kPageBytes, src, kPageBytes, bars_s + 8 * (k % kRing));
     }
   };
@@ -649,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
       issue(k + kRing - 1);
       mbar_wait(bars_s + 8 * (k % kRing), uint32_t(k / kRing) & 1u);  // the stage's (k / kRing)-th fill
       __syncwarp();
-      int2_page<kTable, kChan>(ring + (k % kRing) * kPageBytes, kq, qf, st, g, t, tk, tv);
+      int2_page<kTable, kChan, kKB, kVB>(ring + (k % kRing) * kPageBytes, kq, qf, st, g, t, tk, tv);
       __syncwarp();  // every lane has read stage k % kRing before it is refilled
     }
   } else if (paged_split || win_split) {
@@ -978,34 +1074,50 @@ __global__ void __launch_bounds__(kMergeThreads)
                      rot_v_t ? (part[0][hh][j] + part[1][hh][j]) + (part[2][hh][j] + part[3][hh][j]) : ov[hh][j]);
 }
 
-// Dynamic shared memory of the INT2 kernel (the page ring), allowed once per process.
-// Per-channel keys add each warp's query fragments (decode_kernel's qf).
-constexpr size_t int2_smem_bytes(int ring, bool chan = false) {
-  return size_t(kWarps) * (ring * size_t(chan ? kGpuChanPageBytes : kGpuPageBytes) + (chan ? 4 * 32 * 16 : 0));
+// The INT2 kernel builds: per page-ring depth, level tables (2-bit codes), and per-token or
+// per-channel keys at every key and value width; each with its dynamic shared memory (the page
+// ring; per-channel keys add each warp's query fragments, decode_kernel's qf), allowed once per
+// process.
+using DecodeKernel = void (*)(DecodeArgs);
+struct Int2Build {
+  DecodeKernel kernel;
+  size_t smem;
+};
+template <int kRing, bool kTable, bool kChan, int kKB, int kVB>
+constexpr Int2Build int2_build() {
+  return {decode_kernel<Mode::Int2, kRing, kTable, kChan, kKB, kVB>,
+          size_t(kWarps) * (kRing * size_t(GpuBlock<kKB, kVB, kChan>::kBytes) + (kChan ? 4 * 32 * 16 : 0))};
 }
-static_assert(int2_smem_bytes(kRingWide) >= kSlabBytes, "the output slabs reuse the page ring");
+static_assert(int2_build<kRingWide, false, false, 1, 1>().smem >= kSlabBytes, "the output slabs reuse the page ring");
 static_assert(4 * sizeof(uint4) * 4 == kDecodeQk8Bytes, "DecodeArgs::qk8 per head: [4 t][4] uint4");
+// [key bits − 1][value bits − 1], flattened.
+template <int kRing, bool kChan, int... I>
+std::array<Int2Build, 16> width_builds(std::integer_sequence<int, I...>) {
+  return {int2_build<kRing, false, kChan, I / 4 + 1, I % 4 + 1>()...};
+}
+const std::array<Int2Build, 16>& width_builds(int ring, bool chan) {
+  using Widths = std::make_integer_sequence<int, 16>;
+  static const std::array<Int2Build, 16> sets[2][2] = {
+      {width_builds<kRingDeep, false>(Widths{}), width_builds<kRingDeep, true>(Widths{})},
+      {width_builds<kRingWide, false>(Widths{}), width_builds<kRingWide, true>(Widths{})}};
+  return sets[ring == kRingWide][chan];
+}
+Int2Build int2_build(int ring, bool table, bool chan, BlockWidths w) {
+  if (table)
+    return ring == kRingWide ? int2_build<kRingWide, true, false, 2, 2>() : int2_build<kRingDeep, true, false, 2, 2>();
+  return width_builds(ring, chan)[size_t(w.key - 1) * 4 + size_t(w.value - 1)];
+}
 void prepare_int2_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(int2_smem_bytes(kRingDeep))),
-               "decode (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(int2_smem_bytes(kRingWide))),
-               "decode (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep, true>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingDeep))),
-               "decode (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide, true>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingWide))),
-               "decode (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingDeep, false, true>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingDeep, true))),
-               "decode (CUDA): shared memory attribute");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<Mode::Int2, kRingWide, false, true>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(int2_smem_bytes(kRingWide, true))),
-               "decode (CUDA): shared memory attribute");
+    for (int ring : {kRingDeep, kRingWide}) {
+      std::vector<Int2Build> builds{int2_build(ring, true, false, {})};
+      for (bool chan : {false, true})
+        for (const Int2Build& b : width_builds(ring, chan)) builds.push_back(b);
+      for (const Int2Build& b : builds)
+        check_cuda(cudaFuncSetAttribute(b.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.smem)),
+                   "decode (CUDA): shared memory attribute");
+    }
   });
 }
 
@@ -1016,15 +1128,18 @@ const DecodeGpu& decode_gpu(int target_ctas) {
   if (target_ctas > 0) return none;
   static const DecodeGpu gpu = [] {
     prepare_int2_kernels();
-    auto resident = [](auto kernel, int ring) {
+    // The 2-bit builds' occupancy plans every width (the workspace the Runtime sizes at load
+    // depends on the plan); wider blocks fit fewer CTAs an SM, so their splits take more waves.
+    auto resident = [](int ring) {
+      const Int2Build b = int2_build(ring, false, false, {});
       int per_sm = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, int2_smem_bytes(ring));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, b.kernel, kThreads, b.smem);
       return std::max(1, per_sm) * multiprocessors();
     };
     DecodeGpu d;
     d.sms = multiprocessors();
-    d.resident_deep = resident(decode_kernel<Mode::Int2, kRingDeep>, kRingDeep);
-    d.resident_wide = resident(decode_kernel<Mode::Int2, kRingWide>, kRingWide);
+    d.resident_deep = resident(kRingDeep);
+    d.resident_wide = resident(kRingWide);
     return d;
   }();
   return gpu;
@@ -1098,16 +1213,9 @@ void launch(Mode mode, bool table, DecodeArgs& a, const DecodePlan& plan, int ba
   if (stages & 2) {
     if (mode == Mode::Int2) {
       prepare_int2_kernels();
-      const bool chan = a.geo.per_channel_keys();
-      const cudaLaunchConfig_t c = config(grid, kThreads, int2_smem_bytes(plan.ring, chan));
-      const bool wide = plan.ring == kRingWide;
-      check_cuda(chan    ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, false, true>, a)
-                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, false, true>, a))
-                 : table ? (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide, true>, a)
-                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep, true>, a))
-                         : (wide ? cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingWide>, a)
-                                 : cudaLaunchKernelEx(&c, decode_kernel<Mode::Int2, kRingDeep>, a)),
-                 "decode (CUDA) launch");
+      const Int2Build b = int2_build(plan.ring, table, a.geo.per_channel_keys(), a.widths);
+      const cudaLaunchConfig_t c = config(grid, kThreads, b.smem);
+      check_cuda(cudaLaunchKernelEx(&c, b.kernel, a), "decode (CUDA) launch");
     } else {
       const cudaLaunchConfig_t c = config(grid, kThreads, kSlabBytes);
       check_cuda(cudaLaunchKernelEx(&c, decode_kernel<Mode::Bf16Paged, kRingDeep>, a), "decode (CUDA) launch");
@@ -1133,7 +1241,7 @@ size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int m
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                  const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const void* q,
                  const float* rot_k, const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, Activations act) {
+                 cudaStream_t stream, Activations act, const LayerBlocks* blocks) {
   require_hopper();
   bool table = false;
   for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
@@ -1142,6 +1250,8 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
                "decode (CUDA): per-channel keys with level-table values are not supported (kivi's values are uniform)");
   KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
+  const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
+  check_layer_blocks(g, lb, table, "decode (CUDA)");
   KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
                "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
   DecodeArgs a{};
@@ -1156,10 +1266,13 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
         a.tables[h][side][1] = uint32_t(v[2]) | (uint32_t(v[3]) << 16);
       }
   }
-  a.pages = pages;
+  a.pages = pages + lb.layer_offset;
   a.windows = reinterpret_cast<const __nv_bfloat16*>(windows);
   a.geo = g;
   a.layer = layer;
+  KVCC_REQUIRE(lb.page_bytes <= UINT32_MAX, "decode (CUDA): pages of more than 4 GiB");
+  a.page_stride = uint32_t(lb.page_bytes);
+  a.widths = lb.widths;
   a.n_kv = g.n_kv_heads;
   a.seq_slot = batch.seq_slot;
   a.seq_len = batch.seq_len;

@@ -45,9 +45,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   KVCC_REQUIRE(config.max_sequences > 0, "kv cache: max_sequences must be positive");
   const KvGeometry& g = config.geometry;
   layout_ = PageLayout(g, config.widths);
-  KVCC_REQUIRE(config.memory == PoolMemory::Host || layout_.two_bit(),
-               "kv cache: a device pool holds 2-bit codes only (the CUDA kernels' layout); per-layer code widths "
-               "are served by the host pool");
+  if (config.memory == PoolMemory::Device) {
+    const std::string problem = layout_.kernel_problem();
+    KVCC_REQUIRE(problem.empty(),
+                 "kv cache: a device pool cannot hold these widths: " + problem + "; the host pool serves them");
+  }
   pages_region_bytes_ = size_t(config.max_pages) * layout_.page_bytes();
   pool_bytes_ = pages_region_bytes_ + size_t(config.max_sequences) * g.window_slot_bytes();
   if (config.memory == PoolMemory::Host) {

@@ -64,7 +64,8 @@ struct KvCacheConfig {
   int max_sequences = 0;  // window slots (live sequences at once)
   PoolMemory memory = PoolMemory::Host;
   // Code widths per (layer, KV head), [n_layers · n_kv_heads] (kv_layout.h PageLayout); empty:
-  // 2 bits everywhere. A device pool takes 2-bit blocks only (the CUDA kernels' layout).
+  // 2 bits everywhere. A device pool takes one key and one value width a layer (the CUDA kernels
+  // take a layer's blocks as PageLayout::layer_blocks).
   std::vector<BlockWidths> widths;
   // The engine owns the page tables and window slots (RuntimeOptions::engine_tables): the
   // allocator is off (add_sequence, fork, grow and compaction throw Error) and mirror_sequence

@@ -51,10 +51,12 @@ size_t decode_workspace_bytes(const KvGeometry& g, int batch, int n_heads, int m
 // q: [batch, n_heads, d] post-RoPE, unrotated. rot_k: [n_kv, d, d]; rot_v_t: [n_kv, d, d]
 // holding R_vᵀ (so the output rotation reads rows coalesced). out: [batch, n_heads, d].
 // codecs: host array [n_kv]; any level table selects the (slower) table kernel for the launch.
+// blocks: where the layer's page blocks are and their code widths (PageLayout::layer_blocks: 1-4
+// bits a side, every KV head of the layer alike; level tables at 2 bits); null: the 2-bit pool.
 void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* windows, int layer,
                  const DeviceBatch& batch, const HeadCodec* codecs, const DecodeShape& shape, const void* q,
                  const float* rot_k, const float* rot_v_t, void* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, Activations act = Activations::Float32);
+                 cudaStream_t stream, Activations act = Activations::Float32, const LayerBlocks* blocks = nullptr);
 
 // The in-house BF16 baseline: the same kernel structure over a plain paged BF16 cache, pages of
 // page_tokens tokens, page block (page, head) = K [page_tokens][d] then V [page_tokens][d] bf16,
@@ -81,12 +83,12 @@ void rot_fragments(const float* rot, int64_t n, RotFragments* out, cudaStream_t 
 // k, v: device [rows, n_kv, d] unrotated (rows of sequence i start at row_offsets[i]);
 // rot_k, rot_v: device [n_kv] (rot_fragments of R_k and R_v), or null when k and v are already
 // rotated. codecs: host [n_kv]. The host plans the moves from the lengths and page tables it is given
-// (AppendPlanHost, plan_append_moves: runtime/plan.h).
+// (AppendPlanHost, plan_append_moves: runtime/plan.h). blocks: as decode_int2's (null: the 2-bit pool).
 size_t append_workspace_bytes(const KvGeometry& g, int64_t rows, int64_t max_moves);
 void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const AppendPlanHost& plan,
                const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
                const RotFragments* rot_v, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-               Activations act = Activations::Float32);
+               Activations act = Activations::Float32, const LayerBlocks* blocks = nullptr);
 // One layer's append from a plan already on the device (DeviceAppendPlan, made once per step):
 // rotate, quantise the moves, write the windows, in one launch; no host work, no copies, no
 // workspace. codecs: device [n_kv] of this layer. With plan.counts
@@ -94,7 +96,8 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
 // capacities, so they can be captured in a CUDA graph and replayed.
 void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer, const DeviceAppendPlan& plan,
                        const HeadCodec* codecs, const void* k, const void* v, const RotFragments* rot_k,
-                       const RotFragments* rot_v, cudaStream_t stream, Activations act = Activations::Float32);
+                       const RotFragments* rot_v, cudaStream_t stream, Activations act = Activations::Float32,
+                       const LayerBlocks* blocks = nullptr);
 
 // Plans a step from an engine's own tables on the device (EngineStep, runtime/engine_step.h: every
 // array a device pointer): the moves and window writes plan_append_moves would make from the same

@@ -32,6 +32,33 @@ constexpr int kGpuChanVParamsOffset = kGpuKParamsOffset + kGpuChanKParamsBytes; 
 constexpr int kGpuChanPageBytes = kGpuChanVParamsOffset + kGpuParamsBytes;       // page_head_bytes(): 4864
 // A page block of either kind.
 constexpr int kGpuMaxPageBytes = kGpuChanPageBytes > kGpuPageBytes ? kGpuChanPageBytes : kGpuPageBytes;
+// A page block at kKB / kVB bits a key / value code (kv_layout.h: each row its bit planes, the
+// 2-bit plane first; 1 bit: the 1-bit plane alone), per-token or per-channel (kChan) key
+// parameters. GpuBlock<2, 2, false> is the block above.
+template <int kKB, int kVB, bool kChan>
+struct GpuBlock {
+  static_assert(kKB >= 1 && kKB <= 4 && kVB >= 1 && kVB <= 4, "codes of 1 to 4 bits");
+  static constexpr int kKRowBytes = kGpuHeadDim * kKB / 8;
+  static constexpr int kVRowBytes = kGpuHeadDim * kVB / 8;
+  static constexpr int kVCodesOffset = kGpuPageTokens * kKRowBytes;
+  static constexpr int kKParamsOffset = kVCodesOffset + kGpuPageTokens * kVRowBytes;
+  static constexpr int kVParamsOffset = kKParamsOffset + (kChan ? kGpuChanKParamsBytes : kGpuParamsBytes);
+  static constexpr int kBytes = kVParamsOffset + kGpuParamsBytes;
+};
+static_assert(GpuBlock<2, 2, false>::kBytes == kGpuPageBytes && GpuBlock<2, 2, true>::kBytes == kGpuChanPageBytes &&
+                  GpuBlock<2, 2, true>::kVParamsOffset == kGpuChanVParamsOffset,
+              "GpuBlock spells the 2-bit block's layout");
+// Where a row's planes are (kv_layout.h for_each_code_field): the first (the 2-bit plane of code
+// bits 0-1, or at 1 bit the 1-bit plane) at byte 0, the second (3 bits: the 1-bit plane of bit 2;
+// 4 bits: the 2-bit plane of bits 2-3) at head_dim / 4.
+template <int kBits>
+struct GpuPlanes {
+  static constexpr bool kFirstOneBit = kBits == 1;
+  static constexpr bool kSecond = kBits >= 3;
+  static constexpr bool kSecondOneBit = kBits == 3;
+  static constexpr int kSecondOffset = kGpuHeadDim / 4;
+};
+
 // Decode walks the BF16 sink and ring in tiles of 16 tokens (the MMA's M), so both windows must
 // be multiples of it.
 constexpr int kGpuWindowTile = 16;
@@ -66,6 +93,10 @@ std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned op
 std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_heads, int page_tokens);
 // Throws Error("<who>: <reason>") when gpu_unsupported_reason is not "".
 void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who);
+
+// Throws Error("<who>: ...") unless `b` is a layer of g's pages the kernels read: widths of 1-4
+// bits (2 with a level table), blocks of g.page_head_bytes(widths) within a page.
+void check_layer_blocks(const KvGeometry& g, const LayerBlocks& b, bool level_table, const char* who);
 
 // The kernels are compiled for Hopper (sm_90a: TMA bulk copies, mbarriers, programmatic dependent
 // launch, warpgroup MMAs; sm_90a code runs on compute capability 9.0 only). Why device `device`

@@ -40,7 +40,8 @@ struct Twin : PoolPair {
 
   std::vector<float> rk, rv;  // [layers, H, d, d] when the appends rotate (with_rotations)
 
-  Twin(const KvGeometry& geo, int64_t pages, int seqs) : PoolPair(geo, pages, seqs, 777) {}
+  Twin(const KvGeometry& geo, int64_t pages, int seqs, const std::vector<BlockWidths>& widths = {})
+      : PoolPair(geo, pages, seqs, 777, widths) {}
   void with_rotations() {
     rk = random_rotations(g.n_layers * g.n_kv_heads, g.head_dim, rng);
     rv = random_rotations(g.n_layers * g.n_kv_heads, g.head_dim, rng);
@@ -66,8 +67,10 @@ struct Twin : PoolPair {
       DeviceBuffer<float> dk(k), dv(v);
       const DeviceBuffer<RotFragments> fk = testing::device_fragments(lrk, g.n_kv_heads),
                                        fv = testing::device_fragments(lrv, g.n_kv_heads);
+      // The layer's blocks as the pool places them (for a 2-bit pool, the default's).
+      const LayerBlocks blocks = dev.layout().layer_blocks(l);
       append_kv(g, dev.pages_base(), dev.windows_base(), l, plan, cod, dk.data(), dv.data(), fk.data(), fv.data(),
-                ws.data(), ws.bytes(), nullptr);
+                ws.data(), ws.bytes(), nullptr, Activations::Float32, &blocks);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
@@ -125,6 +128,38 @@ void per_channel_bytes_check(bool rotations) {
 }
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytes) { per_channel_bytes_check(false); }
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytesWithRotations) { per_channel_bytes_check(true); }
+
+// Code widths (compile --bits-budget's pages): 16 layers at every key and value width of 1-4 bits
+// (layer l: 1 + l / 4 and 1 + l % 4, both KV heads alike), per-token or per-channel keys, the
+// appends of pool_bytes_check: the device pool equals the host's byte for byte (quantize_row's and
+// quantize_key_pages' bit planes, the blocks where PageLayout puts them). Level-table values on
+// head 0 of the layers whose values are 2 bits.
+void widths_bytes_check(bool chan, bool rotations) {
+  KvGeometry g = test_geometry(16, 2);
+  if (chan) g.key_group_tokens = g.page_tokens;
+  std::vector<BlockWidths> widths;
+  for (int l = 0; l < g.n_layers; ++l)
+    for (int h = 0; h < g.n_kv_heads; ++h) widths.push_back({1 + l / 4, 1 + l % 4});
+  Twin w(g, 64, 6, widths);
+  if (rotations) w.with_rotations();
+  for (int l = 0; l < g.n_layers; ++l)
+    if (widths[size_t(l) * 2].value == 2) {
+      HeadCodec& c = w.codecs[size_t(l) * 2];
+      c.value.use_table = 1;
+      const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+      std::copy(lv, lv + 4, c.value.levels);
+    }
+  const int a = w.add(), b = w.add(), c = w.add();
+  w.append({a, b, c}, {1, 63, 400});
+  w.append({a, b, c}, {100, 257, 1});
+  const int f = w.fork(c);
+  w.append({f, c, a}, {64, 3, 700});
+  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});
+  w.expect_pools_equal();
+}
+TEST(GpuAppend, CodeWidthsEqualHostReferenceBytes) { widths_bytes_check(false, false); }
+TEST(GpuAppend, CodeWidthsEqualHostReferenceBytesWithRotations) { widths_bytes_check(false, true); }
+TEST(GpuAppend, CodeWidthsPerChannelKeysEqualHostReferenceBytesWithRotations) { widths_bytes_check(true, true); }
 
 TEST(GpuAppend, RotationMatchesReference) {
   // 9000 rows: more tiles than the append launches blocks for, so each block takes several (its
@@ -283,6 +318,108 @@ TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa5OneSplit) { run_decode_check
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceManyPairs) { run_decode_check(16, 1000, 0, false, 2, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceWideRing) { run_decode_check(20, 64, 2, false, 1, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceDeepRing) { run_decode_check(16, 0, 3, false, 1, true); }
+
+// Code widths (compile --bits-budget's pages): a host pool whose 16 layers take every key and
+// value width of 1-4 bits (layer l: 1 + l / 4 and 1 + l % 4, both KV heads alike), written by the
+// CPU reference's append and copied to the device; each layer decoded by its width build (the
+// page stride that of the whole mixed page, not the 2-bit layout's) against decode_ref on the
+// host pool, outputs all written, repeated runs identical. ring: as run_decode_check's.
+void run_widths_decode_check(bool chan, int ring) {
+  KvGeometry g = test_geometry(16, 2);
+  if (chan) g.key_group_tokens = g.page_tokens;
+  std::vector<BlockWidths> widths;
+  for (int l = 0; l < g.n_layers; ++l)
+    for (int h = 0; h < g.n_kv_heads; ++h) widths.push_back({1 + l / 4, 1 + l % 4});
+  KvCache host(KvCacheConfig{g, 160, 6, PoolMemory::Host, widths});
+  std::mt19937 rng(4242 + 10 * chan + ring);
+  std::uniform_real_distribution<float> ur(0.3f, 1.0f);
+  std::vector<HeadCodec> codecs(size_t(g.n_layers) * g.n_kv_heads);
+  for (auto& c : codecs) {
+    c.key.clip_ratio = ur(rng);
+    c.value.clip_ratio = ur(rng);
+  }
+  const int e = host.add_sequence(), s1 = host.add_sequence(), s2 = host.add_sequence(), s3 = host.add_sequence(),
+            s4 = host.add_sequence();
+  auto append = [&](const std::vector<int>& seqs, const std::vector<int>& counts) {
+    std::vector<int64_t> old, add;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      old.push_back(host.length(seqs[i]));
+      add.push_back(counts[i]);
+    }
+    host.grow_batch(seqs, add);
+    const AppendBatch batch = make_append_batch(seqs, old, counts);
+    int64_t rows = 0;
+    for (int c : counts) rows += c;
+    for (int l = 0; l < g.n_layers; ++l) {
+      const auto k = random_rows(size_t(rows) * g.n_kv_heads * g.head_dim, rng, true);
+      const auto v = random_rows(k.size(), rng, false);
+      append_ref(host, l, batch, k.data(), v.data(), nullptr, nullptr, codecs.data() + size_t(l) * g.n_kv_heads);
+    }
+  };
+  // Lengths: empty, inside the sink, one page of history, long, and a fork of the long one.
+  append({s1, s2, s3, s4}, {30, 321, 1000, 2600});
+  const int f = host.fork(s4);
+  append({f, s4}, {17, 5});
+  const std::vector<int> seqs = {s3, e, s1, s2, s4, f};
+  DeviceBuffer<uint8_t> pool(host.pool_bytes());
+  CUDA_OK(cudaMemcpy(pool.data(), host.pages_base(), host.pool_bytes(), cudaMemcpyHostToDevice));
+  const uint8_t* pages = pool.data();
+  const uint16_t* windows = reinterpret_cast<const uint16_t*>(
+      pool.data() + (reinterpret_cast<const uint8_t*>(host.windows_base()) - host.pages_base()));
+  const int n_heads = 8;
+  const float scale = 1.0f / std::sqrt(128.0f);
+  auto rk = random_rotations(g.n_kv_heads, 128, rng), rv = random_rotations(g.n_kv_heads, 128, rng);
+  auto rvt = transpose_heads(rv, g.n_kv_heads, 128);
+  DevBatch db(columns_of(host, seqs));
+  DecodeShape shape{n_heads, scale, 0};
+  shape.ring = ring;
+  const size_t wsb = decode_workspace_bytes(g, int(seqs.size()), n_heads, db.b.max_pages, 0, 0, ring);
+  DeviceBuffer<uint8_t> ws(wsb);
+  DeviceBuffer<float> drk(rk), drvt(rvt);
+  std::normal_distribution<float> nd;
+  for (int layer = 0; layer < g.n_layers; ++layer) {
+    const BlockWidths w = host.layout().widths(layer, 0);
+    const LayerBlocks blocks = host.layout().layer_blocks(layer);
+    std::vector<float> q(seqs.size() * n_heads * 128);
+    for (auto& x : q) x = 3.0f * nd(rng);
+    const HeadCodec* cod = codecs.data() + size_t(layer) * g.n_kv_heads;
+    std::vector<float> want(q.size());
+    decode_ref(host, layer, seqs, q.data(), n_heads, rk.data(), rv.data(), cod, scale, want.data());
+    DeviceBuffer<float> dq(q), dout(q.size());
+    std::vector<float> got(q.size()), again(q.size());
+    for (int rep = 0; rep < 2; ++rep) {
+      CUDA_OK(cudaMemset(dout.data(), 0xff, q.size() * 4));  // NaN sentinels
+      CUDA_OK(cudaMemset(ws.data(), 0xff, wsb));
+      decode_int2(g, pages, windows, layer, db.b, cod, shape, dq.data(), drk.data(), drvt.data(), dout.data(),
+                  ws.data(), wsb, nullptr, Activations::Float32, &blocks);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost));
+    }
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_TRUE(std::isfinite(got[i])) << "widths " << w.key << "/" << w.value << ": output " << i << " not written";
+    EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "repeated runs differ";
+    double worst = 0;
+    for (size_t b = 0; b < seqs.size(); ++b)
+      for (int h = 0; h < n_heads; ++h) {
+        const size_t off = (b * n_heads + h) * 128;
+        if (host.length(seqs[b]) == 0) {
+          for (int c = 0; c < 128; ++c) EXPECT_EQ(got[off + c], 0.0f);
+          continue;
+        }
+        const double err = rel(got.data() + off, want.data() + off, 128);
+        worst = std::max(worst, err);
+        EXPECT_LT(err, 1e-2) << "widths " << w.key << "/" << w.value << " seq " << seqs[b] << " head " << h;
+      }
+    std::printf("decode int2%s, widths %d/%d: worst per-head relative error %.2e\n", chan ? " (per-channel keys)" : "",
+                w.key, w.value, worst);
+  }
+}
+
+TEST(GpuDecode, CodeWidthsMatchReference) { run_widths_decode_check(false, 0); }
+TEST(GpuDecode, CodeWidthsMatchReferenceWideRing) { run_widths_decode_check(false, 2); }
+TEST(GpuDecode, CodeWidthsMatchReferenceDeepRing) { run_widths_decode_check(false, 3); }
+TEST(GpuDecode, CodeWidthsPerChannelKeysMatchReferenceWideRing) { run_widths_decode_check(true, 2); }
+TEST(GpuDecode, CodeWidthsPerChannelKeysMatchReferenceDeepRing) { run_widths_decode_check(true, 3); }
 
 TEST(GpuDecode, Bf16PagedMatchesFloat64) {
   const int H = 2, n_heads = 10, P = 64, d = 128;

@@ -91,10 +91,11 @@ struct PoolPair {
   std::vector<HeadCodec> codecs;  // [layers * H]
   std::mt19937 rng;
 
-  PoolPair(const KvGeometry& geo, int64_t pages, int seqs, unsigned seed)
+  // widths: KvCacheConfig::widths of both pools (empty: 2 bits everywhere).
+  PoolPair(const KvGeometry& geo, int64_t pages, int seqs, unsigned seed, const std::vector<BlockWidths>& widths = {})
       : g(geo),
-        host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host}),
-        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device}),
+        host(KvCacheConfig{geo, pages, seqs, PoolMemory::Host, widths}),
+        dev(KvCacheConfig{geo, pages, seqs, PoolMemory::Device, widths}),
         rng(seed) {
     // Ranks 6 .. 128 of 128: the device's clip selection is checked at every depth, not just the top.
     std::uniform_real_distribution<float> ur(0.05f, 1.0f);

@@ -111,6 +111,21 @@ TEST(CacheWidths, BlocksTileThePageInOrder) {
   EXPECT_EQ(w.page_bytes(), at);
   // 20 code bits a token over the four blocks against the 2-bit layout's 16: 4 more a token and channel.
   EXPECT_EQ(w.page_bytes(), g.page_bytes() + size_t(16 * 32 * 4 / 8));
+  // The kernels' view of a layer (LayerBlocks): every head of a layer at one width, the blocks
+  // where block_offset puts them; the 2-bit layout's the same as KvGeometry's.
+  const PageLayout per_layer(g, {{3, 1}, {3, 1}, {2, 4}, {2, 4}});
+  EXPECT_EQ(per_layer.kernel_problem(), "");
+  for (int l = 0; l < g.n_layers; ++l) {
+    const LayerBlocks lb = per_layer.layer_blocks(l), lb2 = two.layer_blocks(l), geo2 = two_bit_layer_blocks(g, l);
+    EXPECT_EQ(lb.widths.key, l ? 2 : 3);
+    EXPECT_EQ(lb.widths.value, l ? 4 : 1);
+    for (int h = 0; h < g.n_kv_heads; ++h) {
+      EXPECT_EQ(lb.block_offset(7, h), per_layer.block_offset(7, l, h));
+      EXPECT_EQ(lb2.block_offset(7, h), g.page_block_offset(7, l, h));
+      EXPECT_EQ(geo2.block_offset(7, h), g.page_block_offset(7, l, h));
+    }
+  }
+  EXPECT_CONTAINS(w.kernel_problem(), "layer 0 holds KV head 0 at 1 / 3 bits and KV head 1 at 2 / 4");
   EXPECT_CONTAINS(error_of([&] { PageLayout(g, {{2, 2}}); }), "1 code widths for 4");
   EXPECT_CONTAINS(error_of([&] { PageLayout(g, {{2, 2}, {2, 5}, {2, 2}, {2, 2}}); }), "KV head 1 codes of 5 bits");
   EXPECT_CONTAINS(error_of([&] { PageLayout(g, {{0, 2}, {2, 2}, {2, 2}, {2, 2}}); }), "codes of 0 bits");
@@ -222,12 +237,14 @@ TEST(CacheWidths, EachBlockIsTheUniformPoolOfItsWidth) {
 
 TEST(CacheWidths, RefusalsByName) {
   const KvGeometry g = geometry();
-  // The CUDA kernels read 2-bit blocks: a device pool takes no other width (refused before any
-  // device work, so this holds on a machine without a GPU).
+  // The CUDA kernels take one key and one value width a layer: a device pool whose layer mixes
+  // widths across KV heads is refused before any device work (so this holds without a GPU).
   EXPECT_CONTAINS(error_of([&] {
                     KvCache(KvCacheConfig{g, 4, 1, PoolMemory::Device, all_widths()});
                   }),
-                  "a device pool holds 2-bit codes only");
+                  "layer 0 holds KV head 0 at 1 / 3 bits and KV head 1 at 2 / 4");
+  EXPECT_CONTAINS(error_of([&] { PageLayout(g, all_widths()).layer_blocks(1); }),
+                  "one key and one value width a layer");
   // A 4-level table codes 2 bits.
   SideCodec table;
   table.use_table = 1;
