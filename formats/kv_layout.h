@@ -26,7 +26,8 @@
 //    the page is full: pages are written once, whole, when the ring flushes them (as always).
 //    Code widths B_k, B_v (1-4 bits) are 2 unless the artifact gives a (layer, KV head) its own
 //    (compile --bits-budget); the blocks of a page then differ in length and PageLayout places
-//    them (in (layer, head) order, each after the last). The CUDA kernels serve 2-bit pools.
+//    them (in (layer, head) order, each after the last). The CUDA kernels take one key and one
+//    value width a layer (LayerBlocks).
 //  - A window slot (one per live sequence) holds for every (layer, KV head):
 //        K sink [S][d] bf16, V sink [S][d], K ring [W][d], V ring [W][d]
 //    It is the only mutable per-sequence state, so forking copies it and shares the pages.

@@ -247,6 +247,7 @@ void compact_rows_device(KvCache& cache, const CompactionPlan& plan, const HeadC
   const KvGeometry& g = cache.geometry();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "compact (CUDA)");
   KVCC_REQUIRE(!g.per_channel_keys(), kPerChannelEvictionRefusal);
+  KVCC_REQUIRE(cache.layout().two_bit(), kWidthsEvictionRefusal);
   KVCC_REQUIRE(g.head_dim == kDim && g.groups() <= kTeam,
                "compact (CUDA): head_dim " + std::to_string(g.head_dim) + " with " + std::to_string(g.groups()) +
                    " groups per row; the kernels take head_dim 128, at most 8 groups");

@@ -16,6 +16,11 @@ namespace kvcc {
 inline constexpr const char* kPerChannelEvictionRefusal =
     "token eviction: per-channel key pages (kivi keys) cannot be compacted (a page's key scales span its tokens, so "
     "moving a row would re-quantise its page)";
+// A device pool's eviction kernels (compaction, attention scores) read 2-bit pages; the host pool
+// compacts and scores pages of any widths.
+inline constexpr const char* kWidthsEvictionRefusal =
+    "token eviction on a device pool: its compaction and scoring kernels read 2-bit pages; pages of other code "
+    "widths (compile --bits-budget) are compacted and scored by the host pool";
 
 // Moves a plan's rows in a host pool: all sources are read before any write, BF16 rows entering
 // history are quantised by the append path's codec, INT2 rows entering a window are dequantised

@@ -124,7 +124,7 @@ void plan_engine_step(const KvGeometry& g, const EngineStep& s, const StepCapaci
 // null: identity.
 // codecs: host [n_kv]. The workspace is sized by prefill_workspace_bytes for the same lengths and
 // counts (page tables are not read there). Up to 64 sequences per launch set; no host-to-device
-// copy (their descriptors are kernel parameters).
+// copy (their descriptors are kernel parameters). blocks: as decode_int2's (null: the 2-bit pool).
 struct PrefillShape {
   int n_heads = 0;      // query heads, a multiple of the KV heads
   float sm_scale = 0;   // softmax scale, usually 1/sqrt(d)
@@ -144,7 +144,8 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
                   const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
                   const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v_t,
                   const RotFragments* fixed_k, const RotFragments* fixed_v, void* out, void* workspace,
-                  size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32);
+                  size_t workspace_bytes, cudaStream_t stream, Activations act = Activations::Float32,
+                  const LayerBlocks* blocks = nullptr);
 
 // Attention-based token scores of one sequence (runtime/scores.cu; reference:
 // attention_scores_ref): the W queries of its last W tokens (positions length−W..length−1, already

@@ -208,21 +208,9 @@ struct Runtime::DeviceState {};
 std::string device_scope_problem(const KvGeometry& g) {
   return gpu_unsupported_reason(g, kAnyQueryHeads, kGpuAppend | kGpuPrefill);
 }
-namespace {
-// The first (layer, KV head) block whose codes are not 2 bits, named, or "".
-std::string wide_block(const KvGeometry& g, const std::vector<BlockWidths>& widths) {
-  for (size_t i = 0; i < widths.size(); ++i)
-    if (widths[i].key != 2 || widths[i].value != 2)
-      return "codes of " + std::to_string(widths[i].key) + " / " + std::to_string(widths[i].value) +
-             " bits (keys / values) in layer " + std::to_string(i / size_t(g.n_kv_heads)) + " KV head " +
-             std::to_string(i % size_t(g.n_kv_heads)) + " (they serve 2-bit codes)";
-  return "";
-}
-}  // namespace
-
 std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths) {
-  const std::string wide = wide_block(g, widths);
-  return wide.empty() ? gpu_unsupported_reason(g, n_heads, kGpuAllOps) : wide;
+  const std::string mixed = PageLayout(g, widths).kernel_problem();
+  return mixed.empty() ? gpu_unsupported_reason(g, n_heads, kGpuAllOps) : mixed;
 }
 
 KvHeadRange kv_head_slice(int n_kv_heads, int rank, int ranks) {
@@ -279,7 +267,7 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
       const int kv = int(i % size_t(a.n_kv_heads));
       if (kv >= o.kv_begin && kv < kv_end) table = table || !h.key.levels.empty() || !h.value.levels.empty();
     }
-    std::string scope = wide_block(g, widths);
+    std::string scope = PageLayout(g, widths).kernel_problem();
     if (scope.empty()) scope = gpu_unsupported_reason(g, n_heads_, kGpuAllOps, table);
     KVCC_REQUIRE(scope.empty(), "runtime: the device pool's kernels cannot serve " + scope + "; use a host pool");
     KVCC_REQUIRE(o.sm_scale >= 0.0f,
@@ -289,6 +277,8 @@ Runtime::Runtime(const Artifact& a, const EngineShape& e, const RuntimeOptions& 
 #endif
   }
   cache_ = std::make_unique<KvCache>(KvCacheConfig{g, o.max_pages, o.max_sequences, o.memory, widths, o.engine_tables});
+  if (o.memory == PoolMemory::Device)
+    for (int l = 0; l < g.n_layers; ++l) blocks_.push_back(cache_->layout().layer_blocks(l));
   StepCapacity cap;
   if (o.max_context > 0) {
     limits_.max_batch = o.max_batch > 0 ? o.max_batch : o.max_sequences;
@@ -631,7 +621,7 @@ void Runtime::append(int layer, const void* k, const void* v, void* stream) {
   plan.counts_after_wait = step_from_engine_ && std::count(appended_.begin(), appended_.end(), 1) == 1;
   append_kv_planned(g, cache_->pages_base(), cache_->windows_base(), layer, plan,
                     dev_->codecs.data() + size_t(layer) * g.n_kv_heads, k, v, DeviceState::at(dev_->fixed_k, heads),
-                    DeviceState::at(dev_->fixed_v, heads), s, options_.activations);
+                    DeviceState::at(dev_->fixed_v, heads), s, options_.activations, &blocks_[size_t(layer)]);
   dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
@@ -654,7 +644,7 @@ void Runtime::decode_step(int layer, const void* q, void* out, void* stream) {
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, dev_->decode, codecs(layer), shape, q,
               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, dev_->ws.data(),
-              dev_->ws.bytes(), s, options_.activations);
+              dev_->ws.bytes(), s, options_.activations, &blocks_[size_t(layer)]);
   dev_->after_use(s);
 #else
   (void)q, (void)out, (void)stream;
@@ -702,7 +692,7 @@ void Runtime::decode_sequences(int layer, const std::vector<int>& seqs, const vo
   const size_t off = size_t(layer) * g.n_kv_heads * g.head_dim * g.head_dim;
   decode_int2(g, cache_->pages_base(), cache_->windows_base(), layer, db, codecs(layer), shape, q,
               DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off), out, ws.data(), ws.bytes(), s,
-              options_.activations);
+              options_.activations, &blocks_[size_t(layer)]);
   if (planned) dev_->after_use(s);
 #else
   throw Error("runtime: built without CUDA");
@@ -872,7 +862,8 @@ void Runtime::prefill_device(int layer, const std::vector<PrefillSequence>& seqs
   prefill_int2(g, cache_->pages_base(), cache_->windows_base(), layer, seqs, codecs(layer), shape, q, k, v,
                DeviceState::at(dev_->rot_k, off), DeviceState::at(dev_->rot_v_t, off),
                DeviceState::at(dev_->fixed_k, heads), DeviceState::at(dev_->fixed_v, heads), out, dev_->other_ws.data(),
-               dev_->other_ws.bytes(), static_cast<cudaStream_t>(stream), options_.activations);
+               dev_->other_ws.bytes(), static_cast<cudaStream_t>(stream), options_.activations,
+               &blocks_[size_t(layer)]);
 }
 #endif
 
@@ -892,6 +883,7 @@ void Runtime::attention_scores(int layer, int seq, int W, const void* q, float* 
                          options_.sm_scale, scores);
     return;
   }
+  KVCC_REQUIRE(cache_->layout().two_bit(), kWidthsEvictionRefusal);
 #if defined(KVCC_HAVE_CUDA)
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const std::vector<int32_t>& pt = cache_->page_table(seq);
@@ -916,6 +908,7 @@ int64_t Runtime::evict_tokens(int seq, const std::vector<int64_t>& kept, void* s
                "engine_tables the engine's allocator owns them");
   KVCC_REQUIRE(!geometry().per_channel_keys(), kPerChannelEvictionRefusal);
   if (cache_->memory() == PoolMemory::Host) return compact_ref(*cache_, seq, kept, codecs_.data());
+  KVCC_REQUIRE(cache_->layout().two_bit(), kWidthsEvictionRefusal);
 #if defined(KVCC_HAVE_CUDA)
   return compact_device(*cache_, seq, kept, dev_->codecs.data(), dev_->other_ws, stream);
 #else

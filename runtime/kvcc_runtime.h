@@ -182,7 +182,8 @@ class Runtime {
   // shared with a fork are never written. All or nothing: a bad list (Error) or too few free pages
   // (CacheFull, only when pages are shared) changes nothing. Not inside an open step (between
   // begin_append and the last layer's append). Returns the pages released. A device pool queues the
-  // moves on `stream` (runtime/compact.h) and needs no synchronisation before the next call on it.
+  // moves on `stream` (runtime/compact.h) and needs no synchronisation before the next call on it;
+  // it compacts 2-bit pages only (kWidthsEvictionRefusal).
   int64_t evict_tokens(int seq, const std::vector<int64_t>& kept, void* stream = nullptr);
 
   // Token scores for eviction (SnapKV's, without the attention matrix): the W queries of the
@@ -193,6 +194,7 @@ class Runtime {
   // head's scores sum to W·n_heads/n_kv). Read from the INT2 pages and BF16 windows as decode
   // reads them, so a caller ranks tokens by what the cache would give them; max-pool and keep
   // the top ones, then evict_tokens. The Runtime's own sequences, between steps (not inside one).
+  // A device pool scores 2-bit pages only (kWidthsEvictionRefusal).
   void attention_scores(int layer, int seq, int W, const void* q, float* scores, void* stream = nullptr);
 
  private:
@@ -202,6 +204,7 @@ class Runtime {
   int kv_begin_ = 0;  // first model KV head of the slice
   int n_heads_ = 0;   // query heads of the slice
   std::unique_ptr<KvCache> cache_;
+  std::vector<LayerBlocks> blocks_;   // a device pool's layers as its kernels address them
   std::vector<HeadCodec> codecs_;     // [layers * n_kv]
   std::vector<float> rot_k_, rot_v_;  // [layers * n_kv * d * d], empty: identity
   StepLimits limits_;                 // all 0: undeclared
@@ -243,10 +246,10 @@ void check_artifact_for_engine(const Artifact& artifact, const EngineShape& engi
 // n_heads, the append and prefill kernels' rules on the cache alone: head_dim 128, one (scale,
 // zero) group per row, 64-token pages and <= 64 KV heads. With the model's query heads, all a
 // device Runtime needs, decode included: also a whole number of query heads per KV head, at most
-// 8, sink and recent windows in multiples of 16 tokens, and 2-bit codes in every (layer, KV head)
-// block of `widths` (cache_widths). A Runtime with a device pool refuses a model outside the
-// latter when it is made (never at its first decode or prefill); `kvcc validate --device auto`
-// falls back to the host pool.
+// 8, sink and recent windows in multiples of 16 tokens, and one key and one value code width a
+// layer in `widths` (cache_widths: PageLayout::kernel_problem). A Runtime with a device pool refuses a model outside
+// the latter when it is made (never at its first decode or prefill); `kvcc validate --device auto` falls back to the
+// host pool.
 std::string device_scope_problem(const KvGeometry& g);
 std::string device_scope_problem(const KvGeometry& g, int n_heads, const std::vector<BlockWidths>& widths);
 

@@ -60,6 +60,7 @@ namespace {
 constexpr int kD = kGpuHeadDim;                   // head_dim
 constexpr int kBN = kPrefillKeyTile;              // key tokens per tile (= page_tokens)
 constexpr int kPageBytes = kGpuMaxPageBytes;      // room for one (page, layer, head) block of either kind (served.h)
+constexpr int kRawBlocks = 6;                     // such blocks in flight to the producer (Smem::raw)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -352,8 +353,16 @@ struct SeqArgs {
   int cta0, fin0;  // its first CTA (x) of prefill_kernel's and finish's grids
 };
 
+// A layer's page blocks (LayerBlocks) as the producer reads them: block (page, head) at
+// pages + page·page_stride + head·bytes, its parts' offsets, its code widths, and the raw buffers
+// (Smem::raw) that so long a block gets: as many whole blocks as the 2-bit blocks' room holds.
+struct PrefillBlocks {
+  uint32_t page_stride, bytes, v_codes, k_params, v_params;
+  int key_bits, value_bits, n_raw;
+};
 struct PrefillArgs {
-  const uint8_t* pages;
+  const uint8_t* pages;  // the layer's first block (LayerBlocks::block_offset(0, 0))
+  PrefillBlocks blk;
   KvGeometry geo;
   int layer, r, n_kv;
   int64_t q_rows, kv_rows;  // staged query rows (the batch's tokens · r) and key/value rows per KV head
@@ -452,6 +461,58 @@ __global__ void __launch_bounds__(32)
   reinterpret_cast<uint4*>(dst + (size_t(h) * a.kv_rows + sq.kv0 + i) * kD)[chunk] = u;
 }
 
+// A stage's code values from a block of other widths than 2 / 2 (uniform grids: level tables are
+// 2-bit codes), for the producer thread's word `xword` of rows xrow + 16·q (q < 4), keys then
+// values, as the 2-bit expansion lays them out (k_lo / k_hi, v_lo / v_hi: its two 16-byte chunks in
+// row xrow of the stage's K and V tiles). Per 2-bit-plane nibble n (channels 2n, 2n + 1 of the
+// word's 16): the first plane's pair from its table (lut; the per-channel keys' chan_l, stride 17),
+// plus 4·(c0', c1') of the second plane by one fp16 FMA (exact for the code values, integers up to
+// 15; for per-channel keys times 4·s of the pair's channels, rounded as the table is). A 1-bit
+// plane's word holds this word's channels in bits 0-3 of each byte once shifted right by
+// 4·(xword / 4) (kv_layout.h); nibble n's two bits at 8·(n / 2) + 2·(n % 2), taken as the nibble
+// b0 | b1 << 2 of the 2-bit tables. Out of line: the 2-bit expansion keeps the producer's registers.
+__device__ __forceinline__ void expand_widths(const uint8_t* raw, const PrefillBlocks& pb, bool chan, int xrow,
+                                              int xword, const uint32_t (*lut)[16], const uint32_t* chan_l,
+                                              __half* k_lo, __half* k_hi, __half* v_lo, __half* v_hi) {
+  const int one_word = 4 * (xword & 3), one_shift = 4 * (xword >> 2);
+  const auto bits_nibble = [](uint32_t b2) { return (b2 & 1u) | ((b2 & 2u) << 1); };
+#pragma unroll 1
+  for (int j = 0; j < 8; ++j) {
+    const int side = j >> 2, bits = side ? pb.value_bits : pb.key_bits;
+    const uint8_t* row = raw + (side ? pb.v_codes : 0u) + (xrow + 16 * (j & 3)) * (kD * bits / 8);
+    const bool ck = chan && side == 0;
+    const uint32_t w = bits >= 2 ? *reinterpret_cast<const uint32_t*>(row + 4 * xword)
+                                 : *reinterpret_cast<const uint32_t*>(row + one_word) >> one_shift;
+    const uint32_t x = bits == 4   ? *reinterpret_cast<const uint32_t*>(row + kD / 4 + 4 * xword)
+                       : bits == 3 ? *reinterpret_cast<const uint32_t*>(row + kD / 4 + one_word) >> one_shift
+                                   : 0u;
+    uint32_t out[8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int bit2 = 8 * (n >> 1) + 2 * (n & 1);
+      const uint32_t nib = bits >= 2 ? (w >> (4 * n)) & 15u : bits_nibble((w >> bit2) & 3u);
+      uint32_t v = ck ? chan_l[17 * n + nib] : lut[side][nib];
+      if (bits >= 3) {
+        const uint32_t hi = bits == 4 ? (x >> (4 * n)) & 15u : bits_nibble((x >> bit2) & 3u);
+        __half2 m = __float2half2_rn(4.0f);
+        if (ck) {  // 4·(s, s') of channels 2p, 2p + 1 (p = 8·xword + n)
+          const uint2 pz = *reinterpret_cast<const uint2*>(raw + pb.k_params + 8 * (8 * xword + n));
+          const uint32_t sp = __byte_perm(pz.x, pz.y, 0x5410);
+          m = __hmul2(m, *reinterpret_cast<const __half2*>(&sp));
+        }
+        const uint32_t c = lut[side][hi];  // (c0', c1'): the uniform grid's code pair
+        const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&c), m, *reinterpret_cast<const __half2*>(&v));
+        v = *reinterpret_cast<const uint32_t*>(&r);
+      }
+      out[n] = v;
+    }
+    __half* lo = (side ? v_lo : k_lo) + (j & 3) * 16 * 64;  // 16 rows further
+    __half* hi = (side ? v_hi : k_hi) + (j & 3) * 16 * 64;
+    *reinterpret_cast<uint4*>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(hi) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+}
+
 // Key tiles in shared memory. A 64-token tile of keys or values is two blocks of 64 rows × 64
 // channels (channels 0-63, then 64-127), each row 128 bytes with its 16-byte chunks swizzled
 // (chunk c of row r at c ^ (r % 8)): the 128-byte-swizzled layout the warpgroup MMAs read through
@@ -470,7 +531,8 @@ struct Smem {
   __half v[kStages][kTileHalfs];
   __half p[kWgs][64 * kBN];       // per MMA warpgroup, P' = fp16(p·s_v) of its 64 rows (A of P·V, 128-byte swizzled)
   float4 tok[kStages][kBN];       // INT2 tiles: (s_k·sm_scale_log2, z_k, s_v, z_v) per token, x̂ = s·(x − z)
-  uint8_t raw[kRaw][kPageBytes];  // INT2 page blocks as stored, before expansion (bulk copies)
+  uint8_t raw[kRaw][kPageBytes];  // INT2 page blocks as stored, before expansion (bulk copies; PrefillBlocks::n_raw
+                                  // of PrefillBlocks::bytes each where the codes are wider)
   uint64_t full[kStages];         // stage filled: every producer thread arrives
   uint64_t empty[kStages];        // stage read: every MMA warp arrives
   uint64_t raw_full[kRaw];        // page block landed
@@ -484,7 +546,7 @@ struct Smem {
 template <int kWarps, int kPerSm>
 struct Build {
   static_assert(kPerSm == 1 || (kPerSm == 2 && kWarps == 4), "two CTAs an SM: the 4-warp build");
-  static constexpr int stages = kPerSm == 2 ? 2 : 4, raw = 6;
+  static constexpr int stages = kPerSm == 2 ? 2 : 4, raw = kRawBlocks;
   using Shared = Smem<stages, raw, kWarps / 4>;
   static constexpr size_t smem_bytes = sizeof(Shared) + 1024;  // + the alignment of the swizzle atoms
 };
@@ -574,11 +636,13 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
     const auto page_of = [&](int u) { return u < u1 && u < n_pages ? page_table[u] : 0; };
     // Per-channel key pages: their keys expanded to the values they decode to (below), larger blocks.
     const bool chan = a.geo.per_channel_keys();
-    const auto copy_page = [&](int u, int32_t page) {  // unit u's block into raw[(u - u0) % kRaw]
+    const PrefillBlocks& pb = a.blk;
+    const int n_raw = pb.n_raw;                        // (kRaw for 2-bit blocks)
+    const auto copy_page = [&](int u, int32_t page) {  // unit u's block into raw buffer (u - u0) % n_raw
       if (u >= u1 || u >= n_pages) return;
-      const int b = (u - u0) % kRaw;
-      bulk_copy(raw_s + uint32_t(b * kPageBytes), a.pages + a.geo.page_block_offset(page, a.layer, h),
-                chan ? kGpuChanPageBytes : kGpuPageBytes, raw_bar + 8 * b);
+      const int b = (u - u0) % n_raw;
+      bulk_copy(raw_s + uint32_t(b) * pb.bytes,
+                a.pages + (size_t(h) * pb.bytes + size_t(uint32_t(page)) * pb.page_stride), pb.bytes, raw_bar + 8 * b);
     };
     // Thread tid expands word xword of rows xrow + 16·q (q < 4) of both sides. Eight threads (a
     // quarter warp, which a 16-byte store serves at once) take two adjacent rows x four words, so
@@ -588,22 +652,22 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
     const int xrow = ((tid >> 4) << 1) | ((tid >> 2) & 1), xword = (((tid >> 3) & 1) << 2) | (tid & 3);
     const int code_off = xrow * kGpuCodeRowBytes + 4 * xword;  // its first word in a raw block
     const int tile_lo = tile_at(xrow, 2 * xword), tile_hi = tile_at(xrow, 2 * xword + 1);
-    int32_t next_page = 0;  // thread 0: the page id of unit u + kRaw - 1
+    int32_t next_page = 0;  // thread 0: the page id of unit u + n_raw - 1
     if (tid == 0) {
-      for (int w = u0; w < u0 + kRaw - 1; ++w) copy_page(w, page_of(w));
-      next_page = page_of(u0 + kRaw - 1);
+      for (int w = u0; w < u0 + n_raw - 1; ++w) copy_page(w, page_of(w));
+      next_page = page_of(u0 + n_raw - 1);
     }
     for (int u = u0; u < u1; ++u) {
       const int i = u - u0, st = i % kStages;
       named_barrier_sync(3, kProducer);  // every producer thread is done with unit u-1's raw block
       if (tid == 0) {
-        copy_page(u + kRaw - 1, next_page);
-        next_page = page_of(u + kRaw);
+        copy_page(u + n_raw - 1, next_page);
+        next_page = page_of(u + n_raw);
       }
       if (i >= kStages) mbar_wait(empty_s + 8 * st, uint32_t(i / kStages - 1) & 1u);  // unit u - kStages read
       if (u < n_pages) {
-        mbar_wait(raw_bar + 8 * (i % kRaw), uint32_t(i / kRaw) & 1u);
-        const uint8_t* raw = sm.raw[i % kRaw];
+        mbar_wait(raw_bar + 8 * (i % n_raw), uint32_t(i / n_raw) & 1u);
+        const uint8_t* raw = sm.raw[0] + (i % n_raw) * pb.bytes;
         if (chan) {
           // Per-channel keys decode to x̂ = (x − z_c)·s_c (uniform_dequant): per channel pair of the
           // page, a table of the 16 code nibbles' two values (fp32, rounded once to fp16), which the
@@ -612,7 +676,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
           // The previous unit's readers passed the barrier above; this one publishes the table.
           {
             const int p = tid >> 1, n0 = (tid & 1) * 8;  // channel pair p, nibbles n0 .. n0 + 7
-            const uint2 pz = *reinterpret_cast<const uint2*>(raw + kGpuKParamsOffset + 8 * p);
+            const uint2 pz = *reinterpret_cast<const uint2*>(raw + pb.k_params + 8 * p);
             const float2 a = unpack_half2(pz.x), b = unpack_half2(pz.y);  // (s, z) of channels 2p, 2p + 1
 #pragma unroll
             for (int i = 0; i < 8; ++i)
@@ -621,31 +685,35 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
           }
           named_barrier_sync(3, kProducer);
         }
-        // One swizzle phase (row % 8) for a thread's eight words, so their addresses are fixed
-        // offsets of one base; the eight loads are issued before the first lookup needs one.
-        uint32_t w[8];
+        if (pb.key_bits == 2 && pb.value_bits == 2) {
+          // One swizzle phase (row % 8) for a thread's eight words, so their addresses are fixed
+          // offsets of one base; the eight loads are issued before the first lookup needs one.
+          uint32_t w[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          w[j] = *reinterpret_cast<const uint32_t*>(raw + (j >> 2) * kGpuVCodesOffset +
-                                                    (j & 3) * 16 * kGpuCodeRowBytes + code_off);
+          for (int j = 0; j < 8; ++j)
+            w[j] = *reinterpret_cast<const uint32_t*>(raw + (j >> 2) * kGpuVCodesOffset +
+                                                      (j & 3) * 16 * kGpuCodeRowBytes + code_off);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const bool ck = chan && j < 4;
-          const uint32_t* l = ck ? &sm.chan_lut[8 * xword][0] : lut[j >> 2];
-          const int ls = ck ? 17 : 0;
-          const uint4 lo = make_uint4(l[w[j] & 15], l[ls + ((w[j] >> 4) & 15)], l[2 * ls + ((w[j] >> 8) & 15)],
-                                      l[3 * ls + ((w[j] >> 12) & 15)]);
-          const uint4 hi = make_uint4(l[4 * ls + ((w[j] >> 16) & 15)], l[5 * ls + ((w[j] >> 20) & 15)],
-                                      l[6 * ls + ((w[j] >> 24) & 15)], l[7 * ls + (w[j] >> 28)]);
-          __half* dst = (j >> 2 ? sm.v[st] : sm.k[st]) + (j & 3) * 16 * 64;  // 16 rows further
-          *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
-          *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
+          for (int j = 0; j < 8; ++j) {
+            const bool ck = chan && j < 4;
+            const uint32_t* l = ck ? &sm.chan_lut[8 * xword][0] : lut[j >> 2];
+            const int ls = ck ? 17 : 0;
+            const uint4 lo = make_uint4(l[w[j] & 15], l[ls + ((w[j] >> 4) & 15)], l[2 * ls + ((w[j] >> 8) & 15)],
+                                        l[3 * ls + ((w[j] >> 12) & 15)]);
+            const uint4 hi = make_uint4(l[4 * ls + ((w[j] >> 16) & 15)], l[5 * ls + ((w[j] >> 20) & 15)],
+                                        l[6 * ls + ((w[j] >> 24) & 15)], l[7 * ls + (w[j] >> 28)]);
+            __half* dst = (j >> 2 ? sm.v[st] : sm.k[st]) + (j & 3) * 16 * 64;  // 16 rows further
+            *reinterpret_cast<uint4*>(dst + tile_lo) = lo;
+            *reinterpret_cast<uint4*>(dst + tile_hi) = hi;
+          }
+        } else {
+          expand_widths(raw, pb, chan, xrow, xword, lut, &sm.chan_lut[8 * xword][0], sm.k[st] + tile_lo,
+                        sm.k[st] + tile_hi, sm.v[st] + tile_lo, sm.v[st] + tile_hi);
         }
         if (tid < kBN) {
           const float2 kp = chan ? make_float2(1.0f, 0.0f)
-                                 : __half22float2(*reinterpret_cast<const __half2*>(raw + kGpuKParamsOffset + 4 * tid));
-          const float2 vp = __half22float2(
-              *reinterpret_cast<const __half2*>(raw + (chan ? kGpuChanVParamsOffset : kGpuVParamsOffset) + 4 * tid));
+                                 : __half22float2(*reinterpret_cast<const __half2*>(raw + pb.k_params + 4 * tid));
+          const float2 vp = __half22float2(*reinterpret_cast<const __half2*>(raw + pb.v_params + 4 * tid));
           sm.tok[st][tid] = make_float4(kp.x * a.sm_scale_log2, !chan && a.use_zero[h][0] ? kp.y : 0.0f, vp.x,
                                         a.use_zero[h][1] ? vp.y : 0.0f);
         }
@@ -1079,7 +1147,7 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
                   const std::vector<PrefillSequence>& seqs, const HeadCodec* codecs, const PrefillShape& shape,
                   const void* q, const void* k, const void* v, const float* rot_k, const float* rot_v_t,
                   const RotFragments* fixed_k, const RotFragments* fixed_v, void* out, void* workspace,
-                  size_t workspace_bytes, cudaStream_t stream, Activations act) {
+                  size_t workspace_bytes, cudaStream_t stream, Activations act, const LayerBlocks* blocks) {
   require_hopper();
   check_scope(g, layer, seqs, shape);
   KVCC_REQUIRE(bool(rot_k) == bool(rot_v_t) && bool(rot_k) == bool(fixed_k) && bool(rot_k) == bool(fixed_v),
@@ -1091,7 +1159,21 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   static thread_local PrefillArgs a;  // ~9 KB of kernel parameters
   a = PrefillArgs{};
-  a.pages = pages;
+  const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
+  bool table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
+  check_layer_blocks(g, lb, table, "prefill (CUDA)");
+  KVCC_REQUIRE(lb.page_bytes <= UINT32_MAX, "prefill (CUDA): pages of more than 4 GiB");
+  a.pages = pages + lb.layer_offset;
+  a.blk.page_stride = uint32_t(lb.page_bytes);
+  a.blk.bytes = uint32_t(lb.head_bytes);
+  a.blk.v_codes = uint32_t(g.v_codes_offset(lb.widths));
+  a.blk.k_params = uint32_t(g.k_params_offset(lb.widths));
+  a.blk.v_params = uint32_t(g.v_params_offset(lb.widths));
+  a.blk.key_bits = lb.widths.key;
+  a.blk.value_bits = lb.widths.value;
+  // Wider blocks: as many as the 2-bit blocks' room holds (a 4 / 4 block: one, copied while none is expanded).
+  a.blk.n_raw = int(std::min<size_t>(kRawBlocks, size_t(kRawBlocks) * kPageBytes / lb.head_bytes));
   a.geo = g;
   a.layer = layer;
   a.r = shape.n_heads / g.n_kv_heads;

@@ -45,7 +45,8 @@ constexpr int kD = kGpuHeadDim;
 
 // A host cache filled by the reference append, and a device pool holding the same bytes.
 struct Caches : PoolPair {
-  Caches(const KvGeometry& geo, int64_t pages, int seqs, bool level_tables) : PoolPair(geo, pages, seqs, 4242) {
+  Caches(const KvGeometry& geo, int64_t pages, int seqs, bool level_tables, const std::vector<BlockWidths>& widths = {})
+      : PoolPair(geo, pages, seqs, 4242, widths) {
     if (!level_tables) return;
     for (size_t i = 0; i < codecs.size(); ++i) {
       HeadCodec& c = codecs[i];
@@ -122,12 +123,14 @@ std::vector<float> run_batch(Caches& c, const std::vector<Case>& cases,
   const size_t wsb = prefill_workspace_bytes(g, seqs, shape);
   DeviceBuffer<uint8_t> ws(wsb);
   const HeadCodec* cod = c.codecs.data() + size_t(layer) * g.n_kv_heads;
+  const LayerBlocks blocks = c.dev.layout().layer_blocks(layer);  // (a 2-bit pool's: the default's)
   std::vector<float> got(q.size()), again(q.size());
   for (int rep = 0; rep < 2; ++rep) {
     EXPECT_EQ(cudaMemset(dout.data(), 0xff, q.size() * 4), cudaSuccess);  // NaN sentinels
     EXPECT_EQ(cudaMemset(ws.data(), 0xff, wsb), cudaSuccess);
     prefill_int2(g, c.dev.pages_base(), c.dev.windows_base(), layer, seqs, cod, shape, dq.data(), dk.data(), dv.data(),
-                 rot.k(), rot.vt(), rot.fixed_k(), rot.fixed_v(), dout.data(), ws.data(), wsb, nullptr);
+                 rot.k(), rot.vt(), rot.fixed_k(), rot.fixed_v(), dout.data(), ws.data(), wsb, nullptr,
+                 Activations::Float32, &blocks);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(rep ? again.data() : got.data(), dout.data(), q.size() * 4, cudaMemcpyDeviceToHost),
               cudaSuccess);
@@ -296,6 +299,36 @@ TEST(GpuPrefill, PerChannelKeyPagesMatchReference) {
       std::max(check_prefill(c, cases, 16, 1, 0, 0, true, 6), check_prefill(c, cases, 32, 0, 3, 8, true));
   std::printf("prefill, per-channel key pages: worst %.2e\n", worst);
 }
+
+// Code widths (compile --bits-budget's pages), one width pair a layer: layer 0 keys 1 bit (the
+// 1-bit plane alone) and values 3 (2-bit plane + 1-bit plane), layer 1 the reverse, layer 2 keys
+// 4 bits (two 2-bit planes) and values 2, layer 3 the reverse; per-token and per-channel keys.
+// Pages written by the reference append, copied to the device; a 4 / 4 block has one raw buffer.
+void widths_prefill_check(bool chan) {
+  KvGeometry g = test_geometry(4, 4);
+  if (chan) g.key_group_tokens = g.page_tokens;
+  const BlockWidths per_layer[4] = {{1, 3}, {3, 1}, {4, 2}, {2, 4}};
+  std::vector<BlockWidths> widths;
+  for (int l = 0; l < g.n_layers; ++l)
+    for (int h = 0; h < g.n_kv_heads; ++h) widths.push_back(per_layer[l]);
+  Caches c(g, 256, 10, false, widths);
+  const auto cases = standard_cases(c);
+  double worst = 0;
+  for (int l = 0; l < g.n_layers; ++l) {
+    const double e = check_prefill(c, cases, 16, l, 0, 0, true, l == 0 ? 6 : 1);
+    std::printf("prefill%s, widths %d/%d: worst %.2e\n", chan ? " (per-channel keys)" : "", per_layer[l].key,
+                per_layer[l].value, e);
+    worst = std::max(worst, e);
+  }
+  // A 4 / 4 layer: one raw buffer, each page copied while none is expanded.
+  std::vector<BlockWidths> wide(size_t(g.n_layers) * g.n_kv_heads, BlockWidths{4, 4});
+  Caches c4(g, 256, 10, false, wide);
+  const auto cases4 = standard_cases(c4);
+  worst = std::max(worst, check_prefill(c4, cases4, 32, 1, 3, 8, true));
+  std::printf("prefill%s, code widths: worst %.2e\n", chan ? " (per-channel keys)" : "", worst);
+}
+TEST(GpuPrefill, CodeWidthsMatchReference) { widths_prefill_check(false); }
+TEST(GpuPrefill, CodeWidthsPerChannelKeysMatchReference) { widths_prefill_check(true); }
 
 TEST(GpuPrefill, ManySplitsAndOddWindows) {
   // Sink and ring not multiples of the 64-token tile; more splits than key tiles.
@@ -489,7 +522,9 @@ TEST(GpuPrefill, RefusesOutOfScope) {
 
 // The Runtime's device pool against its host pool, prefill called inside steps (after
 // begin_append, before append) as an engine does; append runs on each pool's own kernels.
-TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
+// A device Runtime's prefill (alone and batched) and append against a host Runtime's, layer by
+// layer over three steps; `widths`: the two layers' code widths (the artifact's bits).
+void runtime_device_matches_host(const std::vector<BlockWidths>& widths) {
   constexpr int kLayers = 2, kHeads = 16, kKv = 4;
   std::mt19937 rng(9);
   Artifact art;
@@ -504,6 +539,8 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
     h.value.rotation = random_orthogonal(1, kD, rng);
     h.key.clip_ratio = 0.9;
     h.value.clip_ratio = 0.95;
+    h.key.bits = widths[size_t(i / kKv)].key;
+    h.value.bits = widths[size_t(i / kKv)].value;
     art.heads.push_back(h);
   }
   RuntimeOptions o;
@@ -561,8 +598,12 @@ TEST(GpuPrefill, RuntimeDeviceMatchesHost) {
   dev.append(0, dk.data(), dk.data());
   EXPECT_THROW(dev.prefill(0, a, 4, dq.data(), dk.data(), dk.data(), dout.data()), Error);
   CUDA_OK(cudaDeviceSynchronize());
-  std::printf("runtime device vs host prefill: worst per-head relative error %.2e\n", worst);
+  std::printf("runtime device vs host prefill, widths %d/%d and %d/%d: worst per-head relative error %.2e\n",
+              widths[0].key, widths[0].value, widths[1].key, widths[1].value, worst);
 }
+TEST(GpuPrefill, RuntimeDeviceMatchesHost) { runtime_device_matches_host({{2, 2}, {2, 2}}); }
+// compile --bits-budget's artifacts: each layer at its own widths (1 / 3 and 4 / 2 bits).
+TEST(GpuPrefill, RuntimeDeviceMatchesHostAtCodeWidths) { runtime_device_matches_host({{1, 3}, {4, 2}}); }
 
 // Every edge of the served-shape table (runtime/served.h) runs on a device Runtime: 8, 1 and 5
 // query heads per KV head, windows in 16-token multiples that are not page multiples, no sink.

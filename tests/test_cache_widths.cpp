@@ -292,11 +292,11 @@ TEST(CacheWidths, RuntimeServesTheArtifactsWidths) {
   EXPECT_EQ(slice.cache().layout().widths(0, 0).key, 2);
   EXPECT_EQ(slice.cache().layout().widths(1, 0).value, 2);
   EXPECT_CONTAINS(device_scope_problem(cache_geometry(a), 4, cache_widths(a)),
-                  "codes of 1 / 3 bits (keys / values) in layer 0 KV head 0");
+                  "layer 0 holds KV head 0 at 1 / 3 bits and KV head 1 at 2 / 4");
   EXPECT_CONTAINS(error_of([&] {
                     Runtime(a, e, RuntimeOptions{8, 2, PoolMemory::Device, 0.0f});
                   }),
-                  "codes of 1 / 3 bits");
+                  "layer 0 holds KV head 0 at 1 / 3 bits");
   a.heads[3].value.bits = 5;
   EXPECT_CONTAINS(error_of([&] { check_artifact_for_engine(a, e); }),
                   "layer 1 KV head 1 values at 5 bits: the runtime's pages hold 1 to 4 bits a code");
