@@ -74,6 +74,24 @@ struct Twin : PoolPair {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
+  // Head i (of codecs) codes its values on a level table.
+  void value_table(size_t i) {
+    codecs[i].value.use_table = 1;
+    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+    std::copy(lv, lv + 4, codecs[i].value.levels);
+  }
+  // Appends that cross every tier boundary (inside the sink, sink exact, history already; crosses
+  // the sink, ring exactly full + 1, one step; a fork diverges, a long prefill; decode steps and
+  // their flushes), then the pools compared byte for byte.
+  void standard_appends() {
+    const int a = add(), b = add(), c = add();
+    append({a, b, c}, {1, 63, 400});
+    append({a, b, c}, {100, 257, 1});
+    const int f = fork(c);
+    append({f, c, a}, {64, 3, 700});
+    for (int step = 0; step < 70; ++step) append({a, b, f}, {1, 1, 1});
+    expect_pools_equal();
+  }
   void expect_pools_equal() {
     std::vector<uint8_t> d(dev.pool_bytes());
     ASSERT_EQ(cudaMemcpy(d.data(), dev.pages_base(), d.size(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -89,18 +107,8 @@ void pool_bytes_check(bool rotations) {
   Twin w(test_geometry(2, 2), 64, 6);
   if (rotations) w.with_rotations();
   // Half the heads on the level table (append supports it on the GPU).
-  for (size_t i = 0; i < w.codecs.size(); i += 2) {
-    w.codecs[i].value.use_table = 1;
-    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-    std::copy(lv, lv + 4, w.codecs[i].value.levels);
-  }
-  const int a = w.add(), b = w.add(), c = w.add();
-  w.append({a, b, c}, {1, 63, 400});   // inside the sink; sink exact; history already
-  w.append({a, b, c}, {100, 257, 1});  // crosses sink; ring exactly full + 1; one step
-  const int f = w.fork(c);
-  w.append({f, c, a}, {64, 3, 700});                                     // fork diverges; long prefill
-  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});  // decode steps, flushes
-  w.expect_pools_equal();
+  for (size_t i = 0; i < w.codecs.size(); i += 2) w.value_table(i);
+  w.standard_appends();
 }
 TEST(GpuAppend, DevicePoolEqualsHostReferenceBytes) { pool_bytes_check(false); }
 TEST(GpuAppend, DevicePoolEqualsHostReferenceBytesWithRotations) { pool_bytes_check(true); }
@@ -113,25 +121,15 @@ void per_channel_bytes_check(bool rotations) {
   g.key_group_tokens = g.page_tokens;
   Twin w(g, 64, 6);
   if (rotations) w.with_rotations();
-  for (size_t i = 0; i < w.codecs.size(); i += 2) {  // level-table values beside per-channel keys
-    w.codecs[i].value.use_table = 1;
-    const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-    std::copy(lv, lv + 4, w.codecs[i].value.levels);
-  }
-  const int a = w.add(), b = w.add(), c = w.add();
-  w.append({a, b, c}, {1, 63, 400});
-  w.append({a, b, c}, {100, 257, 1});
-  const int f = w.fork(c);
-  w.append({f, c, a}, {64, 3, 700});
-  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});
-  w.expect_pools_equal();
+  for (size_t i = 0; i < w.codecs.size(); i += 2) w.value_table(i);  // level-table values beside per-channel keys
+  w.standard_appends();
 }
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytes) { per_channel_bytes_check(false); }
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytesWithRotations) { per_channel_bytes_check(true); }
 
 // Code widths (compile --bits-budget's pages): 16 layers at every key and value width of 1-4 bits
 // (layer l: 1 + l / 4 and 1 + l % 4, both KV heads alike), per-token or per-channel keys, the
-// appends of pool_bytes_check: the device pool equals the host's byte for byte (quantize_row's and
+// standard appends: the device pool equals the host's byte for byte (quantize_row's and
 // quantize_key_pages' bit planes, the blocks where PageLayout puts them). Level-table values on
 // head 0 of the layers whose values are 2 bits.
 void widths_bytes_check(bool chan, bool rotations) {
@@ -143,19 +141,8 @@ void widths_bytes_check(bool chan, bool rotations) {
   Twin w(g, 64, 6, widths);
   if (rotations) w.with_rotations();
   for (int l = 0; l < g.n_layers; ++l)
-    if (widths[size_t(l) * 2].value == 2) {
-      HeadCodec& c = w.codecs[size_t(l) * 2];
-      c.value.use_table = 1;
-      const float lv[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-      std::copy(lv, lv + 4, c.value.levels);
-    }
-  const int a = w.add(), b = w.add(), c = w.add();
-  w.append({a, b, c}, {1, 63, 400});
-  w.append({a, b, c}, {100, 257, 1});
-  const int f = w.fork(c);
-  w.append({f, c, a}, {64, 3, 700});
-  for (int step = 0; step < 70; ++step) w.append({a, b, f}, {1, 1, 1});
-  w.expect_pools_equal();
+    if (widths[size_t(l) * 2].value == 2) w.value_table(size_t(l) * 2);
+  w.standard_appends();
 }
 TEST(GpuAppend, CodeWidthsEqualHostReferenceBytes) { widths_bytes_check(false, false); }
 TEST(GpuAppend, CodeWidthsEqualHostReferenceBytesWithRotations) { widths_bytes_check(false, true); }
