@@ -624,7 +624,7 @@ void append_kv_planned(const KvGeometry& g, uint8_t* pages, uint16_t* windows, i
   const int64_t items = int64_t(plan.n_moves) + plan.n_writes;
   if (items == 0) return;
   const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
-  check_layer_blocks(g, lb, false, "append (CUDA)");
+  check_layer_blocks(g, lb, false, false, "append (CUDA)");
   // Blocks per (KV head, side): each loads R's 36 KB of fragments once for all the tiles it takes, so about one
   // wave of them, and with host counts at least one per 32 tiles. With device counts the grid is
   // the capacities' (every step launches the same): the blocks beyond a step's tiles only read its
@@ -703,9 +703,12 @@ void append_kv(const KvGeometry& g, uint8_t* pages, uint16_t* windows, int layer
   require_hopper();
   require_gpu_served(g, kAnyQueryHeads, kGpuAppend, false, "append (CUDA)");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "append (CUDA): layer out of range");
-  bool table = false;
-  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
-  if (blocks) check_layer_blocks(g, *blocks, table, "append (CUDA)");
+  bool key_table = false, value_table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) {
+    key_table = key_table || codecs[h].key.use_table;
+    value_table = value_table || codecs[h].value.use_table;
+  }
+  if (blocks) check_layer_blocks(g, *blocks, key_table, value_table, "append (CUDA)");
   // Plan the moves and window writes (the same walk as append_ref).
   const AppendMoves m = plan_append_moves(g, plan);
   if (m.rows == 0) return;

@@ -1251,7 +1251,7 @@ void decode_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* wind
   KVCC_REQUIRE(shape.sm_scale > 0.0f, "decode (CUDA): sm_scale must be positive");
   KVCC_REQUIRE(layer >= 0 && layer < g.n_layers, "decode (CUDA): layer out of range");
   const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
-  check_layer_blocks(g, lb, table, "decode (CUDA)");
+  check_layer_blocks(g, lb, table, table, "decode (CUDA)");  // (the table build is 2 / 2)
   KVCC_REQUIRE(shape.ring == 0 || shape.ring == kRingDeep || shape.ring == kRingWide,
                "decode (CUDA): DecodeShape::ring must be 0, 2 or 3");
   DecodeArgs a{};

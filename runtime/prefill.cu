@@ -1160,9 +1160,12 @@ void prefill_int2(const KvGeometry& g, const uint8_t* pages, const uint16_t* win
   static thread_local PrefillArgs a;  // ~9 KB of kernel parameters
   a = PrefillArgs{};
   const LayerBlocks lb = blocks ? *blocks : two_bit_layer_blocks(g, layer);
-  bool table = false;
-  for (int h = 0; h < g.n_kv_heads; ++h) table = table || codecs[h].key.use_table || codecs[h].value.use_table;
-  check_layer_blocks(g, lb, table, "prefill (CUDA)");
+  bool key_table = false, value_table = false;
+  for (int h = 0; h < g.n_kv_heads; ++h) {
+    key_table = key_table || codecs[h].key.use_table;
+    value_table = value_table || codecs[h].value.use_table;
+  }
+  check_layer_blocks(g, lb, key_table, value_table, "prefill (CUDA)");
   KVCC_REQUIRE(lb.page_bytes <= UINT32_MAX, "prefill (CUDA): pages of more than 4 GiB");
   a.pages = pages + lb.layer_offset;
   a.blk.page_stride = uint32_t(lb.page_bytes);

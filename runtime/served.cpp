@@ -62,12 +62,12 @@ void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool lev
   KVCC_REQUIRE(why.empty(), std::string(who) + ": " + why + " is not supported");
 }
 
-void check_layer_blocks(const KvGeometry& g, const LayerBlocks& b, bool level_table, const char* who) {
+void check_layer_blocks(const KvGeometry& g, const LayerBlocks& b, bool key_table, bool value_table, const char* who) {
   const BlockWidths w = b.widths;
   const std::string widths = str(w.key) + " / " + str(w.value) + " bits";
   KVCC_REQUIRE(w.key >= 1 && w.key <= 4 && w.value >= 1 && w.value <= 4,
                std::string(who) + ": codes of " + widths + " (the pages hold 1 to 4)");
-  KVCC_REQUIRE(!level_table || (w.key == 2 && w.value == 2),
+  KVCC_REQUIRE((!key_table || w.key == 2) && (!value_table || w.value == 2),
                std::string(who) + ": level tables with codes of " + widths + " (a table holds 4 levels: 2 bits)");
   KVCC_REQUIRE(
       b.head_bytes == g.page_head_bytes(w) && b.layer_offset + size_t(g.n_kv_heads) * b.head_bytes <= b.page_bytes,

@@ -95,8 +95,8 @@ std::string gpu_bf16_unsupported_reason(int n_kv_heads, int head_dim, int n_head
 void require_gpu_served(const KvGeometry& g, int n_heads, unsigned ops, bool level_table, const char* who);
 
 // Throws Error("<who>: ...") unless `b` is a layer of g's pages the kernels read: widths of 1-4
-// bits (2 with a level table), blocks of g.page_head_bytes(widths) within a page.
-void check_layer_blocks(const KvGeometry& g, const LayerBlocks& b, bool level_table, const char* who);
+// bits (2 on a side with a level table), blocks of g.page_head_bytes(widths) within a page.
+void check_layer_blocks(const KvGeometry& g, const LayerBlocks& b, bool key_table, bool value_table, const char* who);
 
 // The kernels are compiled for Hopper (sm_90a: TMA bulk copies, mbarriers, programmatic dependent
 // launch, warpgroup MMAs; sm_90a code runs on compute capability 9.0 only). Why device `device`
