@@ -21,6 +21,7 @@
 #include "runtime/merge.cuh"
 #include "runtime/plan.h"
 #include "runtime/served.h"
+#include "formats_test_util.h"
 
 namespace kvcc {
 namespace {
@@ -74,6 +75,46 @@ TEST(ServedLayout, ConstantsAreKvLayoutsBytes) {
   // A window row: the window block holds 2·(S + W) BF16 rows.
   EXPECT_EQ(size_t(kGpuBf16RowBytes), g.window_head_elems() * 2 / (2 * size_t(g.sink + g.recent)));
   EXPECT_EQ(gpu_unsupported_reason(g, 4 * g.n_kv_heads), "");
+}
+
+using testing::error_of;
+
+// GpuBlock (the kernels' constexpr block layout at widths K / V) is KvGeometry's at those widths,
+// and check_layer_blocks takes exactly the layers the kernels read: widths of 1-4 bits, a level
+// table's side at 2, the block the widths give, inside the page.
+TEST(ServedLayout, BlocksAtCodeWidths) {
+  KvGeometry g = gpu_geometry(2, 3), chan = g;
+  chan.key_group_tokens = chan.page_tokens;
+  auto expect_block = [](const KvGeometry& geo, BlockWidths w, int v_codes, int k_params, int v_params, int bytes) {
+    EXPECT_EQ(size_t(v_codes), geo.v_codes_offset(w));
+    EXPECT_EQ(size_t(k_params), geo.k_params_offset(w));
+    EXPECT_EQ(size_t(v_params), geo.v_params_offset(w));
+    EXPECT_EQ(size_t(bytes), geo.page_head_bytes(w));
+  };
+  using B13 = GpuBlock<1, 3, false>;
+  using B42 = GpuBlock<4, 2, true>;
+  expect_block(g, {1, 3}, B13::kVCodesOffset, B13::kKParamsOffset, B13::kVParamsOffset, B13::kBytes);
+  expect_block(chan, {4, 2}, B42::kVCodesOffset, B42::kKParamsOffset, B42::kVParamsOffset, B42::kBytes);
+  EXPECT_EQ(B13::kKRowBytes, 16);
+  EXPECT_EQ(B42::kVRowBytes, 32);
+
+  const PageLayout layout(g, {{1, 3}, {1, 3}, {1, 3}, {4, 2}, {4, 2}, {4, 2}});
+  const LayerBlocks l1 = layout.layer_blocks(1);
+  EXPECT_NO_THROW(check_layer_blocks(g, l1, false, true, "x"));  // a value table at 2 bits
+  EXPECT_CONTAINS(error_of([&] { check_layer_blocks(g, l1, true, false, "append (CUDA)"); }),
+                  "append (CUDA): level tables with codes of 4 / 2 bits");
+  EXPECT_CONTAINS(error_of([&] { check_layer_blocks(g, layout.layer_blocks(0), false, true, "x"); }),
+                  "level tables with codes of 1 / 3 bits");
+  LayerBlocks bad = l1;
+  bad.widths.value = 3;  // the block no longer what the widths give
+  EXPECT_CONTAINS(error_of([&] { check_layer_blocks(g, bad, false, false, "x"); }), "do not fit");
+  bad = l1;
+  bad.page_bytes -= 1;  // the layer's blocks past the page
+  EXPECT_CONTAINS(error_of([&] { check_layer_blocks(g, bad, false, false, "x"); }), "do not fit");
+  bad = l1;
+  bad.widths.key = 5;
+  EXPECT_CONTAINS(error_of([&] { check_layer_blocks(g, bad, false, false, "x"); }), "codes of 5 / 2 bits");
+  EXPECT_NO_THROW(check_layer_blocks(g, two_bit_layer_blocks(g, 1), true, true, "x"));
 }
 
 // Every rule names its field and applies to the kernels that have it; the full question (all
