@@ -127,17 +127,28 @@ void per_channel_bytes_check(bool rotations) {
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytes) { per_channel_bytes_check(false); }
 TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytesWithRotations) { per_channel_bytes_check(true); }
 
-// Code widths (compile --bits-budget's pages): 16 layers at every key and value width of 1-4 bits
-// (layer l: 1 + l / 4 and 1 + l % 4, both KV heads alike), per-token or per-channel keys, the
-// standard appends: the device pool equals the host's byte for byte (quantize_row's and
-// quantize_key_pages' bit planes, the blocks where PageLayout puts them). Level-table values on
-// head 0 of the layers whose values are 2 bits.
-void widths_bytes_check(bool chan, bool rotations) {
+// The code-width tests' cache: 16 layers, 2 KV heads, per-token or per-channel (chan) keys; and its
+// widths, every key and value width pair of 1-4 bits once (layer l: 1 + l / 4 and 1 + l % 4, both
+// KV heads alike).
+KvGeometry widths_geometry(bool chan) {
   KvGeometry g = test_geometry(16, 2);
   if (chan) g.key_group_tokens = g.page_tokens;
+  return g;
+}
+std::vector<BlockWidths> every_width_pair(const KvGeometry& g) {
   std::vector<BlockWidths> widths;
   for (int l = 0; l < g.n_layers; ++l)
     for (int h = 0; h < g.n_kv_heads; ++h) widths.push_back({1 + l / 4, 1 + l % 4});
+  return widths;
+}
+
+// Code widths (compile --bits-budget's pages): every_width_pair's 16 layers, per-token or
+// per-channel keys, the standard appends: the device pool equals the host's byte for byte (quantize_row's and
+// quantize_key_pages' bit planes, the blocks where PageLayout puts them). Level-table values on
+// head 0 of the layers whose values are 2 bits.
+void widths_bytes_check(bool chan, bool rotations) {
+  const KvGeometry g = widths_geometry(chan);
+  const std::vector<BlockWidths> widths = every_width_pair(g);
   Twin w(g, 64, 6, widths);
   if (rotations) w.with_rotations();
   for (int l = 0; l < g.n_layers; ++l)
@@ -306,17 +317,13 @@ TEST(GpuDecode, Int2PerChannelKeysMatchReferenceManyPairs) { run_decode_check(16
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceWideRing) { run_decode_check(20, 64, 2, false, 1, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceDeepRing) { run_decode_check(16, 0, 3, false, 1, true); }
 
-// Code widths (compile --bits-budget's pages): a host pool whose 16 layers take every key and
-// value width of 1-4 bits (layer l: 1 + l / 4 and 1 + l % 4, both KV heads alike), written by the
-// CPU reference's append and copied to the device; each layer decoded by its width build (the
+// Code widths (compile --bits-budget's pages): a host pool at every_width_pair's widths, written by
+// the CPU reference's append and copied to the device; each layer decoded by its width build (the
 // page stride that of the whole mixed page, not the 2-bit layout's) against decode_ref on the
 // host pool, outputs all written, repeated runs identical. ring: as run_decode_check's.
 void run_widths_decode_check(bool chan, int ring) {
-  KvGeometry g = test_geometry(16, 2);
-  if (chan) g.key_group_tokens = g.page_tokens;
-  std::vector<BlockWidths> widths;
-  for (int l = 0; l < g.n_layers; ++l)
-    for (int h = 0; h < g.n_kv_heads; ++h) widths.push_back({1 + l / 4, 1 + l % 4});
+  const KvGeometry g = widths_geometry(chan);
+  const std::vector<BlockWidths> widths = every_width_pair(g);
   KvCache host(KvCacheConfig{g, 160, 6, PoolMemory::Host, widths});
   std::mt19937 rng(4242 + 10 * chan + ring);
   std::uniform_real_distribution<float> ur(0.3f, 1.0f);
