@@ -295,8 +295,12 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     const int nr = n_rot, mtiles = (nr + 15) / 16;
     // The tile's new rows: in fixed point (then rotated together), or rounded to bf16.
     for (int r = w; r < (R ? 16 * mtiles : nr); r += kAppThreads / 32) {
-      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (r < nr) load_row4(x + (size_t(tile_row[r]) * n_kv + h) * kD, xv);
+      if (r >= nr) {  // (R: a padding row of the last MMA tile)
+        put_zero_row(xr, r);
+        continue;
+      }
+      float xv[4];
+      load_row4(x + (size_t(tile_row[r]) * n_kv + h) * kD, xv);
       if (R) put_rot_row(xv, xr, r);
       else store_row4_bf16(xv, ys[r]);
     }

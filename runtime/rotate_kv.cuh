@@ -152,6 +152,16 @@ __device__ __forceinline__ void put_rot_row(const float (&v)[4], RotRows<kRows>&
   if (lane == 0) rr.ex[r] = finite ? e : kRotBadRow;
 }
 
+// Row r of rr as zeros: what put_rot_row stores for a zero row, without its reductions (the padding
+// rows of a tile whose outputs are not kept: a decode step's tile of 1 row has 15). A warp calls.
+template <int kRows>
+__device__ __forceinline__ void put_zero_row(RotRows<kRows>& rr, int r) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int pl = 0; pl < 3; ++pl) *reinterpret_cast<uint32_t*>(&rr.plane[pl][r][4 * lane]) = 0u;
+  if (lane == 0) rr.ex[r] = 0;  // rot_exponent(0)
+}
+
 // Rows [16m, 16m + 16) of rr times the warp's column block cb (rc): out(row, col, y) for each
 // pair of adjacent output columns (col, col + 1) of the rows below n, y their two bf16 values
 // (col's in the low half).
