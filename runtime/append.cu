@@ -34,7 +34,9 @@ using WindowWrite = AppendWindowWrite;
 // e = 4·lane + r (in-lane exchanges for strides 1 and 2, shuffles above), then element k - 1
 // broadcast. 15 rounds of 4 shuffles; counting ranks (each value against all 128) took 128
 // shuffles and 1024 compares, most of a long append's time.
-__device__ float warp_kth_smallest(float a[4], int k) {
+// (Not inlined: fitted and published clips take the path below; this one stays out of the hot
+// code, which it would double.)
+__device__ __noinline__ float warp_kth_smallest(float a[4], int k) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int size = 2; size <= 4 * 32; size <<= 1)
@@ -112,8 +114,8 @@ __device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k 
 
 // Writes one row of codes at `bits` bits (kv_layout.h's bit planes) from a warp whose lane l holds
 // the codes of channels 4l .. 4l + 3: in a 2-bit plane they are byte l; in the 1-bit plane lanes l
-// and l + 16 share byte l % 16 (low and high nibble).
-__device__ __forceinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
+// and l + 16 share byte l % 16 (low and high nibble). Out of line: 2-bit pools never call it.
+__device__ __noinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
   const int lane = threadIdx.x & 31;
   int off = 0;
   for (int cb = 0; cb + 2 <= bits; cb += 2, off += kD / 4)  // 2-bit planes: code bits cb, cb + 1
@@ -127,6 +129,26 @@ __device__ __forceinline__ void pack_row(const uint8_t (&codes)[4], int bits, ui
     nib |= __shfl_xor_sync(0xffffffffu, nib, 16);
     if (lane < 16) row[off + lane] = uint8_t(nib);
   }
+}
+
+// A row on the level-table codec (CommVQ-style tables; not inlined: out of the grid's hot code).
+__device__ __noinline__ GroupParams table_codes(const float (&x)[4], const SideCodec& codec, uint8_t (&codes)[4]) {
+  // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
+  // bit-identical to the host's.
+  float ss = 0.0f;
+  for (int i = 0; i < kD; ++i) {
+    const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
+    ss = __fadd_rn(ss, __fmul_rn(xi, xi));
+  }
+  uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
+  float s = float_from_f16(sh);
+  if (!(s > 0.0f) || isinf(s)) {
+    sh = f16_from_float(1.0f);
+    s = 1.0f;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
+  return GroupParams{sh, 0};
 }
 
 // One warp: clip + quantise + pack N rows (codec_scalar.h semantics), their latency chains
@@ -151,24 +173,7 @@ __device__ void quantize_rows(const __nv_bfloat16* const (&src)[N], const int (&
   uint8_t codes[N][4];
   if (codec.use_table) {
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-      // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
-      // bit-identical to the host's.
-      float ss = 0.0f;
-      for (int i = 0; i < kD; ++i) {
-        const float xi = __shfl_sync(0xffffffffu, x[n][i & 3], i >> 2);
-        ss = __fadd_rn(ss, __fmul_rn(xi, xi));
-      }
-      uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
-      float s = float_from_f16(sh);
-      if (!(s > 0.0f) || isinf(s)) {
-        sh = f16_from_float(1.0f);
-        s = 1.0f;
-      }
-      prm[n] = GroupParams{sh, 0};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) codes[n][e] = table_code(x[n][e] / s, codec.levels, 4);
-    }
+    for (int n = 0; n < N; ++n) prm[n] = table_codes(x[n], codec, codes[n]);
   } else {
     // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
     float a[N][4], thr[N];
