@@ -320,13 +320,10 @@ __global__ void __launch_bounds__(kKvThreads, 2)
     __syncthreads();
     const int mtiles = (n + 15) / 16;
     for (int r = w; r < (rot ? 16 * mtiles : n); r += kKvThreads / 32) {
-      if (r >= n) {  // (rot: a padding row of the last MMA tile)
-        put_zero_row(xr, r);
-        continue;
-      }
-      float xv[4];
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (r < n)
 #pragma unroll
-      for (int u = 0; u < 4; ++u) xv[u] = load_activation(x + src_row[r] * kD + 4 * lane + u);
+        for (int u = 0; u < 4; ++u) xv[u] = load_activation(x + src_row[r] * kD + 4 * lane + u);
       if (rot) {
         put_rot_row(xv, xr, r);
       } else {
