@@ -131,7 +131,7 @@ __device__ __noinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8
   }
 }
 
-// A row on the level-table codec (CommVQ-style tables; not inlined: out of the grid's hot code).
+// A row on the 4-level table (oscar-lm; not inlined: out of the uniform grid's hot code).
 __device__ __noinline__ GroupParams table_codes(const float (&x)[4], const SideCodec& codec, uint8_t (&codes)[4]) {
   // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
   // bit-identical to the host's.
