@@ -256,6 +256,67 @@ __device__ __forceinline__ void store_row4_bf16(const float (&v)[4], __nv_bfloat
       make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
+// rotate_rows for a long tile's m-tiles, n-tile by n-tile: each n-tile's fragments (16 words and
+// 2 exponents a lane) are read from RotFragments (L1) once a tile instead of held in registers for
+// the kernel's life (72), so the long kernel fits 5 blocks an SM (94 registers) instead of 3; the
+// A fragments are read from shared memory once per (n-tile, m-tile), 4 times rotate_rows' count.
+template <int kRows, typename Out>
+__device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, int mtiles, int n, const RotFragments* F,
+                                                     int cb, Out&& out) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint4* src = reinterpret_cast<const uint4*>(F->words) + cb * (kRotLaneWords / 4) * 32 + lane;
+#pragma unroll 1
+  for (int nt = 0; nt < 4; ++nt) {
+    // word q of the lane's RotCols: hi[n][s][b] at 8n + 2s + b, lo at 32 + .., e[n][c] at 64 + 2n + c
+    const uint4 h0 = __ldg(src + 32 * (2 * nt)), h1 = __ldg(src + 32 * (2 * nt + 1));
+    const uint4 l0 = __ldg(src + 32 * (8 + 2 * nt)), l1 = __ldg(src + 32 * (8 + 2 * nt + 1));
+    const uint4 ee = __ldg(src + 32 * (16 + nt / 2));
+    const uint32_t hi[4][2] = {{h0.x, h0.y}, {h0.z, h0.w}, {h1.x, h1.y}, {h1.z, h1.w}};
+    const uint32_t lo[4][2] = {{l0.x, l0.y}, {l0.z, l0.w}, {l1.x, l1.y}, {l1.z, l1.w}};
+    const int e[2] = {int(nt % 2 ? ee.z : ee.x), int(nt % 2 ? ee.w : ee.y)};
+#pragma unroll 1
+    for (int m = 0; m < mtiles; ++m) {
+      int acc[4][4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0;
+      const int r0 = 16 * m + g;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t a[3][4];
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl) {
+          a[pl][0] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 4 * t]);
+          a[pl][1] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 4 * t]);
+          a[pl][2] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 16 + 4 * t]);
+          a[pl][3] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 16 + 4 * t]);
+        }
+        mma_i8<true, true>(acc[0], a[0], hi[s][0], hi[s][1]);
+        mma_i8<true, false>(acc[1], a[0], lo[s][0], lo[s][1]);
+        mma_i8<false, true>(acc[1], a[1], hi[s][0], hi[s][1]);
+        mma_i8<false, false>(acc[2], a[1], lo[s][0], lo[s][1]);
+        mma_i8<false, true>(acc[2], a[2], hi[s][0], hi[s][1]);
+        mma_i8<false, false>(acc[3], a[2], lo[s][0], lo[s][1]);
+      }
+      const int ex[2] = {rr.ex[r0], rr.ex[r0 + 8]};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (r0 + 8 * half >= n) continue;
+        uint32_t y = 0;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 2 * half + c;
+          const int32_t hi32 = acc[0][i] * 256 + acc[1][i], lo32 = acc[2][i] * 256 + acc[3][i];
+          const int64_t sum = (int64_t(hi32) << 16) + int64_t(lo32);
+          const uint16_t b =
+              ex[half] == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex[half] + e[c] - kRotXBits - kRotRBits);
+          y |= uint32_t(b) << (16 * c);
+        }
+        out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
+      }
+    }
+  }
+}
+
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
 // kTile items (the moves, then the window writes). Warp w keeps output columns 32w .. 32w + 31 of
 // R in fixed point in registers (rotate_kv.cuh), built once before the wait on the preceding
@@ -277,7 +338,7 @@ constexpr int kAppThreads = kD;
 constexpr int kShortTile = 4, kLongTile = 64;
 static_assert(kAppThreads / 32 * 32 == kD, "a warp per 32 output columns");
 template <typename In, int kTile>
-__global__ void __launch_bounds__(kAppThreads, 3)
+__global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
     append_rows(const In* k, const In* v, const RotFragments* rot_k, const RotFragments* rot_v, const Move* moves,
                 int n_moves, const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait,
                 KvGeometry geo, int layer, LayerBlocks lb, __nv_bfloat16* windows, uint8_t* pages,
@@ -303,7 +364,8 @@ __global__ void __launch_bounds__(kAppThreads, 3)
   const In* x = side ? v : k;
   const RotFragments* R = side ? rot_v : rot_k;
   RotCols rc;
-  if (R) load_rot_frags(R + h, w, rc);
+  if constexpr (kTile <= 4)
+    if (R) load_rot_frags(R + h, w, rc);
   pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -362,9 +424,12 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     }
     if (R) {
       __syncthreads();
-      for (int m = 0; m < mtiles; ++m)
-        rotate_rows(xr, m, nr, rc, w,
-                    [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; });
+      auto put = [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; };
+      if constexpr (kTile <= 4) {
+        for (int m = 0; m < mtiles; ++m) rotate_rows(xr, m, nr, rc, w, put);
+      } else {
+        rotate_rows_by_ntile(xr, mtiles, nr, R + h, w, put);
+      }
     }
     __syncthreads();
     // Item u's store: a move quantises its row (new, or from the old ring) into its page row; a
