@@ -283,13 +283,7 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         uint32_t a[3][4];
-#pragma unroll
-        for (int pl = 0; pl < 3; ++pl) {
-          a[pl][0] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 4 * t]);
-          a[pl][1] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 4 * t]);
-          a[pl][2] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 16 + 4 * t]);
-          a[pl][3] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 16 + 4 * t]);
-        }
+        load_row_frags(rr, r0, s, a);
         mma_i8<true, true>(acc[0], a[0], hi[s][0], hi[s][1]);
         mma_i8<true, false>(acc[1], a[0], lo[s][0], lo[s][1]);
         mma_i8<false, true>(acc[1], a[1], hi[s][0], hi[s][1]);
