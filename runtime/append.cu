@@ -34,7 +34,9 @@ using WindowWrite = AppendWindowWrite;
 // e = 4·lane + r (in-lane exchanges for strides 1 and 2, shuffles above), then element k - 1
 // broadcast. 15 rounds of 4 shuffles; counting ranks (each value against all 128) took 128
 // shuffles and 1024 compares, most of a long append's time.
-__device__ float warp_kth_smallest(float a[4], int k) {
+// (Not inlined: fitted and published clips take the path below; this one stays out of the hot
+// code, which it would double.)
+__device__ __noinline__ float warp_kth_smallest(float a[4], int k) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int size = 2; size <= 4 * 32; size <<= 1)
@@ -69,21 +71,36 @@ __device__ float warp_kth_smallest(float a[4], int k) {
 // patterns, which order non-negative floats as integers), each taking one copy of the largest
 // left out of the lowest lane holding it. a: |x| (a NaN takes key 0: never above a number).
 constexpr int kTopRounds = 16;
-__device__ float warp_kth_smallest_of_top(const float a[4], int k) {
+// N rows at once (one k: one head and side), their latency chains interleaved.
+template <int N>
+__device__ __forceinline__ void warp_kth_smallest_of_top(const float (&a)[N][4], int k, float (&thr)[N]) {
   const int lane = threadIdx.x & 31, m = 4 * 32 + 1 - k;
-  unsigned key[4];
+  unsigned key[N][4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) key[e] = isnan(a[e]) ? 0u : __float_as_uint(a[e]);
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) key[n][e] = isnan(a[n][e]) ? 0u : __float_as_uint(a[n][e]);
   for (int round = 1;; ++round) {
-    const unsigned mine = max(max(key[0], key[1]), max(key[2], key[3]));
-    const unsigned w = __reduce_max_sync(0xffffffffu, mine);
-    if (round == m) return __uint_as_float(w);
-    const unsigned holders = __ballot_sync(0xffffffffu, mine == w);
-    if (lane == __ffs(holders) - 1) {
-      if (key[0] == w) key[0] = 0u;
-      else if (key[1] == w) key[1] = 0u;
-      else if (key[2] == w) key[2] = 0u;
-      else key[3] = 0u;
+    unsigned mine[N], w[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      mine[n] = max(max(key[n][0], key[n][1]), max(key[n][2], key[n][3]));
+      w[n] = __reduce_max_sync(0xffffffffu, mine[n]);
+    }
+    if (round == m) {
+#pragma unroll
+      for (int n = 0; n < N; ++n) thr[n] = __uint_as_float(w[n]);
+      return;
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const unsigned holders = __ballot_sync(0xffffffffu, mine[n] == w[n]);
+      if (lane == __ffs(holders) - 1) {
+        if (key[n][0] == w[n]) key[n][0] = 0u;
+        else if (key[n][1] == w[n]) key[n][1] = 0u;
+        else if (key[n][2] == w[n]) key[n][2] = 0u;
+        else key[n][3] = 0u;
+      }
     }
   }
 }
@@ -97,8 +114,8 @@ __device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k 
 
 // Writes one row of codes at `bits` bits (kv_layout.h's bit planes) from a warp whose lane l holds
 // the codes of channels 4l .. 4l + 3: in a 2-bit plane they are byte l; in the 1-bit plane lanes l
-// and l + 16 share byte l % 16 (low and high nibble).
-__device__ __forceinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
+// and l + 16 share byte l % 16 (low and high nibble). Out of line: 2-bit pools never call it.
+__device__ __noinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
   const int lane = threadIdx.x & 31;
   int off = 0;
   for (int cb = 0; cb + 2 <= bits; cb += 2, off += kD / 4)  // 2-bit planes: code bits cb, cb + 1
@@ -114,71 +131,101 @@ __device__ __forceinline__ void pack_row(const uint8_t (&codes)[4], int bits, ui
   }
 }
 
-// One warp: clip + quantise + pack one row (codec_scalar.h semantics); lane
-// l holds channels 4l .. 4l + 3, i.e. code byte l of a 2-bit plane.
-static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
-// src: the row (global or shared memory); (page, row): where it goes, in the layer's blocks lb.
-__device__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int side, int h,
-                             const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages, const HeadCodec* codecs) {
-  const int lane = threadIdx.x & 31;
-  float x[4];
+// A row on the 4-level table (oscar-lm; not inlined: out of the uniform grid's hot code).
+__device__ __noinline__ GroupParams table_codes(const float (&x)[4], const SideCodec& codec, uint8_t (&codes)[4]) {
+  // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
+  // bit-identical to the host's.
+  float ss = 0.0f;
+  for (int i = 0; i < kD; ++i) {
+    const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
+    ss = __fadd_rn(ss, __fmul_rn(xi, xi));
+  }
+  uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
+  float s = float_from_f16(sh);
+  if (!(s > 0.0f) || isinf(s)) {
+    sh = f16_from_float(1.0f);
+    s = 1.0f;
+  }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) x[e] = __bfloat162float(src[4 * lane + e]);
+  for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
+  return GroupParams{sh, 0};
+}
+
+// One warp: clip + quantise + pack N rows (codec_scalar.h semantics), their latency chains
+// interleaved (the warp's shuffles and reductions wait tens of cycles each); lane l holds channels
+// 4l .. 4l + 3 of each, i.e. code byte l of a 2-bit plane.
+static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 channels, one code byte per lane");
+// src[n]: row n (global or shared memory); (page[n], row_in_page[n]): where it goes, in the
+// layer's blocks lb.
+template <int N>
+__device__ void quantize_rows(const __nv_bfloat16* const (&src)[N], const int (&page)[N], const int (&row_in_page)[N],
+                              int side, int h, const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages,
+                              const HeadCodec* codecs) {
+  const int lane = threadIdx.x & 31;
+  float x[N][4];
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[n][e] = __bfloat162float(src[n][4 * lane + e]);
   const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
   const int bits = side ? lb.widths.value : lb.widths.key;  // (a level table: 2, check_layer_blocks)
-  GroupParams prm;
-  uint8_t codes[4];
+  GroupParams prm[N];
+  uint8_t codes[N][4];
   if (codec.use_table) {
-    // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
-    // bit-identical to the host's.
-    float ss = 0.0f;
-    for (int i = 0; i < kD; ++i) {
-      const float xi = __shfl_sync(0xffffffffu, x[i & 3], i >> 2);
-      ss = __fadd_rn(ss, __fmul_rn(xi, xi));
-    }
-    uint16_t sh = f16_from_float(sqrtf(ss / float(kD)));
-    float s = float_from_f16(sh);
-    if (!(s > 0.0f) || isinf(s)) {
-      sh = f16_from_float(1.0f);
-      s = 1.0f;
-    }
-    prm = GroupParams{sh, 0};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
+    for (int n = 0; n < N; ++n) prm[n] = table_codes(x[n], codec, codes[n]);
   } else {
     // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
-    float a[4];
+    float a[N][4], thr[N];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) a[e] = fabsf(x[e]);
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[n][e] = fabsf(x[n][e]);
     const int k = clip_rank(double(codec.clip_ratio), kD);  // (one per head and side: the branch is the warp's)
-    const float thr = k > 4 * 32 - kTopRounds ? warp_kth_smallest_of_top(a, k) : warp_kth_smallest(a, k);
-    float lo = INFINITY, hi = -INFINITY, c[4];
+    if (k > 4 * 32 - kTopRounds) {
+      warp_kth_smallest_of_top(a, k, thr);
+    } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c[e] = x[e] < -thr ? -thr : (x[e] > thr ? thr : x[e]);
-      lo = fminf(lo, c[e]);
-      hi = fmaxf(hi, c[e]);
+      for (int n = 0; n < N; ++n) thr[n] = warp_kth_smallest(a[n], k);
     }
-    // The warp's min and max by redux.sync on keys that order floats as signed integers (a
-    // NaN lane, which holds ±inf here, is as fminf / fmaxf would leave it).
-    lo = ordered_float(__reduce_min_sync(0xffffffffu, float_order(lo)));
-    hi = ordered_float(__reduce_max_sync(0xffffffffu, float_order(hi)));
-    prm = uniform_params(lo, hi, bits);
-    const float s = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) codes[e] = uniform_code(c[e], s, z, bits);
+    for (int n = 0; n < N; ++n) {
+      float lo = INFINITY, hi = -INFINITY, c[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[e] = x[n][e] < -thr[n] ? -thr[n] : (x[n][e] > thr[n] ? thr[n] : x[n][e]);
+        lo = fminf(lo, c[e]);
+        hi = fmaxf(hi, c[e]);
+      }
+      // The warp's min and max by redux.sync on keys that order floats as signed integers (a
+      // NaN lane, which holds ±inf here, is as fminf / fmaxf would leave it).
+      lo = ordered_float(__reduce_min_sync(0xffffffffu, float_order(lo)));
+      hi = ordered_float(__reduce_max_sync(0xffffffffu, float_order(hi)));
+      prm[n] = uniform_params(lo, hi, bits);
+      const float s = float_from_f16(prm[n].scale), z = float_from_f16(prm[n].zero);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) codes[n][e] = uniform_code(c[e], s, z, bits);
+    }
   }
-  const BlockWidths wd = lb.widths;
-  uint8_t* blk = pages + lb.block_offset(page, h);
-  uint8_t* row =
-      blk + (side ? geo.v_codes_offset(wd) : geo.k_codes_offset()) + size_t(row_in_page) * geo.code_row_bytes(bits);
-  if (bits == 2) row[lane] = uint8_t(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6));
-  else pack_row(codes, bits, row);
-  if (lane == 0) {
-    uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset(wd) : geo.k_params_offset(wd)));
-    params[2 * row_in_page] = prm.scale;
-    params[2 * row_in_page + 1] = prm.zero;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const BlockWidths wd = lb.widths;
+    uint8_t* blk = pages + lb.block_offset(page[n], h);
+    uint8_t* row = blk + (side ? geo.v_codes_offset(wd) : geo.k_codes_offset()) +
+                   size_t(row_in_page[n]) * geo.code_row_bytes(bits);
+    if (bits == 2) row[lane] = uint8_t(codes[n][0] | (codes[n][1] << 2) | (codes[n][2] << 4) | (codes[n][3] << 6));
+    else pack_row(codes[n], bits, row);
+    if (lane == 0) {
+      uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset(wd) : geo.k_params_offset(wd)));
+      params[2 * row_in_page[n]] = prm[n].scale;
+      params[2 * row_in_page[n] + 1] = prm[n].zero;
+    }
   }
+}
+__device__ __forceinline__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int side, int h,
+                                             const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages,
+                                             const HeadCodec* codecs) {
+  quantize_rows<1>({src}, {page}, {row_in_page}, side, h, geo, lb, pages, codecs);
 }
 
 // The ring row of window slot seq_slot that holds ring slot `slot`.
@@ -209,6 +256,61 @@ __device__ __forceinline__ void store_row4_bf16(const float (&v)[4], __nv_bfloat
       make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
+// rotate_rows for a long tile's m-tiles, n-tile by n-tile: each n-tile's fragments (16 words and
+// 2 exponents a lane) are read from RotFragments (L1) once a tile instead of held in registers for
+// the kernel's life (72), so the long kernel fits 5 blocks an SM (94 registers) instead of 3; the
+// A fragments are read from shared memory once per (n-tile, m-tile), 4 times rotate_rows' count.
+template <int kRows, typename Out>
+__device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, int mtiles, int n, const RotFragments* F,
+                                                     int cb, Out&& out) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint4* src = reinterpret_cast<const uint4*>(F->words) + cb * (kRotLaneWords / 4) * 32 + lane;
+#pragma unroll 1
+  for (int nt = 0; nt < 4; ++nt) {
+    // word q of the lane's RotCols: hi[n][s][b] at 8n + 2s + b, lo at 32 + .., e[n][c] at 64 + 2n + c
+    const uint4 h0 = __ldg(src + 32 * (2 * nt)), h1 = __ldg(src + 32 * (2 * nt + 1));
+    const uint4 l0 = __ldg(src + 32 * (8 + 2 * nt)), l1 = __ldg(src + 32 * (8 + 2 * nt + 1));
+    const uint4 ee = __ldg(src + 32 * (16 + nt / 2));
+    const uint32_t hi[4][2] = {{h0.x, h0.y}, {h0.z, h0.w}, {h1.x, h1.y}, {h1.z, h1.w}};
+    const uint32_t lo[4][2] = {{l0.x, l0.y}, {l0.z, l0.w}, {l1.x, l1.y}, {l1.z, l1.w}};
+    const int e[2] = {int(nt % 2 ? ee.z : ee.x), int(nt % 2 ? ee.w : ee.y)};
+#pragma unroll 1
+    for (int m = 0; m < mtiles; ++m) {
+      int acc[4][4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0;
+      const int r0 = 16 * m + g;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t a[3][4];
+        load_row_frags(rr, r0, s, a);
+        mma_i8<true, true>(acc[0], a[0], hi[s][0], hi[s][1]);
+        mma_i8<true, false>(acc[1], a[0], lo[s][0], lo[s][1]);
+        mma_i8<false, true>(acc[1], a[1], hi[s][0], hi[s][1]);
+        mma_i8<false, false>(acc[2], a[1], lo[s][0], lo[s][1]);
+        mma_i8<false, true>(acc[2], a[2], hi[s][0], hi[s][1]);
+        mma_i8<false, false>(acc[3], a[2], lo[s][0], lo[s][1]);
+      }
+      const int ex[2] = {rr.ex[r0], rr.ex[r0 + 8]};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (r0 + 8 * half >= n) continue;
+        uint32_t y = 0;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 2 * half + c;
+          const int32_t hi32 = acc[0][i] * 256 + acc[1][i], lo32 = acc[2][i] * 256 + acc[3][i];
+          const int64_t sum = (int64_t(hi32) << 16) + int64_t(lo32);
+          const uint16_t b =
+              ex[half] == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex[half] + e[c] - kRotXBits - kRotRBits);
+          y |= uint32_t(b) << (16 * c);
+        }
+        out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
+      }
+    }
+  }
+}
+
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
 // kTile items (the moves, then the window writes). Warp w keeps output columns 32w .. 32w + 31 of
 // R in fixed point in registers (rotate_kv.cuh), built once before the wait on the preceding
@@ -230,7 +332,7 @@ constexpr int kAppThreads = kD;
 constexpr int kShortTile = 4, kLongTile = 64;
 static_assert(kAppThreads / 32 * 32 == kD, "a warp per 32 output columns");
 template <typename In, int kTile>
-__global__ void __launch_bounds__(kAppThreads, 3)
+__global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
     append_rows(const In* k, const In* v, const RotFragments* rot_k, const RotFragments* rot_v, const Move* moves,
                 int n_moves, const WindowWrite* writes, int n_writes, const int32_t* counts, bool counts_after_wait,
                 KvGeometry geo, int layer, LayerBlocks lb, __nv_bfloat16* windows, uint8_t* pages,
@@ -241,6 +343,7 @@ __global__ void __launch_bounds__(kAppThreads, 3)
   __shared__ int tile_row[kTile];   // rotated row r: its input row
   __shared__ int item_slot[kTile];  // item u of the tile: its rotated row, or -1
   __shared__ int n_rot;
+  constexpr int kWarps = kAppThreads / 32;
   const int side = blockIdx.z, h = blockIdx.y, j = threadIdx.x, lane = j & 31, w = j >> 5;
   auto read_counts = [&] {
     n_moves = counts[0];
@@ -255,7 +358,8 @@ __global__ void __launch_bounds__(kAppThreads, 3)
   const In* x = side ? v : k;
   const RotFragments* R = side ? rot_v : rot_k;
   RotCols rc;
-  if (R) load_rot_frags(R + h, w, rc);
+  if constexpr (kTile <= 4)
+    if (R) load_rot_frags(R + h, w, rc);
   pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -294,29 +398,50 @@ __global__ void __launch_bounds__(kAppThreads, 3)
     __syncthreads();
     const int nr = n_rot, mtiles = (nr + 15) / 16;
     // The tile's new rows: in fixed point (then rotated together), or rounded to bf16.
-    for (int r = w; r < (R ? 16 * mtiles : nr); r += kAppThreads / 32) {
-      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (r < nr) load_row4(x + (size_t(tile_row[r]) * n_kv + h) * kD, xv);
-      if (R) put_rot_row(xv, xr, r);
-      else store_row4_bf16(xv, ys[r]);
+    // Warp w takes rows w, w + 4, .., two at a time (both loads in flight together); with R, rows
+    // from nr up pad the last MMA tile and are written as zeros.
+    const int rows = R ? 16 * mtiles : nr;
+    for (int r = w; r < rows; r += 2 * kWarps) {
+      const int r1 = r + kWarps;
+      float xv[2][4];
+      if (r < nr) load_row4(x + (size_t(tile_row[r]) * n_kv + h) * kD, xv[0]);
+      if (r1 < nr) load_row4(x + (size_t(tile_row[r1]) * n_kv + h) * kD, xv[1]);
+      if (R) {
+        if (r < nr) put_rot_row(xv[0], xr, r);
+        else put_zero_row(xr, r);
+        if (r1 < nr) put_rot_row(xv[1], xr, r1);
+        else if (r1 < rows) put_zero_row(xr, r1);
+      } else {
+        store_row4_bf16(xv[0], ys[r]);
+        if (r1 < nr) store_row4_bf16(xv[1], ys[r1]);
+      }
     }
     if (R) {
       __syncthreads();
-      for (int m = 0; m < mtiles; ++m)
-        rotate_rows(xr, m, nr, rc, w,
-                    [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; });
+      auto put = [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; };
+      if constexpr (kTile <= 4) {
+        for (int m = 0; m < mtiles; ++m) rotate_rows(xr, m, nr, rc, w, put);
+      } else {
+        rotate_rows_by_ntile(xr, mtiles, nr, R + h, w, put);
+      }
     }
     __syncthreads();
-    for (int u = w; u < nt; u += kAppThreads / 32) {
+    // Item u's store: a move quantises its row (new, or from the old ring) into its page row; a
+    // window write first moves the ring slot it replaces (if a move is paired with it), then writes
+    // the new row into sink or ring.
+    auto move_row = [&](const Move& mv, int u) -> const __nv_bfloat16* {  // null: none (from_ring 2)
+      return mv.from_ring == 0   ? ys[item_slot[u]]
+             : mv.from_ring == 1 ? ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src)
+                                 : nullptr;
+    };
+    auto store = [&](int u) {
       const int item = i0 + u;
       if (item < n_moves) {
-        if (skip_moves) continue;
+        if (skip_moves) return;
         const Move mv = moves[item];
-        if (mv.from_ring == 0) quantize_row(ys[item_slot[u]], mv.page, mv.row, side, h, geo, lb, pages, codecs);
-        else if (mv.from_ring == 1)
-          quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, lb,
-                       pages, codecs);
-        continue;  // from_ring 2: its window write moves it
+        if (const __nv_bfloat16* src = move_row(mv, u))
+          quantize_row(src, mv.page, mv.row, side, h, geo, lb, pages, codecs);
+        return;  // from_ring 2: its window write moves it
       }
       const WindowWrite wr = writes[item - n_moves];
       if (wr.move >= 0 && !skip_moves) {
@@ -330,6 +455,21 @@ __global__ void __launch_bounds__(kAppThreads, 3)
           wr.to_ring ? (side ? geo.v_ring_elem() : geo.k_ring_elem()) : (side ? geo.v_sink_elem() : geo.k_sink_elem());
       reinterpret_cast<uint2*>(win + dst + size_t(wr.dst) * kD)[lane] =
           reinterpret_cast<const uint2*>(ys[item_slot[u]])[lane];
+    };
+    // Warp w stores items w, w + 4, ..: two at a time, and two moves that quantise a row each
+    // together (quantize_rows<2>; a long append is nearly all such moves).
+    for (int u = w; u < nt; u += 2 * kWarps) {
+      const int u1 = u + kWarps;
+      if (kTile > kWarps && !skip_moves && i0 + u1 < n_moves && u1 < nt) {  // (tiles of 4: never)
+        const Move m0 = moves[i0 + u], m1 = moves[i0 + u1];
+        const __nv_bfloat16 *s0 = move_row(m0, u), *s1 = move_row(m1, u1);
+        if (s0 && s1) {
+          quantize_rows<2>({s0, s1}, {m0.page, m1.page}, {m0.row, m1.row}, side, h, geo, lb, pages, codecs);
+          continue;
+        }
+      }
+      store(u);
+      if (u1 < nt) store(u1);
     }
   }
 }

@@ -152,6 +152,30 @@ __device__ __forceinline__ void put_rot_row(const float (&v)[4], RotRows<kRows>&
   if (lane == 0) rr.ex[r] = finite ? e : kRotBadRow;
 }
 
+// Row r of rr as zeros: what put_rot_row stores for a zero row, without its reductions (the padding
+// rows of a tile whose outputs are not kept: a decode step's tile of 1 row has 15). A warp calls.
+template <int kRows>
+__device__ __forceinline__ void put_zero_row(RotRows<kRows>& rr, int r) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int pl = 0; pl < 3; ++pl) *reinterpret_cast<uint32_t*>(&rr.plane[pl][r][4 * lane]) = 0u;
+  if (lane == 0) rr.ex[r] = 0;  // rot_exponent(0)
+}
+
+// The A fragments of k-step s of the 16-row tile whose lane rows are r0 = 16m + g and r0 + 8, for
+// each byte plane (channels 32s + 4t .. and 32s + 16 + 4t ..).
+template <int kRows>
+__device__ __forceinline__ void load_row_frags(const RotRows<kRows>& rr, int r0, int s, uint32_t (&a)[3][4]) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int pl = 0; pl < 3; ++pl) {
+    a[pl][0] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 4 * t]);
+    a[pl][1] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 4 * t]);
+    a[pl][2] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 16 + 4 * t]);
+    a[pl][3] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 16 + 4 * t]);
+  }
+}
+
 // Rows [16m, 16m + 16) of rr times the warp's column block cb (rc): out(row, col, y) for each
 // pair of adjacent output columns (col, col + 1) of the rows below n, y their two bf16 values
 // (col's in the low half).
@@ -168,13 +192,7 @@ __device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, int
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     uint32_t a[3][4];
-#pragma unroll
-    for (int pl = 0; pl < 3; ++pl) {
-      a[pl][0] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 4 * t]);
-      a[pl][1] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 4 * t]);
-      a[pl][2] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0][32 * s + 16 + 4 * t]);
-      a[pl][3] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][r0 + 8][32 * s + 16 + 4 * t]);
-    }
+    load_row_frags(rr, r0, s, a);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t h0 = rc.hi[n][s][0], h1 = rc.hi[n][s][1], l0 = rc.lo[n][s][0], l1 = rc.lo[n][s][1];
