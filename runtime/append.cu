@@ -312,9 +312,10 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
 }
 
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
-// kTile items (the moves, then the window writes). Warp w keeps output columns 32w .. 32w + 31 of
-// R in fixed point in registers (rotate_kv.cuh), built once before the wait on the preceding
-// kernel (R does not depend on it). Per tile, the items that take a new row (x = k for side 0, v
+// kTile items (the moves, then the window writes). Warp w rotates into output columns 32w .. 32w + 31
+// of R in fixed point (rotate_kv.cuh): tiles of 4 keep its fragments in registers, loaded before
+// the wait on the preceding kernel (R does not depend on it); tiles of 64 read them n-tile by
+// n-tile (rotate_rows_by_ntile), which fits 5 blocks an SM instead of 3. Per tile, the items that take a new row (x = k for side 0, v
 // for side 1) have their rows put in fixed point by warps, row by row, and rotated on the tensor
 // cores into bf16 rows (kv_rotation.h's exact sums); without R the rows are rounded to bf16. Then
 // warp w stores items w, w + 4, ..: a move quantises its row (new, or from the old ring) into its
@@ -723,7 +724,7 @@ int resident(Kernel kernel, int threads) {
   return std::max(b, 1);
 }
 // Blocks of append_rows that one SM holds (its registers bound it: R's fixed-point fragments are
-// 64 of them), asked once per activation type and tile.
+// 64 of them in tiles of 4), asked once per activation type and tile.
 template <int kTile>
 int resident_blocks(Activations act) {
   static const int n[2] = {resident(append_rows<float, kTile>, kAppThreads),
