@@ -312,17 +312,17 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
 }
 
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
-// kTile items (the moves, then the window writes). Warp w rotates into output columns 32w .. 32w + 31
-// of R in fixed point (rotate_kv.cuh): tiles of 4 keep its fragments in registers, loaded before
-// the wait on the preceding kernel (R does not depend on it); tiles of 64 read them n-tile by
-// n-tile (rotate_rows_by_ntile), which fits 5 blocks an SM instead of 3. Per tile, the items that take a new row (x = k for side 0, v
-// for side 1) have their rows put in fixed point by warps, row by row, and rotated on the tensor
-// cores into bf16 rows (kv_rotation.h's exact sums); without R the rows are rounded to bf16. Then
-// warp w stores items w, w + 4, ..: a move quantises its row (new, or from the old ring) into its
-// page row; a window write first moves the ring slot it replaces, if a move is paired with it
-// (plan_append_moves: the move has from_ring == 2, the write its index), then writes the row into
-// sink or ring. Tiles of 4 spread a decode step's few rows over many blocks; tiles of 64 (long
-// appends) fill the MMAs' 16-row tiles.
+// kTile items (the moves, then the window writes). Warp w rotates into output columns
+// 32w .. 32w + 31 of R in fixed point (rotate_kv.cuh): tiles of 4 keep its fragments in registers,
+// loaded before the wait on the preceding kernel (R does not depend on it); tiles of 64 read them
+// n-tile by n-tile (rotate_rows_by_ntile), which fits 5 blocks an SM instead of 3. Per tile, the
+// items that take a new row (x = k for side 0, v for side 1) have their rows put in fixed point by
+// warps, row by row, and rotated on the tensor cores into bf16 rows (kv_rotation.h's exact sums);
+// without R the rows are rounded to bf16. Then warp w stores items w, w + 4, ..: a move quantises
+// its row (new, or from the old ring) into its page row; a window write first moves the ring slot
+// it replaces, if a move is paired with it (plan_append_moves: the move has from_ring == 2, the
+// write its index), then writes the row into sink or ring. Tiles of 4 spread a decode step's few
+// rows over many blocks; tiles of 64 (long appends) fill the MMAs' 16-row tiles.
 // (Rotating into a staging buffer in one launch and storing in a second cost a kernel boundary:
 // the decode step per layer at batch 1 / 32K took 23.6 us against 20.2, measured.)
 // counts (device, may be null; DeviceAppendPlan::counts): counts[0] moves at byte counts[2] and
