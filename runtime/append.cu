@@ -284,12 +284,7 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
       for (int s = 0; s < 4; ++s) {
         uint32_t a[3][4];
         load_row_frags(rr, r0, s, a);
-        mma_i8<true, true>(acc[0], a[0], hi[s][0], hi[s][1]);
-        mma_i8<true, false>(acc[1], a[0], lo[s][0], lo[s][1]);
-        mma_i8<false, true>(acc[1], a[1], hi[s][0], hi[s][1]);
-        mma_i8<false, false>(acc[2], a[1], lo[s][0], lo[s][1]);
-        mma_i8<false, true>(acc[2], a[2], hi[s][0], hi[s][1]);
-        mma_i8<false, false>(acc[3], a[2], lo[s][0], lo[s][1]);
+        rot_mma_kstep(acc, a, hi[s][0], hi[s][1], lo[s][0], lo[s][1]);
       }
       const int ex[2] = {rr.ex[r0], rr.ex[r0 + 8]};
 #pragma unroll
@@ -297,14 +292,7 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
         if (r0 + 8 * half >= n) continue;
         uint32_t y = 0;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int i = 2 * half + c;
-          const int32_t hi32 = acc[0][i] * 256 + acc[1][i], lo32 = acc[2][i] * 256 + acc[3][i];
-          const int64_t sum = (int64_t(hi32) << 16) + int64_t(lo32);
-          const uint16_t b =
-              ex[half] == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex[half] + e[c] - kRotXBits - kRotRBits);
-          y |= uint32_t(b) << (16 * c);
-        }
+        for (int c = 0; c < 2; ++c) y |= uint32_t(rot_acc_bf16(acc, 2 * half + c, ex[half], e[c])) << (16 * c);
         out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
       }
     }

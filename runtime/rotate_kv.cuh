@@ -176,6 +176,26 @@ __device__ __forceinline__ void load_row_frags(const RotRows<kRows>& rr, int r0,
   }
 }
 
+// The six byte-plane products of one k-step into a 16 x 8 output tile: acc[c] weighs 2^(24 − 8c)
+// (the rows' hi / mid / lo planes a[0..2] times R's hi bytes h0, h1 and lo bytes l0, l1).
+__device__ __forceinline__ void rot_mma_kstep(int (&acc)[4][4], const uint32_t (&a)[3][4], uint32_t h0, uint32_t h1,
+                                              uint32_t l0, uint32_t l1) {
+  mma_i8<true, true>(acc[0], a[0], h0, h1);    // hi·hi: 2^24
+  mma_i8<true, false>(acc[1], a[0], l0, l1);   // hi·lo: 2^16
+  mma_i8<false, true>(acc[1], a[1], h0, h1);   // mid·hi: 2^16
+  mma_i8<false, false>(acc[2], a[1], l0, l1);  // mid·lo: 2^8
+  mma_i8<false, true>(acc[2], a[2], h0, h1);   // lo·hi: 2^8
+  mma_i8<false, false>(acc[3], a[2], l0, l1);  // lo·lo: 2^0
+}
+// Fragment element i of a tile's accumulators as bf16: the exact sum rounded once, for a row of
+// exponent ex (kRotBadRow: NaN) and a column of exponent e.
+__device__ __forceinline__ uint16_t rot_acc_bf16(const int (&acc)[4][4], int i, int ex, int e) {
+  // (each partial below 2^31: hi < 2^28, lo < 2^30 + 2^23)
+  const int32_t hi = acc[0][i] * 256 + acc[1][i], lo = acc[2][i] * 256 + acc[3][i];
+  const int64_t sum = (int64_t(hi) << 16) + int64_t(lo);
+  return ex == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex + e - kRotXBits - kRotRBits);
+}
+
 // Rows [16m, 16m + 16) of rr times the warp's column block cb (rc): out(row, col, y) for each
 // pair of adjacent output columns (col, col + 1) of the rows below n, y their two bf16 values
 // (col's in the low half).
@@ -183,26 +203,19 @@ template <int kRows, typename Out>
 __device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, int n, const RotCols& rc, int cb,
                                             Out&& out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int acc[4][4][4];  // [weight 2^24, 2^16, 2^8, 2^0][n-tile][fragment element]
+  int acc[4][4][4];  // [n-tile][weight 2^24, 2^16, 2^8, 2^0][fragment element]
 #pragma unroll
-  for (int c = 0; c < 4; ++c)
+  for (int n = 0; n < 4; ++n)
 #pragma unroll
-    for (int n = 0; n < 4; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0;
+    for (int c = 0; c < 4; ++c) acc[n][c][0] = acc[n][c][1] = acc[n][c][2] = acc[n][c][3] = 0;
   const int r0 = 16 * m + g;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     uint32_t a[3][4];
     load_row_frags(rr, r0, s, a);
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const uint32_t h0 = rc.hi[n][s][0], h1 = rc.hi[n][s][1], l0 = rc.lo[n][s][0], l1 = rc.lo[n][s][1];
-      mma_i8<true, true>(acc[0][n], a[0], h0, h1);    // hi·hi: 2^24
-      mma_i8<true, false>(acc[1][n], a[0], l0, l1);   // hi·lo: 2^16
-      mma_i8<false, true>(acc[1][n], a[1], h0, h1);   // mid·hi: 2^16
-      mma_i8<false, false>(acc[2][n], a[1], l0, l1);  // mid·lo: 2^8
-      mma_i8<false, true>(acc[2][n], a[2], h0, h1);   // lo·hi: 2^8
-      mma_i8<false, false>(acc[3][n], a[2], l0, l1);  // lo·lo: 2^0
-    }
+    for (int n = 0; n < 4; ++n)
+      rot_mma_kstep(acc[n], a, rc.hi[n][s][0], rc.hi[n][s][1], rc.lo[n][s][0], rc.lo[n][s][1]);
   }
   const int ex[2] = {rr.ex[r0], rr.ex[r0 + 8]};
 #pragma unroll
@@ -212,15 +225,7 @@ __device__ __forceinline__ void rotate_rows(const RotRows<kRows>& rr, int m, int
     for (int nt = 0; nt < 4; ++nt) {
       uint32_t y = 0;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int i = 2 * half + c;
-        // (each partial below 2^31: hi < 2^28, lo < 2^30 + 2^23)
-        const int32_t hi = acc[0][nt][i] * 256 + acc[1][nt][i], lo = acc[2][nt][i] * 256 + acc[3][nt][i];
-        const int64_t sum = (int64_t(hi) << 16) + int64_t(lo);
-        const uint16_t b =
-            ex[half] == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex[half] + rc.e[nt][c] - kRotXBits - kRotRBits);
-        y |= uint32_t(b) << (16 * c);
-      }
+      for (int c = 0; c < 2; ++c) y |= uint32_t(rot_acc_bf16(acc[nt], 2 * half + c, ex[half], rc.e[nt][c])) << (16 * c);
       out(r0 + 8 * half, 32 * cb + 8 * nt + 2 * t, y);
     }
   }
