@@ -258,7 +258,7 @@ __device__ __forceinline__ void store_row4_bf16(const float (&v)[4], __nv_bfloat
 
 // rotate_rows for a long tile's m-tiles, n-tile by n-tile: each n-tile's fragments (16 words and
 // 2 exponents a lane) are read from RotFragments (L1) once a tile instead of held in registers for
-// the kernel's life (72), so the long kernel fits 5 blocks an SM (94 registers) instead of 3; the
+// the kernel's life (72), so the long kernel fits 5 blocks an SM (90 registers) instead of 3; the
 // A fragments are read from shared memory once per (n-tile, m-tile), 4 times rotate_rows' count.
 template <int kRows, typename Out>
 __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, int mtiles, int n, const RotFragments* F,
