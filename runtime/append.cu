@@ -299,10 +299,77 @@ __device__ __forceinline__ void rotate_rows_by_ntile(const RotRows<kRows>& rr, i
   }
 }
 
+// The exponents of columns 8n + g of the warp's column block (n = 0..3), from rc.e (which holds
+// columns 8n + 2t and 8n + 2t + 1): the column exponents of rotate_rows8_swapped's accumulators.
+__device__ __forceinline__ void cols8_exponents(const RotCols& rc, int (&ecol)[4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int e0 = __shfl_sync(0xffffffffu, rc.e[n][0], g >> 1), e1 = __shfl_sync(0xffffffffu, rc.e[n][1], g >> 1);
+    ecol[n] = (g & 1) ? e1 : e0;
+  }
+}
+
+// Rows 0 .. nr - 1 (nr <= 8: a decode step's tile) of rr times the warp's column block cb, with the
+// MMA's operands swapped: R's bytes as A and the rows' as B, Yᵀ = Rᵀ·Xᵀ. A's m-tile mt is the block's
+// columns 16mt + g and 16mt + 8 + g, i.e. rc's n-tiles 2mt and 2mt + 1, whose B fragments are these A
+// fragments word for word; B's column g is row g. 2 m-tiles × 4 k-steps × 6 byte pairs = 48 MMAs
+// a warp, against 96 for rotate_rows' 16-row tile of which at most 8 rows are kept, and no padding
+// rows to zero (rows nr .. 7 are read, never stored: an output column depends on its row alone).
+// The integer sums are rotate_rows' (exact), so the bf16 values are the same. ecol:
+// cols8_exponents. Writes ys[row][32·cb + col] one bf16 at a time (a lane holds columns g, g + 8).
+template <int kTile>
+__device__ __forceinline__ void rotate_rows8_swapped(const RotRows<16>& rr, int nr, const RotCols& rc,
+                                                     const int (&ecol)[4], int cb, __nv_bfloat16 (&ys)[kTile][kD]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int acc[2][4][4];  // [m-tile][weight 2^24, 2^16, 2^8, 2^0][fragment element]
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[mt][c][0] = acc[mt][c][1] = acc[mt][c][2] = acc[mt][c][3] = 0;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    uint32_t b[3][2];  // row g's bytes of channels 32s + 4t .. and 32s + 16 + 4t .., per plane
+#pragma unroll
+    for (int pl = 0; pl < 3; ++pl) {
+      b[pl][0] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][g][32 * s + 4 * t]);
+      b[pl][1] = *reinterpret_cast<const uint32_t*>(&rr.plane[pl][g][32 * s + 16 + 4 * t]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint32_t h[4] = {rc.hi[2 * mt][s][0], rc.hi[2 * mt + 1][s][0], rc.hi[2 * mt][s][1],
+                             rc.hi[2 * mt + 1][s][1]};
+      const uint32_t l[4] = {rc.lo[2 * mt][s][0], rc.lo[2 * mt + 1][s][0], rc.lo[2 * mt][s][1],
+                             rc.lo[2 * mt + 1][s][1]};
+      mma_i8<true, true>(acc[mt][0], h, b[0][0], b[0][1]);    // R hi · X hi: 2^24
+      mma_i8<false, true>(acc[mt][1], l, b[0][0], b[0][1]);   // R lo · X hi: 2^16
+      mma_i8<true, false>(acc[mt][1], h, b[1][0], b[1][1]);   // R hi · X mid: 2^16
+      mma_i8<false, false>(acc[mt][2], l, b[1][0], b[1][1]);  // R lo · X mid: 2^8
+      mma_i8<true, false>(acc[mt][2], h, b[2][0], b[2][1]);   // R hi · X lo: 2^8
+      mma_i8<false, false>(acc[mt][3], l, b[2][0], b[2][1]);  // R lo · X lo: 2^0
+    }
+  }
+  // Element i of an m-tile's accumulators: column g (i < 2) or g + 8, row 2t + (i & 1).
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int row = 2 * t + c;
+    if (row >= nr) continue;
+    const int ex = rr.ex[row];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint16_t y = rot_acc_bf16(acc[mt], 2 * half + c, ex, ecol[2 * mt + half]);
+        ys[row][32 * cb + 16 * mt + 8 * half + g] = __ushort_as_bfloat16(y);
+      }
+  }
+}
+
 // One layer's append in one launch. A block owns one (KV head, side) and strides over tiles of
 // kTile items (the moves, then the window writes). Warp w rotates into output columns
 // 32w .. 32w + 31 of R in fixed point (rotate_kv.cuh): tiles of 4 keep its fragments in registers,
-// loaded before the wait on the preceding kernel (R does not depend on it); tiles of 64 read them
+// loaded before the wait on the preceding kernel (R does not depend on it), and rotate with R as
+// the MMA's A operand (rotate_rows8_swapped: half the MMAs of a 16-row tile); tiles of 64 read them
 // n-tile by n-tile (rotate_rows_by_ntile), which fits 5 blocks an SM instead of 3. Per tile, the
 // items that take a new row (x = k for side 0, v for side 1) have their rows put in fixed point by
 // warps, row by row, and rotated on the tensor cores into bf16 rows (kv_rotation.h's exact sums);
@@ -347,8 +414,12 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
   const In* x = side ? v : k;
   const RotFragments* R = side ? rot_v : rot_k;
   RotCols rc;
-  if constexpr (kTile <= 4)
-    if (R) load_rot_frags(R + h, w, rc);
+  int ecol[4];
+  if constexpr (kTile <= 8)
+    if (R) {
+      load_rot_frags(R + h, w, rc);
+      cols8_exponents(rc, ecol);
+    }
   pdl_wait();  // k and v may come from the preceding kernel (and the tables, counts_after_wait)
   pdl_launch_dependents();
   if (counts_after_wait) {
@@ -388,8 +459,9 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
     const int nr = n_rot, mtiles = (nr + 15) / 16;
     // The tile's new rows: in fixed point (then rotated together), or rounded to bf16.
     // Warp w takes rows w, w + 4, .., two at a time (both loads in flight together); with R, rows
-    // from nr up pad the last MMA tile and are written as zeros.
-    const int rows = R ? 16 * mtiles : nr;
+    // from nr up pad the last MMA tile of a long tile and are written as zeros (a short tile's
+    // swapped rotation needs no padding).
+    const int rows = R && kTile > 8 ? 16 * mtiles : nr;
     for (int r = w; r < rows; r += 2 * kWarps) {
       const int r1 = r + kWarps;
       float xv[2][4];
@@ -407,11 +479,11 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
     }
     if (R) {
       __syncthreads();
-      auto put = [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; };
-      if constexpr (kTile <= 4) {
-        for (int m = 0; m < mtiles; ++m) rotate_rows(xr, m, nr, rc, w, put);
+      if constexpr (kTile <= 8) {
+        rotate_rows8_swapped(xr, nr, rc, ecol, w, ys);
       } else {
-        rotate_rows_by_ntile(xr, mtiles, nr, R + h, w, put);
+        rotate_rows_by_ntile(xr, mtiles, nr, R + h, w,
+                             [&](int row, int col, uint32_t y) { *reinterpret_cast<uint32_t*>(&ys[row][col]) = y; });
       }
     }
     __syncthreads();

@@ -285,10 +285,27 @@ __device__ __forceinline__ uint32_t key_field_s8(uint32_t w, uint32_t w4, uint32
   if (kBits == 3) return lo | bit_to(x, f, 2 + sigma, 0x01010101u);  // code bit 2: ×4
   return lo | ((f < 2 ? x << 2 : x >> 2) & (m << 2));                // code bits 2-3: ×4
 }
-// The 1-bit plane's bit of channel j of each 16-bit half (byte j / 4, bit j % 4: code_pair's
-// channel j) at code_pair's place of field j, so that it enters an fp16 MMA as κ_j·bit.
+// Where a 1-bit plane holds the bit of channel j of each 16-bit half (code_pair's channel j):
+// byte j / 4, bit j % 4.
+__host__ __device__ constexpr int one_bit_pos(int j) { return 8 * (j >> 2) + (j & 3); }
+// That bit moved to code_pair's place of field j, so that it enters an fp16 MMA as κ_j·bit (the
+// keys' planes and a 3-bit value's second plane, which share an accumulator or a B operand scaled
+// for κ_j).
 __device__ __forceinline__ uint32_t bit_pair(uint32_t x, int j) {
-  return bit_to(x, 8 * (j >> 2) + (j & 3), j < 5 ? 2 * j : 2 * j - 6, 0x00010001u);
+  return bit_to(x, one_bit_pos(j), j < 5 ? 2 * j : 2 * j - 6, 0x00010001u);
+}
+// The same bit masked where it lies, one AND: alone, bit p of an fp16 is 2^(p - 24) for every
+// p <= 11 (a subnormal, or at p = 10, 11 the two smallest normals), so the operand is κ'_j·bit
+// with κ'_j = 2^(one_bit_pos(j) - 24). For a 1-bit value plane, whose MMA j has its own
+// accumulators (value_kappa_inv undoes κ'_j).
+__device__ __forceinline__ uint32_t bit_in_place(uint32_t x, int j) {
+  static_assert(one_bit_pos(7) <= 11, "bits above 11 reach the exponent's upper bits");
+  return x & (0x00010001u << one_bit_pos(j));
+}
+// 1/κ of value MMA j's operands at value width kVB (bit_in_place's for 1-bit values).
+template <int kVB>
+__host__ __device__ constexpr float value_kappa_inv(int j) {
+  return kVB == 1 ? float(1u << (24 - one_bit_pos(j))) : kappa_inv(j);
 }
 // Field j of a plane's word as fp16 subnormals κ_j·c (code_pair, or bit_pair for a 1-bit plane).
 template <bool kOneBit>
@@ -550,11 +567,16 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     const uint32_t hi_a = __byte_perm(vw[s][0], vw[s][1], 0x7632);
     const uint32_t lo_b = __byte_perm(vw[s][2], vw[s][3], 0x5410);
     const uint32_t hi_b = __byte_perm(vw[s][2], vw[s][3], 0x7632);
-    constexpr bool kOne = VPl::kFirstOneBit;
+    if (VPl::kFirstOneBit) {  // 1-bit values (no second plane): bits masked in place
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        mma_f16(st.o[j], bit_in_place(lo_a, j), bit_in_place(hi_a, j), bit_in_place(lo_b, j), bit_in_place(hi_b, j),
+                b01, b23);
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      mma_f16(st.o[j], plane_pair<kOne>(lo_a, j), plane_pair<kOne>(hi_a, j), plane_pair<kOne>(lo_b, j),
-              plane_pair<kOne>(hi_b, j), b01, b23);
+      mma_f16(st.o[j], code_pair(lo_a, j), code_pair(hi_a, j), code_pair(lo_b, j), code_pair(hi_b, j), b01, b23);
     if (VPl::kSecond) {
       const __half2 four = __float2half2_rn(4.0f);
       const __half2 q01 = __hmul2(u32_as_h2(b01), four), q23 = __hmul2(u32_as_h2(b23), four);
@@ -843,7 +865,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
         for (int hf = 0; hf < 2; ++hf) {
           const float o = st.o[j][c + 2 * hf];
           if (int2_path && kTable) v[8 * hf + j] = (o - st.spz[c]) * factor[c];  // Σ(p·s)·L(c) − Σ(p·s)·z
-          else if (int2_path) v[8 * hf + j] = (o * kappa_inv(j) - st.spz[c]) * factor[c];  // Σ(p·s)·c − Σ(p·s)·z
+          else if (int2_path)
+            v[8 * hf + j] = (o * value_kappa_inv<kVB>(j) - st.spz[c]) * factor[c];  // Σ(p·s)·c − Σ(p·s)·z
           else v[2 * j + hf] = o * factor[c];
         }
       float4* dst = reinterpret_cast<float4*>(slab + (2 * t + c) * kSlabRow + 16 * g);
