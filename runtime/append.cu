@@ -783,8 +783,8 @@ int resident(Kernel kernel, int threads) {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0), "append (CUDA): occupancy");
   return std::max(b, 1);
 }
-// Blocks of append_rows that one SM holds (its registers bound it: R's fixed-point fragments are
-// 64 of them in tiles of 4), asked once per activation type and tile.
+// Blocks of append_rows that one SM holds (its registers bound it: R's fixed-point fragments and
+// their exponents are 72 of them in tiles of 4), asked once per activation type and tile.
 template <int kTile>
 int resident_blocks(Activations act) {
   static const int n[2] = {resident(append_rows<float, kTile>, kAppThreads),

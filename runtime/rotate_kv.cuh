@@ -153,7 +153,7 @@ __device__ __forceinline__ void put_rot_row(const float (&v)[4], RotRows<kRows>&
 }
 
 // Row r of rr as zeros: what put_rot_row stores for a zero row, without its reductions (the padding
-// rows of a tile whose outputs are not kept: a decode step's tile of 1 row has 15). A warp calls.
+// rows of a long append tile's last 16-row MMA tile, whose outputs are not kept). A warp calls.
 template <int kRows>
 __device__ __forceinline__ void put_zero_row(RotRows<kRows>& rr, int r) {
   const int lane = threadIdx.x & 31;
