@@ -1,6 +1,8 @@
 // Prefill / extend benchmark of the INT2 paged cache (runtime/prefill.cu): T new tokens over a
 // context of ctx cached tokens, one layer, the whole call (rotations, attention, merge). CUDA
-// events around each call after warm-up (≥ 0.2 s), median of the repetitions; random codes with
+// events around each call after warm-up (≥ 0.2 s), median of the repetitions ("ms": the host's
+// planning and launches included, "host_ms" of it on the host; "graph_ms": the call captured in a
+// CUDA graph and replayed, as bench_sdpa.py times PyTorch); random codes with
 // sane scales and random BF16 windows. "TFLOP/s" counts the attention's QKᵀ and PV products (the
 // history plus the causal half of the new block), as flash-attention benchmarks do. Activations
 // (q, k, v in, the output out) in bfloat16, as engines call it, or float32; build 0 is the plan's
@@ -127,9 +129,11 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSp
     const std::vector<PrefillSequence> one{{seq, ctx, table.data(), T}};
     const size_t wsb = prefill_workspace_bytes(g, one, shape);
     DeviceBuffer<uint8_t> ws(wsb);
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     auto call = [&] {
       prefill_int2(g, cache.pages_base(), cache.windows_base(), 0, one, codecs.data(), shape, dq.data(), dkv.data(),
-                   dkv.data(), drot.data(), drot.data(), dfix.data(), dfix.data(), dout.data(), ws.data(), wsb, nullptr,
+                   dkv.data(), drot.data(), drot.data(), dfix.data(), dfix.data(), dout.data(), ws.data(), wsb, stream,
                    act);
     };
     // Warm-up: 3 calls and at least 0.2 s of them, so that the clocks have left idle (with 3 calls
@@ -137,30 +141,53 @@ void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSp
     const auto w0 = std::chrono::steady_clock::now();
     for (int i = 0; i < 3 || std::chrono::steady_clock::now() - w0 < std::chrono::milliseconds(200); ++i) {
       call();
-      CK(cudaDeviceSynchronize());
+      CK(cudaStreamSynchronize(stream));
     }
-    std::vector<float> times;
+    std::vector<float> times, graph_times, host;
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
-    for (int i = 0; i < reps; ++i) {
-      CK(cudaEventRecord(a));
-      call();
-      CK(cudaEventRecord(b));
+    auto timed = [&](std::vector<float>& out, auto&& fn) {
+      CK(cudaEventRecord(a, stream));
+      fn();
+      CK(cudaEventRecord(b, stream));
       CK(cudaEventSynchronize(b));
       float ms = 0;
       CK(cudaEventElapsedTime(&ms, a, b));
-      times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    const double ms = times[times.size() / 2];
+      out.push_back(ms);
+    };
+    for (int i = 0; i < reps; ++i)
+      timed(times, [&] {
+        const auto h0 = std::chrono::steady_clock::now();
+        call();
+        host.push_back(std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - h0).count());
+      });
+    // The call captured once in a CUDA graph and replayed (as engines run a step, and as
+    // bench_sdpa.py times PyTorch): the device's time without the host's planning and launches.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    call();
+    CK(cudaStreamEndCapture(stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, stream));
+    for (int i = 0; i < reps; ++i) timed(graph_times, [&] { CK(cudaGraphLaunch(exec, stream)); });
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    auto median = [](std::vector<float>& v) {
+      std::sort(v.begin(), v.end());
+      return double(v[v.size() / 2]);
+    };
+    const double ms = median(times), graph_ms = median(graph_times), host_ms = median(host);
     std::printf(
         "{\"bench\": \"prefill\", \"q_heads\": %d, \"kv_heads\": %d, \"ctx\": %d, \"T\": %d, \"warps\": \"%s\", "
-        "\"activations\": \"%s\", \"keys\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f}\n",
+        "\"activations\": \"%s\", \"keys\": \"%s\", \"ms\": %.4f, \"tokens_per_s\": %.0f, \"tflops\": %.1f, "
+        "\"graph_ms\": %.4f, \"host_ms\": %.4f}\n",
         n_heads, n_kv, ctx, T, build.name.c_str(), bf16 ? "bf16" : "f32", chan ? "per_channel" : "per_token", ms,
-        T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12);
+        T / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, graph_ms, host_ms);
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
+    CK(cudaStreamDestroy(stream));
   }
 }
 
