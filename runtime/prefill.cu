@@ -29,8 +29,9 @@
 //     they decode to (a per-page table per channel pair) and then take s = 1, z = 0 too.
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
 //     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
-//     through R_vᵀ. Every launch is a programmatic dependent one (launch_dependent): each kernel
-//     starts while its predecessor runs (a rotation splits its R into shared memory meanwhile).
+//     through R_vᵀ, but for sequences of few rows (T·r <= 256: short extends), which finish takes
+//     out itself (fp32 FMAs; one launch fewer). Every launch is a programmatic dependent one (launch_dependent): each
+//     kernel starts while its predecessor runs (a rotation splits its R into shared memory meanwhile).
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -112,7 +113,9 @@ constexpr int rot_terms() {
 }
 
 // Where a rotation's rows are, other than in the activations' layout: row p (of the launch's
-// range) of KV head h is row offset[e] + h·head_stride[e] + p, e the last segment with first[e] <= p.
+// range) of KV head h is row offset[e] + h·head_stride[e] + p, e the last segment with first[e] <= p;
+// -1 (not rotated here) where head_stride[e] is kSkipRows.
+constexpr int64_t kSkipRows = -1;
 struct RowMap {
   int n = 0;
   int64_t first[kLaunchSeqs];
@@ -125,7 +128,7 @@ struct RowMap {
       if (first[mid] <= p) lo = mid;
       else hi = mid - 1;
     }
-    return offset[lo] + h * head_stride[lo] + p;
+    return head_stride[lo] == kSkipRows ? -1 : offset[lo] + h * head_stride[lo] + p;
   }
 };
 
@@ -133,7 +136,7 @@ struct RowMap {
 // (tile blockIdx.x, then every gridDim.x-th: R is split into shared memory once per CTA). kIn: x
 // in the activations' layout (row p = token p / r, query head h·r + p % r), y the fp16 staging at
 // map's rows (the queries). Else x fp32 at map's rows and y in the activations' layout. fp16 saturates beyond ±65504
-// (NaN stays NaN).
+// (NaN stays NaN). Rows the map skips are neither read nor written.
 // kParts > 1 (few rows: a short extend's one tile a head): the columns are split over kParts CTAs,
 // CTA blockIdx.x % kParts taking columns [kD/kParts·part, +kD/kParts): each splits and multiplies
 // that slice of R only, so the tile's latency (R's fill first) is a kParts-th.
@@ -177,8 +180,8 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
       const int64_t p = p0 + tid;
       const int64_t act = ((p / r) * n_kv + h) * r + p % r;
       const int64_t mapped = map.row(p, h);
-      src_row[tid] = kIn ? act : mapped;
-      dst_row[tid] = kIn ? mapped : act;
+      src_row[tid] = mapped < 0 ? -1 : kIn ? act : mapped;
+      dst_row[tid] = mapped < 0 ? -1 : kIn ? mapped : act;
     }
     __syncthreads();  // (also: R's terms are in place)
     // The tile's rows into shared memory as bf16 terms, 16-byte loads issued together (one
@@ -190,7 +193,8 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
         const int e = tid + c * kThreads, i = e / (kD / 8), col = 8 * (e % (kD / 8));
-        u[c] = i < n ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + col)) : make_uint4(0, 0, 0, 0);
+        u[c] = i < n && src_row[i] >= 0 ? __ldg(reinterpret_cast<const uint4*>(x + src_row[i] * kD + col))
+                                        : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
@@ -203,7 +207,8 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
         const int e = tid + c * kThreads, i = e / (kD / 4), col = 4 * (e % (kD / 4));
-        f[c] = i < n ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + col)) : make_float4(0, 0, 0, 0);
+        f[c] = i < n && src_row[i] >= 0 ? __ldg(reinterpret_cast<const float4*>(x + src_row[i] * kD + col))
+                                        : make_float4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
@@ -250,7 +255,7 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = 16 * warp + g + 8 * half;
-      if (i >= n) continue;
+      if (i >= n || dst_row[i] < 0) continue;
       Out* dst = y + dst_row[i] * kD + col0 + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < kCols / 8; ++nt) {
@@ -394,43 +399,90 @@ __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, Fi
 }
 
 // O = (Σ_s O_s·2^(m_s − M)) / (Σ_s l_s·2^(m_s − M)) over a row's splits, written in fp32 over its
-// split-0 partial (rotate then takes it out through R_vᵀ); launched for sequences of several splits. a.fin_rows
+// split-0 partial; a sequence of one split was normalised by prefill_kernel. a.fin_rows
 // (<= kFinRows) rows per CTA, one after another: kFinRows for long extends, fewer when the rows are
 // few, so that the grid fills the GPU (a short extend's 8 rows a CTA took 12 us at 16 tokens over
 // 32K, each row's merge a chain of dependent loads). kSlices slices of kD threads merge disjoint
 // sets of splits (merge_run: one round of loads for up to kSlices·kChunk splits), so few dependent
 // loads are in series when there are many splits.
-constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
+// A sequence of few rows (kFinOutRows a KV head at most: a short extend) is also taken out through
+// R_vᵀ here, into out (the activations' layout), and the output rotation skips it: fp32 FMAs, R_vᵀ
+// read from L2 by every CTA (64 KB: less than a rotation launch's latency at few rows), each slice
+// of threads a quarter of the input channels, the slices summed in a fixed order. The choice is
+// the sequence's alone, so its output does not depend on the batch it comes in. kTakeOut: the launch
+// has such a sequence (without, the build holds no rotation: 32 registers, not 62, and the merge of
+// long extends keeps its occupancy).
+constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD, kFinOutRows = 256;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
-template <int kChunk>
-__global__ void __launch_bounds__(kFinThreads) finish(const __grid_constant__ PrefillArgs a) {
+__host__ __device__ constexpr bool out_in_finish(int rows) { return rows <= kFinOutRows; }
+template <int kChunk, bool kTakeOut, typename Out>
+__global__ void __launch_bounds__(kFinThreads)
+    finish(const __grid_constant__ PrefillArgs a, const float* rot_v_t, Out* out) {
   __shared__ float run_m[kFinRows][kSlices], run_l[kFinRows][kSlices];
   __shared__ float part[kSlices][kFinRows][kD];
+  __shared__ float merged[kFinRows][kD];
   pdl_wait();  // the partials come from prefill_kernel
   pdl_launch_dependents();
   const SeqArgs& sq = seq_of(a, blockIdx.x, [](const SeqArgs& e) { return e.fin0; });
-  if (sq.splits == 1) return;  // prefill_kernel normalised its rows
+  const bool take_out = kTakeOut && out_in_finish(sq.rows);
+  if (!take_out && sq.splits == 1) return;  // prefill_kernel normalised its rows
   const int rows = sq.rows, splits = sq.splits, n_kv = a.n_kv;
   const int h = blockIdx.y, p0 = (blockIdx.x - sq.fin0) * a.fin_rows, tid = threadIdx.x;
   const int j = tid % kD, slice = tid / kD;
   const int n = min(a.fin_rows, rows - p0);
   // Split s of row i: partial row part0 + (s·n_kv + h)·rows + p0 + i.
   const size_t row0 = size_t(sq.part0) + size_t(h) * rows + p0, split_stride = size_t(n_kv) * rows;
-  for (int i = 0; i < n; ++i) {
-    float m = -INFINITY, l = 0.0f, acc = 0.0f;
-    const size_t row = row0 + i;
-    merge_run<kChunk, kD>(
-        a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
-        kSlices, m, l, acc);
-    part[slice][i][j] = acc;
-    if (j == 0) {
-      run_m[i][slice] = m;
-      run_l[i][slice] = l;
+  if (splits > 1) {
+    for (int i = 0; i < n; ++i) {
+      float m = -INFINITY, l = 0.0f, acc = 0.0f;
+      const size_t row = row0 + i;
+      merge_run<kChunk, kD>(
+          a.part_o, a.part_ml, [row, split_stride](int s) { return size_t(s) * split_stride + row; }, j, splits, slice,
+          kSlices, m, l, acc);
+      part[slice][i][j] = acc;
+      if (j == 0) {
+        run_m[i][slice] = m;
+        run_l[i][slice] = l;
+      }
+    }
+    __syncthreads();  // every read of the rows' partials is done: split 0's rows take the result
+    for (int i = slice; i < n; i += kSlices) {  // every row sees its own token: its sum > 0
+      const float o = merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD);
+      a.part_o[(row0 + i) * kD + j] = o;
+      merged[i][j] = o;
+    }
+  } else {
+    for (int i = slice; i < n; i += kSlices) merged[i][j] = a.part_o[(row0 + i) * kD + j];
+  }
+  if (take_out) {
+    __syncthreads();  // the merged rows are in place; part is free
+    // Output column j, input channels c0 .. c0 + kD/kSlices - 1 of each row (rows past n: not stored).
+    constexpr int kPart = kD / kSlices;
+    const int c0 = slice * kPart;
+    const float* R = rot_v_t ? rot_v_t + size_t(h) * kD * kD : nullptr;
+    float acc[kFinRows];
+#pragma unroll
+    for (int i = 0; i < kFinRows; ++i) acc[i] = 0.0f;
+    if (R) {
+#pragma unroll 4
+      for (int c = c0; c < c0 + kPart; ++c) {
+        const float rv = __ldg(R + size_t(c) * kD + j);
+#pragma unroll
+        for (int i = 0; i < kFinRows; ++i) acc[i] = fmaf(merged[i][c], rv, acc[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kFinRows; ++i) part[slice][i][j] = acc[i];
+      __syncthreads();
+    }
+    for (int i = slice; i < n; i += kSlices) {
+      const float y = R ? (part[0][i][j] + part[1][i][j]) + (part[2][i][j] + part[3][i][j]) : merged[i][j];
+      // Row p0 + i of the sequence: new token token0 + (p0 + i) / r, query head h·r + (p0 + i) % r.
+      const int64_t p = sq.token0 * a.r + p0 + i;
+      const size_t act = size_t(((p / a.r) * n_kv + h) * a.r + p % a.r);
+      if constexpr (std::is_same<Out, float>::value) out[act * kD + j] = y;
+      else out[act * kD + j] = __float2bfloat16_rn(y);
     }
   }
-  __syncthreads();                          // every read of the rows' partials is done: split 0's rows take the result
-  for (int i = slice; i < n; i += kSlices)  // every row sees its own token: its sum > 0
-    a.part_o[(row0 + i) * kD + j] = merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1061,6 +1113,7 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     // past its window rows in the staging; their outputs' merged, unrotated rows (split 0's partials).
     RowMap staged_kv, merged;
     staged_kv.n = merged.n = int(c1 - c0);
+    int64_t short_rows = 0;  // rows a KV head that finish takes out itself
     for (size_t e = c0; e < c1; ++e) {
       const PrefillSeqPlan& sp = plan.seqs[size_t(live[e])];
       staged_kv.first[e - c0] = sp.token0;
@@ -1068,7 +1121,8 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
       staged_kv.head_stride[e - c0] = a.kv_rows;
       merged.first[e - c0] = sp.token0 * a.r;
       merged.offset[e - c0] = sp.part0 - sp.token0 * a.r;
-      merged.head_stride[e - c0] = sp.rows;
+      merged.head_stride[e - c0] = out_in_finish(sp.rows) ? kSkipRows : sp.rows;  // (finish takes those out)
+      if (out_in_finish(sp.rows)) short_rows += sp.rows;
     }
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
@@ -1082,8 +1136,10 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     a.n_seqs = int(order.size());
     // finish's rows per CTA: kFinRows, or fewer where that leaves the GPU short of two CTAs an SM.
     int64_t merged_rows = 0;
-    for (int i : order)
-      if (plan.seqs[size_t(i)].splits > 1) merged_rows += int64_t(plan.seqs[size_t(i)].rows) * n_kv;
+    for (int i : order) {
+      const PrefillSeqPlan& sp = plan.seqs[size_t(i)];
+      if (sp.splits > 1 || out_in_finish(sp.rows)) merged_rows += int64_t(sp.rows) * n_kv;
+    }
     a.fin_rows =
         int(std::clamp<int64_t>((merged_rows + 2 * multiprocessors() - 1) / (2 * multiprocessors()), 1, kFinRows));
     int ctas = 0, fin_ctas = 0, max_win = 0, max_splits = 0;
@@ -1127,11 +1183,18 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
       launch_dependent(prefill_kernel_of<4, 2>(one), grid, threads, Build<4, 2>::smem_bytes, stream, what, a);
     else launch_dependent(prefill_kernel_of<4, 1>(one), grid, threads, Build<4, 1>::smem_bytes, stream, what, a);
     const int chunk = merge_slice_chunk(max_splits);
-    const auto fin = chunk == 1 ? finish<1> : chunk == 4 ? finish<4> : finish<12>;
-    if (max_splits > 1)
-      launch_dependent(fin, dim3(fin_ctas, n_kv), dim3(kFinThreads), 0, stream, "prefill (CUDA): merge launch", a);
-    rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, out, merged,
-                       stream);
+    const auto fin = short_rows > 0 ? (chunk == 1   ? finish<1, true, Out>
+                                       : chunk == 4 ? finish<4, true, Out>
+                                                    : finish<12, true, Out>)
+                                    : (chunk == 1   ? finish<1, false, Out>
+                                       : chunk == 4 ? finish<4, false, Out>
+                                                    : finish<12, false, Out>);
+    if (max_splits > 1 || short_rows > 0)
+      launch_dependent(fin, dim3(fin_ctas, n_kv), dim3(kFinThreads), 0, stream, "prefill (CUDA): merge launch", a,
+                       rot_v_t, out);
+    if (short_rows < toks * a.r)  // (finish took every row out)
+      rotate_rows<false>(static_cast<const float*>(a.part_o), rot_v_t, tok0 * a.r, toks * a.r, n_kv, a.r, out, merged,
+                         stream);
   }
 }
 
