@@ -449,9 +449,9 @@ __global__ void __launch_bounds__(kFinThreads)
     for (int i = slice; i < n; i += kSlices) {  // every row sees its own token: its sum > 0
       const float o = merge_slices(run_m[i], run_l[i], &part[0][i][j], kFinRows * kD);
       a.part_o[(row0 + i) * kD + j] = o;
-      merged[i][j] = o;
+      if (take_out) merged[i][j] = o;
     }
-  } else {
+  } else {  // (one split: only a sequence taken out here gets this far)
     for (int i = slice; i < n; i += kSlices) merged[i][j] = a.part_o[(row0 + i) * kD + j];
   }
   if (take_out) {
