@@ -4,8 +4,9 @@ BF16 on the same shapes) from one `gpu_run.sh prefill` into prefill_results.md, 
 and kvcc build (warps; 0 is the plan's choice). "vs best causal" is the best causal SDPA backend's
 time over kvcc's: above 1, kvcc is faster. bench_sdpa.py times PyTorch as a CUDA graph's replay;
 "graph vs best causal" compares kvcc's call timed the same way ("graph ms"), the plain ratio its
-direct call, which also holds the host's planning and launches ("host ms" of it on the host). cuDNN without a mask computes every new token against
-every new token (more work than the causal mask) and is shown for reference only.
+direct call, which also holds the host's planning and launches ("host ms" of it on the host).
+cuDNN without a mask computes every new token against every new token (more work than the causal
+mask) and is shown for reference only.
 usage: prefill_report.py OUT_DIR [--activations bf16|f32|all]"""
 import argparse
 import json
