@@ -30,8 +30,9 @@
 //  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
 //     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
 //     through R_vᵀ, but for sequences of few rows (T·r <= 256: short extends), which finish takes
-//     out itself (fp32 FMAs; one launch fewer). Every launch is a programmatic dependent one (launch_dependent): each
-//     kernel starts while its predecessor runs (a rotation splits its R into shared memory meanwhile).
+//     out itself (fp32 FMAs; one launch fewer). Every launch is a programmatic dependent one
+//     (launch_dependent): each kernel starts while its predecessor runs (a rotation splits its R
+//     into shared memory meanwhile).
 // The host-side plan and workspace layout are runtime/plan.cpp's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
