@@ -1,18 +1,17 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
-// (their new tokens one after another in q, k, v and out). Five kernels, up to six launches for
-// up to kLaunchSeqs sequences; the batch's sequences and their offsets are kernel parameters
-// (PrefillArgs), so a launch needs no copy to the device:
+// (their new tokens one after another in q, k, v and out). Four kernels, up to five launches for
+// up to kLaunchSeqs sequences (a short extend: four); the batch's sequences and their offsets are
+// kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
-//  1. rotate: q·R_k per head into head-major fp16 staging ([n_kv][rows][d]; a query row is a
-//     (new token, query head of the group) pair), on the tensor cores (split bf16 terms);
-//     rotate_kv: k·R_k and v·R_v in one launch, as the append computes them (rotate_kv.cuh: exact
-//     fixed-point sums on the tensor cores, rounded to BF16), so the staged new keys and values
-//     are exactly what the ring will hold.
-//  2. stage_windows: the BF16 sink and ring (oldest first) in front of the new keys and values,
-//     widened to fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴
-//     they round).
-//  3. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
+//  1. stage_inputs, one launch of three roles: q·R_k per head into head-major fp16 staging
+//     ([n_kv][rows][d]; a query row is a (new token, query head of the group) pair), on the tensor
+//     cores (rotate_tiles: split bf16 terms; a long launch's queries: a rotate launch before);
+//     k·R_k and v·R_v as the append computes them (rotate_kv.cuh: exact fixed-point sums on the
+//     tensor cores, rounded to BF16), so the staged new keys and values are exactly what the ring
+//     will hold; the BF16 sink and ring (oldest first) in front of them (stage_windows), widened to
+//     fp16 (exact within fp16's normal range; beyond ±65504 they saturate, below 2⁻¹⁴ they round).
+//  2. prefill_kernel: flash-attention style on the warpgroup MMAs (wgmma, sm_90a), warp-specialised.
 //     One CTA = (sequence, key-range split, tile of 64·(MMA warpgroups) query rows, KV head: the
 //     fastest); every query head of the group shares the CTA's K/V tiles. Three builds (Build): 4
 //     or 8 MMA warps, and the 4-warp one at two CTAs an SM. A producer warpgroup
@@ -27,7 +26,7 @@
 //     q·k̂ = s·(q·x − z·Σq), Σ p·v̂ = Σ (p·s)·x − Σ (p·s)·z. fp16 rows use s = 1, z = 0, so one
 //     code path serves every tier. Per-channel key pages (KIVI's keys) are expanded to the values
 //     they decode to (a per-page table per channel pair) and then take s = 1, z = 0 too.
-//  4. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
+//  3. finish: log-sum-exp merge of the splits (runtime/merge.cuh, as decode's), normalisation (a
 //     sequence of one split is normalised by prefill_kernel); then rotate takes the rows out
 //     through R_vᵀ, but for sequences of few rows (T·r <= 256: short extends), which finish takes
 //     out itself (fp32 FMAs; one launch fewer). Every launch is a programmatic dependent one
@@ -65,6 +64,7 @@ constexpr int kPageBytes = kGpuMaxPageBytes;      // room for one (page, layer, 
 constexpr int kRawBlocks = 6;                     // such blocks in flight to the producer (Smem::raw)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
+constexpr int kShortRows = 256;                   // a short extend's query rows (T·r) a KV head, at most
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Two at once in one instruction (satfinite: beyond ±65504 the largest finite, NaN stays NaN); the
@@ -91,9 +91,9 @@ __device__ __forceinline__ uint32_t bf16x2_to_half2(uint32_t u) {
 // rate: one fp32 FMA per element and column (the rotations' first form) ran at ~8 TFLOP/s and took
 // half of a 4K prefill's time. A bf16 input is one term (3 MMAs per tile step instead of 6). No R
 // (no rotation artifacts) is the identity, on the same path.
-constexpr int kRotWarps = 8, kRotTile = 16 * kRotWarps;  // rows per tile: 16 per warp
-constexpr int kRotPitch = kD + 8;                        // bf16 per shared row: ldmatrix rows hit distinct banks
-constexpr int kRotParts = 4;                             // column slices of a tile when tiles are few (rotate)
+constexpr int kRotWarps = 8;       // the output rotation's warps (rotate); rows a tile: 16 a warp
+constexpr int kRotPitch = kD + 8;  // bf16 per shared row: ldmatrix rows hit distinct banks
+constexpr int kRotParts = 4;       // column slices of a tile when tiles are few
 
 // x ≈ t[0] + t[1] + t[2], each term the bf16 rounding of what the earlier ones leave (exact differences).
 __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 (&t)[3]) {
@@ -103,10 +103,12 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 (&t)[3]) {
   t[2] = __float2bfloat16_rn(rest - __bfloat162float(t[1]));
 }
 
-template <int kTerms>
+// A CTA's shared memory for tiles of kRows rows and its kCols output columns (from col0).
+template <int kTerms, int kRows, int kCols>
 struct RotSmem {
-  __nv_bfloat16 r[3][kD][kRotPitch];             // R's terms, r[j][c][n] (B operands by ldmatrix.trans)
-  __nv_bfloat16 x[kTerms][kRotTile][kRotPitch];  // the tile's rows, as kTerms terms (A operands)
+  __nv_bfloat16 r[3][kD][kCols + 8];          // R's terms, r[j][c][n − col0] (B operands by ldmatrix.trans)
+  __nv_bfloat16 x[kTerms][kRows][kRotPitch];  // the tile's rows, as kTerms terms (A operands)
+  int64_t src_row[kRows], dst_row[kRows];
 };
 template <typename In>
 constexpr int rot_terms() {
@@ -133,39 +135,38 @@ struct RowMap {
   }
 };
 
-// y = x·R[h] for KV head h = blockIdx.y and rows [row0, row0 + rows), in tiles of kRotTile rows
-// (tile blockIdx.x, then every gridDim.x-th: R is split into shared memory once per CTA). kIn: x
-// in the activations' layout (row p = token p / r, query head h·r + p % r), y the fp16 staging at
-// map's rows (the queries). Else x fp32 at map's rows and y in the activations' layout. fp16 saturates beyond ±65504
-// (NaN stays NaN). Rows the map skips are neither read nor written.
-// kParts > 1 (few rows: a short extend's one tile a head): the columns are split over kParts CTAs,
-// CTA blockIdx.x % kParts taking columns [kD/kParts·part, +kD/kParts): each splits and multiplies
-// that slice of R only, so the tile's latency (R's fill first) is a kParts-th.
-template <bool kIn, typename In, typename Out, int kParts>
-__global__ void __launch_bounds__(32 * kRotWarps, 1)
-    rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y,
-           const __grid_constant__ RowMap map) {
-  constexpr int kTerms = rot_terms<In>(), kCols = kD / kParts;
-  extern __shared__ __align__(128) uint8_t rot_smem[];
-  auto& s = *reinterpret_cast<RotSmem<kTerms>*>(rot_smem);
-  __shared__ int64_t src_row[kRotTile], dst_row[kRotTile];
-  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int col0 = kCols * (int(blockIdx.x) % kParts);
-  pdl_launch_dependents();  // the next rotation may split its R meanwhile
+// y = x·R[h] for KV head h and rows [row0, row0 + rows), in tiles of 16·kWarps rows, by CTA cta of
+// ctas (a multiple of kParts) for this head: tile cta / kParts, then every (ctas / kParts)-th (R is
+// split into shared memory once per CTA). kIn: x in the activations' layout (row p = token p / r,
+// query head h·r + p % r), y the fp16 staging at map's rows (the queries). Else x fp32 at map's
+// rows and y in the activations' layout. fp16 saturates beyond ±65504 (NaN stays NaN). Rows the
+// map skips are neither read nor written. kParts > 1 (few rows: a short extend's one tile a head):
+// the columns are split over kParts CTAs, CTA cta % kParts taking columns [kD/kParts·part,
+// +kD/kParts): each splits and multiplies that slice of R only, so the tile's latency (R's fill
+// first) is a kParts-th. smem: RotSmem<rot_terms<In>(), 16·kWarps, kD / kParts>.
+template <bool kIn, typename In, typename Out, int kWarps, int kParts>
+__device__ __forceinline__ void rotate_tiles(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r,
+                                             Out* y, const RowMap& map, int h, int cta, int ctas, uint8_t* smem) {
+  constexpr int kTerms = rot_terms<In>(), kCols = kD / kParts, kRows = 16 * kWarps, kThreads = 32 * kWarps;
+  auto& s = *reinterpret_cast<RotSmem<kTerms, kRows, kCols>*>(smem);
+  int64_t* src_row = s.src_row;
+  int64_t* dst_row = s.dst_row;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int col0 = kCols * (cta % kParts);
   // R's terms (the CTA's columns), kCols/8 column pairs a thread: their loads issued together (a
   // short extend's few CTAs wait for this fill first), coalesced, conflict-free stores.
   const float* R = rot ? rot + size_t(h) * kD * kD : nullptr;
-  constexpr int kPairs = kD * kCols / 2 / (32 * kRotWarps);
+  constexpr int kPairs = kD * kCols / 2 / kThreads;
   float2 pair[kPairs];
 #pragma unroll
   for (int u = 0; u < kPairs; ++u) {
-    const int e = tid + u * 32 * kRotWarps, c = e / (kCols / 2), n = col0 + 2 * (e % (kCols / 2));
+    const int e = tid + u * kThreads, c = e / (kCols / 2), n = col0 + 2 * (e % (kCols / 2));
     pair[u] = R ? __ldg(reinterpret_cast<const float2*>(R + size_t(c) * kD + n))
                 : make_float2(float(c == n), float(c == n + 1));
   }
 #pragma unroll
   for (int u = 0; u < kPairs; ++u) {
-    const int e = tid + u * 32 * kRotWarps, c = e / (kCols / 2), n = col0 + 2 * (e % (kCols / 2));
+    const int e = tid + u * kThreads, c = e / (kCols / 2), n = 2 * (e % (kCols / 2));
     __nv_bfloat16 lo[3], hi[3];
     split_bf16(pair[u].x, lo);
     split_bf16(pair[u].y, hi);
@@ -173,10 +174,10 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
     for (int j = 0; j < 3; ++j) *reinterpret_cast<__nv_bfloat162*>(&s.r[j][c][n]) = __halves2bfloat162(lo[j], hi[j]);
   }
   pdl_wait();  // x comes from the preceding kernel
-  const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
-  for (int64_t tile = blockIdx.x / kParts; tile < tiles; tile += gridDim.x / kParts) {
-    const int64_t p0 = row0 + tile * kRotTile;
-    const int n = int(min(int64_t(kRotTile), row0 + rows - p0));
+  const int64_t tiles = (rows + kRows - 1) / kRows;
+  for (int64_t tile = cta / kParts; tile < tiles; tile += ctas / kParts) {
+    const int64_t p0 = row0 + tile * kRows;
+    const int n = int(min(int64_t(kRows), row0 + rows - p0));
     if (tid < n) {
       const int64_t p = p0 + tid;
       const int64_t act = ((p / r) * n_kv + h) * r + p % r;
@@ -187,9 +188,8 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
     __syncthreads();  // (also: R's terms are in place)
     // The tile's rows into shared memory as bf16 terms, 16-byte loads issued together (one
     // round trip a tile, not one per load); rows past n are zero.
-    constexpr int kThreads = 32 * kRotWarps;
     if constexpr (kTerms == 1) {
-      constexpr int kLoads = kRotTile * (kD / 8) / kThreads;
+      constexpr int kLoads = kRows * (kD / 8) / kThreads;
       uint4 u[kLoads];
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
         *reinterpret_cast<uint4*>(&s.x[0][i][col]) = u[c];
       }
     } else {
-      constexpr int kLoads = kRotTile * (kD / 4) / kThreads;
+      constexpr int kLoads = kRows * (kD / 4) / kThreads;
       float4 f[kLoads];
 #pragma unroll
       for (int c = 0; c < kLoads; ++c) {
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, smem_addr(&s.r[j][k0 + lane % 8 + 8 * ((lane / 8) % 2)][col0 + n0 + 8 * (lane / 16)]));
+          ldmatrix_x4_trans(b, smem_addr(&s.r[j][k0 + lane % 8 + 8 * ((lane / 8) % 2)][n0 + 8 * (lane / 16)]));
 #pragma unroll
           for (int i = 0; i + j <= 2 && i < kTerms; ++i) {
             mma_bf16(acc[n0 / 8], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);
@@ -274,6 +274,18 @@ __global__ void __launch_bounds__(32 * kRotWarps, 1)
   }
 }
 
+// rotate_tiles of KV head blockIdx.y, 8 warps a CTA: the output, and the queries of a long launch
+// (stage_inputs rotates a short one's).
+template <bool kIn, typename In, typename Out, int kParts>
+__global__ void __launch_bounds__(32 * kRotWarps, 1)
+    rotate(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y,
+           const __grid_constant__ RowMap map) {
+  extern __shared__ __align__(128) uint8_t rot_smem[];
+  pdl_launch_dependents();  // the next rotation may split its R meanwhile
+  rotate_tiles<kIn, In, Out, kRotWarps, kParts>(x, rot, row0, rows, n_kv, r, y, map, blockIdx.y, blockIdx.x, gridDim.x,
+                                                rot_smem);
+}
+
 // A key/value tile's rows p0 .. p0 + n - 1 of KV head h (n returned, at most tile_rows): thread i < n
 // records row i's input row ((token, KV head) of [T, n_kv, d]) and its staging row; the caller
 // syncs before reading them.
@@ -285,68 +297,6 @@ __device__ __forceinline__ int kv_tile_rows(int64_t row0, int64_t rows, int64_t 
     dst_row[i] = map.row(p0 + i, h);
   }
   return n;
-}
-
-// The key and value sides of a rotate_kv launch (blockIdx.z: 0 keys, 1 values): both in one
-// launch, so that a short extend pays one kernel boundary for them, not two.
-template <typename In>
-struct KvSides {
-  const In* x[2];
-  const RotFragments* rot[2];
-  __half* y[2];
-};
-
-// New keys and values: x·R[h] as the append computes it (rotate_kv.cuh: kv_rotation.h's exact
-// fixed-point sums on int8 MMAs, rounded to bf16), so the staged rows are exactly what the ring
-// will hold (a key one bf16 step off moves a peaked softmax: the tensor cores' truncating fp32
-// sums landed on another bf16 value in a few elements per thousand). A CTA of 4 warps, warp w
-// output columns 32w .. + 31 (R's fixed-point fragments in registers, loaded before the wait on
-// the preceding kernel), takes tiles of up to kKvRows rows of KV head blockIdx.y, side blockIdx.z,
-// every gridDim.x-th: warps put the rows in fixed point, then rotate them in 16-row MMA tiles into
-// map's rows of the fp16 staging (fp16 of the bf16 value). Without R: fp16(bf16(x)).
-constexpr int kKvRows = 64, kKvThreads = 128;
-template <typename In>
-__global__ void __launch_bounds__(kKvThreads, 2)
-    rotate_kv(const KvSides<In> sides, int64_t row0, int64_t rows, int n_kv, const __grid_constant__ RowMap map) {
-  const bool side = blockIdx.z;  // (selects: an indexed parameter array would go through local memory)
-  const In* x = side ? sides.x[1] : sides.x[0];
-  const RotFragments* rot = side ? sides.rot[1] : sides.rot[0];
-  __half* y = side ? sides.y[1] : sides.y[0];
-  __shared__ __align__(16) RotRows<kKvRows> xr;
-  __shared__ int64_t src_row[kKvRows], dst_row[kKvRows];
-  const int h = blockIdx.y, w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  pdl_launch_dependents();
-  RotCols rc;
-  if (rot) load_rot_frags(rot + h, w, rc);
-  pdl_wait();  // x comes from the preceding kernel
-  const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    __syncthreads();  // the previous tile's rows are consumed
-    const int n = kv_tile_rows(row0, rows, row0 + tile * kKvRows, kKvRows, n_kv, h, map, src_row, dst_row);
-    __syncthreads();
-    const int mtiles = (n + 15) / 16;
-    for (int r = w; r < (rot ? 16 * mtiles : n); r += kKvThreads / 32) {
-      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (r < n)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) xv[u] = load_activation(x + src_row[r] * kD + 4 * lane + u);
-      if (rot) {
-        put_rot_row(xv, xr, r);
-      } else {
-        const float2 a = __bfloat1622float2(__floats2bfloat162_rn(xv[0], xv[1]));
-        const float2 b = __bfloat1622float2(__floats2bfloat162_rn(xv[2], xv[3]));
-        *reinterpret_cast<uint2*>(y + dst_row[r] * kD + 4 * lane) =
-            make_uint2(pack_half2(a.x, a.y), pack_half2(b.x, b.y));
-      }
-    }
-    if (!rot) continue;
-    __syncthreads();
-    for (int m = 0; m < mtiles; ++m)
-      rotate_rows(xr, m, n, rc, w, [&](int row, int col, uint32_t yb) {
-        *reinterpret_cast<uint32_t*>(y + dst_row[row] * kD + col) =
-            pack_half2(float_from_bf16(uint16_t(yb & 0xffffu)), float_from_bf16(uint16_t(yb >> 16)));
-      });
-  }
 }
 
 // One sequence of a launch: where its rows are in the staging, the partials and the output, and
@@ -387,6 +337,129 @@ struct PrefillArgs {
   SeqArgs seq[kLaunchSeqs];
 };
 
+// The key and value sides of a rotate_kv launch (blockIdx.z: 0 keys, 1 values): both in one
+// launch, so that a short extend pays one kernel boundary for them, not two.
+template <typename In>
+struct KvSides {
+  const In* x[2];
+  const RotFragments* rot[2];
+  __half* y[2];
+};
+
+constexpr int kKvRows = 64, kKvThreads = 128;  // rotate_kv's rows a tile, threads a CTA
+
+// Rows i0 .. i0 + kKvRows - 1 of sequence sq's BF16 windows of one layer, KV head h and side (sink
+// rows, then the ring oldest first), widened to fp16 into the sequence's first win_rows rows of the
+// key/value staging, ahead of its new tokens (exact within fp16's range; beyond ±65504 they
+// saturate): 16 threads a row, 16-byte chunks, the CTA's loads issued together. In the new keys'
+// and values' launch (rotate_kv), as CTAs of their own: one kernel boundary fewer for a short extend.
+__device__ __forceinline__ void stage_windows(const PrefillArgs& a, const __nv_bfloat16* windows, const SeqArgs& sq,
+                                              int i0, int h, int side) {
+  constexpr int kPerPass = kKvThreads / 16, kPasses = kKvRows / kPerPass;
+  const KvGeometry& geo = a.geo;
+  const __nv_bfloat16* win = windows + geo.window_block_elem(sq.seq_slot, a.layer, h);
+  const int chunk = threadIdx.x % 16;
+  pdl_wait();  // (the windows come from earlier kernels, complete once the preceding one is)
+  uint4 u[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = i0 + kPerPass * p + int(threadIdx.x) / 16;
+    if (i >= sq.win_rows) continue;
+    const __nv_bfloat16* src = i < sq.sink_count
+                                   ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
+                                   : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
+                                         size_t(ring_slot(geo, sq.hist_tokens + (i - sq.sink_count))) * kD;
+    u[p] = reinterpret_cast<const uint4*>(src)[chunk];
+  }
+  __half* dst = (side ? a.v : a.k) + (size_t(h) * a.kv_rows + sq.kv0) * kD;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = i0 + kPerPass * p + int(threadIdx.x) / 16;
+    if (i >= sq.win_rows) continue;
+    const uint4 w =
+        make_uint4(bf16x2_to_half2(u[p].x), bf16x2_to_half2(u[p].y), bf16x2_to_half2(u[p].z), bf16x2_to_half2(u[p].w));
+    reinterpret_cast<uint4*>(dst + size_t(i) * kD)[chunk] = w;
+  }
+}
+
+// New keys and values: x·R[h] as the append computes it (rotate_kv.cuh: kv_rotation.h's exact
+// fixed-point sums on int8 MMAs, rounded to bf16), so the staged rows are exactly what the ring
+// will hold (a key one bf16 step off moves a peaked softmax: the tensor cores' truncating fp32
+// sums landed on another bf16 value in a few elements per thousand). A CTA of 4 warps, warp w
+// output columns 32w .. + 31 (R's fixed-point fragments in registers, loaded before the wait on
+// the preceding kernel), takes tiles of up to kKvRows rows of KV head h and side (0 keys, 1
+// values), tile cta, then every ctas-th: warps put the rows in fixed point, then rotate them in
+// 16-row MMA tiles into map's rows of the fp16 staging (fp16 of the bf16 value). Without R:
+// fp16(bf16(x)).
+struct KvSmem {
+  RotRows<kKvRows> xr;
+  int64_t src_row[kKvRows], dst_row[kKvRows];
+};
+template <typename In>
+__device__ __forceinline__ void rotate_kv(const KvSides<In>& sides, int64_t row0, int64_t rows, int n_kv,
+                                          const RowMap& map, int h, int side, int cta, int ctas, KvSmem& s) {
+  const In* x = side ? sides.x[1] : sides.x[0];  // (selects: an indexed parameter array would go through local memory)
+  const RotFragments* rot = side ? sides.rot[1] : sides.rot[0];
+  __half* y = side ? sides.y[1] : sides.y[0];
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  RotCols rc;
+  if (rot) load_rot_frags(rot + h, w, rc);
+  pdl_wait();  // x comes from the preceding kernel
+  const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
+  for (int64_t tile = cta; tile < tiles; tile += ctas) {
+    __syncthreads();  // the previous tile's rows are consumed
+    const int n = kv_tile_rows(row0, rows, row0 + tile * kKvRows, kKvRows, n_kv, h, map, s.src_row, s.dst_row);
+    __syncthreads();
+    const int mtiles = (n + 15) / 16;
+    for (int r = w; r < (rot ? 16 * mtiles : n); r += kKvThreads / 32) {
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (r < n)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) xv[u] = load_activation(x + s.src_row[r] * kD + 4 * lane + u);
+      if (rot) {
+        put_rot_row(xv, s.xr, r);
+      } else {
+        const float2 f01 = __bfloat1622float2(__floats2bfloat162_rn(xv[0], xv[1]));
+        const float2 f23 = __bfloat1622float2(__floats2bfloat162_rn(xv[2], xv[3]));
+        *reinterpret_cast<uint2*>(y + s.dst_row[r] * kD + 4 * lane) =
+            make_uint2(pack_half2(f01.x, f01.y), pack_half2(f23.x, f23.y));
+      }
+    }
+    if (!rot) continue;
+    __syncthreads();
+    for (int m = 0; m < mtiles; ++m)
+      rotate_rows(s.xr, m, n, rc, w, [&](int row, int col, uint32_t yb) {
+        *reinterpret_cast<uint32_t*>(y + s.dst_row[row] * kD + col) =
+            pack_half2(float_from_bf16(uint16_t(yb & 0xffffu)), float_from_bf16(uint16_t(yb >> 16)));
+      });
+  }
+}
+
+// Everything the attention reads besides the pages, staged in one launch (a short extend's only
+// kernel boundary before the attention; three launches, the first form, cost it ~6 us): per
+// (KV head h = blockIdx.y, z = blockIdx.z), CTAs x < q_ctas rotate the queries (rotate_tiles, 4
+// warps, tiles of 64 rows in kRotParts column slices: CTA 2x + z of 2·q_ctas), the next kv_ctas the
+// new keys (z = 0) or values (z = 1) (rotate_kv), the rest the windows of side z, win_ctas CTAs a
+// sequence (stage_windows). The roles share the dynamic shared memory.
+template <typename In>
+__global__ void __launch_bounds__(kKvThreads, 2)
+    stage_inputs(const In* q, const float* rot_q, const __grid_constant__ RowMap q_map, int q_ctas,
+                 const KvSides<In> sides, int64_t row0, int64_t rows, const __grid_constant__ RowMap kv_map,
+                 int kv_ctas, const __grid_constant__ PrefillArgs a, const __nv_bfloat16* windows, int win_ctas) {
+  extern __shared__ __align__(128) uint8_t stage_smem[];
+  pdl_launch_dependents();
+  const int x = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+  if (x < q_ctas) {
+    rotate_tiles<true, In, __half, kKvThreads / 32, kRotParts>(q, rot_q, 0, a.q_rows, a.n_kv, a.r, a.q, q_map, h,
+                                                               2 * x + z, 2 * q_ctas, stage_smem);
+  } else if (x < q_ctas + kv_ctas) {
+    rotate_kv(sides, row0, rows, a.n_kv, kv_map, h, z, x - q_ctas, kv_ctas, *reinterpret_cast<KvSmem*>(stage_smem));
+  } else {
+    const int w = x - q_ctas - kv_ctas;
+    stage_windows(a, windows, a.seq[w / win_ctas], (w % win_ctas) * kKvRows, h, z);
+  }
+}
+
 // The launch's sequence of CTA x: the last one whose first CTA (cta0 or fin0) is <= x.
 template <class First>
 __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, First first) {
@@ -406,16 +479,16 @@ __device__ __forceinline__ const SeqArgs& seq_of(const PrefillArgs& a, int x, Fi
 // 32K, each row's merge a chain of dependent loads). kSlices slices of kD threads merge disjoint
 // sets of splits (merge_run: one round of loads for up to kSlices·kChunk splits), so few dependent
 // loads are in series when there are many splits.
-// A sequence of few rows (kFinOutRows a KV head at most: a short extend) is also taken out through
+// A sequence of few rows (kShortRows a KV head at most: a short extend) is also taken out through
 // R_vᵀ here, into out (the activations' layout), and the output rotation skips it: fp32 FMAs, R_vᵀ
 // read from L2 by every CTA (64 KB: less than a rotation launch's latency at few rows), each slice
 // of threads a quarter of the input channels, the slices summed in a fixed order. The choice is
 // the sequence's alone, so its output does not depend on the batch it comes in. kTakeOut: the launch
 // has such a sequence (without, the build holds no rotation: 32 registers, not 62, and the merge of
 // long extends keeps its occupancy).
-constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD, kFinOutRows = 256;
+constexpr int kFinRows = 8, kSlices = 4, kFinThreads = kSlices * kD;
 static_assert(kSlices == 4, "merge_slices combines 4 runs");
-__host__ __device__ constexpr bool out_in_finish(int rows) { return rows <= kFinOutRows; }
+__host__ __device__ constexpr bool out_in_finish(int rows) { return rows <= kShortRows; }
 template <int kChunk, bool kTakeOut, typename Out>
 __global__ void __launch_bounds__(kFinThreads)
     finish(const __grid_constant__ PrefillArgs a, const float* rot_v_t, Out* out) {
@@ -488,31 +561,6 @@ __global__ void __launch_bounds__(kFinThreads)
 
 // ---------------------------------------------------------------------------------------------
 // Attention.
-
-// The BF16 windows of one layer and sequence in logical order (sink rows, then the ring oldest
-// first), widened to fp16 into the sequence's first win_rows rows of the key/value staging, ahead
-// of its new tokens (exact within fp16's range; beyond ±65504 they saturate). grid (the launch's
-// most window rows, n_kv, sequences), 32 threads: 16-byte chunks of the K and V rows.
-__global__ void __launch_bounds__(32)
-    stage_windows(const __grid_constant__ PrefillArgs a, const __nv_bfloat16* windows) {
-  pdl_wait();  // (the windows come from earlier kernels, complete once the preceding one is)
-  pdl_launch_dependents();
-  const SeqArgs& sq = a.seq[blockIdx.z];
-  const int i = blockIdx.x, h = blockIdx.y, side = threadIdx.x / 16, chunk = threadIdx.x % 16;
-  if (i >= sq.win_rows) return;
-  const KvGeometry& geo = a.geo;
-  const __nv_bfloat16* win = windows + geo.window_block_elem(sq.seq_slot, a.layer, h);
-  const __nv_bfloat16* src = i < sq.sink_count ? win + (side ? geo.v_sink_elem() : geo.k_sink_elem()) + size_t(i) * kD
-                                               : win + (side ? geo.v_ring_elem() : geo.k_ring_elem()) +
-                                                     size_t(ring_slot(geo, sq.hist_tokens + (i - sq.sink_count))) * kD;
-  uint4 u = reinterpret_cast<const uint4*>(src)[chunk];
-  u.x = bf16x2_to_half2(u.x);
-  u.y = bf16x2_to_half2(u.y);
-  u.z = bf16x2_to_half2(u.z);
-  u.w = bf16x2_to_half2(u.w);
-  __half* dst = side ? a.v : a.k;
-  reinterpret_cast<uint4*>(dst + (size_t(h) * a.kv_rows + sq.kv0 + i) * kD)[chunk] = u;
-}
 
 // A stage's code values from a block of other widths than 2 / 2 (uniform grids: level tables are
 // 2-bit codes), for the producer thread's word `xword` of rows xrow + 16·q (q < 4), keys then
@@ -1030,7 +1078,7 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
 // Every launch of a prefill is a programmatic dependent launch: the grid may start while its
 // predecessor runs (a rotation splits its R meanwhile, the attention sets up its barriers), and
 // each kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote. A short
-// extend is six kernels of a few microseconds each; launched plainly, each also paid the one
+// extend is four kernels of a few microseconds each; launched plainly, each also paid the one
 // before it draining.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -1054,31 +1102,41 @@ template <bool kIn, typename In, typename Out>
 void rotate_rows(const In* x, const float* rot, int64_t row0, int64_t rows, int n_kv, int r, Out* y, const RowMap& map,
                  cudaStream_t stream) {
   if (rows == 0) return;
-  constexpr size_t kSmem = sizeof(RotSmem<rot_terms<In>()>);
+  constexpr int kTile = 16 * kRotWarps, kTerms = rot_terms<In>();
+  constexpr size_t kSmem[2] = {sizeof(RotSmem<kTerms, kTile, kD>), sizeof(RotSmem<kTerms, kTile, kD / kRotParts>)};
   static const cudaError_t attribute[2] = {
-      cudaFuncSetAttribute(rotate<kIn, In, Out, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)),
-      cudaFuncSetAttribute(rotate<kIn, In, Out, kRotParts>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem))};
+      cudaFuncSetAttribute(rotate<kIn, In, Out, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem[0])),
+      cudaFuncSetAttribute(rotate<kIn, In, Out, kRotParts>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(kSmem[1]))};
   for (const cudaError_t e : attribute) check_cuda(e, "prefill (CUDA): the rotation's shared memory attribute");
-  const int64_t tiles = (rows + kRotTile - 1) / kRotTile;
+  const int64_t tiles = (rows + kTile - 1) / kTile;
   // Fewer tiles than a quarter of the SMs: each tile's columns split over kRotParts CTAs.
   const bool split = tiles * n_kv * kRotParts <= multiprocessors();
   const dim3 grid(
       split ? unsigned(tiles * kRotParts) : unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))),
       unsigned(n_kv));
-  launch_dependent(split ? rotate<kIn, In, Out, kRotParts> : rotate<kIn, In, Out, 1>, grid, dim3(32 * kRotWarps), kSmem,
-                   stream, "prefill (CUDA): rotation launch", x, rot, row0, rows, n_kv, r, y, map);
+  launch_dependent(split ? rotate<kIn, In, Out, kRotParts> : rotate<kIn, In, Out, 1>, grid, dim3(32 * kRotWarps),
+                   kSmem[split], stream, "prefill (CUDA): rotation launch", x, rot, row0, rows, n_kv, r, y, map);
 }
 
-// New keys and values through R into the staging, both in one launch: a CTA per 64 rows of a
-// (KV head, side), up to a wave (two CTAs an SM).
+// stage_inputs' launch: per (KV head, side), 2·q_ctas query CTAs (with_q: a's queries, kRotParts a
+// 64-row tile, up to a wave of tiles), a CTA per 64 rows of the new keys or values (up to a wave,
+// two CTAs an SM), then win_ctas a sequence of a (max_win rows at most).
 template <typename In>
-void rotate_kv_rows(const KvSides<In>& sides, int64_t row0, int64_t rows, int n_kv, const RowMap& map,
-                    cudaStream_t stream) {
-  if (rows == 0) return;
-  const int64_t tiles = (rows + kKvRows - 1) / kKvRows;
-  launch_dependent(
-      rotate_kv<In>, dim3(unsigned(std::min<int64_t>(tiles, std::max(1, multiprocessors() / n_kv))), unsigned(n_kv), 2),
-      dim3(kKvThreads), 0, stream, "prefill (CUDA): key/value rotation launch", sides, row0, rows, n_kv, map);
+void stage_inputs_launch(const In* q, const float* rot_q, const RowMap& q_map, bool with_q, const KvSides<In>& sides,
+                         int64_t row0, int64_t rows, const RowMap& kv_map, const PrefillArgs& a,
+                         const __nv_bfloat16* windows, int max_win, cudaStream_t stream) {
+  constexpr size_t kSmem = std::max(sizeof(KvSmem), sizeof(RotSmem<rot_terms<In>(), kKvRows, kD / kRotParts>));
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(stage_inputs<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  check_cuda(attribute, "prefill (CUDA): the staging's shared memory attribute");
+  const int64_t wave = std::max(1, multiprocessors() / a.n_kv);
+  const int q_ctas = with_q ? int(std::min<int64_t>((a.q_rows + kKvRows - 1) / kKvRows, wave)) * kRotParts / 2 : 0;
+  const int kv_ctas = int(std::min<int64_t>((rows + kKvRows - 1) / kKvRows, wave));
+  const int win_ctas = (max_win + kKvRows - 1) / kKvRows;
+  launch_dependent(stage_inputs<In>, dim3(unsigned(q_ctas + kv_ctas + win_ctas * a.n_seqs), unsigned(a.n_kv), 2),
+                   dim3(kKvThreads), kSmem, stream, "prefill (CUDA): input staging launch", q, rot_q, q_map, q_ctas,
+                   sides, row0, rows, kv_map, kv_ctas, a, windows, std::max(win_ctas, 1));
 }
 
 void check_scope(const KvGeometry& g, int layer, const std::vector<PrefillSequence>& seqs, const PrefillShape& shape) {
@@ -1103,7 +1161,10 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
   staged_q.n = 1;
   staged_q.first[0] = staged_q.offset[0] = 0;
   staged_q.head_stride[0] = a.q_rows;
-  rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, a.q, staged_q, stream);
+  // A short launch's queries (every sequence's) go with the first inputs' staging; a long one's
+  // take a launch of their own (the 4-warp quarter-column tiles would load each row four times).
+  const bool q_with_inputs = a.q_rows <= kShortRows;
+  if (!q_with_inputs) rotate_rows<true>(q, rot_k, 0, a.q_rows, n_kv, a.r, a.q, staged_q, stream);
   std::vector<int> live;  // sequences with new tokens
   for (size_t i = 0; i < seqs.size(); ++i)
     if (seqs[i].T > 0) live.push_back(int(i));
@@ -1128,7 +1189,6 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
     const PrefillSeqPlan& first = plan.seqs[size_t(live[c0])];
     const PrefillSeqPlan& last = plan.seqs[size_t(live[c1 - 1])];
     const int64_t tok0 = first.token0, toks = last.token0 + last.T - tok0;
-    rotate_kv_rows(KvSides<In>{{k, v}, {fixed_k, fixed_v}, {a.k, a.v}}, tok0, toks, n_kv, staged_kv, stream);
     // The launch's sequences, those with the longest splits first (they start first).
     std::vector<int> order(live.begin() + long(c0), live.begin() + long(c1));
     std::stable_sort(order.begin(), order.end(), [&plan](int x, int y) {
@@ -1171,9 +1231,9 @@ void launch_prefill(const KvGeometry& g, const uint16_t* windows, const std::vec
       max_win = std::max(max_win, sp.win_rows);
       max_splits = std::max(max_splits, sp.splits);
     }
-    if (max_win > 0)
-      launch_dependent(stage_windows, dim3(max_win, n_kv, a.n_seqs), dim3(32), 0, stream,
-                       "prefill (CUDA): window staging launch", a, reinterpret_cast<const __nv_bfloat16*>(windows));
+    stage_inputs_launch(q, rot_k, staged_q, q_with_inputs && c0 == 0,
+                        KvSides<In>{{k, v}, {fixed_k, fixed_v}, {a.k, a.v}}, tok0, toks, staged_kv, a,
+                        reinterpret_cast<const __nv_bfloat16*>(windows), max_win, stream);
     KVCC_REQUIRE(int64_t(ctas) * n_kv < (int64_t(1) << 31), "prefill (CUDA): too many query tiles in one launch");
     const dim3 grid(unsigned(ctas * n_kv)), threads(32 * plan.warps + kProducer);
     const bool one = a.n_seqs == 1;
