@@ -351,8 +351,8 @@ constexpr int kKvRows = 64, kKvThreads = 128;  // rotate_kv's rows a tile, threa
 // Rows i0 .. i0 + kKvRows - 1 of sequence sq's BF16 windows of one layer, KV head h and side (sink
 // rows, then the ring oldest first), widened to fp16 into the sequence's first win_rows rows of the
 // key/value staging, ahead of its new tokens (exact within fp16's range; beyond ±65504 they
-// saturate): 16 threads a row, 16-byte chunks, the CTA's loads issued together. In the new keys'
-// and values' launch (rotate_kv), as CTAs of their own: one kernel boundary fewer for a short extend.
+// saturate): 16 threads a row, 16-byte chunks, the CTA's loads issued together. CTAs of the
+// staging launch (stage_inputs), not a kernel of their own: one kernel boundary fewer.
 __device__ __forceinline__ void stage_windows(const PrefillArgs& a, const __nv_bfloat16* windows, const SeqArgs& sq,
                                               int i0, int h, int side) {
   constexpr int kPerPass = kKvThreads / 16, kPasses = kKvRows / kPerPass;
@@ -436,11 +436,12 @@ __device__ __forceinline__ void rotate_kv(const KvSides<In>& sides, int64_t row0
 }
 
 // Everything the attention reads besides the pages, staged in one launch (a short extend's only
-// kernel boundary before the attention; three launches, the first form, cost it ~6 us): per
+// kernel boundary before the attention; as three launches a call over 4K took 5% longer): per
 // (KV head h = blockIdx.y, z = blockIdx.z), CTAs x < q_ctas rotate the queries (rotate_tiles, 4
-// warps, tiles of 64 rows in kRotParts column slices: CTA 2x + z of 2·q_ctas), the next kv_ctas the
-// new keys (z = 0) or values (z = 1) (rotate_kv), the rest the windows of side z, win_ctas CTAs a
-// sequence (stage_windows). The roles share the dynamic shared memory.
+// warps, tiles of 64 rows in kRotParts column slices: CTA 2x + z of 2·q_ctas; none when a launch
+// of its own rotated them), the next kv_ctas the new keys (z = 0) or values (z = 1) (rotate_kv), the
+// rest the windows of side z, win_ctas CTAs a sequence (stage_windows). The roles share the
+// dynamic shared memory.
 template <typename In>
 __global__ void __launch_bounds__(kKvThreads, 2)
     stage_inputs(const In* q, const float* rot_q, const __grid_constant__ RowMap q_map, int q_ctas,
