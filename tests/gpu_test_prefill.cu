@@ -244,6 +244,17 @@ TEST(GpuPrefill, MatchesReferenceGqa4) {
   std::printf("prefill, 4 heads per KV head, default plan: worst %.2e\n", worst);
 }
 
+// One-token extends of every tier shape, 78 at 2 query heads a KV head: 156 query rows, so the
+// first launch's input staging rotates every sequence's queries while the keys, values and windows
+// of the last 14 go in a second launch; bit for bit against each sequence alone (2 splits each).
+TEST(GpuPrefill, ManyOneTokenExtendsInTwoLaunches) {
+  Caches c(test_geometry(1, 2), 256, 10, false);
+  std::vector<Case> cases;
+  for (const Case& cs : standard_cases(c)) cases.push_back({cs.seq, 1});
+  const double worst = check_prefill(c, cases, 4, 0, 2, 4, true, 6, true);
+  std::printf("prefill, 78 one-token extends, 2 heads per KV head: worst %.2e\n", worst);
+}
+
 TEST(GpuPrefill, MatchesReferenceGqa8EightWarpsSplits) {
   Caches c(test_geometry(1, 2), 256, 10, false);
   const auto cases = standard_cases(c);
