@@ -1,7 +1,7 @@
 // Prefill / extend attention over the paged mixed-precision cache (semantics: prefill_ref in
 // runtime/attention_ref.cpp; docs/runtime.md "Prefill / extend"), for a ragged batch of sequences
 // (their new tokens one after another in q, k, v and out). Four kernels, up to five launches for
-// up to kLaunchSeqs sequences (a short extend: four); the batch's sequences and their offsets are
+// up to kLaunchSeqs sequences (a short extend: three); the batch's sequences and their offsets are
 // kernel parameters (PrefillArgs), so a launch needs no copy to the device:
 //
 //  1. stage_inputs, one launch of three roles: q·R_k per head into head-major fp16 staging
@@ -1079,7 +1079,7 @@ PrefillPlan plan_of(const KvGeometry& g, const std::vector<PrefillSequence>& seq
 // Every launch of a prefill is a programmatic dependent launch: the grid may start while its
 // predecessor runs (a rotation splits its R meanwhile, the attention sets up its barriers), and
 // each kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote. A short
-// extend is four kernels of a few microseconds each; launched plainly, each also paid the one
+// extend is three kernels of a few microseconds each; launched plainly, each also paid the one
 // before it draining.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
