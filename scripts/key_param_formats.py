@@ -59,8 +59,26 @@ def byte_scale_int8_zero(e_bits, m_bits, bias, zero_steps):
     return fmt
 
 
+def page_log_scale(steps, up):
+    """A byte of log2 steps (steps an octave) below the page's largest scale (fp16), rounded up (the
+    range always covered) or to nearest, and an fp16 zero: 3 bytes a channel."""
+
+    def fmt(lo, hi):
+        s = (hi - lo) / 3
+        top = f16(s.max())
+        u = -steps * np.log2(np.maximum(s, 1e-30) / top)
+        s = (top * np.exp2(-np.clip(np.floor(u) if up else np.round(u), 0, 255) / steps)).astype(np.float32)
+        s = np.where(s > 0, s, 1.0)
+        return s, f16(-lo / s)
+
+    return fmt
+
+
 FORMATS = {
     "fp16 scale + fp16 zero (4 B)": fp16_pair,
+    "page log-scale/16 up + fp16 zero (3 B)": page_log_scale(16, True),
+    "page log-scale/32 up + fp16 zero (3 B)": page_log_scale(32, True),
+    "page log-scale/32 nearest + fp16 zero (3 B)": page_log_scale(32, False),
     "e5m3 scale + int8 zero/4 (2 B)": byte_scale_int8_zero(5, 3, 15, 4),
     "e4m4 scale + int8 zero/4 (2 B)": byte_scale_int8_zero(4, 4, 10, 4),
     "e5m3 scale + int8 zero/2 (2 B)": byte_scale_int8_zero(5, 3, 15, 2),
