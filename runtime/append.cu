@@ -35,9 +35,10 @@ using WindowWrite = AppendWindowWrite;
 // broadcast. 15 rounds of 4 shuffles; counting ranks (each value against all 128) took 128
 // shuffles and 1024 compares, most of a long append's time.
 // (Not inlined: fitted and published clips take the path below; this one stays out of the hot
-// code, which it would double.)
-__device__ __noinline__ float warp_kth_smallest(float a[4], int k) {
+// code, which it would double. The values by value: an array would go through local memory.)
+__device__ __noinline__ float warp_kth_smallest(float4 v, int k) {
   const int lane = threadIdx.x & 31;
+  float a[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int size = 2; size <= 4 * 32; size <<= 1)
 #pragma unroll
@@ -67,26 +68,32 @@ __device__ __noinline__ float warp_kth_smallest(float a[4], int k) {
 }
 
 // The same value when it is among the 16 largest (k >= 113: the clip ratios fitted and published
-// are 0.92 or more, k >= 117): m = 129 - k rounds of a warp maximum (redux.sync on the bit
-// patterns, which order non-negative floats as integers), each taking one copy of the largest
-// left out of the lowest lane holding it. a: |x| (a NaN takes key 0: never above a number).
+// are 0.92 or more, k >= 117): each lane sorts its 4 keys (the bit patterns of |x|, which order
+// non-negative floats as integers; a NaN takes key 0: never above a number), then m = 129 - k
+// rounds of a warp maximum of the lanes' largest (redux.sync), each popping that key off the lowest
+// lane holding it: round m's maximum is the m-th largest, copies counted.
 constexpr int kTopRounds = 16;
 // N rows at once (one k: one head and side), their latency chains interleaved.
 template <int N>
 __device__ __forceinline__ void warp_kth_smallest_of_top(const float (&a)[N][4], int k, float (&thr)[N]) {
-  const int lane = threadIdx.x & 31, m = 4 * 32 + 1 - k;
+  const unsigned lane_bit = 1u << (threadIdx.x & 31);
+  const int m = 4 * 32 + 1 - k;
   unsigned key[N][4];
 #pragma unroll
-  for (int n = 0; n < N; ++n)
+  for (int n = 0; n < N; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) key[n][e] = isnan(a[n][e]) ? 0u : __float_as_uint(a[n][e]);
+    auto order = [&](int i, int j) {  // key[n][i] >= key[n][j]
+      const unsigned hi = max(key[n][i], key[n][j]), lo = min(key[n][i], key[n][j]);
+      key[n][i] = hi;
+      key[n][j] = lo;
+    };
+    order(0, 1), order(2, 3), order(0, 2), order(1, 3), order(1, 2);
+  }
   for (int round = 1;; ++round) {
-    unsigned mine[N], w[N];
+    unsigned w[N];
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-      mine[n] = max(max(key[n][0], key[n][1]), max(key[n][2], key[n][3]));
-      w[n] = __reduce_max_sync(0xffffffffu, mine[n]);
-    }
+    for (int n = 0; n < N; ++n) w[n] = __reduce_max_sync(0xffffffffu, key[n][0]);
     if (round == m) {
 #pragma unroll
       for (int n = 0; n < N; ++n) thr[n] = __uint_as_float(w[n]);
@@ -94,12 +101,12 @@ __device__ __forceinline__ void warp_kth_smallest_of_top(const float (&a)[N][4],
     }
 #pragma unroll
     for (int n = 0; n < N; ++n) {
-      const unsigned holders = __ballot_sync(0xffffffffu, mine[n] == w[n]);
-      if (lane == __ffs(holders) - 1) {
-        if (key[n][0] == w[n]) key[n][0] = 0u;
-        else if (key[n][1] == w[n]) key[n][1] = 0u;
-        else if (key[n][2] == w[n]) key[n][2] = 0u;
-        else key[n][3] = 0u;
+      const unsigned holders = __ballot_sync(0xffffffffu, key[n][0] == w[n]);
+      if ((holders & (0u - holders)) == lane_bit) {  // (selects, not a branch)
+        key[n][0] = key[n][1];
+        key[n][1] = key[n][2];
+        key[n][2] = key[n][3];
+        key[n][3] = 0u;
       }
     }
   }
@@ -114,9 +121,11 @@ __device__ __forceinline__ float ordered_float(int k) { return __int_as_float(k 
 
 // Writes one row of codes at `bits` bits (kv_layout.h's bit planes) from a warp whose lane l holds
 // the codes of channels 4l .. 4l + 3: in a 2-bit plane they are byte l; in the 1-bit plane lanes l
-// and l + 16 share byte l % 16 (low and high nibble). Out of line: 2-bit pools never call it.
-__device__ __noinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8_t* row) {
+// and l + 16 share byte l % 16 (low and high nibble). codes4: byte e is channel 4l + e's code (by
+// value: an array would go through local memory). Out of line: 2-bit pools never call it.
+__device__ __noinline__ void pack_row(uint32_t codes4, int bits, uint8_t* row) {
   const int lane = threadIdx.x & 31;
+  const uint8_t codes[4] = {uint8_t(codes4), uint8_t(codes4 >> 8), uint8_t(codes4 >> 16), uint8_t(codes4 >> 24)};
   int off = 0;
   for (int cb = 0; cb + 2 <= bits; cb += 2, off += kD / 4)  // 2-bit planes: code bits cb, cb + 1
     row[off + lane] = uint8_t(((codes[0] >> cb) & 3) | (((codes[1] >> cb) & 3) << 2) | (((codes[2] >> cb) & 3) << 4) |
@@ -131,8 +140,14 @@ __device__ __noinline__ void pack_row(const uint8_t (&codes)[4], int bits, uint8
   }
 }
 
-// A row on the 4-level table (oscar-lm; not inlined: out of the uniform grid's hot code).
-__device__ __noinline__ GroupParams table_codes(const float (&x)[4], const SideCodec& codec, uint8_t (&codes)[4]) {
+// A row on the 4-level table (oscar-lm; not inlined: out of the uniform grid's hot code; in and
+// out by value, as arrays would go through local memory).
+struct TableRow {
+  GroupParams prm;
+  uint8_t codes[4];
+};
+__device__ __noinline__ TableRow table_codes(float4 v, const SideCodec& codec) {
+  const float x[4] = {v.x, v.y, v.z, v.w};
   // The sum of squares in codec_scalar's order (channel 0 upwards), unfused, so the scale is
   // bit-identical to the host's.
   float ss = 0.0f;
@@ -146,9 +161,34 @@ __device__ __noinline__ GroupParams table_codes(const float (&x)[4], const SideC
     sh = f16_from_float(1.0f);
     s = 1.0f;
   }
+  TableRow r{GroupParams{sh, 0}, {}};
 #pragma unroll
-  for (int e = 0; e < 4; ++e) codes[e] = table_code(x[e] / s, codec.levels, 4);
-  return GroupParams{sh, 0};
+  for (int e = 0; e < 4; ++e) r.codes[e] = table_code(x[e] / s, codec.levels, 4);
+  return r;
+}
+
+// What a block's rows of one (KV head, side) share: the codec, its clip rank, the code width and
+// where a row's codes and parameters sit in a page block (computed once a block: the 64-bit
+// offsets, an integer division and the clip rank's double arithmetic would otherwise be per row).
+struct SideDest {
+  const SideCodec* codec;
+  int use_table;         // the codec's level table (else the uniform grid)
+  int k;                 // the clip threshold's rank among |x| (uniform grid)
+  int bits;              // code width (a level table: 2, check_layer_blocks)
+  int row_bytes;         // one code row
+  size_t codes, params;  // offsets in the page block
+};
+__device__ SideDest side_dest(int side, int h, const KvGeometry& geo, const LayerBlocks& lb, const HeadCodec* codecs) {
+  const BlockWidths wd = lb.widths;
+  SideDest d;
+  d.codec = side ? &codecs[h].value : &codecs[h].key;
+  d.use_table = d.codec->use_table;
+  d.k = clip_rank(double(d.codec->clip_ratio), kD);
+  d.bits = side ? wd.value : wd.key;
+  d.row_bytes = int(geo.code_row_bytes(d.bits));
+  d.codes = side ? geo.v_codes_offset(wd) : geo.k_codes_offset();
+  d.params = side ? geo.v_params_offset(wd) : geo.k_params_offset(wd);
+  return d;
 }
 
 // One warp: clip + quantise + pack N rows (codec_scalar.h semantics), their latency chains
@@ -159,21 +199,27 @@ static_assert(kD == 4 * 32 && kGpuCodeRowBytes == 32, "one warp per row: 4 chann
 // layer's blocks lb.
 template <int N>
 __device__ void quantize_rows(const __nv_bfloat16* const (&src)[N], const int (&page)[N], const int (&row_in_page)[N],
-                              int side, int h, const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages,
-                              const HeadCodec* codecs) {
+                              int h, const SideDest& d, const LayerBlocks& lb, uint8_t* pages) {
   const int lane = threadIdx.x & 31;
   float x[N][4];
 #pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[n][e] = __bfloat162float(src[n][4 * lane + e]);
-  const SideCodec& codec = side ? codecs[h].value : codecs[h].key;
-  const int bits = side ? lb.widths.value : lb.widths.key;  // (a level table: 2, check_layer_blocks)
+  for (int n = 0; n < N; ++n) {  // (one 8-byte load a lane: rows are whole 256-byte rows)
+    const uint2 b = reinterpret_cast<const uint2*>(src[n])[lane];
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.y));
+    x[n][0] = lo.x, x[n][1] = lo.y, x[n][2] = hi.x, x[n][3] = hi.y;
+  }
+  const int bits = d.bits;
   GroupParams prm[N];
   uint8_t codes[N][4];
-  if (codec.use_table) {
+  if (d.use_table) {
 #pragma unroll
-    for (int n = 0; n < N; ++n) prm[n] = table_codes(x[n], codec, codes[n]);
+    for (int n = 0; n < N; ++n) {
+      const TableRow r = table_codes(make_float4(x[n][0], x[n][1], x[n][2], x[n][3]), *d.codec);
+      prm[n] = r.prm;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) codes[n][e] = r.codes[e];
+    }
   } else {
     // Clip threshold: the k-th smallest |x| (any exact selection gives codec_scalar's value).
     float a[N][4], thr[N];
@@ -181,12 +227,11 @@ __device__ void quantize_rows(const __nv_bfloat16* const (&src)[N], const int (&
     for (int n = 0; n < N; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[n][e] = fabsf(x[n][e]);
-    const int k = clip_rank(double(codec.clip_ratio), kD);  // (one per head and side: the branch is the warp's)
-    if (k > 4 * 32 - kTopRounds) {
-      warp_kth_smallest_of_top(a, k, thr);
+    if (d.k > 4 * 32 - kTopRounds) {  // (one k per head and side: the branch is the warp's)
+      warp_kth_smallest_of_top(a, d.k, thr);
     } else {
 #pragma unroll
-      for (int n = 0; n < N; ++n) thr[n] = warp_kth_smallest(a[n], k);
+      for (int n = 0; n < N; ++n) thr[n] = warp_kth_smallest(make_float4(a[n][0], a[n][1], a[n][2], a[n][3]), d.k);
     }
 #pragma unroll
     for (int n = 0; n < N; ++n) {
@@ -209,23 +254,20 @@ __device__ void quantize_rows(const __nv_bfloat16* const (&src)[N], const int (&
   }
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    const BlockWidths wd = lb.widths;
     uint8_t* blk = pages + lb.block_offset(page[n], h);
-    uint8_t* row = blk + (side ? geo.v_codes_offset(wd) : geo.k_codes_offset()) +
-                   size_t(row_in_page[n]) * geo.code_row_bytes(bits);
+    uint8_t* row = blk + d.codes + size_t(row_in_page[n]) * d.row_bytes;
     if (bits == 2) row[lane] = uint8_t(codes[n][0] | (codes[n][1] << 2) | (codes[n][2] << 4) | (codes[n][3] << 6));
-    else pack_row(codes[n], bits, row);
+    else pack_row(codes[n][0] | (codes[n][1] << 8) | (codes[n][2] << 16) | (uint32_t(codes[n][3]) << 24), bits, row);
     if (lane == 0) {
-      uint16_t* params = reinterpret_cast<uint16_t*>(blk + (side ? geo.v_params_offset(wd) : geo.k_params_offset(wd)));
+      uint16_t* params = reinterpret_cast<uint16_t*>(blk + d.params);
       params[2 * row_in_page[n]] = prm[n].scale;
       params[2 * row_in_page[n] + 1] = prm[n].zero;
     }
   }
 }
-__device__ __forceinline__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int side, int h,
-                                             const KvGeometry& geo, const LayerBlocks& lb, uint8_t* pages,
-                                             const HeadCodec* codecs) {
-  quantize_rows<1>({src}, {page}, {row_in_page}, side, h, geo, lb, pages, codecs);
+__device__ __forceinline__ void quantize_row(const __nv_bfloat16* src, int page, int row_in_page, int h,
+                                             const SideDest& d, const LayerBlocks& lb, uint8_t* pages) {
+  quantize_rows<1>({src}, {page}, {row_in_page}, h, d, lb, pages);
 }
 
 // The ring row of window slot seq_slot that holds ring slot `slot`.
@@ -430,6 +472,7 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
   // Per-channel key pages are written whole by quantize_key_pages (launched before): the key side's
   // moves are done, its window writes remain.
   const bool skip_moves = side == 0 && geo.per_channel_keys();
+  const SideDest dest = side_dest(side, h, geo, lb, codecs);
   // The input row of item u, or -1 (a move from the old ring, or one done already).
   auto new_row = [&](int item) {
     if (item < n_moves) {
@@ -500,15 +543,13 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
       if (item < n_moves) {
         if (skip_moves) return;
         const Move mv = moves[item];
-        if (const __nv_bfloat16* src = move_row(mv, u))
-          quantize_row(src, mv.page, mv.row, side, h, geo, lb, pages, codecs);
+        if (const __nv_bfloat16* src = move_row(mv, u)) quantize_row(src, mv.page, mv.row, h, dest, lb, pages);
         return;  // from_ring 2: its window write moves it
       }
       const WindowWrite wr = writes[item - n_moves];
       if (wr.move >= 0 && !skip_moves) {
         const Move mv = moves[wr.move];
-        quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, side, h, geo, lb,
-                     pages, codecs);
+        quantize_row(ring_row(geo, windows, mv.seq_slot, layer, h, side, mv.src), mv.page, mv.row, h, dest, lb, pages);
         __syncwarp();  // every lane has read the slot's old row
       }
       __nv_bfloat16* win = windows + geo.window_block_elem(wr.seq_slot, layer, h);
@@ -525,7 +566,7 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
         const Move m0 = moves[i0 + u], m1 = moves[i0 + u1];
         const __nv_bfloat16 *s0 = move_row(m0, u), *s1 = move_row(m1, u1);
         if (s0 && s1) {
-          quantize_rows<2>({s0, s1}, {m0.page, m1.page}, {m0.row, m1.row}, side, h, geo, lb, pages, codecs);
+          quantize_rows<2>({s0, s1}, {m0.page, m1.page}, {m0.row, m1.row}, h, dest, lb, pages);
           continue;
         }
       }

@@ -22,16 +22,15 @@ constexpr int kRotD = 128;
 constexpr int kRotRowBytes = kRotD + 16;
 constexpr int kRotBadRow = INT_MIN;  // a row exponent: the row holds NaN or inf (rotates to NaN)
 
-// rot_bf16 with the rounding on the conversion unit: f = RN24(t) (one I2F), then RN8 of f, which is
-// RN8(t) unless f sits exactly on a bf16 tie (t may be on either side of it: rot_bf16 then), and the
-// scale added to the exponent field where the result stays a normal bf16 (else rot_bf16).
+// rot_bf16 on the conversion unit: t (|t| < 2^53) is exact in double, and so is t·2^shift
+// (|shift| < 1000 keeps it in double's normal range); its one rounding to bf16 (cvt.rn: ties to
+// even, subnormals, overflow to inf) is rot_bf16's. Three instructions, no branch (the rotations'
+// |t| < 2^45 and |shift| < 400: rot_acc_bf16).
 __device__ __forceinline__ uint16_t rot_bf16_fast(int64_t t, int shift) {
-  const uint32_t u = __float_as_uint(__ll2float_rn(t));
-  const int e = int((u >> 23) & 0xff);  // t != 0: 127 + its leading bit (t < 2^62)
-  if ((u & 0xffffu) == 0x8000u || t == 0 || e + shift < 1 + 1 || e + shift > 254 - 1) return rot_bf16(t, shift);
-  const uint32_t b = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RN8 of f (a carry moves the exponent)
-  const uint32_t r = b + (uint32_t(shift) << 7);
-  return uint16_t(((r & 0x7f80u) >= 0x7f80u) ? ((b & 0x8000u) | 0x7f80u) : r);
+  const double y = __ll2double_rn(t) * __longlong_as_double(static_cast<long long>(1023 + shift) << 52);
+  uint16_t h;
+  asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(h) : "d"(y));
+  return h;
 }
 
 // Up to kRows rows in fixed point: the byte planes of X = hi·2^16 + mid·2^8 + lo (hi s8, the others
@@ -190,7 +189,8 @@ __device__ __forceinline__ void rot_mma_kstep(int (&acc)[4][4], const uint32_t (
 // Fragment element i of a tile's accumulators as bf16: the exact sum rounded once, for a row of
 // exponent ex (kRotBadRow: NaN) and a column of exponent e.
 __device__ __forceinline__ uint16_t rot_acc_bf16(const int (&acc)[4][4], int i, int ex, int e) {
-  // (each partial below 2^31: hi < 2^28, lo < 2^30 + 2^23)
+  // (each partial below 2^31: hi < 2^28, lo < 2^30 + 2^23; the sum below 2^45. ex and e lie in
+  // [-148, 128]: float exponents)
   const int32_t hi = acc[0][i] * 256 + acc[1][i], lo = acc[2][i] * 256 + acc[3][i];
   const int64_t sum = (int64_t(hi) << 16) + int64_t(lo);
   return ex == kRotBadRow ? kRotNaN : rot_bf16_fast(sum, ex + e - kRotXBits - kRotRBits);

@@ -18,6 +18,7 @@
 #include "runtime/append_ref.h"
 #include "runtime/attention_ref.h"
 #include "runtime/kv_cache.h"
+#include "runtime/rotate_kv.cuh"
 #include "runtime/cuda_util.cuh"
 #include "runtime/kv_kernels.h"
 #include "runtime/served.h"
@@ -525,6 +526,60 @@ TEST(GpuFormats, Fp16ConversionsMatchHostBits) {
       ADD_FAILURE() << "float_from_f16(0x" << std::hex << i << "): device 0x" << back[i] << ", host 0x"
                     << f32_bits(float_from_f16(uint16_t(i)));
   EXPECT_EQ(wrong, 0);
+}
+
+// The rotations' rounding on the device (rotate_kv.cuh's rot_bf16_fast: a double and one cvt.rn)
+// gives the host's rot_bf16 bits (integer rounding) for the sums and shifts the rotations make
+// (|t| < 2^45, shifts of two float exponents less 36): around every bf16 rounding boundary at
+// results from below the subnormals to past the largest bf16 (ties both ways, one off each side,
+// long runs of ones that carry into the exponent), zero, and a random spread.
+__global__ void rot_bf16_conversions(const int64_t* t, const int* shift, uint16_t* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = rot_bf16_fast(t[i], shift[i]);
+}
+TEST(GpuFormats, RotationRoundingMatchesHostBits) {
+  std::vector<int64_t> t;
+  std::vector<int> sh;
+  auto add = [&](int64_t v, int s) {
+    for (int64_t x : {v, -v}) {
+      t.push_back(x);
+      sh.push_back(s);
+    }
+  };
+  for (int lead = 0; lead <= 44; lead += 4)  // t's leading bit
+    for (int e = -140; e <= 130; ++e) {      // the result's exponent (bf16 subnormals below -126)
+      const int s = e - lead;
+      if (s < -332 || s > 220) continue;
+      const int64_t top = int64_t(1) << lead;
+      add(top, s);
+      add(2 * top - 1, s);  // all ones: rounds up into the next exponent
+      // Rounding boundaries `cut` bits below the top of a value with some bits below its top.
+      const int64_t body = top | (int64_t(0x5a5a5a5a5a5a) & (top - 1));
+      for (int cut = 1; cut <= lead; ++cut) {
+        const int64_t half = int64_t(1) << (cut - 1), kept = body >> cut << cut;
+        for (int64_t d : {half - 1, half, half + 1}) add(kept + d, s);
+        add((kept ^ (int64_t(1) << cut)) + half, s);  // the tie with the other last kept bit
+      }
+    }
+  add(0, -300);
+  add(0, 100);
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 200000; ++i) add(int64_t(rng() >> (19 + rng() % 45)), int(rng() % 553) - 332);
+  const int n = int(t.size());
+  DeviceBuffer<int64_t> dt(t);
+  DeviceBuffer<int> ds(sh);
+  DeviceBuffer<uint16_t> dout(t.size());
+  CUDA_OK(cudaMemset(dout.data(), 0xff, t.size() * 2));
+  rot_bf16_conversions<<<(n + 255) / 256, 256>>>(dt.data(), ds.data(), dout.data(), n);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint16_t> out(t.size());
+  CUDA_OK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
+  int wrong = 0;
+  for (int i = 0; i < n; ++i)
+    if (out[i] != rot_bf16(t[i], sh[i]) && ++wrong <= 8)
+      ADD_FAILURE() << "rot_bf16(" << t[i] << ", " << sh[i] << "): device 0x" << std::hex << out[i] << ", host 0x"
+                    << rot_bf16(t[i], sh[i]);
+  EXPECT_EQ(wrong, 0) << "of " << n;
 }
 
 // The launchers ask the same table as the Runtime (runtime/served.h) and name what they refuse;
