@@ -168,7 +168,7 @@ struct Config {
 // per-channel key pages (one group per page, KIVI's keys).
 KvGeometry geometry(int hkv, bool chan = false) {
   KvGeometry g = gpu_geometry(1, hkv);
-  if (chan) g.key_group_tokens = g.page_tokens;
+  if (chan) g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   return g;
 }
 

@@ -75,7 +75,7 @@ std::vector<BuildSpec> parse_builds(const std::string& s) {
 void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSpec>& builds, bool bf16, int reps,
                 bool chan) {
   KvGeometry g = gpu_geometry(1, n_kv);
-  if (chan) g.key_group_tokens = g.page_tokens;
+  if (chan) g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   // Shapes the kernels do not serve are skipped with the table's reason.
   if (const std::string why = gpu_unsupported_reason(g, n_heads, kGpuPrefill); !why.empty()) {
     std::fprintf(stderr, "prefill %d:%d:%d:%d skipped: %s\n", n_heads, n_kv, ctx, T, why.c_str());

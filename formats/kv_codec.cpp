@@ -81,6 +81,15 @@ void uniform_roundtrip_strided(const float* x, int g, int stride, double clip_ra
   for (int i = 0; i < g; ++i) out[size_t(i) * stride] = uniform_dequant(c[i], s, z);
 }
 
+// KIVI's per-channel keys with key_params=e5m3: one channel's g values (stride apart), the pair in
+// two bytes (codec_scalar.h ChanParams), as the runtime's per-channel key pages hold them.
+void chan_roundtrip_strided(const float* x, int g, int stride, int bits, float* out) {
+  std::vector<uint8_t> c(static_cast<size_t>(g));
+  const ChanParams p = quantize_chan(x, g, stride, bits, c.data());
+  const float s = p.scale_value(), z = p.zero_value();
+  for (int i = 0; i < g; ++i) out[size_t(i) * stride] = uniform_dequant(c[size_t(i)], s, z);
+}
+
 std::vector<float> checked_levels(const std::vector<double>& levels, int bits, const char* what) {
   KVCC_REQUIRE(int(levels.size()) == (1 << bits), std::string("artifact: ") + what + " has " +
                                                       std::to_string(levels.size()) + " levels, expected " +
@@ -195,6 +204,8 @@ double ratio(const std::vector<double>& s) {
 
 const char* kv_side_name(KvSide side) { return side == KvSide::Key ? "key" : "value"; }
 
+bool e5m3_key_pairs(const Recipe& recipe) { return param(recipe, "key_params", "fp16") == "e5m3"; }
+
 Recipe side_recipe(const Recipe& recipe, KvSide side) {
   const auto it = recipe.params.find("values");
   if (side != KvSide::Value || it == recipe.params.end() || method_of(recipe) != Method::Kivi) return recipe;
@@ -281,10 +292,12 @@ void roundtrip_rotated(const Recipe& recipe, const SideArtifact& side, KvSide wh
       const int bits = side_code_bits(recipe, side, which);
       if (which == KvSide::Key) {
         const int gt = recipe.group > 0 ? recipe.group : n;
+        const bool e5m3 = e5m3_key_pairs(recipe);
         for (int t0 = 0; t0 < n; t0 += gt) {
           const int len = std::min(gt, n - t0);
           for (int c = 0; c < d; ++c)
-            uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
+            if (e5m3) chan_roundtrip_strided(y + size_t(t0) * d + c, len, d, bits, out + size_t(t0) * d + c);
+            else uniform_roundtrip_strided(y + size_t(t0) * d + c, len, d, 1.0, bits, out + size_t(t0) * d + c);
         }
       } else if (recipe.params.count("values")) {  // mixed recipe: the grid method's value codec
         roundtrip_rotated(side_recipe(recipe, which), side, which, d, y, n, out);
@@ -429,10 +442,11 @@ double history_bits(const Recipe& recipe, KvSide which, int d) {
     case CodecFamily::KiviChannel: {
       if (which == KvSide::Value && recipe.params.count("values"))
         return history_bits(side_recipe(recipe, which), which, d);  // grid: b + 32/d
-      // Keys: one scale/zero per channel per G_t tokens, a group never longer than the page (the
-      // codec caps it there); values: per token per G channels.
+      // Keys: one scale/zero per channel per G_t tokens (fp16, or 2 bytes with key_params=e5m3), a
+      // group never longer than the page (the codec caps it there); values: per token per G channels.
       const double gk = recipe.group > 0 ? std::min(recipe.group, recipe.page_size) : recipe.page_size;
-      return b + 32.0 / (which == KvSide::Key ? gk : double(kivi_value_group(recipe, d)));
+      if (which == KvSide::Key) return b + (e5m3_key_pairs(recipe) ? 16.0 : 32.0) / gk;
+      return b + 32.0 / double(kivi_value_group(recipe, d));
     }
     case CodecFamily::KvarnTile: {
       const double p = recipe.page_size;

@@ -25,6 +25,8 @@
 //   kivi (identity rotation, no clipping): keys per channel over groups of G_t = recipe.group
 //       (0: the page) consecutive tokens of the page; values per token over groups of
 //       G = recipe.group channels (0 or G >= d: the whole row); quantize_uniform with thr = +inf.
+//       Param key_params=e5m3: each key pair in 2 bytes, not fp16's 4 (codec_scalar.h ChanParams:
+//       an e5m3 scale and the zero in quarter steps, codes against them), as the CUDA kernels serve.
 //       Mixed recipe (params "values" = hadamard | oscar): the keys as above; the value side is
 //       coded as that grid method's value side (side_recipe): the side's rotation (H, or oscar's
 //       value rotation), the stored clip ratio, per-token groups of head_dim.
@@ -52,6 +54,9 @@ const char* kv_side_name(KvSide side);
 // recipe (params "values" = hadamard | oscar) codes its values as that grid method with group 0
 // (= head_dim), the same value bits, value target and composition. Throws on another "values".
 Recipe side_recipe(const Recipe& recipe, KvSide side);
+
+// A kivi recipe's key pairs in 2 bytes (params "key_params" = e5m3; absent or fp16: fp16 pairs).
+bool e5m3_key_pairs(const Recipe& recipe);
 
 // Integer bits of a side's codes (key_bits / value_bits; for a turboquant split, the floor).
 int side_code_bits(const Recipe& recipe, KvSide side);

@@ -20,7 +20,8 @@
 //        V codes  [P][d·B_v/8]
 //        K params [P][groups]   (scale, zero) fp16 pairs, one per group of G channels of a token;
 //                 or, with per-channel keys (key_group_tokens = T > 0, KIVI), [P/T][d]: one pair
-//                 per channel per group of T consecutive tokens of the page
+//                 per channel per group of T consecutive tokens of the page, fp16 pairs (KIVI as
+//                 published) or 2-byte ones (key_pair_bytes = 2: codec_scalar.h ChanParams)
 //        V params [P][groups]
 //    Per-channel key parameters depend on every token of their group, so they exist only once
 //    the page is full: pages are written once, whole, when the ring flushes them (as always).
@@ -57,8 +58,12 @@ struct KvGeometry {
   // 0: keys per token like values (groups of `group` channels). T > 0 (dividing P): keys per
   // channel over groups of T tokens of the page (KIVI's keys); `group` then applies to values only.
   int key_group_tokens = 0;
+  // Per-channel keys: bytes of a channel's (scale, zero) pair: 4, fp16 (KIVI as published), or 2
+  // (codec_scalar.h ChanParams; recipe param key_params=e5m3), the pages the CUDA kernels serve.
+  int key_pair_bytes = 4;
 
   KVCC_HD bool per_channel_keys() const { return key_group_tokens > 0; }
+  KVCC_HD bool e5m3_key_pairs() const { return per_channel_keys() && key_pair_bytes == 2; }
   KVCC_HD int groups() const { return head_dim / group; }
   // A row of head_dim codes of `bits` bits (whole bytes: PageLayout refuses widths that give none).
   KVCC_HD size_t code_row_bytes(int bits = 2) const { return size_t(head_dim) * size_t(bits) / 8; }
@@ -68,7 +73,7 @@ struct KvGeometry {
   // Key token groups of a page (per-channel keys): P / T.
   KVCC_HD int key_token_groups() const { return per_channel_keys() ? page_tokens / key_group_tokens : 0; }
   KVCC_HD size_t k_params_bytes() const {
-    return per_channel_keys() ? size_t(key_token_groups()) * size_t(head_dim) * 4 : params_bytes();
+    return per_channel_keys() ? size_t(key_token_groups()) * size_t(head_dim) * size_t(key_pair_bytes) : params_bytes();
   }
   KVCC_HD size_t v_params_bytes() const { return params_bytes(); }
   // One page block of widths w, and its parts' offsets; the defaults are the 2-bit block.

@@ -190,7 +190,8 @@ const std::vector<MethodTraits>& table() {
        .value_target = "",
        .composition = "",
        .options = 0,
-       .params = {{"values", "--values", nullptr, {"hadamard", "oscar"}}},
+       .params = {{"values", "--values", nullptr, {"hadamard", "oscar"}},
+                  {"key_params", nullptr, "fp16", {"fp16", "e5m3"}}},
        .verify = nullptr,
        .describe = nullptr},
       // A page is its tile: 128 tokens, with 128-token windows.

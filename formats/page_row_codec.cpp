@@ -67,11 +67,16 @@ void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, B
   std::vector<uint8_t> c(static_cast<size_t>(T)), all(size_t(P) * size_t(d));  // all: [P][d] codes
   for (int t0 = 0, grp = 0; t0 < P; t0 += T, ++grp)
     for (int ch = 0; ch < d; ++ch) {
-      for (int i = 0; i < T; ++i) x[size_t(i)] = rows[size_t(t0 + i) * size_t(d) + size_t(ch)];
-      const GroupParams p = quantize_uniform(x.data(), T, INFINITY, bits, c.data());  // KIVI's keys: no clip
+      const size_t at = size_t(grp) * size_t(d) + size_t(ch);
+      if (g.e5m3_key_pairs()) {
+        params[at] = quantize_chan(rows + size_t(t0) * size_t(d) + size_t(ch), T, d, bits, c.data()).word();
+      } else {
+        for (int i = 0; i < T; ++i) x[size_t(i)] = rows[size_t(t0 + i) * size_t(d) + size_t(ch)];
+        const GroupParams p = quantize_uniform(x.data(), T, INFINITY, bits, c.data());  // KIVI's keys: no clip
+        params[2 * at] = p.scale;
+        params[2 * at + 1] = p.zero;
+      }
       for (int i = 0; i < T; ++i) all[size_t(t0 + i) * size_t(d) + size_t(ch)] = c[size_t(i)];
-      params[(size_t(grp) * size_t(d) + size_t(ch)) * 2] = p.scale;
-      params[(size_t(grp) * size_t(d) + size_t(ch)) * 2 + 1] = p.zero;
     }
   for (int r = 0; r < P; ++r)
     pack_codes(&all[size_t(r) * size_t(d)], d, codes + size_t(r) * g.code_row_bytes(bits), bits);
@@ -88,10 +93,17 @@ void dequantize_page_row(const KvGeometry& g, const SideCodec& codec, bool key, 
     dequantize_row(g, codec, bits, codes, params + size_t(row) * 2 * size_t(g.groups()), out);
     return;
   }
-  const uint16_t* grp = params + size_t(row / g.key_group_tokens) * size_t(g.head_dim) * 2;
-  for (int c = 0; c < g.head_dim; ++c)
-    out[c] = uniform_dequant(unpack_code(codes, g.head_dim, c, bits), float_from_f16(grp[2 * c]),
-                             float_from_f16(grp[2 * c + 1]));
+  const int words = g.key_pair_bytes / 2;  // uint16 words a pair
+  const uint16_t* grp = params + size_t(row / g.key_group_tokens) * size_t(g.head_dim) * size_t(words);
+  for (int c = 0; c < g.head_dim; ++c) {
+    const uint8_t code = unpack_code(codes, g.head_dim, c, bits);
+    if (g.e5m3_key_pairs()) {
+      const ChanParams p = chan_params_of_word(grp[c]);
+      out[c] = uniform_dequant(code, p.scale_value(), p.zero_value());
+    } else {
+      out[c] = uniform_dequant(code, float_from_f16(grp[2 * c]), float_from_f16(grp[2 * c + 1]));
+    }
+  }
 }
 
 }  // namespace kvcc

@@ -23,7 +23,8 @@ void dequantize_row(const KvGeometry& g, const SideCodec& codec, int bits, const
 // start of a (page, layer, head) block of widths w). Values, and keys when g.key_group_tokens ==
 // 0, row by row (quantize_row). Per-channel keys: for every channel c and group of T =
 // key_group_tokens tokens, the uniform grid over those T values with no clip (KIVI's keys,
-// formats/kv_codec.h), the (scale, zero) pair at K params [group][c].
+// formats/kv_codec.h), its (scale, zero) pair at K params [group][c]: fp16, or with
+// g.key_pair_bytes = 2 codec_scalar.h's ChanParams.
 void quantize_page_side(const KvGeometry& g, const SideCodec& codec, bool key, BlockWidths w, const float* rows,
                         uint8_t* block);
 // What row `row` of a page block's side decodes to ([d] values).

@@ -582,7 +582,8 @@ __global__ void __launch_bounds__(kAppThreads, kTile > 4 ? 5 : 3)
 // move P·i + r is row r of the append's page i. A block takes pages of one KV head: warps put the
 // page's new rows in fixed point and rotate them as append_rows does (rotate_kv.cuh), or copy the
 // old ring's rows; then thread j, channel j, codes its P values on the uniform grid without clip
-// (codec_scalar.h, as page_row_codec.cpp's quantize_page_side) and writes its (scale, zero) pair;
+// (codec_scalar.h chan_params, as page_row_codec.cpp's quantize_page_side) and writes its 2-byte
+// (scale, zero) pair (served.h: the kernels take key_pair_bytes = 2);
 // four lanes pack each byte of a 2-bit plane; a 1-bit plane's bytes (channels j and j + 64) are
 // gathered in shared memory. It runs before append_rows, which writes the ring slots these
 // pages read, and which then skips the key side's moves.
@@ -647,8 +648,8 @@ __global__ void __launch_bounds__(kPageThreads, 3)
       hi = x > hi ? x : hi;
     }
     const int bits = lb.widths.key;
-    const GroupParams prm = uniform_params(lo, hi, bits);
-    const float sc = float_from_f16(prm.scale), z = float_from_f16(prm.zero);
+    const ChanParams prm = chan_params(lo, hi, bits);
+    const float sc = prm.scale_value(), z = prm.zero_value();
     uint8_t* blk = pages + lb.block_offset(pm[0].page, h);
     uint8_t* codes = blk + geo.k_codes_offset();
     const int row_bytes = int(geo.code_row_bytes(bits)), one_off = bits / 2 * (kD / 4);
@@ -672,9 +673,7 @@ __global__ void __launch_bounds__(kPageThreads, 3)
         *reinterpret_cast<uint32_t*>(codes + size_t(i / (kD / 32)) * row_bytes + one_off + 4 * (i % (kD / 32))) =
             one_bit[i / (kD / 32)][i % (kD / 32)];
     }
-    uint16_t* params = reinterpret_cast<uint16_t*>(blk + geo.k_params_offset(lb.widths));
-    params[2 * j] = prm.scale;
-    params[2 * j + 1] = prm.zero;
+    reinterpret_cast<uint16_t*>(blk + geo.k_params_offset(lb.widths))[j] = prm.word();
   }
 }
 

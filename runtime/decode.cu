@@ -335,7 +335,8 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
   return __byte_perm(lo, hi, x * 0x22u + 0x1010u);
 }
 
-// Per-channel key pages: k̂_c = s_c·(x_c − z_c) with one (s_c, z_c) per channel of the page, so
+// Per-channel key pages: k̂_c = s_c·(x_c − z_c) with one (s_c, z_c) per channel of the page (2-byte
+// pairs, codec_scalar.h ChanParams: s_c an e5m3, fp16's bits 7-14; z_c = q_c/4, q_c a signed byte), so
 // q·k̂ = Σ_c (q_c·s_c)·x_c − Σ_c (q_c·s_c)·z_c. The key codes enter fp16 MMAs as subnormals κ_j·x,
 // one AND a register as the values' (code_pair): MMA j (0..7) takes code field j of a code word,
 // channels 32t + j and 32t + 8 + j of the thread's first word (a0 / a1: tokens g, g + 8), 32t + 16 + j
@@ -343,16 +344,22 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
 // (rotate_queries' per-channel layout: frag[2j + half]), pre-scaled by f_j = 2^-9 / κ_j so that
 // every product is q̂·x·2^-9 whatever j. Per page (chan_query) the fragments are multiplied by the
 // page's scales of their channels over 2^E (E: the exponent of the page's largest scale, so that
-// fp16 cannot overflow), and Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^7/f_j,
-// for every token row and head column at once:
+// fp16 cannot overflow), and Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^7/f_j
+// = q_c·2^5/f_j (exact in fp16), for every token row and head column at once:
 //   logit / q.scale = Σ q̂·s·(x − z) = 2^E·(2^9·acc − 2^-7·acc_z).
 // log2 κ_j (code_pair) and the pre-scale f_j.
 __host__ __device__ constexpr int kappa_log2(int j) { return j < 5 ? 2 * j - 24 : 2 * j - 30; }
 __host__ __device__ constexpr float chan_prescale(int j) { return float(1u << (-9 - kappa_log2(j))); }
-// 2^7 / f_j as fp16 bits (2^-8 .. 2^0).
-__device__ __forceinline__ uint32_t chan_zero_scale(int j) {
-  const int e = 7 - (-9 - kappa_log2(j));  // log2(2^7 / f_j), -8 .. 0
+// A signed byte q of a pair as fp16 q·2^5/f_j in one HFMA2: the byte flipped by 0x80 under 0x64 is
+// fp16 1152 + q, times m = 2^5/f_j (2^-10 .. 2^-2) plus −1152·m, exact. As half2 bits: m and −1152·m.
+__device__ __forceinline__ uint32_t chan_zero_mul(int j) {
+  const int e = 5 - (-9 - kappa_log2(j));  // log2(2^5 / f_j), -10 .. -2
   const uint32_t h = uint32_t(15 + e) << 10;
+  return h | (h << 16);
+}
+__device__ __forceinline__ uint32_t chan_zero_add(int j) {
+  const int e = 5 - (-9 - kappa_log2(j));
+  const uint32_t h = 0x8000u | (uint32_t(25 + e) << 10) | 0x080u;  // −1.125·2^(10 + e) = −1152·2^e
   return h | (h << 16);
 }
 
@@ -369,15 +376,18 @@ struct ChanPage {
 // kparams: the page's key parameters.
 __device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, ChanPage& cp) {
   const int t = threadIdx.x & 3;
-  const uint4* kpar4 = reinterpret_cast<const uint4*>(kparams) + 8 * t;
+  // Thread t's 32 channels: 64 bytes, word w the pairs of channels 32t + 2w (bytes 0, 1: scale,
+  // zero) and 32t + 2w + 1 (bytes 2, 3).
+  const uint4* kpar4 = reinterpret_cast<const uint4*>(kparams) + 4 * t;
   const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kpar4);
-  __half2 mx = __float2half2_rn(0.0f);
+  uint32_t mx = 0;  // e5m3 scales order as their bytes do
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 4; ++i) {
     const uint4 p = kpar4[i];
-    mx = __hmax2(mx, __hmax2(u32_as_h2(__byte_perm(p.x, p.y, 0x5410)), u32_as_h2(__byte_perm(p.z, p.w, 0x5410))));
+    mx = __vmaxu2(
+        mx, __vmaxu2(__vmaxu2(p.x & 0x00ff00ffu, p.y & 0x00ff00ffu), __vmaxu2(p.z & 0x00ff00ffu, p.w & 0x00ff00ffu)));
   }
-  float smax = fmaxf(__low2float(mx), __high2float(mx));
+  float smax = __half2float(__ushort_as_half(uint16_t(max(mx & 0xffffu, mx >> 16) << 7)));
   smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));  // over the four t: all 128 channels
   smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
   // E: smax·2^-E in [0.5, 1), clamped so that 2^-E is an fp16 (normal or subnormal).
@@ -390,13 +400,17 @@ __device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* 
     uint32_t z[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint32_t a = kpar[16 * half + j], c = kpar[16 * half + 8 + j];
+      // Channels 32t + 16·half + j and + 8: words 8·half + j/2 and + 4, pair (j & 1) of each.
+      const uint32_t a = kpar[8 * half + j / 2], c = kpar[8 * half + j / 2 + 4];
+      const uint32_t sel = (j & 1) ? 0x0602u : 0x0400u;                                    // their scale bytes
+      const uint32_t s2 = (__byte_perm(a, c, sel) & 0x00ff00ffu) << 7;                     // as fp16
+      const uint32_t q2 = (__byte_perm(a, c, sel + 0x0101u) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + q
       const int k = 2 * j + half;
       const uint4 fw = qf[32 * (k / 4)];
       const uint32_t f = k % 4 == 0 ? fw.x : k % 4 == 1 ? fw.y : k % 4 == 2 ? fw.z : fw.w;
-      const __half2 bq = __hmul2(u32_as_h2(f), __hmul2(u32_as_h2(__byte_perm(a, c, 0x5410)), inv2));
+      const __half2 bq = __hmul2(u32_as_h2(f), __hmul2(u32_as_h2(s2), inv2));
       cp.b[k] = *reinterpret_cast<const uint32_t*>(&bq);
-      const __half2 zs = __hmul2(u32_as_h2(__byte_perm(a, c, 0x7632)), u32_as_h2(chan_zero_scale(j)));
+      const __half2 zs = __hfma2(u32_as_h2(q2), u32_as_h2(chan_zero_mul(j)), u32_as_h2(chan_zero_add(j)));
       z[half] = *reinterpret_cast<const uint32_t*>(&zs);
     }
     mma_f16(acc_z, z[0], z[0], z[1], z[1], cp.b[2 * j], cp.b[2 * j + 1]);  // every row: Σ B'·z̃ of its head column

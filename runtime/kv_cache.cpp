@@ -33,6 +33,8 @@ void check_geometry(const KvGeometry& g, PoolMemory memory) {
   KVCC_REQUIRE(g.key_group_tokens >= 0 && (g.key_group_tokens == 0 || g.page_tokens % g.key_group_tokens == 0),
                "kv cache: per-channel key groups of " + std::to_string(g.key_group_tokens) +
                    " tokens must divide the page of " + std::to_string(g.page_tokens) + " tokens");
+  KVCC_REQUIRE(g.key_pair_bytes == 2 || g.key_pair_bytes == 4,
+               "kv cache: a per-channel key pair takes 2 or 4 bytes, not " + std::to_string(g.key_pair_bytes));
   KVCC_REQUIRE(g.sink >= 0, "kv cache: negative sink size");
   KVCC_REQUIRE(g.recent >= g.page_tokens, "kv cache: the recent window (" + std::to_string(g.recent) +
                                               ") must hold at least one page (" + std::to_string(g.page_tokens) + ")");

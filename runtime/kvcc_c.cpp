@@ -62,6 +62,7 @@ nlohmann::json cache_json(const kvcc::Artifact& a) {
           {"gpu_refusal", refusal.empty() ? kvcc::device_scope_problem(g, a.n_heads, widths) : refusal},
           {"keys", g.per_channel_keys() ? "per_channel" : "per_token"},
           {"key_group_tokens", g.key_group_tokens},
+          {"key_pair_bytes", g.per_channel_keys() ? g.key_pair_bytes : 0},
           {"value_group", g.group},
           {"page_bytes", refusal.empty() ? kvcc::PageLayout(g, widths).page_bytes() : g.page_bytes()},
           {"slot_bytes", g.window_slot_bytes()}};

@@ -101,7 +101,8 @@ const char* kvcc_version(void);
  * granularity, composition, seed, params}, clip_ratio {key, value: [min, max]}, level_tables
  * {key, value: heads with a 4-level table}, provenance {...}, and cache {served (whether the
  * runtime serves it), refusal (why not, else ""), gpu_refusal (why the CUDA kernels do not, else
- * ""), keys ("per_token" | "per_channel"), key_group_tokens, value_group, page_bytes, slot_bytes}:
+ * ""), keys ("per_token" | "per_channel"), key_group_tokens, key_pair_bytes (per-channel keys: 4
+ * for fp16 pairs, 2 for key_params=e5m3; else 0), value_group, page_bytes, slot_bytes}:
  * the layout of kvcc::cache_geometry. The string stays valid until this thread's next
  * kvcc_artifact_describe call. */
 int kvcc_artifact_describe(const char* artifact_path, const char** json);

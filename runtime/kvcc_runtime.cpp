@@ -46,6 +46,7 @@ KvGeometry cache_geometry(const Artifact& a) {
   const int G = a.recipe.group, d = a.head_dim;
   g.key_group_tokens = G > 0 ? std::min(G, a.recipe.page_size) : a.recipe.page_size;
   g.group = a.recipe.params.count("values") || G <= 0 || G >= d ? d : G;
+  g.key_pair_bytes = e5m3_key_pairs(a.recipe) ? 2 : 4;
   return g;
 }
 

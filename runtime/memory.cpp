@@ -21,6 +21,8 @@ void check(const KvGeometry& g) {
   KVCC_REQUIRE(g.key_group_tokens >= 0 && (g.key_group_tokens == 0 || g.page_tokens % g.key_group_tokens == 0),
                "memory: per-channel key groups of " + std::to_string(g.key_group_tokens) +
                    " tokens do not divide the page of " + std::to_string(g.page_tokens));
+  KVCC_REQUIRE(g.key_pair_bytes == 2 || g.key_pair_bytes == 4,
+               "memory: a per-channel key pair takes 2 or 4 bytes, not " + std::to_string(g.key_pair_bytes));
   KVCC_REQUIRE(g.sink >= 0, "memory: negative sink size " + std::to_string(g.sink));
   KVCC_REQUIRE(g.recent >= g.page_tokens, "memory: the recent window (" + std::to_string(g.recent) +
                                               ") must hold at least one page (" + std::to_string(g.page_tokens) + ")");

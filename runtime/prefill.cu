@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "formats/codec_scalar.h"
 #include "formats/error.h"
 #include "formats/kv_layout.h"
 #include "runtime/activations.h"
@@ -597,9 +598,9 @@ __device__ __forceinline__ void expand_widths(const uint8_t* raw, const PrefillB
       if (bits >= 3) {
         const uint32_t hi = bits == 4 ? (x >> (4 * n)) & 15u : bits_nibble((x >> bit2) & 3u);
         __half2 m = __float2half2_rn(4.0f);
-        if (ck) {  // 4·(s, s') of channels 2p, 2p + 1 (p = 8·xword + n)
-          const uint2 pz = *reinterpret_cast<const uint2*>(raw + pb.k_params + 8 * (8 * xword + n));
-          const uint32_t sp = __byte_perm(pz.x, pz.y, 0x5410);
+        if (ck) {  // 4·(s, s') of channels 2p, 2p + 1 (p = 8·xword + n): e5m3 bytes 0, 2 as fp16
+          const uint32_t pz = *reinterpret_cast<const uint32_t*>(raw + pb.k_params + 4 * (8 * xword + n));
+          const uint32_t sp = (pz & 0x00ff00ffu) << 7;
           m = __hmul2(m, *reinterpret_cast<const __half2*>(&sp));
         }
         const uint32_t c = lut[side][hi];  // (c0', c1'): the uniform grid's code pair
@@ -736,7 +737,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
     const __half* vst = a.v + (size_t(h) * a.kv_rows + sq.kv0) * kD;
     const uint32_t raw_s = smem_addr(sm.raw[0]), raw_bar = smem_addr(sm.raw_full);
     const auto page_of = [&](int u) { return u < u1 && u < n_pages ? page_table[u] : 0; };
-    // Per-channel key pages: their keys expanded to the values they decode to (below), larger blocks.
+    // Per-channel key pages: their keys expanded to the values they decode to (below).
     const bool chan = a.geo.per_channel_keys();
     const PrefillBlocks& pb = a.blk;
     const int n_raw = pb.n_raw;                        // (kRaw for 2-bit blocks)
@@ -778,8 +779,13 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
           // The previous unit's readers passed the barrier above; this one publishes the table.
           {
             const int p = tid >> 1, n0 = (tid & 1) * 8;  // channel pair p, nibbles n0 .. n0 + 7
-            const uint2 pz = *reinterpret_cast<const uint2*>(raw + pb.k_params + 8 * p);
-            const float2 a = unpack_half2(pz.x), b = unpack_half2(pz.y);  // (s, z) of channels 2p, 2p + 1
+            // Their 2-byte pairs (codec_scalar.h ChanParams): e5m3 scales in bytes 0, 2 (fp16 = byte << 7,
+            // finite: one conversion), zeros q/4 in bytes 1, 3.
+            const uint32_t pz = *reinterpret_cast<const uint32_t*>(raw + pb.k_params + 4 * p);
+            const uint32_t s2 = (pz & 0x00ff00ffu) << 7;
+            const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&s2));
+            const float2 a = make_float2(s.x, float(int8_t(pz >> 8)) * 0.25f);  // (s, z) of channels 2p, 2p + 1
+            const float2 b = make_float2(s.y, float(int8_t(pz >> 24)) * 0.25f);
 #pragma unroll
             for (int i = 0; i < 8; ++i)
               sm.chan_lut[p][n0 + i] =

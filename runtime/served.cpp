@@ -32,6 +32,9 @@ std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned op
   if (g.per_channel_keys() && (g.key_group_tokens != kGpuPageTokens || g.page_tokens != kGpuPageTokens))
     return "per-channel key pages in groups of " + str(g.key_group_tokens) +
            " tokens (the kernels take one group per " + str(kGpuPageTokens) + "-token page; the host pool serves any)";
+  if (g.per_channel_keys() && !g.e5m3_key_pairs())
+    return "per-channel key pages with fp16 (scale, zero) pairs (the kernels take 2-byte pairs: compile with "
+           "--param key_params=e5m3; the host pool serves either)";
   if (g.head_dim != kGpuHeadDim) return "head_dim " + str(g.head_dim) + " (the kernels need " + str(kGpuHeadDim) + ")";
   if (g.group != g.head_dim) return "group " + str(g.group) + " (the kernels need group = head_dim)";
   if (!prefill && !decode) return "";  // append serves any pages, windows and heads

@@ -25,11 +25,13 @@ constexpr int kGpuKParamsOffset = 2 * kGpuCodesBytes;                    // k_pa
 constexpr int kGpuVParamsOffset = 2 * kGpuCodesBytes + kGpuParamsBytes;  // v_params_offset()
 constexpr int kGpuPageBytes = 2 * kGpuCodesBytes + 2 * kGpuParamsBytes;  // page_head_bytes(): 4608
 constexpr int kGpuBf16RowBytes = 2 * kGpuHeadDim;                        // one sink / ring row
-// Per-channel key pages (key_group_tokens = P): one (scale, zero) pair per channel for the page's
-// keys, so the key parameters take head_dim pairs instead of P and the value parameters move.
-constexpr int kGpuChanKParamsBytes = kGpuHeadDim * kGpuParamBytes;               // k_params_bytes(): 512
+// Per-channel key pages (key_group_tokens = P, key_pair_bytes = 2): one 2-byte (scale, zero) pair
+// per channel for the page's keys (codec_scalar.h ChanParams), so the key parameters take head_dim
+// 2-byte pairs instead of P 4-byte ones: the block is as long as the per-token one.
+constexpr int kGpuChanPairBytes = 2;
+constexpr int kGpuChanKParamsBytes = kGpuHeadDim * kGpuChanPairBytes;            // k_params_bytes(): 256
 constexpr int kGpuChanVParamsOffset = kGpuKParamsOffset + kGpuChanKParamsBytes;  // v_params_offset()
-constexpr int kGpuChanPageBytes = kGpuChanVParamsOffset + kGpuParamsBytes;       // page_head_bytes(): 4864
+constexpr int kGpuChanPageBytes = kGpuChanVParamsOffset + kGpuParamsBytes;       // page_head_bytes(): 4608
 // A page block of either kind.
 constexpr int kGpuMaxPageBytes = kGpuChanPageBytes > kGpuPageBytes ? kGpuChanPageBytes : kGpuPageBytes;
 // A page block at kKB / kVB bits a key / value code (kv_layout.h: each row its bit planes, the
@@ -85,7 +87,8 @@ constexpr int kAnyQueryHeads = -1;
 // query-head multiple, <= 8 query heads per KV head and sink and recent windows in multiples of
 // 16 tokens. A Runtime with a device pool asks this for all three when it is made, so that its
 // first decode or prefill never finds the shape unsupported. Per-channel key pages (KIVI keys,
-// kv_layout.h key_group_tokens) are served with one key group per 64-token page (their values are
+// kv_layout.h key_group_tokens) are served with one key group per 64-token page, in 2-byte pairs
+// (key_pair_bytes = 2; fp16 pairs are the host pool's) (their values are
 // never level tables: kivi's values are uniform grids; decode_int2 refuses the pairing by name).
 std::string gpu_unsupported_reason(const KvGeometry& g, int n_heads, unsigned ops = kGpuAllOps,
                                    bool level_table = true);

@@ -119,7 +119,7 @@ TEST(GpuAppend, DevicePoolEqualsHostReferenceBytesWithRotations) { pool_bytes_ch
 // from the old ring (decode steps) and from both, with the value side beside them unchanged.
 void per_channel_bytes_check(bool rotations) {
   KvGeometry g = test_geometry(2, 2);
-  g.key_group_tokens = g.page_tokens;
+  g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   Twin w(g, 64, 6);
   if (rotations) w.with_rotations();
   for (size_t i = 0; i < w.codecs.size(); i += 2) w.value_table(i);  // level-table values beside per-channel keys
@@ -133,7 +133,7 @@ TEST(GpuAppend, PerChannelKeyPagesEqualHostReferenceBytesWithRotations) { per_ch
 // KV heads alike).
 KvGeometry widths_geometry(bool chan) {
   KvGeometry g = test_geometry(16, 2);
-  if (chan) g.key_group_tokens = g.page_tokens;
+  if (chan) g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   return g;
 }
 std::vector<BlockWidths> every_width_pair(const KvGeometry& g) {
@@ -236,7 +236,7 @@ struct DevBatch {
 void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1,
                       bool chan = false) {
   KvGeometry geo = test_geometry(2, 4);
-  if (chan) geo.key_group_tokens = geo.page_tokens;
+  if (chan) geo.key_group_tokens = geo.page_tokens, geo.key_pair_bytes = 2;
   Twin w(geo, 256, 10);
   if (table)
     for (size_t i = 0; i < w.codecs.size(); i += 2) {
@@ -611,7 +611,7 @@ TEST(GpuServed, LaunchersRefuseWhatTheTableRefuses) {
   });
   EXPECT_NE(heads.find("9 query heads per KV head"), std::string::npos) << heads;
   // Per-channel key pages: decode takes them with uniform values only.
-  g.key_group_tokens = g.page_tokens;
+  g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   codecs[1].value.use_table = 1;
   const std::string chan_table = message([&] {
     decode_int2(g, nullptr, nullptr, 0, DeviceBatch{}, codecs.data(), DecodeShape{8, 0.1f}, nullptr, nullptr, nullptr,

@@ -303,7 +303,7 @@ TEST(GpuPrefill, TwoCtasAnSmMatchReferenceAndOneCtaBitForBit) {
 // decode to; the default plan (a ragged batch over two launches) and 8 warps with 3 splits.
 TEST(GpuPrefill, PerChannelKeyPagesMatchReference) {
   KvGeometry g = test_geometry(2, 4);
-  g.key_group_tokens = g.page_tokens;
+  g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   Caches c(g, 256, 10, false);
   const auto cases = standard_cases(c);
   const double worst =
@@ -317,7 +317,7 @@ TEST(GpuPrefill, PerChannelKeyPagesMatchReference) {
 // Pages written by the reference append, copied to the device; a 4 / 4 block has one raw buffer.
 void widths_prefill_check(bool chan) {
   KvGeometry g = test_geometry(4, 4);
-  if (chan) g.key_group_tokens = g.page_tokens;
+  if (chan) g.key_group_tokens = g.page_tokens, g.key_pair_bytes = 2;
   const BlockWidths per_layer[4] = {{1, 3}, {3, 1}, {4, 2}, {2, 4}};
   std::vector<BlockWidths> widths;
   for (int l = 0; l < g.n_layers; ++l)
@@ -640,6 +640,7 @@ TEST(GpuRuntime, ServedShapesRunEveryKernel) {
       art.recipe.method = "kivi";
       art.recipe.group = kGpuPageTokens;
       art.recipe.params["values"] = "hadamard";
+      art.recipe.params["key_params"] = "e5m3";
     }
     for (int i = 0; i < sh.n_kv; ++i) {
       HeadArtifact h;

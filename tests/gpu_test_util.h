@@ -60,6 +60,7 @@ inline Artifact gpu_runtime_artifact(std::mt19937& rng, bool level_tables, bool 
     art.recipe.method = "kivi";
     art.recipe.group = kGpuPageTokens;
     art.recipe.params["values"] = "hadamard";
+    art.recipe.params["key_params"] = "e5m3";  // the 2-byte pairs the kernels take
   }
   for (int i = 0; i < art.n_layers * art.n_kv_heads; ++i) {
     HeadArtifact h;

@@ -7,6 +7,7 @@
 // own key and value widths (1-4 bits, compile --bits-budget's artifacts).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -28,9 +29,9 @@ namespace {
 
 using testing::random_rotations;
 
-// d = 32, pages of 16 tokens, sink 8, ring 32; keys per channel over T tokens; values per token
-// over groups of `value_group` channels.
-KvGeometry geometry(int T, int value_group) {
+// d = 32, pages of 16 tokens, sink 8, ring 32; keys per channel over T tokens (pairs of
+// `key_pair_bytes`: 4 fp16, 2 e5m3); values per token over groups of `value_group` channels.
+KvGeometry geometry(int T, int value_group, int key_pair_bytes = 4) {
   KvGeometry g;
   g.n_layers = 2;
   g.n_kv_heads = 2;
@@ -40,6 +41,7 @@ KvGeometry geometry(int T, int value_group) {
   g.sink = 8;
   g.recent = 32;
   g.key_group_tokens = T;
+  g.key_pair_bytes = key_pair_bytes;
   return g;
 }
 
@@ -54,6 +56,7 @@ Recipe kivi_recipe(const KvGeometry& g, bool mixed) {
   r.sink = g.sink;
   r.recent = g.recent;
   if (mixed) r.params["values"] = "hadamard";
+  if (g.e5m3_key_pairs()) r.params["key_params"] = "e5m3";
   return r;
 }
 
@@ -71,6 +74,36 @@ std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
   const FixedRotation r = fixed_rotation(rot, d);
   rotate_kv_row(x, &r, d, out.data());
   return out;
+}
+
+// A 2-byte key pair worked out by search rather than by codec_scalar.h's bit arithmetic: the scale
+// the e5m3 value (fp16 word byte << 7, bytes 0..0xF7) nearest (hi − lo)/(2^b − 1) in float64, ties to
+// the even byte, 1 when that is 0; the zero rint(−lo/scale·4) clamped to a signed byte; codes on
+// that grid (DESIGN.md's rule).
+struct PairBytes {
+  unsigned scale_byte, zero_byte;
+  float scale, zero;
+};
+PairBytes e5m3_pair(const std::vector<float>& x, int bits, std::vector<uint8_t>& codes) {
+  const float lo = *std::min_element(x.begin(), x.end()), hi = *std::max_element(x.begin(), x.end());
+  const double want = double((hi - lo) / float((1 << bits) - 1));
+  unsigned best = 0;
+  for (unsigned b = 1; b < 0xF8u; ++b) {
+    const double e = std::fabs(double(float_from_f16(uint16_t(b << 7))) - want);
+    const double eb = std::fabs(double(float_from_f16(uint16_t(best << 7))) - want);
+    if (e < eb || (e == eb && (b & 1u) == 0)) best = b;
+  }
+  PairBytes p;
+  p.scale_byte = best == 0 ? 0x78u : best;  // 0x78 << 7 = fp16 1.0
+  p.scale = float_from_f16(uint16_t(p.scale_byte << 7));
+  const double q = std::clamp(std::nearbyint(double(-lo / p.scale * 4.0f)), -128.0, 127.0);
+  p.zero_byte = unsigned(uint8_t(int8_t(q)));
+  p.zero = float(q) / 4.0f;
+  const float top = float((1 << bits) - 1);
+  codes.resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    codes[i] = uint8_t(std::clamp(std::floor(x[i] / p.scale + p.zero + 0.5f), 0.0f, top));
+  return p;
 }
 
 // Every width on both sides over the four (layer, KV head) blocks: {1, 3}, {2, 4}, {3, 1}, {4, 2}.
@@ -187,9 +220,9 @@ struct World {
   }
 
   // Every page byte against the simulation: key codes and (scale, zero) per channel and token group
-  // from codec_scalar.h's quantize_uniform over the channel's T rows (no clip), and the values they
-  // decode to equal to kv_codec.h's roundtrip bit for bit; value rows as quantize_uniform with the
-  // clip threshold per token; window rows as BF16.
+  // from codec_scalar.h's quantize_uniform over the channel's T rows (no clip; 2-byte pairs:
+  // e5m3_pair's search), and the values they decode to equal to kv_codec.h's roundtrip bit for bit; value rows as
+  // quantize_uniform with the clip threshold per token; window rows as BF16.
   void check_storage(int seq) {
     const int H = g.n_kv_heads, d = g.head_dim, P = g.page_tokens, T = g.key_group_tokens;
     const int64_t n = cache.length(seq);
@@ -207,16 +240,27 @@ struct World {
               std::vector<float> x(static_cast<size_t>(T));
               std::vector<uint8_t> codes(static_cast<size_t>(T));
               for (int i = 0; i < T; ++i) x[size_t(i)] = s.k[size_t(s.pages[pg][size_t(t0 + i)])][size_t(c)];
-              const GroupParams p = quantize_uniform(x.data(), T, INFINITY, w.key, codes.data());
-              const size_t at = (size_t(t0 / T) * d + size_t(c)) * 2;
-              ASSERT_EQ(kp[at], p.scale) << "page " << pg << " channel " << c;
-              ASSERT_EQ(kp[at + 1], p.zero);
+              float scale, zero;
+              if (g.e5m3_key_pairs()) {
+                const PairBytes p = e5m3_pair(x, w.key, codes);
+                const size_t at = size_t(t0 / T) * d + size_t(c);
+                ASSERT_EQ(kp[at] & 0xffu, p.scale_byte) << "page " << pg << " channel " << c;
+                ASSERT_EQ(kp[at] >> 8, p.zero_byte) << "page " << pg << " channel " << c;
+                scale = p.scale;
+                zero = p.zero;
+              } else {
+                const GroupParams p = quantize_uniform(x.data(), T, INFINITY, w.key, codes.data());
+                const size_t at = (size_t(t0 / T) * d + size_t(c)) * 2;
+                ASSERT_EQ(kp[at], p.scale) << "page " << pg << " channel " << c;
+                ASSERT_EQ(kp[at + 1], p.zero);
+                scale = float_from_f16(p.scale);
+                zero = float_from_f16(p.zero);
+              }
               for (int i = 0; i < T; ++i) {
                 const int pos = s.pages[pg][size_t(t0 + i)];
                 const uint8_t* crow = blk + g.k_codes_offset() + size_t(t0 + i) * size_t(d * w.key / 8);
                 ASSERT_EQ(unpack_code(crow, d, c, w.key), codes[size_t(i)]) << "pos " << pos << " ch " << c;
-                const float decoded =
-                    uniform_dequant(codes[size_t(i)], float_from_f16(p.scale), float_from_f16(p.zero));
+                const float decoded = (float(codes[size_t(i)]) - zero) * scale;
                 ASSERT_EQ(decoded, s.k_hat[size_t(pos)][size_t(c)]) << "pos " << pos << " ch " << c;
               }
             }
@@ -356,6 +400,7 @@ struct Case {
   int key_group_tokens, value_group;
   bool mixed;
   bool widths = false;  // the blocks at mixed_widths, else 2 bits
+  int key_pair_bytes = 4;
 };
 class PerChannelKeys : public ::testing::TestWithParam<Case> {};
 
@@ -363,7 +408,7 @@ class PerChannelKeys : public ::testing::TestWithParam<Case> {};
 // batch, then a fork that diverges; then decode over every kind of length and prefill.
 TEST_P(PerChannelKeys, AppendEqualsCodecAndAttentionEqualsFloat64) {
   const Case c = GetParam();
-  const KvGeometry g = geometry(c.key_group_tokens, c.value_group);
+  const KvGeometry g = geometry(c.key_group_tokens, c.value_group, c.key_pair_bytes);
   World w(g, c.mixed, c.widths ? mixed_widths(g) : std::vector<BlockWidths>{});
   const int e = w.add(), a = w.add(), b = w.add(), s = w.add();
   w.append({a, b, s}, {5, 40, 20});
@@ -387,11 +432,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, PerChannelKeys,
                                            Case{8, 8, false},         // kivi: two key groups, values in 4 groups
                                            Case{16, 16, false},       // kivi: one key group, values in 2 groups
                                            Case{16, 32, true, true},  // the bits-budget recipe's layout
-                                           Case{8, 8, false, true}),
+                                           Case{8, 8, false, true},
+                                           // 2-byte key pairs (key_params=e5m3, the kernels' pages)
+                                           Case{16, 32, true, false, 2}, Case{8, 32, true, false, 2},
+                                           Case{8, 8, false, false, 2}, Case{16, 32, true, true, 2}),
                          [](const auto& info) {
                            return "T" + std::to_string(info.param.key_group_tokens) + "_G" +
                                   std::to_string(info.param.value_group) + (info.param.mixed ? "_mixed" : "_kivi") +
-                                  (info.param.widths ? "_widths" : "");
+                                  (info.param.widths ? "_widths" : "") +
+                                  (info.param.key_pair_bytes == 2 ? "_e5m3" : "");
                          });
 
 // Hand-worked sizes: at d = 128, P = T = 128 a (page, layer, head) block holds 2 × 128 × 32 code
@@ -418,6 +467,16 @@ TEST(PerChannelKeysLayout, SizesAndOffsets) {
   g.key_group_tokens = 64;
   EXPECT_EQ(g.k_params_bytes(), size_t(2 * 128 * 4));
   EXPECT_EQ(g.page_head_bytes(), size_t(2 * 128 * 32 + 3 * 512));
+  // 2-byte pairs (key_params=e5m3): 256 key parameter bytes, 2.125 bits per key element.
+  g.key_group_tokens = 128;
+  g.key_pair_bytes = 2;
+  EXPECT_EQ(g.k_params_bytes(), size_t(128 * 2));
+  EXPECT_EQ(g.page_head_bytes(), size_t(2 * 128 * 32 + 256 + 512));
+  r.params["key_params"] = "e5m3";
+  EXPECT_DOUBLE_EQ(history_bits(r, KvSide::Key, 128), 2.125);
+  EXPECT_DOUBLE_EQ(8.0 * double(g.page_head_bytes()) / (2.0 * 128 * 128),
+                   0.5 * (history_bits(r, KvSide::Key, 128) + history_bits(r, KvSide::Value, 128)));
+  g.key_pair_bytes = 4;
   // Per-token keys are unchanged.
   g.key_group_tokens = 0;
   EXPECT_EQ(g.page_head_bytes(), size_t(2 * 128 * 32 + 2 * 512));

@@ -424,6 +424,7 @@ TEST(CacheRuntime, KiviArtifactsOnTheHostPool) {
     art.recipe.method = "kivi";
     art.recipe.group = 8;  // two key groups per 16-token page; plain values in groups of 8 channels
     if (mixed) art.recipe.params["values"] = "hadamard";
+    if (mixed) art.recipe.params["key_params"] = "e5m3";       // 2-byte key pairs; plain kivi: fp16
     for (HeadArtifact& h : art.heads) h.key.rotation.clear();  // kivi keys: no rotation
     const std::string path = ::testing::TempDir() + "kvcc_runtime_kivi.kvcc.h5";
     write_artifact(art, path);
@@ -431,7 +432,8 @@ TEST(CacheRuntime, KiviArtifactsOnTheHostPool) {
     KvGeometry g = rt->geometry();
     EXPECT_EQ(g.key_group_tokens, 8);
     EXPECT_EQ(g.group, mixed ? kD : 8);
-    EXPECT_EQ(g.k_params_bytes(), size_t(2 * kD * 4));
+    EXPECT_EQ(g.key_pair_bytes, mixed ? 2 : 4);
+    EXPECT_EQ(g.k_params_bytes(), size_t(2 * kD * (mixed ? 2 : 4)));
     std::vector<float> rk(size_t(kLayers) * kKv * kD * kD, 0.0f), rv(rk.size());
     std::vector<HeadCodec> codecs(size_t(kLayers) * kKv);
     for (size_t i = 0; i < art.heads.size(); ++i) {
@@ -495,6 +497,7 @@ TEST(CacheRuntime, KiviArtifactsOnTheHostPool) {
     EXPECT_CONTAINS(described, "\"keys\":\"per_channel\"");
     EXPECT_CONTAINS(described, "\"served\":true");
     EXPECT_CONTAINS(described, "\"key_group_tokens\":8");
+    EXPECT_CONTAINS(described, mixed ? "\"key_pair_bytes\":2" : "\"key_pair_bytes\":4");
     Artifact untiled = art;
     untiled.recipe.group = 12;
     EXPECT_CONTAINS(testing::error_of([&] {

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
+#include <vector>
 
 #include "compile/fit.h"
 #include "compile/rotation.h"
@@ -271,6 +273,76 @@ TEST(KvCodec, KiviKeysArePerChannelOverTokenGroups) {
       for (int t = 0; t < len; ++t) EXPECT_EQ(got[size_t(t0 + t) * d + c], want[size_t(t)]);
     }
   }
+}
+
+// The e5m3 nearest x by search over every finite byte (fp16 word byte << 7), ties to the even byte;
+// 0xF8 (fp16 infinity) where x is nearer 2^16 than 61440 (as fp16 rounds to infinity).
+unsigned nearest_e5m3(double x) {
+  unsigned best = 0;
+  for (unsigned b = 1; b <= 0xF8u; ++b) {
+    const double v = b == 0xF8u ? 65536.0 : double(float_from_f16(uint16_t(b << 7)));
+    const double vb = best == 0xF8u ? 65536.0 : double(float_from_f16(uint16_t(best << 7)));
+    const double e = std::fabs(v - x), eb = std::fabs(vb - x);
+    if (e < eb || (e == eb && (b & 1u) == 0)) best = b;
+  }
+  return best;
+}
+
+// codec_scalar.h's bit arithmetic against the search: every byte's value and the midpoints
+// between neighbours (the ties), a value either side of each, and 20,000 log-uniform draws over
+// 2^-20 .. 2^17; non-positive and NaN inputs give 0.
+TEST(CodecScalar, E5m3RoundsToNearestEven) {
+  std::vector<float> xs;
+  for (unsigned b = 0; b < 0xF8u; ++b) {
+    const float v = float_from_f16(uint16_t(b << 7));
+    const float next = b + 1 == 0xF8u ? 65536.0f : float_from_f16(uint16_t((b + 1) << 7));
+    const float mid = 0.5f * (v + next);  // exact: one more bit than e5m3's
+    for (float x : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) xs.push_back(x);
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(-20.0, 17.0);
+  for (int i = 0; i < 20000; ++i) xs.push_back(float(std::exp2(u(rng))));
+  for (float x : xs) {
+    if (!(x > 0.0f)) continue;
+    ASSERT_EQ(unsigned(e5m3_from_float(x)), nearest_e5m3(double(x))) << x;
+  }
+  for (float x : {0.0f, -1.0f, -0.0f, NAN, -INFINITY}) EXPECT_EQ(e5m3_from_float(x), 0) << x;
+  EXPECT_EQ(e5m3_from_float(INFINITY), 0xF8);
+  EXPECT_EQ(float_from_e5m3(0x78), 1.0f);
+}
+
+// A channel's pair in 2 bytes (chan_params): the scale as above (1 for a constant channel), the
+// zero rint(−lo/s·4)/4 clamped to a signed byte, the codes on that grid; kv_codec's kivi keys with
+// key_params=e5m3 decode to exactly that, and cost 16 bits per key group, not 32.
+TEST(KvCodec, KiviKeysWithE5m3PairsMatchTheirDefinition) {
+  const int d = 8, n = 40, gt = 16;
+  std::vector<float> x = gaussian_rows(n, d, 5, 5.0);
+  for (int t = 0; t < n; ++t) x[size_t(t) * d + 5] = 0.75f;                          // a constant channel
+  for (int t = 0; t < n; ++t) x[size_t(t) * d + 6] = 100.0f + 0.01f * float(t % 7);  // zero saturates
+  Recipe r = recipe_for("kivi", 2, gt);
+  r.params["key_params"] = "e5m3";
+  SideArtifact side;
+  side.rotation = identity_matrix(d);
+  std::vector<float> got(x.size());
+  roundtrip_page(r, side, KvSide::Key, d, x.data(), n, got.data());
+  for (int t0 = 0; t0 < n; t0 += gt) {
+    const int len = std::min(gt, n - t0);
+    for (int c = 0; c < d; ++c) {
+      float lo = INFINITY, hi = -INFINITY;
+      for (int t = 0; t < len; ++t)
+        lo = std::min(lo, x[size_t(t0 + t) * d + c]), hi = std::max(hi, x[size_t(t0 + t) * d + c]);
+      const unsigned sb = nearest_e5m3(double((hi - lo) / 3.0f));
+      const float s = sb == 0 ? 1.0f : float_from_f16(uint16_t(sb << 7));
+      const float z = float(std::clamp(std::nearbyint(double(-lo / s * 4.0f)), -128.0, 127.0)) / 4.0f;
+      for (int t = 0; t < len; ++t) {
+        const float code = std::clamp(std::floor(x[size_t(t0 + t) * d + c] / s + z + 0.5f), 0.0f, 3.0f);
+        ASSERT_EQ(got[size_t(t0 + t) * d + c], (code - z) * s) << "t " << t0 + t << " channel " << c;
+      }
+    }
+  }
+  EXPECT_DOUBLE_EQ(history_bits(r, KvSide::Key, d), 2.0 + 16.0 / gt);
+  r.params["key_params"] = "fp16";
+  EXPECT_DOUBLE_EQ(history_bits(r, KvSide::Key, d), 2.0 + 32.0 / gt);
 }
 
 TEST(KvCodec, KvarnBalancingReducesStdImbalance) {

@@ -64,14 +64,16 @@ TEST(ServedLayout, ConstantsAreKvLayoutsBytes) {
   EXPECT_EQ(size_t(kGpuVParamsOffset), g.v_params_offset());
   EXPECT_EQ(size_t(kGpuPageBytes), g.page_head_bytes());
   EXPECT_EQ(kGpuPageBytes, 72 * 64);  // docs/runtime.md: 72 bytes per token and head, 64 tokens
-  // Per-channel key pages: one (scale, zero) pair per channel for the page's keys.
+  // Per-channel key pages: one 2-byte (scale, zero) pair per channel for the page's keys, so the
+  // block is as long as the per-token one.
   KvGeometry chan = g;
   chan.key_group_tokens = chan.page_tokens;
+  chan.key_pair_bytes = 2;
   EXPECT_EQ(size_t(kGpuChanKParamsBytes), chan.k_params_bytes());
   EXPECT_EQ(size_t(kGpuChanVParamsOffset), chan.v_params_offset());
   EXPECT_EQ(size_t(kGpuChanPageBytes), chan.page_head_bytes());
   EXPECT_EQ(size_t(kGpuKParamsOffset), chan.k_params_offset());
-  EXPECT_EQ(kGpuMaxPageBytes, kGpuChanPageBytes);
+  EXPECT_EQ(kGpuChanPageBytes, kGpuPageBytes);
   // A window row: the window block holds 2·(S + W) BF16 rows.
   EXPECT_EQ(size_t(kGpuBf16RowBytes), g.window_head_elems() * 2 / (2 * size_t(g.sink + g.recent)));
   EXPECT_EQ(gpu_unsupported_reason(g, 4 * g.n_kv_heads), "");
@@ -85,6 +87,7 @@ using testing::error_of;
 TEST(ServedLayout, BlocksAtCodeWidths) {
   KvGeometry g = gpu_geometry(2, 3), chan = g;
   chan.key_group_tokens = chan.page_tokens;
+  chan.key_pair_bytes = 2;
   auto expect_block = [](const KvGeometry& geo, BlockWidths w, int v_codes, int k_params, int v_params, int bytes) {
     EXPECT_EQ(size_t(v_codes), geo.v_codes_offset(w));
     EXPECT_EQ(size_t(k_params), geo.k_params_offset(w));
@@ -145,9 +148,10 @@ TEST(ServedShapes, EachRuleNamesItsFieldAndKernels) {
       {[](KvGeometry&) {}, 72, false, "9 query heads per KV head", true, true, false},
       {[](KvGeometry&) {}, 40, false, "", true, true, true},  // 5 per KV head
       {[](KvGeometry&) {}, 8, false, "", true, true, true},   // 1 per KV head
-      // Per-channel key pages: one key group per 64-token page.
-      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, false, "", true, true, true},
-      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, true, "", true, true, true},
+      // Per-channel key pages: one key group per 64-token page, 2-byte pairs.
+      {[](KvGeometry& g) { g.key_group_tokens = 64, g.key_pair_bytes = 2; }, 32, false, "", true, true, true},
+      {[](KvGeometry& g) { g.key_group_tokens = 64, g.key_pair_bytes = 2; }, 32, true, "", true, true, true},
+      {[](KvGeometry& g) { g.key_group_tokens = 64; }, 32, false, "fp16 (scale, zero) pairs", false, false, false},
       {[](KvGeometry& g) { g.key_group_tokens = 32; }, 32, false, "groups of 32 tokens", false, false, false},
       {[](KvGeometry& g) { g.key_group_tokens = g.page_tokens = 128; }, 32, false, "groups of 128 tokens", false, false,
        false},

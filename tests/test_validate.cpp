@@ -631,6 +631,10 @@ TEST(ValidateRuntime, DevicePoolMatchesHostPool) {
   mixed.recipe.group = 64;
   mixed.recipe.params["values"] = "hadamard";
   for (HeadArtifact& h : mixed.heads) h.key.rotation.clear();
+  // fp16 key pairs (kivi as published) are the host pool's; the kernels take 2-byte pairs.
+  EXPECT_NE(device_scope_problem(cache_geometry(mixed), c.n_heads, cache_widths(mixed)).find("key_params=e5m3"),
+            std::string::npos);
+  mixed.recipe.params["key_params"] = "e5m3";
   // Both are in the kernels' scope (checked without a GPU too).
   for (const Artifact* art : {&hadamard, static_cast<const Artifact*>(&mixed)})
     EXPECT_EQ(device_scope_problem(cache_geometry(*art), c.n_heads, cache_widths(*art)), "") << art->recipe.method;

@@ -160,6 +160,11 @@ TEST_F(ZooFixture, KiviAndItsMixedRecipeAreTwoEntries) {
   mixed.recipe.params["values"] = "hadamard";
   EXPECT_EQ(zoo::recipe_tag(plain), "kivi-int2-g16");
   EXPECT_EQ(zoo::recipe_tag(mixed), "kivi-int2-g16-vhadamard");
+  Artifact e5m3 = mixed;  // 2-byte key pairs: tagged; fp16, the default, is not
+  e5m3.recipe.params["key_params"] = "e5m3";
+  EXPECT_EQ(zoo::recipe_tag(e5m3), "kivi-int2-g16-vhadamard-ke5m3");
+  e5m3.recipe.params["key_params"] = "fp16";
+  EXPECT_EQ(zoo::recipe_tag(e5m3), "kivi-int2-g16-vhadamard");
   const zoo::PublishResult a = zoo::publish(write(plain, "plain.kvcc.h5"), zoo.string(), {});
   const zoo::PublishResult b = zoo::publish(write(mixed, "mixed.kvcc.h5"), zoo.string(), {});
   EXPECT_NE(a.entry.id, b.entry.id);

@@ -268,6 +268,8 @@ std::string recipe_tag(const Artifact& a) {
   if (auto it = r.params.find("variant"); it != r.params.end() && !it->second.empty()) tag += "-" + it->second;
   // kivi's mixed recipe (rotated values) is another cache than plain kivi at the same group.
   if (auto it = r.params.find("values"); it != r.params.end() && !it->second.empty()) tag += "-v" + it->second;
+  // kivi's key pairs in 2 bytes are other pages than fp16's (the default, untagged).
+  if (auto it = r.params.find("key_params"); it != r.params.end() && it->second == "e5m3") tag += "-k" + it->second;
   // --bits-budget: widths per layer or head under a budget, not one width.
   if (auto it = r.params.find("bits_budget"); it != r.params.end()) tag += "-b" + it->second;
   for (char& c : tag)

@@ -40,6 +40,7 @@ class ArtifactInfo:
     def cache(self) -> dict[str, Any]:
         """How the runtime holds this artifact: served (bool), refusal and gpu_refusal ("" or why
         not), keys ("per_token", or "per_channel" for kivi's key pages), key_group_tokens,
+        key_pair_bytes (per-channel keys: 4, fp16 pairs, or 2 with key_params=e5m3; else 0),
         value_group, page_bytes and slot_bytes (kvcc_artifact_describe's "cache")."""
         return self.raw["cache"]
 
