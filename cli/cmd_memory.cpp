@@ -164,8 +164,9 @@ int run(const Args& a, const CLI::App& app) {
   std::vector<SequenceMemory> rows;
   for (int64_t c : contexts) rows.push_back(sequence_memory(g, c, budget, widths));  // checks the geometry
 
-  const std::string keys =
-      g.per_channel_keys() ? "; keys per channel over " + std::to_string(g.key_group_tokens) + " tokens" : "";
+  const std::string keys = g.per_channel_keys() ? "; keys per channel over " + std::to_string(g.key_group_tokens) +
+                                                      " tokens, " + std::to_string(g.key_pair_bytes) + "-byte pairs"
+                                                : "";
   std::printf("%s%d layers x %d KV heads, head_dim %d, group %d%s; sink %d, recent %d, page %d tokens\n",
               source.c_str(), g.n_layers, model_kv, g.head_dim, g.group, keys.c_str(), g.sink, g.recent, g.page_tokens);
   if (!widths.empty() && !PageLayout(g, widths).two_bit()) {

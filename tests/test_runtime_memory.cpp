@@ -113,6 +113,25 @@ TEST(RuntimeMemory, GroupsAndOtherWindows) {
   EXPECT_EQ(bf16_sequence_bytes(g, 1000), 32 * (32 * 2 * 128 * 2 * 2));  // ceil(1000 / 32) = 32 pages
 }
 
+// Per-channel keys (one key group a 64-token page): 128 key pairs a block instead of 64, of 4 bytes
+// (fp16) or 2 (key_params=e5m3, as large as the per-token block).
+TEST(RuntimeMemory, PerChannelKeyPairs) {
+  KvGeometry g = llama8b();
+  g.n_layers = 1;
+  g.n_kv_heads = 1;
+  g.key_group_tokens = 64;
+  const int64_t slot = 2 * (64 + 256) * 128 * 2;
+  // 1000 tokens: 936 post-sink, ceil((936 − 256) / 64) = 11 pages.
+  EXPECT_EQ(int2_sequence_bytes(g, 1000), slot + 11 * (2 * 64 * 32 + 128 * 4 + 64 * 4));
+  g.key_pair_bytes = 2;
+  EXPECT_EQ(int2_sequence_bytes(g, 1000), slot + 11 * (2 * 64 * 32 + 128 * 2 + 64 * 4));
+  g.key_group_tokens = 0;
+  EXPECT_EQ(int2_sequence_bytes(g, 1000), slot + 11 * 4608);
+  g.key_group_tokens = 64;
+  g.key_pair_bytes = 3;
+  EXPECT_THROW(int2_sequence_bytes(g, 1000), Error);
+}
+
 // The formulas are what the cache itself counts for one sequence.
 TEST(RuntimeMemory, MatchesTheCachesBytesInUse) {
   KvGeometry g;
