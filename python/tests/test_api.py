@@ -62,6 +62,7 @@ def test_artifact_cache_layout_from_the_recipe():
     info = kvcc.load_artifact(GUT)
     c = info.cache
     assert c["served"] and c["refusal"] == "" and c["keys"] == "per_token" and c["key_group_tokens"] == 0
+    assert c["key_pair_bytes"] == 0  # per-channel key pages only
     d, g, P = info.head_dim, info.group, info.page_size
     assert c["page_bytes"] == info.n_layers * info.n_kv_heads * P * (2 * (d // 4) + 2 * (d // g) * 4)
     assert c["slot_bytes"] == info.n_layers * info.n_kv_heads * (info.sink + info.recent) * d * 2 * 2
