@@ -116,6 +116,9 @@ struct ChanParams {
   KVCC_HD uint16_t word() const { return uint16_t(scale | (uint16_t(uint8_t(zero)) << 8)); }
 };
 KVCC_HD ChanParams chan_params_of_word(uint16_t w) { return ChanParams{uint8_t(w & 0xffu), int8_t(uint8_t(w >> 8))}; }
+// The scales of bytes 0 and 2 of a word (two stored pairs, or any two scale bytes placed there) as
+// the fp16 bits of a half2: how the CUDA kernels read them (finite, so one conversion is exact).
+KVCC_HD uint32_t e5m3x2_as_f16x2(uint32_t w) { return (w & 0x00ff00ffu) << 7; }
 
 KVCC_HD ChanParams chan_params(float lo, float hi, int bits) {
   ChanParams p;

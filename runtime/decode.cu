@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "formats/codec_scalar.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
@@ -402,8 +403,8 @@ __device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* 
     for (int half = 0; half < 2; ++half) {
       // Channels 32t + 16·half + j and + 8: words 8·half + j/2 and + 4, pair (j & 1) of each.
       const uint32_t a = kpar[8 * half + j / 2], c = kpar[8 * half + j / 2 + 4];
-      const uint32_t sel = (j & 1) ? 0x0602u : 0x0400u;                                    // their scale bytes
-      const uint32_t s2 = (__byte_perm(a, c, sel) & 0x00ff00ffu) << 7;                     // as fp16
+      const uint32_t sel = (j & 1) ? 0x0602u : 0x0400u;  // their scale bytes
+      const uint32_t s2 = e5m3x2_as_f16x2(__byte_perm(a, c, sel));
       const uint32_t q2 = (__byte_perm(a, c, sel + 0x0101u) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + q
       const int k = 2 * j + half;
       const uint4 fw = qf[32 * (k / 4)];

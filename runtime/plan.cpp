@@ -81,7 +81,7 @@ int bf16_target(const DecodeGpu& gpu, int target_ctas) { return target_ctas > 0 
 DecodePlan plan_decode_int2(const DecodeGpu& gpu, const KvGeometry& g, int batch, int max_pages, int target_ctas,
                             int ring) {
   return plan_splits(gpu, batch, g.n_kv_heads, max_pages, target_ctas, (g.sink + g.recent) / kGpuWindowTile, kWarps,
-                     g.per_channel_keys() ? kGpuChanPageBytes : kGpuPageBytes, ring);
+                     kGpuPageBytes, ring);  // (per-channel blocks: the same size)
 }
 
 DecodePlan plan_decode_bf16(const DecodeGpu& gpu, int batch, int n_kv, int max_pages, int target_ctas) {

@@ -61,7 +61,7 @@ namespace {
 
 constexpr int kD = kGpuHeadDim;                   // head_dim
 constexpr int kBN = kPrefillKeyTile;              // key tokens per tile (= page_tokens)
-constexpr int kPageBytes = kGpuMaxPageBytes;      // room for one (page, layer, head) block of either kind (served.h)
+constexpr int kPageBytes = kGpuPageBytes;         // a (page, layer, head) 2-bit block, either key kind
 constexpr int kRawBlocks = 6;                     // such blocks in flight to the producer (Smem::raw)
 constexpr int kCodeWords = kGpuCodeRowBytes / 4;  // 32-bit words of a code row, 16 codes each
 constexpr int kLaunchSeqs = 64;                   // sequences per launch (their descriptors are kernel parameters)
@@ -600,7 +600,7 @@ __device__ __forceinline__ void expand_widths(const uint8_t* raw, const PrefillB
         __half2 m = __float2half2_rn(4.0f);
         if (ck) {  // 4·(s, s') of channels 2p, 2p + 1 (p = 8·xword + n): e5m3 bytes 0, 2 as fp16
           const uint32_t pz = *reinterpret_cast<const uint32_t*>(raw + pb.k_params + 4 * (8 * xword + n));
-          const uint32_t sp = (pz & 0x00ff00ffu) << 7;
+          const uint32_t sp = e5m3x2_as_f16x2(pz);
           m = __hmul2(m, *reinterpret_cast<const __half2*>(&sp));
         }
         const uint32_t c = lut[side][hi];  // (c0', c1'): the uniform grid's code pair
@@ -782,7 +782,7 @@ __global__ void __launch_bounds__(32 * kWarps + kProducer, kPerSm)
             // Their 2-byte pairs (codec_scalar.h ChanParams): e5m3 scales in bytes 0, 2 (fp16 = byte << 7,
             // finite: one conversion), zeros q/4 in bytes 1, 3.
             const uint32_t pz = *reinterpret_cast<const uint32_t*>(raw + pb.k_params + 4 * p);
-            const uint32_t s2 = (pz & 0x00ff00ffu) << 7;
+            const uint32_t s2 = e5m3x2_as_f16x2(pz);
             const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&s2));
             const float2 a = make_float2(s.x, float(int8_t(pz >> 8)) * 0.25f);  // (s, z) of channels 2p, 2p + 1
             const float2 b = make_float2(s.y, float(int8_t(pz >> 24)) * 0.25f);

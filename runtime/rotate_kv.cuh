@@ -24,7 +24,7 @@ constexpr int kRotBadRow = INT_MIN;  // a row exponent: the row holds NaN or inf
 
 // rot_bf16 on the conversion unit: t (|t| < 2^53) is exact in double, and so is t·2^shift
 // (|shift| < 1000 keeps it in double's normal range); its one rounding to bf16 (cvt.rn: ties to
-// even, subnormals, overflow to inf) is rot_bf16's. Three instructions, no branch (the rotations'
+// even, subnormals, overflow to inf) is rot_bf16's. No branch (the rotations'
 // |t| < 2^45 and |shift| < 400: rot_acc_bf16).
 __device__ __forceinline__ uint16_t rot_bf16_fast(int64_t t, int shift) {
   const double y = __ll2double_rn(t) * __longlong_as_double(static_cast<long long>(1023 + shift) << 52);

@@ -32,8 +32,7 @@ constexpr int kGpuChanPairBytes = 2;
 constexpr int kGpuChanKParamsBytes = kGpuHeadDim * kGpuChanPairBytes;            // k_params_bytes(): 256
 constexpr int kGpuChanVParamsOffset = kGpuKParamsOffset + kGpuChanKParamsBytes;  // v_params_offset()
 constexpr int kGpuChanPageBytes = kGpuChanVParamsOffset + kGpuParamsBytes;       // page_head_bytes(): 4608
-// A page block of either kind.
-constexpr int kGpuMaxPageBytes = kGpuChanPageBytes > kGpuPageBytes ? kGpuChanPageBytes : kGpuPageBytes;
+static_assert(kGpuChanPageBytes == kGpuPageBytes, "2-byte pairs: a per-channel block is a per-token one's size");
 // A page block at kKB / kVB bits a key / value code (kv_layout.h: each row its bit planes, the
 // 2-bit plane first; 1 bit: the 1-bit plane alone), per-token or per-channel (kChan) key
 // parameters. GpuBlock<2, 2, false> is the block above.

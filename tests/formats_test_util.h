@@ -17,9 +17,23 @@
 #include "formats/artifact.h"
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/fp16.h"
 #include "formats/stats.h"
 
 namespace kvcc::testing {
+
+// The e5m3 byte nearest x by search over every finite byte (fp16 word byte << 7), ties to the even
+// byte; 0xF8 (fp16 infinity) where x is nearer 2^16 than 61440 (as fp16 rounds to infinity). The
+// reference for codec_scalar.h's e5m3_from_float, which works on the bits.
+inline unsigned nearest_e5m3(double x) {
+  const auto value = [](unsigned b) { return b == 0xF8u ? 65536.0 : double(float_from_f16(uint16_t(b << 7))); };
+  unsigned best = 0;
+  for (unsigned b = 1; b <= 0xF8u; ++b) {
+    const double e = std::fabs(value(b) - x), eb = std::fabs(value(best) - x);
+    if (e < eb || (e == eb && (b & 1u) == 0)) best = b;
+  }
+  return best;
+}
 
 // The message of the kvcc::Error that f throws, or "(no error)".
 template <class F>

@@ -77,24 +77,17 @@ std::vector<float> rotate_bf16(const float* x, const float* rot, int d) {
 }
 
 // A 2-byte key pair worked out by search rather than by codec_scalar.h's bit arithmetic: the scale
-// the e5m3 value (fp16 word byte << 7, bytes 0..0xF7) nearest (hi − lo)/(2^b − 1) in float64, ties to
-// the even byte, 1 when that is 0; the zero rint(−lo/scale·4) clamped to a signed byte; codes on
-// that grid (DESIGN.md's rule).
+// the e5m3 nearest (hi − lo)/(2^b − 1) (testing::nearest_e5m3), 1 when that is 0; the zero
+// rint(−lo/scale·4) clamped to a signed byte; codes on that grid (DESIGN.md's rule).
 struct PairBytes {
   unsigned scale_byte, zero_byte;
   float scale, zero;
 };
 PairBytes e5m3_pair(const std::vector<float>& x, int bits, std::vector<uint8_t>& codes) {
   const float lo = *std::min_element(x.begin(), x.end()), hi = *std::max_element(x.begin(), x.end());
-  const double want = double((hi - lo) / float((1 << bits) - 1));
-  unsigned best = 0;
-  for (unsigned b = 1; b < 0xF8u; ++b) {
-    const double e = std::fabs(double(float_from_f16(uint16_t(b << 7))) - want);
-    const double eb = std::fabs(double(float_from_f16(uint16_t(best << 7))) - want);
-    if (e < eb || (e == eb && (b & 1u) == 0)) best = b;
-  }
+  const unsigned best = testing::nearest_e5m3(double((hi - lo) / float((1 << bits) - 1)));
   PairBytes p;
-  p.scale_byte = best == 0 ? 0x78u : best;  // 0x78 << 7 = fp16 1.0
+  p.scale_byte = best == 0 || best == 0xF8u ? 0x78u : best;  // 0x78 << 7 = fp16 1.0
   p.scale = float_from_f16(uint16_t(p.scale_byte << 7));
   const double q = std::clamp(std::nearbyint(double(-lo / p.scale * 4.0f)), -128.0, 127.0);
   p.zero_byte = unsigned(uint8_t(int8_t(q)));

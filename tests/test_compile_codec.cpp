@@ -15,6 +15,7 @@
 #include "formats/fp16.h"
 #include "formats/kv_codec.h"
 #include "formats/method.h"
+#include "formats_test_util.h"
 
 using namespace kvcc;
 
@@ -275,19 +276,6 @@ TEST(KvCodec, KiviKeysArePerChannelOverTokenGroups) {
   }
 }
 
-// The e5m3 nearest x by search over every finite byte (fp16 word byte << 7), ties to the even byte;
-// 0xF8 (fp16 infinity) where x is nearer 2^16 than 61440 (as fp16 rounds to infinity).
-unsigned nearest_e5m3(double x) {
-  unsigned best = 0;
-  for (unsigned b = 1; b <= 0xF8u; ++b) {
-    const double v = b == 0xF8u ? 65536.0 : double(float_from_f16(uint16_t(b << 7)));
-    const double vb = best == 0xF8u ? 65536.0 : double(float_from_f16(uint16_t(best << 7)));
-    const double e = std::fabs(v - x), eb = std::fabs(vb - x);
-    if (e < eb || (e == eb && (b & 1u) == 0)) best = b;
-  }
-  return best;
-}
-
 // codec_scalar.h's bit arithmetic against the search: every byte's value and the midpoints
 // between neighbours (the ties), a value either side of each, and 20,000 log-uniform draws over
 // 2^-20 .. 2^17; non-positive and NaN inputs give 0.
@@ -304,7 +292,7 @@ TEST(CodecScalar, E5m3RoundsToNearestEven) {
   for (int i = 0; i < 20000; ++i) xs.push_back(float(std::exp2(u(rng))));
   for (float x : xs) {
     if (!(x > 0.0f)) continue;
-    ASSERT_EQ(unsigned(e5m3_from_float(x)), nearest_e5m3(double(x))) << x;
+    ASSERT_EQ(unsigned(e5m3_from_float(x)), testing::nearest_e5m3(double(x))) << x;
   }
   for (float x : {0.0f, -1.0f, -0.0f, NAN, -INFINITY}) EXPECT_EQ(e5m3_from_float(x), 0) << x;
   EXPECT_EQ(e5m3_from_float(INFINITY), 0xF8);
@@ -331,8 +319,8 @@ TEST(KvCodec, KiviKeysWithE5m3PairsMatchTheirDefinition) {
       float lo = INFINITY, hi = -INFINITY;
       for (int t = 0; t < len; ++t)
         lo = std::min(lo, x[size_t(t0 + t) * d + c]), hi = std::max(hi, x[size_t(t0 + t) * d + c]);
-      const unsigned sb = nearest_e5m3(double((hi - lo) / 3.0f));
-      const float s = sb == 0 ? 1.0f : float_from_f16(uint16_t(sb << 7));
+      const unsigned sb = testing::nearest_e5m3(double((hi - lo) / 3.0f));
+      const float s = sb == 0 || sb == 0xF8u ? 1.0f : float_from_f16(uint16_t(sb << 7));
       const float z = float(std::clamp(std::nearbyint(double(-lo / s * 4.0f)), -128.0, 127.0)) / 4.0f;
       for (int t = 0; t < len; ++t) {
         const float code = std::clamp(std::floor(x[size_t(t0 + t) * d + c] / s + z + 0.5f), 0.0f, 3.0f);
