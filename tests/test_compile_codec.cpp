@@ -292,7 +292,7 @@ TEST(CodecScalar, E5m3RoundsToNearestEven) {
   for (int i = 0; i < 20000; ++i) xs.push_back(float(std::exp2(u(rng))));
   for (float x : xs) {
     if (!(x > 0.0f)) continue;
-    ASSERT_EQ(unsigned(e5m3_from_float(x)), testing::nearest_e5m3(double(x))) << x;
+    ASSERT_EQ(unsigned(e5m3_from_float(x)), kvcc::testing::nearest_e5m3(double(x))) << x;
   }
   for (float x : {0.0f, -1.0f, -0.0f, NAN, -INFINITY}) EXPECT_EQ(e5m3_from_float(x), 0) << x;
   EXPECT_EQ(e5m3_from_float(INFINITY), 0xF8);
@@ -319,7 +319,7 @@ TEST(KvCodec, KiviKeysWithE5m3PairsMatchTheirDefinition) {
       float lo = INFINITY, hi = -INFINITY;
       for (int t = 0; t < len; ++t)
         lo = std::min(lo, x[size_t(t0 + t) * d + c]), hi = std::max(hi, x[size_t(t0 + t) * d + c]);
-      const unsigned sb = testing::nearest_e5m3(double((hi - lo) / 3.0f));
+      const unsigned sb = kvcc::testing::nearest_e5m3(double((hi - lo) / 3.0f));
       const float s = sb == 0 || sb == 0xF8u ? 1.0f : float_from_f16(uint16_t(sb << 7));
       const float z = float(std::clamp(std::nearbyint(double(-lo / s * 4.0f)), -128.0, 127.0)) / 4.0f;
       for (int t = 0; t < len; ++t) {
