@@ -342,44 +342,59 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
 // one AND a register as the values' (code_pair): MMA j (0..7) takes code field j of a code word,
 // channels 32t + j and 32t + 8 + j of the thread's first word (a0 / a1: tokens g, g + 8), 32t + 16 + j
 // and 32t + 24 + j of its second (a2 / a3). Its B fragment holds the query for the same channels
-// (rotate_queries' per-channel layout: frag[2j + half]), pre-scaled by f_j = 2^-25 / κ_j (2^-9 ..
-// 2^-1) so that every product is q̂·x·2^-25 whatever j. Per page (chan_query) the fragments are
-// multiplied by the page's scales of their channels: below 2^16 (e5m3), so no product reaches 2^15
-// and fp16 cannot overflow, whatever the page; no page maximum is needed. (A small q̂·f_j lands in
-// fp16's subnormals, whose absolute step 2^-24 is q̂'s 2^-15 at the smallest f_j: the int8 hi / lo
-// query's resolution.) Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^-9/f_j
-// = q_c·2^-11/f_j (exact in fp16), for every token row and head column at once:
-//   logit / q.scale = Σ q̂·s·(x − z) = 2^25·acc − 2^9·acc_z.
+// (rotate_queries' per-channel layout: frag[2j + half]), pre-scaled by f_j = 2^-9 / κ_j so that
+// every product is q̂·x·2^-9 whatever j. Per page (chan_query) the fragments are multiplied by the
+// page's scales of their channels over 2^E (E: the exponent of the page's largest scale, so that
+// fp16 cannot overflow), and Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^7/f_j
+// = q_c·2^5/f_j (exact in fp16), for every token row and head column at once:
+//   logit / q.scale = Σ q̂·s·(x − z) = 2^E·(2^9·acc − 2^-7·acc_z).
 // log2 κ_j (code_pair) and the pre-scale f_j.
 __host__ __device__ constexpr int kappa_log2(int j) { return j < 5 ? 2 * j - 24 : 2 * j - 30; }
-__host__ __device__ constexpr float chan_prescale(int j) { return 1.0f / float(1u << (25 + kappa_log2(j))); }
-// A signed byte q of a pair as fp16 q·2^-11/f_j in one HFMA2: the byte flipped by 0x80 under 0x64
-// is fp16 1152 + q, times m = 2^-11/f_j (2^-10 .. 2^-2) plus −1152·m, exact. As half2 bits: m and −1152·m.
+__host__ __device__ constexpr float chan_prescale(int j) { return float(1u << (-9 - kappa_log2(j))); }
+// A signed byte q of a pair as fp16 q·2^5/f_j in one HFMA2: the byte flipped by 0x80 under 0x64 is
+// fp16 1152 + q, times m = 2^5/f_j (2^-10 .. 2^-2) plus −1152·m, exact. As half2 bits: m and −1152·m.
 __device__ __forceinline__ uint32_t chan_zero_mul(int j) {
-  const int e = 14 + kappa_log2(j);  // log2(2^-11 / f_j), -10 .. -2
+  const int e = 5 - (-9 - kappa_log2(j));  // log2(2^5 / f_j), -10 .. -2
   const uint32_t h = uint32_t(15 + e) << 10;
   return h | (h << 16);
 }
 __device__ __forceinline__ uint32_t chan_zero_add(int j) {
-  const int e = 14 + kappa_log2(j);
+  const int e = 5 - (-9 - kappa_log2(j));
   const uint32_t h = 0x8000u | (uint32_t(25 + e) << 10) | 0x080u;  // −1.125·2^(10 + e) = −1152·2^e
   return h | (h << 16);
 }
 
 struct ChanPage {
-  uint32_t b[16];  // the query fragments times the page's channel scales
-  float zbias[2];  // 2^9·acc_z for head columns 2t, 2t + 1
+  uint32_t b[16];  // the query fragments times the page's channel scales over 2^E
+  float kscale;    // 2^(9 + E)
+  float zbias[2];  // 2^(E - 7)·acc_z for head columns 2t, 2t + 1
 };
 
 // qf: this lane's query fragments in shared memory (word k at qf[32·(k / 4)], component k % 4),
-// not registers: the 2-stage ring's 128 registers would spill with them. Per MMA j the fragments'
+// not registers: the 2-stage ring's 128 registers would spill with them. Two passes over the
+// page's (s, z) pairs (few registers live): their largest scale, then per MMA j the fragments'
 // channels (pair 16·half + 8·e + j of the thread's 32: channel 32t + 16·half + 8·e + j).
-// kparams: the page's key parameters. (The zero MMAs share one accumulator: two, or a page
-// maximum taken for a scale normaliser, as before, made the compiler re-read threadIdx in the loop.)
-__device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, ChanPage& cp, int t) {
+// kparams: the page's key parameters.
+__device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, ChanPage& cp) {
+  const int t = threadIdx.x & 3;
   // Thread t's 32 channels: 64 bytes, word w the pairs of channels 32t + 2w (bytes 0, 1: scale,
   // zero) and 32t + 2w + 1 (bytes 2, 3).
-  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kparams) + 16 * t;
+  const uint4* kpar4 = reinterpret_cast<const uint4*>(kparams) + 4 * t;
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kpar4);
+  uint32_t mx = 0;  // e5m3 scales order as their bytes do
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 p = kpar4[i];
+    mx = __vmaxu2(
+        mx, __vmaxu2(__vmaxu2(p.x & 0x00ff00ffu, p.y & 0x00ff00ffu), __vmaxu2(p.z & 0x00ff00ffu, p.w & 0x00ff00ffu)));
+  }
+  float smax = __half2float(__ushort_as_half(uint16_t(max(mx & 0xffffu, mx >> 16) << 7)));
+  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));  // over the four t: all 128 channels
+  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+  // E: smax·2^-E in [0.5, 1), clamped so that 2^-E is an fp16 (normal or subnormal).
+  const int E = min(16, max(-14, int((__float_as_uint(smax) >> 23) & 0xff) - 126));
+  const uint32_t inv = uint32_t(__half_as_ushort(__float2half_rn(__uint_as_float(uint32_t(127 - E) << 23))));
+  const __half2 inv2 = u32_as_h2(inv | (inv << 16));
   float acc_z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -394,18 +409,17 @@ __device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* 
       const int k = 2 * j + half;
       const uint4 fw = qf[32 * (k / 4)];
       const uint32_t f = k % 4 == 0 ? fw.x : k % 4 == 1 ? fw.y : k % 4 == 2 ? fw.z : fw.w;
-      const __half2 bq = __hmul2(u32_as_h2(f), u32_as_h2(s2));
+      const __half2 bq = __hmul2(u32_as_h2(f), __hmul2(u32_as_h2(s2), inv2));
       cp.b[k] = *reinterpret_cast<const uint32_t*>(&bq);
       const __half2 zs = __hfma2(u32_as_h2(q2), u32_as_h2(chan_zero_mul(j)), u32_as_h2(chan_zero_add(j)));
       z[half] = *reinterpret_cast<const uint32_t*>(&zs);
     }
-    // Rows g + 8 (a1, a3) are never read: whatever their registers hold (no moves to fill them).
-    uint32_t any0, any1;
-    asm volatile("" : "=r"(any0), "=r"(any1));
-    mma_f16(acc_z, z[0], any0, z[1], any1, cp.b[2 * j], cp.b[2 * j + 1]);  // rows g: Σ B'·z̃ of its head column
+    mma_f16(acc_z, z[0], z[0], z[1], z[1], cp.b[2 * j], cp.b[2 * j + 1]);  // every row: Σ B'·z̃ of its head column
   }
-  cp.zbias[0] = acc_z[0] * 512.0f;
-  cp.zbias[1] = acc_z[1] * 512.0f;
+  const float e2 = __uint_as_float(uint32_t(127 + E) << 23);  // 2^E (E >= -14: normal)
+  cp.kscale = e2 * 512.0f;
+  cp.zbias[0] = acc_z[0] * e2 * (1.0f / 128.0f);
+  cp.zbias[1] = acc_z[1] * e2 * (1.0f / 128.0f);
 }
 
 // One INT2 page block, staged in shared memory at blk. kTable: code values from the
@@ -424,7 +438,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   KeyRegs kr;
   load_keys<kChan, kKB, kVB>(blk, kr, g, t);
   ChanPage cp;
-  if (kChan) chan_query(blk + GpuBlock<kKB, kVB, kChan>::kKParamsOffset, qf, cp, t);
+  if (kChan) chan_query(blk + GpuBlock<kKB, kVB, kChan>::kKParamsOffset, qf, cp);
   const auto& kw = kr.kw;
   const auto& kx = kr.kx;
   const auto& kp = kr.kp;
@@ -459,7 +473,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
 #pragma unroll
       for (int i = 0; i < 4; ++i) {                              // token g (i < 2) or g + 8, head column 2t + (i & 1)
         if (KPl::kSecond) acc[i] = fmaf(4.0f, acc2[i], acc[i]);  // the second plane's code bits weigh 4
-        const float x = fmaf(acc[i], 33554432.0f, -cp.zbias[i & 1]);  // 2^25·acc − 2^9·acc_z
+        const float x = fmaf(acc[i], cp.kscale, -cp.zbias[i & 1]);
         sc[s][i] = x;
         if (i & 1) mx1 = fmaxf(mx1, x);
         else mx0 = fmaxf(mx0, x);
