@@ -40,6 +40,7 @@ struct Twin : PoolPair {
   DeviceBuffer<uint8_t> ws;  // append's workspace, grown as needed
 
   std::vector<float> rk, rv;  // [layers, H, d, d] when the appends rotate (with_rotations)
+  float key_scale = 1.0f;     // the appended keys' scale (small: pages of small key scales)
 
   Twin(const KvGeometry& geo, int64_t pages, int seqs, const std::vector<BlockWidths>& widths = {})
       : PoolPair(geo, pages, seqs, 777, widths) {}
@@ -58,7 +59,8 @@ struct Twin : PoolPair {
     const size_t need = append_workspace_bytes(g, rows, rows + int64_t(seqs.size()) * g.recent);
     ws.reserve(need);
     for (int l = 0; l < g.n_layers; ++l) {
-      const auto k = random_rows(size_t(rows) * g.n_kv_heads * g.head_dim, rng, true);
+      auto k = random_rows(size_t(rows) * g.n_kv_heads * g.head_dim, rng, true);
+      for (float& x : k) x *= key_scale;
       const auto v = random_rows(k.size(), rng, false);
       const HeadCodec* cod = codecs.data() + size_t(l) * g.n_kv_heads;
       const size_t dd = size_t(g.n_kv_heads) * g.head_dim * g.head_dim;
@@ -232,12 +234,14 @@ struct DevBatch {
 // both sides of half the heads (asymmetric, so the table is not an affine map of the code).
 // repeat: the batch lists the 7 sequences that many times (each entry with its own query): 2
 // gives 56 (sequence, KV head) pairs, which the per-group merge takes (merge_splits_group).
-// chan: per-channel key pages (one group per page) with uniform values.
-void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1,
-                      bool chan = false) {
+// chan: per-channel key pages (one group per page) with uniform values. key_scale: keys that
+// scale, and queries by its inverse (the same logits; the pages' key scales that small).
+void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = false, int repeat = 1, bool chan = false,
+                      float key_scale = 1.0f) {
   KvGeometry geo = test_geometry(2, 4);
   if (chan) geo.key_group_tokens = geo.page_tokens, geo.key_pair_bytes = 2;
   Twin w(geo, 256, 10);
+  w.key_scale = key_scale;
   if (table)
     for (size_t i = 0; i < w.codecs.size(); i += 2) {
       const float lk[4] = {-1.62f, -0.41f, 0.37f, 1.71f}, lv[4] = {-1.48f, -0.52f, 0.44f, 1.55f};
@@ -258,7 +262,7 @@ void run_decode_check(int n_heads, int target_ctas, int ring = 0, bool table = f
   auto rvt = transpose_heads(rv, g.n_kv_heads, 128);
   std::normal_distribution<float> nd;
   std::vector<float> q(seqs.size() * n_heads * 128);
-  for (auto& x : q) x = 3.0f * nd(rng);
+  for (auto& x : q) x = 3.0f * nd(rng) / key_scale;
   const float scale = 1.0f / std::sqrt(128.0f);
   const int layer = 1;
   const HeadCodec* cod = w.codecs.data() + size_t(layer) * g.n_kv_heads;
@@ -313,6 +317,12 @@ TEST(GpuDecode, Int2LevelTableMatchesReferenceManyPairs) { run_decode_check(20, 
 // Per-channel key pages: the query scaled per page by the keys' channel scales (fp16 MMAs).
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa4) { run_decode_check(16, 0, 0, false, 1, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa8ManySplits) { run_decode_check(32, 4000, 0, false, 1, true); }
+// Keys 2^10 smaller (channel scales near 2^-10), queries 2^10 larger: the query fragments times the
+// page's scales must keep fp16's precision (a fragment scaled by a fixed power of two instead of
+// the page's largest scale falls into the subnormals here).
+TEST(GpuDecode, Int2PerChannelKeysSmallScalesMatchReference) {
+  run_decode_check(16, 0, 0, false, 1, true, 1.0f / 1024.0f);
+}
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceGqa5OneSplit) { run_decode_check(20, 1, 0, false, 1, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceManyPairs) { run_decode_check(16, 1000, 0, false, 2, true); }
 TEST(GpuDecode, Int2PerChannelKeysMatchReferenceWideRing) { run_decode_check(20, 64, 2, false, 1, true); }
