@@ -2,10 +2,8 @@
 // (inside the observer) versus the forward pass, and peak memory against what the layer-streaming
 // design bounds it by (one layer's float32 weights + the hidden states of the calibration set).
 //
-//   bench_calibrate                      # tinystories-656k and gutenberg-27m from ../shared
-//   bench_calibrate MODEL TEXT TOKENS [MAX_SEQ_LEN]
-//
-// Each configuration runs in its own child process so that its peak RSS is its own.
+// Each configuration runs in its own child process so that its peak RSS is its own. Options:
+// bench_calibrate --help.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 
 #include <cblas.h>
 
+#include "bench/bench_args.h"
 #include "calibrate/driver.h"
 #include "formats/error.h"
 
@@ -62,10 +61,27 @@ int main(int argc, char** argv) {
   // One BLAS thread: CPU time then measures work, not spinning helper threads, and the split
   // between forward and statistics is not skewed by how each parallelises on a shared machine.
   openblas_set_num_threads(1);
+  std::vector<std::string> pos;
+  kvcc::bench::Args("bench_calibrate",
+                    "Calibration throughput (tokens/s of calibrate_model), the statistics' share of it, and peak\n"
+                    "memory against the layer-streaming bound, each configuration in a child process.")
+      .positional(&pos, "MODEL TEXT TOKENS [MAX_SEQ_LEN]",
+                  "one configuration (default: tinystories-656k and gutenberg-27m from ../shared or $KVCC_SHARED)")
+      .example("bench_calibrate ../shared/models/gutenberg-27m ../shared/text/gutenberg_heldout.txt 8192 2048")
+      .parse(argc, argv);
   std::vector<Config> configs;
-  if (argc >= 4) {
-    configs.push_back(
-        {"custom", argv[1], argv[2], std::strtoull(argv[3], nullptr, 10), argc >= 5 ? std::atoi(argv[4]) : 0});
+  if (!pos.empty()) {
+    long tokens = 0, max_seq = 0;
+    char *e1 = nullptr, *e2 = nullptr;
+    if (pos.size() >= 3) tokens = std::strtol(pos[2].c_str(), &e1, 10);
+    if (pos.size() == 4) max_seq = std::strtol(pos[3].c_str(), &e2, 10);
+    if (pos.size() < 3 || pos.size() > 4 || *e1 || tokens < 1 || (e2 && (*e2 || max_seq < 0))) {
+      std::fprintf(stderr,
+                   "bench_calibrate: takes MODEL TEXT TOKENS [MAX_SEQ_LEN] (TOKENS >= 1, MAX_SEQ_LEN >= 0) or nothing "
+                   "(bench_calibrate --help)\n");
+      return 2;
+    }
+    configs.push_back({"custom", pos[0], pos[1], uint64_t(tokens), int(max_seq)});
   } else {
     // ../shared beside the repository (located from this source file), or $KVCC_SHARED.
     const char* env = std::getenv("KVCC_SHARED");

@@ -1,9 +1,5 @@
 // CommVQ benchmark: EM training time per (layer, KV head) and the CPU reference's scoring
-// throughput.
-//
-//   bench_commvq [--model DIR --text FILE | --stats FILE] [--layer L] [--head H] [--rows N]
-//                [--bits 1|2] [--threads T] [--iterations I] [--max-stages S] [--context C]
-//                [--temp-start T0] [--temp-end T1]
+// throughput. Options: bench_commvq --help.
 //
 // Rows, in order of preference:
 //   --model/--text: layer-0 pre-RoPE keys and values of KV head H computed by the model itself
@@ -23,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "compile/commvq.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
@@ -90,35 +87,30 @@ int main(int argc, char** argv) {
   std::string stats_path, model_dir, text_path;
   int max_stages = 0;
   int layer = 0, head = 0, bits = 1, threads = 2, iterations = 30, context = 32768;
-  size_t rows = 100000;
-  double temp_start = -1, temp_end = -1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--stats") stats_path = next();
-    else if (a == "--model") model_dir = next();
-    else if (a == "--text") text_path = next();
-    else if (a == "--max-stages") max_stages = std::stoi(next());
-    else if (a == "--layer") layer = std::stoi(next());
-    else if (a == "--head") head = std::stoi(next());
-    else if (a == "--rows") rows = std::stoul(next());
-    else if (a == "--bits") bits = std::stoi(next());
-    else if (a == "--threads") threads = std::stoi(next());
-    else if (a == "--iterations") iterations = std::stoi(next());
-    else if (a == "--context") context = std::stoi(next());
-    else if (a == "--temp-start") temp_start = std::stod(next());
-    else if (a == "--temp-end") temp_end = std::stod(next());
-    else {
-      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-      return 2;
-    }
+  int n_rows = 100000;
+  double temp_start = 0, temp_end = 0;  // 0: CommvqOptions' defaults
+  kvcc::bench::Args("bench_commvq",
+                    "CommVQ: EM training time per (layer, KV head) and the CPU reference's scoring throughput.")
+      .option("--model", &model_dir, "rows from this model's layer 0 (pre-RoPE keys, values) over --text")
+      .option("--text", &text_path, "the text --model runs over")
+      .option("--stats", &stats_path, "rows from this stats file's reservoir of (--layer, --head)")
+      .option("--layer", &layer, "layer of --stats", 0)
+      .option("--head", &head, "KV head", 0)
+      .option("--rows", &n_rows, "training rows (synthetic ones fill up to it)", 1)
+      .option("--bits", &bits, "bits per element preset, 1 or 2", 1)
+      .option("--threads", &threads, "training threads", 1)
+      .option("--iterations", &iterations, "EM iterations", 1)
+      .option("--max-stages", &max_stages, "stages trained per side, the rest extrapolated (0: all)", 0)
+      .option("--context", &context, "tokens scored", 1)
+      .option("--temp-start", &temp_start, "first iteration's temperature (0: the default)", 0.0, 1e6)
+      .option("--temp-end", &temp_end, "last iteration's temperature (0: the default)", 0.0, 1e6)
+      .example("bench_commvq --model ../shared/models/gutenberg-27m --text ../shared/text/gutenberg_heldout.txt")
+      .parse(argc, argv);
+  if (bits != 1 && bits != 2) {
+    std::fprintf(stderr, "bench_commvq: --bits takes 1 or 2, not %d\n", bits);
+    return 2;
   }
+  const size_t rows = size_t(n_rows);
   try {
     kvcc::ModelConfig config;
     config.head_dim = 128;

@@ -6,9 +6,7 @@
 // kept rows go to fresh pages) and on a sequence of its own filled afresh per repetition (the
 // same rows move each time), and (c) the tokens' attention scores over an observation window of
 // 32 queries (Runtime::attention_scores) for every layer. The issue's goal: (b) on its own
-// sequence < (a).
-//
-// usage: bench_compact [--ctx N] [--layers L] [--hq H] [--hkv H] [--keep F] [--reps R]
+// sequence < (a). Options: bench_compact --help.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,10 +14,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "formats/artifact.h"
 #include "runtime/kv_cache.h"
 #include "runtime/kvcc_runtime.h"
@@ -30,7 +28,7 @@ namespace {
 
 void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::fprintf(stderr, "bench_compact: CUDA (%s): %s\n", what, cudaGetErrorString(e));
     std::exit(1);
   }
 }
@@ -51,17 +49,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int ctx = 32768, layers = 32, hq = 32, hkv = 8, reps = 5, steps = 20;
-  double keep = 0.1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--ctx")) ctx = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--hq")) hq = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--hkv")) hkv = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--keep")) keep = std::atof(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-  }
+int run(int ctx, int layers, int hq, int hkv, double keep, int reps) {
+  const int steps = 20;
   const int d = 128;
   std::mt19937 rng(11);
   // Identity rotations (compaction moves stored rows and never rotates; the step pays its
@@ -209,4 +198,30 @@ int main(int argc, char** argv) {
   for (float* p : {kv, q, k1, out, qw, scores}) cudaFree(p);
   cudaStreamDestroy(s);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  int ctx = 32768, layers = 32, hq = 32, hkv = 8, reps = 5;
+  double keep = 0.1;
+  bench::Args("bench_compact",
+              "Token eviction's page compaction (Runtime::evict_tokens) against a decode step at the same length,\n"
+              "and the tokens' attention scores, through the public Runtime API on a Hopper GPU.")
+      .option("--ctx", &ctx, "tokens the sequence is filled to", 1)
+      .option("--layers", &layers, "layers", 1)
+      .option("--hq", &hq, "query heads (a multiple of --hkv)", 1)
+      .option("--hkv", &hkv, "KV heads", 1)
+      .option("--keep", &keep, "fraction of the positions kept", 0.0, 1.0)
+      .option("--reps", &reps, "compactions timed", 1)
+      .example("bench_compact --ctx 32768 --keep 0.1")
+      .parse(argc, argv);
+  if (hq % hkv != 0) {
+    std::fprintf(stderr, "bench_compact: --hq (%d) must be a multiple of --hkv (%d)\n", hq, hkv);
+    return 2;
+  }
+  try {
+    return run(ctx, layers, hq, hkv, keep, reps);
+  } catch (const std::exception& e) {  // the runtime's errors (kvcc::Error), e.g. no Hopper GPU
+    std::fprintf(stderr, "bench_compact: %s\n", e.what());
+    return 1;
+  }
 }

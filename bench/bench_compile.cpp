@@ -1,16 +1,15 @@
 // Compile time of a synthetic 36-layer, 8-KV-head, head_dim-128 stats file (the shape of a
 // Qwen3-8B-class model), per method, on this machine's cores. Optionally writes the stats file so
-// `kvcc compile` / `kvcc report` can be timed end to end.
-//   bench_compile [--layers 36] [--kv-heads 8] [--head-dim 128] [--threads 0] [--write-stats PATH]
+// `kvcc compile` / `kvcc report` can be timed end to end. Options: bench_compile --help.
 #include <time.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <thread>
 
+#include "bench/bench_args.h"
 #include "compile/compile.h"
 #include "compile/synthetic_stats.h"
 #include "formats/error.h"
@@ -38,19 +37,17 @@ int main(int argc, char** argv) {
   int threads = 0;
   std::string stats_out;
   std::string methods = "oscar,oscar-lm,hadamard,identity,random,turboquant,kivi,kvarn";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "--layers") spec.n_layers = std::atoi(argv[i + 1]);
-    else if (flag == "--kv-heads") spec.n_kv_heads = std::atoi(argv[i + 1]);
-    else if (flag == "--head-dim") spec.head_dim = std::atoi(argv[i + 1]);
-    else if (flag == "--threads") threads = std::atoi(argv[i + 1]);
-    else if (flag == "--write-stats") stats_out = argv[i + 1];
-    else if (flag == "--methods") methods = argv[i + 1];
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
-      return 2;
-    }
-  }
+  kvcc::bench::Args("bench_compile",
+                    "Compile time per method of a synthetic stats file (36 layers x 8 KV heads x head_dim 128 by\n"
+                    "default: a Qwen3-8B-class shape) on this machine's cores.")
+      .option("--layers", &spec.n_layers, "layers", 1)
+      .option("--kv-heads", &spec.n_kv_heads, "KV heads", 1)
+      .option("--head-dim", &spec.head_dim, "head_dim", 2)
+      .option("--threads", &threads, "compile threads (0: all cores)", 0)
+      .option("--write-stats", &stats_out, "also write the synthetic stats file here (for kvcc compile / report)")
+      .option("--methods", &methods, "methods timed, comma-separated")
+      .example("bench_compile --layers 4 --methods oscar,kivi --write-stats /tmp/synthetic.stats.h5")
+      .parse(argc, argv);
   try {
     auto t0 = std::chrono::steady_clock::now();
     const Stats stats = make_synthetic_stats(spec);

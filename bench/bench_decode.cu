@@ -3,11 +3,7 @@
 // PyTorch SDPA is timed by bench/bench_sdpa.py over the same shapes; scripts/gpu_report.py joins
 // the two. Methodology (device README METHOD.md): CUDA events after warm-up, median of many
 // replays, a CUDA graph per replay holding R decodes over R distinct cache replicas (so small
-// shapes do not run out of L2), random non-zero data.
-//
-// usage: bench_decode --configs Hq:Hkv:batch:ctx,... --out results.jsonl [--reps N]
-//                     [--keys per-token,per-channel]  (the key pages timed, each config in turn)
-//                     [--widths K/V,...]  (code widths of the pages timed, default 2/2; each in turn)
+// shapes do not run out of L2), random non-zero data. Options: bench_decode --help.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -17,10 +13,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
@@ -549,47 +545,50 @@ int main(int argc, char** argv) {
   std::string configs = "32:8:1:32768,32:8:8:131072", out_path = "bench_decode.jsonl";
   int reps = 30;
   std::string keys = "per-token", widths_arg = "2/2";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--keys")) keys = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--widths")) widths_arg = argv[i + 1];
-  }
+  bench::Args("bench_decode",
+              "Decode attention over the INT2 paged cache against the in-house BF16 paged kernel, the\n"
+              "device-to-device copy ceiling, and the append (a 32K prefill and decode steps), on a Hopper GPU.")
+      .option("--configs", &configs, "shapes timed: query heads:KV heads:batch:context, comma-separated ('' for none)")
+      .option("--out", &out_path, "JSON lines written (one per shape, device, append)")
+      .option("--reps", &reps, "graph replays timed per shape (their median is reported)", 1)
+      .option("--keys", &keys, "key pages timed: per-token and/or per-channel, each shape in turn")
+      .option("--widths", &widths_arg, "code widths timed, key/value bits (1-4), comma-separated")
+      .example("bench_decode --configs 32:8:1:32768,32:8:8:131072 --keys per-token,per-channel --out d.jsonl")
+      .parse(argc, argv);
   std::vector<BlockWidths> widths;
-  {
-    std::stringstream ws(widths_arg);
-    std::string w;
-    while (std::getline(ws, w, ',')) {
-      BlockWidths b;
-      char tail = 0;
-      if (std::sscanf(w.c_str(), "%d/%d%c", &b.key, &b.value, &tail) != 2 || b.key < 1 || b.key > 4 || b.value < 1 ||
-          b.value > 4) {
-        std::fprintf(stderr, "bench_decode: --widths takes K/V pairs of 1-4 bits, not '%s'\n", w.c_str());
-        return 1;
-      }
-      widths.push_back(b);
+  for (const std::string& w : bench::split(widths_arg, ',')) {
+    std::vector<long> f;
+    if (!bench::split_ints(w, '/', 2, f) || f[0] < 1 || f[0] > 4 || f[1] < 1 || f[1] > 4) {
+      std::fprintf(stderr, "bench_decode: --widths takes K/V pairs of 1-4 bits, not '%s'\n", w.c_str());
+      return 2;
     }
+    widths.push_back(BlockWidths{int(f[0]), int(f[1])});
   }
   std::vector<bool> key_modes;  // per-channel?
-  {
-    std::stringstream ks(keys);
-    std::string k;
-    while (std::getline(ks, k, ',')) {
-      if (k != "per-token" && k != "per-channel") {
-        std::fprintf(stderr, "bench_decode: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
-        return 1;
-      }
-      key_modes.push_back(k == "per-channel");
+  for (const std::string& k : bench::split(keys, ',')) {
+    if (k != "per-token" && k != "per-channel") {
+      std::fprintf(stderr, "bench_decode: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
+      return 2;
     }
+    key_modes.push_back(k == "per-channel");
   }
-  std::FILE* out = std::fopen(out_path.c_str(), "w");
-  if (!out) {
-    std::fprintf(stderr, "cannot write %s\n", out_path.c_str());
-    return 1;
+  std::vector<Config> shapes;
+  for (const std::string& item : bench::split(configs, ',')) {
+    std::vector<long> f;
+    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 1 || f[3] < 1) {
+      std::fprintf(stderr,
+                   "bench_decode: --configs takes Hq:Hkv:batch:ctx of positive integers (Hq a multiple of Hkv), "
+                   "not '%s'\n",
+                   item.c_str());
+      return 2;
+    }
+    shapes.push_back(Config{int(f[0]), int(f[1]), int(f[2]), int(f[3])});
   }
+  std::FILE* out = nullptr;
   try {
-    require_hopper();
+    require_hopper();  // before the output is created: no empty file from a machine without one
+    out = std::fopen(out_path.c_str(), "w");
+    KVCC_REQUIRE(out, "cannot write " + out_path);
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaDeviceProp prop;
@@ -599,17 +598,9 @@ int main(int argc, char** argv) {
                  prop.multiProcessorCount, ceiling);
     std::printf("device %s, %d SMs, copy ceiling %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount,
                 ceiling);
-    std::stringstream ss(configs);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      Config c{};
-      if (std::sscanf(item.c_str(), "%d:%d:%d:%d", &c.hq, &c.hkv, &c.batch, &c.ctx) != 4) {
-        std::fprintf(stderr, "bad config %s\n", item.c_str());
-        return 1;
-      }
+    for (const Config& c : shapes)
       for (bool chan : key_modes)
         for (const BlockWidths& w : widths) bench_config(c, s, reps, out, chan, w);
-    }
     bench_append(s, out);
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_decode: %s\n", e.what());

@@ -1,16 +1,14 @@
 // CPU forward-pass throughput (tokens/s) of whole models over one sequence, layer by layer as
-// calibration runs it: bench_forward [MODEL ...] [--tokens T] [--repeat N].
-// Defaults (run from the repository root): ../shared/models/tinystories-656k and gutenberg-27m,
-// T = 512, N = 3 (best of N).
+// calibration runs it (best of --repeat runs). Options: bench_forward --help.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "formats/error.h"
 #include "formats/model_file.h"
 #include "model/forward.h"
@@ -26,11 +24,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 int main(int argc, char** argv) {
   std::vector<std::string> models;
   int tokens = 512, repeat = 3;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = std::atoi(argv[++i]);
-    else models.push_back(argv[i]);
-  }
+  kvcc::bench::Args("bench_forward",
+                    "CPU forward-pass throughput (tokens/s) of whole models over one sequence, layer by layer as\n"
+                    "calibration runs it.")
+      .positional(&models, "MODEL ...",
+                  "model directories (default, from the repository root: ../shared/models/tinystories-656k and "
+                  "gutenberg-27m)")
+      .option("--tokens", &tokens, "tokens of the sequence (at most the model's context)", 1)
+      .option("--repeat", &repeat, "runs per model (the best is reported)", 1)
+      .example("bench_forward ../shared/models/gutenberg-27m --tokens 2048")
+      .parse(argc, argv);
   if (models.empty()) {
     const std::string shared = "../shared/models/";  // run from the repository root
     models = {shared + "tinystories-656k", shared + "gutenberg-27m"};

@@ -11,9 +11,7 @@
 // attention on the same shapes.
 //
 // --keys per-channel times per-channel key pages (KIVI's keys, one group per page) instead.
-//
-// usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8,4x1,4x2] [--activations bf16,f32] [--reps N]
-//                      [--keys per-token,per-channel]
+// Options: bench_prefill --help.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,12 +19,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "formats/error.h"
 #include "formats/fp16.h"
 #include "formats/kv_layout.h"
@@ -44,32 +41,22 @@ namespace {
 
 constexpr int kD = kGpuHeadDim;
 
-std::vector<int> parse_ints(const std::string& s, char sep) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, sep)) out.push_back(std::atoi(item.c_str()));
-  return out;
-}
-
 // A build to time: warps and CTAs per SM (0: the plan's), as --warps spells it ("4x2").
 struct BuildSpec {
   int warps = 0, per_sm = 0;
   std::string name;
 };
-std::vector<BuildSpec> parse_builds(const std::string& s) {
-  std::vector<BuildSpec> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+// --warps as builds, or false for an item that is not 0, 4, 8, 4x1 or 4x2.
+bool parse_builds(const std::string& s, std::vector<BuildSpec>& out) {
+  for (const std::string& item : bench::split(s, ',')) {
+    if (item != "0" && item != "4" && item != "8" && item != "4x1" && item != "4x2") return false;
     BuildSpec b;
     b.name = item;
-    const size_t x = item.find('x');
-    b.warps = std::atoi(item.substr(0, x).c_str());
-    if (x != std::string::npos) b.per_sm = std::atoi(item.substr(x + 1).c_str());
+    b.warps = item[0] - '0';
+    if (item.size() == 3) b.per_sm = item[2] - '0';
     out.push_back(b);
   }
-  return out;
+  return true;
 }
 
 void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSpec>& builds, bool bf16, int reps,
@@ -199,36 +186,56 @@ int main(int argc, char** argv) {
   std::string activations = "bf16,f32";
   int reps = 20;
   std::string keys = "per-token";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--configs") configs = argv[i + 1];
-    else if (k == "--warps") builds = argv[i + 1];
-    else if (k == "--activations") activations = argv[i + 1];
-    else if (k == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (k == "--keys") keys = argv[i + 1];
-    else {
+  bench::Args("bench_prefill",
+              "Prefill / extend over the INT2 paged cache: T new tokens over ctx cached ones, one layer, the whole\n"
+              "call (direct, its host part, and replayed from a CUDA graph), on a Hopper GPU.")
+      .option("--configs", &configs, "shapes: query heads:KV heads:context:new tokens, comma-separated")
+      .option("--warps", &builds, "builds timed: 0 (the plan's), 4, 8, 4x1 or 4x2 (4 warps at 1 or 2 CTAs an SM)")
+      .option("--activations", &activations, "activations timed: bf16 and/or f32")
+      .option("--reps", &reps, "calls timed per shape and build (their median is reported)", 1)
+      .option("--keys", &keys, "key pages: per-token and/or per-channel")
+      .example("bench_prefill --configs 32:8:32768:16,32:8:32768:2048 --warps 0 --activations bf16")
+      .parse(argc, argv);
+  struct Shape {
+    int hq, hkv, ctx, T;
+  };
+  std::vector<Shape> shapes;
+  for (const std::string& item : bench::split(configs, ',')) {
+    std::vector<long> f;
+    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 0 || f[3] < 1) {
       std::fprintf(stderr,
-                   "usage: bench_prefill [--configs Hq:Hkv:ctx:T,...] [--warps 0,4,8,4x1,4x2] [--activations bf16,f32] "
-                   "[--reps N] [--keys per-token,per-channel]\n");
+                   "bench_prefill: --configs takes Hq:Hkv:ctx:T (Hq a multiple of Hkv, ctx >= 0, T >= 1), not '%s'\n",
+                   item.c_str());
       return 2;
     }
+    shapes.push_back(Shape{int(f[0]), int(f[1]), int(f[2]), int(f[3])});
   }
-  std::stringstream ss(configs);
-  std::string item;
+  std::vector<BuildSpec> build_specs;
+  if (!parse_builds(builds, build_specs)) {
+    std::fprintf(stderr, "bench_prefill: --warps takes 0, 4, 8, 4x1 or 4x2, comma-separated, not '%s'\n",
+                 builds.c_str());
+    return 2;
+  }
+  std::vector<bool> bf16s, chans;
+  for (const std::string& a : bench::split(activations, ',')) {
+    if (a != "bf16" && a != "f32") {
+      std::fprintf(stderr, "bench_prefill: --activations takes bf16 and/or f32, not '%s'\n", a.c_str());
+      return 2;
+    }
+    bf16s.push_back(a == "bf16");
+  }
+  for (const std::string& k : bench::split(keys, ',')) {
+    if (k != "per-token" && k != "per-channel") {
+      std::fprintf(stderr, "bench_prefill: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
+      return 2;
+    }
+    chans.push_back(k == "per-channel");
+  }
   try {
     require_hopper();
-    while (std::getline(ss, item, ',')) {
-      const std::vector<int> c = parse_ints(item, ':');
-      if (c.size() != 4) {
-        std::fprintf(stderr, "bad config '%s' (want Hq:Hkv:ctx:T)\n", item.c_str());
-        return 2;
-      }
-      for (const char* kind : {"bf16", "f32"})
-        if (activations.find(kind) != std::string::npos)
-          for (const char* key_kind : {"per-token", "per-channel"})
-            if (keys.find(key_kind) != std::string::npos)
-              run_config(c[0], c[1], c[2], c[3], parse_builds(builds), kind[0] == 'b', reps, key_kind[4] == 'c');
-    }
+    for (const Shape& c : shapes)
+      for (bool bf16 : bf16s)
+        for (bool chan : chans) run_config(c.hq, c.hkv, c.ctx, c.T, build_specs, bf16, reps, chan);
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_prefill: %s\n", e.what());
     return 1;

@@ -9,25 +9,18 @@
 // `engine-graph-bf16` (RuntimeOptions::engine_tables: the engine's block table and lengths on the
 // device; the whole step, begin_step's planning kernel included, captured once and replayed; per
 // step the engine copies the new lengths from pinned host memory, then launches the graph).
-// Modes other than plain need a Runtime with RuntimeOptions::max_context.
-//
-// usage: bench_step [--configs Hq:Hkv:batch:ctx,...] [--layers L] [--steps N]
-//                   [--modes plain,fixed,graph,graph-bf16,engine-graph-bf16]
-//                   [--step-tokens N (declared max_step_tokens, 8192)] [--append-only 0|1]
-//                   [--prefill-tokens P (chunked-prefill steps; plain and fixed modes)]
-//                   [--prefill-batched 1|0 (one ragged prefill per layer, or one per sequence)]
+// Modes other than plain need a Runtime with RuntimeOptions::max_context. Options: bench_step --help.
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "formats/artifact.h"
 #include "formats/fp16.h"
 #include "runtime/kv_cache.h"
@@ -42,7 +35,7 @@ namespace {
 
 void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::fprintf(stderr, "bench_step: CUDA (%s): %s\n", what, cudaGetErrorString(e));
     std::exit(1);
   }
 }
@@ -365,45 +358,51 @@ int main(int argc, char** argv) {
   std::string configs = "32:8:1:32768,32:8:8:131072,32:8:64:32768";
   int layers = 4, steps = 50;
   std::string modes = "plain";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--configs")) configs = argv[i + 1];
-    if (!std::strcmp(argv[i], "--modes")) modes = argv[i + 1];
-    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--step-tokens")) kChunk = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--append-only")) g_append_only = std::atoi(argv[i + 1]) != 0;
-    if (!std::strcmp(argv[i], "--prefill-tokens")) g_prefill_tokens = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--prefill-batched")) g_prefill_batched = std::atoi(argv[i + 1]) != 0;
-  }
-  if (kChunk < 1 || g_prefill_tokens < 0) {
-    std::fprintf(stderr, "--step-tokens must be >= 1 and --prefill-tokens >= 0\n");
-    return 1;
-  }
-  std::stringstream ss(configs);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    int hq, hkv, batch, ctx;
-    if (std::sscanf(item.c_str(), "%d:%d:%d:%d", &hq, &hkv, &batch, &ctx) != 4) {
-      std::fprintf(stderr, "bad config %s\n", item.c_str());
-      return 1;
+  bench::Args("bench_step",
+              "A whole decode (or chunked-prefill) step through the public Runtime API, as an engine calls it:\n"
+              "begin_append, then per layer append + decode, host work included, on a Hopper GPU.")
+      .option("--configs", &configs, "shapes: query heads:KV heads:batch:context, comma-separated")
+      .option("--modes", &modes,
+              "plain, fixed, graph, graph-bf16 and/or engine-graph-bf16 (the header says what each is)")
+      .option("--layers", &layers, "layers a step runs", 1)
+      .option("--steps", &steps, "steps timed", 1)
+      .option("--step-tokens", &kChunk, "declared max_step_tokens (and the fill's chunk)", 1)
+      .option("--append-only", &g_append_only, "steps run every layer's append and no decode")
+      .option("--prefill-tokens", &g_prefill_tokens, "chunked-prefill steps of this many tokens a sequence (0: decode)",
+              0)
+      .option("--prefill-batched", &g_prefill_batched, "one ragged prefill a layer (1) or one a sequence (0)")
+      .example("bench_step --configs 32:8:1:32768,32:8:8:131072 --modes plain,graph-bf16 --steps 200")
+      .parse(argc, argv);
+  std::vector<Mode> mode_list;
+  for (const std::string& m : bench::split(modes, ',')) {
+    if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16" && m != "engine-graph-bf16") {
+      std::fprintf(stderr, "bench_step: bad mode %s (plain, fixed, graph, graph-bf16 or engine-graph-bf16)\n",
+                   m.c_str());
+      return 2;
     }
+    mode_list.push_back(m == "plain"        ? Mode::Plain
+                        : m == "fixed"      ? Mode::Fixed
+                        : m == "graph"      ? Mode::Graph
+                        : m == "graph-bf16" ? Mode::GraphBf16
+                                            : Mode::EngineGraphBf16);
+  }
+  std::vector<std::vector<long>> shapes;
+  for (const std::string& item : bench::split(configs, ',')) {
+    std::vector<long> f;
+    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 1 || f[3] < 1) {
+      std::fprintf(
+          stderr,
+          "bench_step: --configs takes Hq:Hkv:batch:ctx of positive integers (Hq a multiple of Hkv), not '%s'\n",
+          item.c_str());
+      return 2;
+    }
+    shapes.push_back(f);
+  }
+  for (const std::vector<long>& f : shapes) {
     try {
-      std::stringstream ms(modes);
-      std::string m;
-      while (std::getline(ms, m, ',')) {
-        if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16" && m != "engine-graph-bf16") {
-          std::fprintf(stderr, "bad mode %s (plain, fixed, graph, graph-bf16 or engine-graph-bf16)\n", m.c_str());
-          return 1;
-        }
-        run(hq, hkv, batch, ctx, layers, steps,
-            m == "plain"        ? Mode::Plain
-            : m == "fixed"      ? Mode::Fixed
-            : m == "graph"      ? Mode::Graph
-            : m == "graph-bf16" ? Mode::GraphBf16
-                                : Mode::EngineGraphBf16);
-      }
+      for (Mode m : mode_list) run(int(f[0]), int(f[1]), int(f[2]), int(f[3]), layers, steps, m);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s: %s\n", item.c_str(), e.what());
+      std::fprintf(stderr, "bench_step %ld:%ld:%ld:%ld: %s\n", f[0], f[1], f[2], f[3], e.what());
       return 1;
     }
   }

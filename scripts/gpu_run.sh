@@ -94,7 +94,7 @@ fi
 if [ "${1:-}" = graph ]; then
   t0=$(date +%s)
   if [ -n "${BEFORE_TREE:-}" ]; then
-    [ -e "$BEFORE_TREE/bench/bench_step.cu" ] || cp bench/bench_step.cu "$BEFORE_TREE/bench/"
+    [ -e "$BEFORE_TREE/bench/bench_step.cu" ] || cp bench/bench_step.cu bench/bench_args.h "$BEFORE_TREE/bench/"
     (cd "$BEFORE_TREE" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null &&
       cmake --build build-before --target bench_step -j"$(( JOBS / 2 ))" >"$OUT/before_build.txt" 2>&1) &
     before_pid=$!
