@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -153,7 +154,9 @@ inline std::vector<std::string> split(const std::string& s, char sep) {
 // s as n integers separated by sep (a shape such as 32:8:1:32768), or false.
 inline bool split_ints(const std::string& s, char sep, size_t n, std::vector<long>& out) {
   out.clear();
-  for (const std::string& f : split(s, sep)) {
+  const std::vector<std::string> fields = split(s, sep);
+  for (size_t i = 0; i < fields.size(); ++i) {  // (a range-for here: GCC 12 warns falsely, -Wfree-nonheap-object)
+    const std::string& f = fields[i];
     char* end = nullptr;
     errno = 0;
     const long x = std::strtol(f.c_str(), &end, 10);
@@ -161,6 +164,35 @@ inline bool split_ints(const std::string& s, char sep, size_t n, std::vector<lon
     out.push_back(x);
   }
   return out.size() == n;
+}
+
+// --configs' shapes: comma-separated Hq:Hkv:A:B integers (form names them, e.g. "Hq:Hkv:batch:ctx"),
+// Hq a positive multiple of Hkv, A >= min_a, B >= min_b. Returns "" or the error.
+inline std::string parse_shapes(const std::string& list, const std::string& form, long min_a, long min_b,
+                                std::vector<std::vector<int>>& out) {
+  for (const std::string& item : split(list, ',')) {
+    std::vector<long> f;
+    if (!split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < min_a || f[3] < min_b)
+      return "--configs takes " + form + " (Hq a positive multiple of Hkv, then >= " + std::to_string(min_a) +
+             " and >= " + std::to_string(min_b) + "), not '" + item + "'";
+    out.push_back({int(f[0]), int(f[1]), int(f[2]), int(f[3])});
+  }
+  return "";
+}
+// A comma-separated list whose items are each one of `allowed`. Returns "" or the error.
+inline std::string parse_choices(const std::string& flag, const std::string& list,
+                                 std::initializer_list<const char*> allowed, std::vector<std::string>& out) {
+  for (const std::string& item : split(list, ',')) {
+    bool ok = false;
+    for (const char* a : allowed) ok = ok || item == a;
+    if (!ok) {
+      std::string all;
+      for (const char* a : allowed) all += (all.empty() ? "" : ", ") + std::string(a);
+      return flag + " takes " + all + " (comma-separated), not '" + item + "'";
+    }
+    out.push_back(item);
+  }
+  return "";
 }
 
 }  // namespace kvcc::bench

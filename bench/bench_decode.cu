@@ -564,25 +564,13 @@ int main(int argc, char** argv) {
     }
     widths.push_back(BlockWidths{int(f[0]), int(f[1])});
   }
-  std::vector<bool> key_modes;  // per-channel?
-  for (const std::string& k : bench::split(keys, ',')) {
-    if (k != "per-token" && k != "per-channel") {
-      std::fprintf(stderr, "bench_decode: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
-      return 2;
-    }
-    key_modes.push_back(k == "per-channel");
-  }
-  std::vector<Config> shapes;
-  for (const std::string& item : bench::split(configs, ',')) {
-    std::vector<long> f;
-    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 1 || f[3] < 1) {
-      std::fprintf(stderr,
-                   "bench_decode: --configs takes Hq:Hkv:batch:ctx of positive integers (Hq a multiple of Hkv), "
-                   "not '%s'\n",
-                   item.c_str());
-      return 2;
-    }
-    shapes.push_back(Config{int(f[0]), int(f[1]), int(f[2]), int(f[3])});
+  std::vector<std::string> key_kinds;
+  std::vector<std::vector<int>> shapes;
+  std::string err = bench::parse_choices("--keys", keys, {"per-token", "per-channel"}, key_kinds);
+  if (err.empty()) err = bench::parse_shapes(configs, "Hq:Hkv:batch:ctx", 1, 1, shapes);
+  if (!err.empty()) {
+    std::fprintf(stderr, "bench_decode: %s\n", err.c_str());
+    return 2;
   }
   std::FILE* out = nullptr;
   try {
@@ -598,9 +586,10 @@ int main(int argc, char** argv) {
                  prop.multiProcessorCount, ceiling);
     std::printf("device %s, %d SMs, copy ceiling %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount,
                 ceiling);
-    for (const Config& c : shapes)
-      for (bool chan : key_modes)
-        for (const BlockWidths& w : widths) bench_config(c, s, reps, out, chan, w);
+    for (const std::vector<int>& c : shapes)
+      for (const std::string& k : key_kinds)
+        for (const BlockWidths& w : widths)
+          bench_config(Config{c[0], c[1], c[2], c[3]}, s, reps, out, k == "per-channel", w);
     bench_append(s, out);
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_decode: %s\n", e.what());

@@ -46,19 +46,6 @@ struct BuildSpec {
   int warps = 0, per_sm = 0;
   std::string name;
 };
-// --warps as builds, or false for an item that is not 0, 4, 8, 4x1 or 4x2.
-bool parse_builds(const std::string& s, std::vector<BuildSpec>& out) {
-  for (const std::string& item : bench::split(s, ',')) {
-    if (item != "0" && item != "4" && item != "8" && item != "4x1" && item != "4x2") return false;
-    BuildSpec b;
-    b.name = item;
-    b.warps = item[0] - '0';
-    if (item.size() == 3) b.per_sm = item[2] - '0';
-    out.push_back(b);
-  }
-  return true;
-}
-
 void run_config(int n_heads, int n_kv, int ctx, int T, const std::vector<BuildSpec>& builds, bool bf16, int reps,
                 bool chan) {
   KvGeometry g = gpu_geometry(1, n_kv);
@@ -196,46 +183,25 @@ int main(int argc, char** argv) {
       .option("--keys", &keys, "key pages: per-token and/or per-channel")
       .example("bench_prefill --configs 32:8:32768:16,32:8:32768:2048 --warps 0 --activations bf16")
       .parse(argc, argv);
-  struct Shape {
-    int hq, hkv, ctx, T;
-  };
-  std::vector<Shape> shapes;
-  for (const std::string& item : bench::split(configs, ',')) {
-    std::vector<long> f;
-    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 0 || f[3] < 1) {
-      std::fprintf(stderr,
-                   "bench_prefill: --configs takes Hq:Hkv:ctx:T (Hq a multiple of Hkv, ctx >= 0, T >= 1), not '%s'\n",
-                   item.c_str());
-      return 2;
-    }
-    shapes.push_back(Shape{int(f[0]), int(f[1]), int(f[2]), int(f[3])});
-  }
-  std::vector<BuildSpec> build_specs;
-  if (!parse_builds(builds, build_specs)) {
-    std::fprintf(stderr, "bench_prefill: --warps takes 0, 4, 8, 4x1 or 4x2, comma-separated, not '%s'\n",
-                 builds.c_str());
+  std::vector<std::vector<int>> shapes;
+  std::vector<std::string> build_names, kinds, key_kinds;
+  std::string err = bench::parse_shapes(configs, "Hq:Hkv:ctx:T", 0, 1, shapes);
+  if (err.empty()) err = bench::parse_choices("--warps", builds, {"0", "4", "8", "4x1", "4x2"}, build_names);
+  if (err.empty()) err = bench::parse_choices("--activations", activations, {"bf16", "f32"}, kinds);
+  if (err.empty()) err = bench::parse_choices("--keys", keys, {"per-token", "per-channel"}, key_kinds);
+  if (!err.empty()) {
+    std::fprintf(stderr, "bench_prefill: %s\n", err.c_str());
     return 2;
   }
-  std::vector<bool> bf16s, chans;
-  for (const std::string& a : bench::split(activations, ',')) {
-    if (a != "bf16" && a != "f32") {
-      std::fprintf(stderr, "bench_prefill: --activations takes bf16 and/or f32, not '%s'\n", a.c_str());
-      return 2;
-    }
-    bf16s.push_back(a == "bf16");
-  }
-  for (const std::string& k : bench::split(keys, ',')) {
-    if (k != "per-token" && k != "per-channel") {
-      std::fprintf(stderr, "bench_prefill: --keys takes per-token and/or per-channel, not '%s'\n", k.c_str());
-      return 2;
-    }
-    chans.push_back(k == "per-channel");
-  }
+  std::vector<BuildSpec> build_specs;
+  for (const std::string& b : build_names)  // warps, and CTAs an SM after the 'x'
+    build_specs.push_back(BuildSpec{b[0] - '0', b.size() == 3 ? b[2] - '0' : 0, b});
   try {
     require_hopper();
-    for (const Shape& c : shapes)
-      for (bool bf16 : bf16s)
-        for (bool chan : chans) run_config(c.hq, c.hkv, c.ctx, c.T, build_specs, bf16, reps, chan);
+    for (const std::vector<int>& c : shapes)
+      for (const std::string& kind : kinds)
+        for (const std::string& k : key_kinds)
+          run_config(c[0], c[1], c[2], c[3], build_specs, kind == "bf16", reps, k == "per-channel");
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_prefill: %s\n", e.what());
     return 1;

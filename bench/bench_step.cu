@@ -373,36 +373,27 @@ int main(int argc, char** argv) {
       .option("--prefill-batched", &g_prefill_batched, "one ragged prefill a layer (1) or one a sequence (0)")
       .example("bench_step --configs 32:8:1:32768,32:8:8:131072 --modes plain,graph-bf16 --steps 200")
       .parse(argc, argv);
+  std::vector<std::string> mode_names;
+  std::vector<std::vector<int>> shapes;
+  std::string err = bench::parse_choices("--modes", modes,
+                                         {"plain", "fixed", "graph", "graph-bf16", "engine-graph-bf16"}, mode_names);
+  if (err.empty()) err = bench::parse_shapes(configs, "Hq:Hkv:batch:ctx", 1, 1, shapes);
+  if (!err.empty()) {
+    std::fprintf(stderr, "bench_step: %s\n", err.c_str());
+    return 2;
+  }
   std::vector<Mode> mode_list;
-  for (const std::string& m : bench::split(modes, ',')) {
-    if (m != "plain" && m != "fixed" && m != "graph" && m != "graph-bf16" && m != "engine-graph-bf16") {
-      std::fprintf(stderr, "bench_step: bad mode %s (plain, fixed, graph, graph-bf16 or engine-graph-bf16)\n",
-                   m.c_str());
-      return 2;
-    }
+  for (const std::string& m : mode_names)
     mode_list.push_back(m == "plain"        ? Mode::Plain
                         : m == "fixed"      ? Mode::Fixed
                         : m == "graph"      ? Mode::Graph
                         : m == "graph-bf16" ? Mode::GraphBf16
                                             : Mode::EngineGraphBf16);
-  }
-  std::vector<std::vector<long>> shapes;
-  for (const std::string& item : bench::split(configs, ',')) {
-    std::vector<long> f;
-    if (!bench::split_ints(item, ':', 4, f) || f[0] < 1 || f[1] < 1 || f[0] % f[1] != 0 || f[2] < 1 || f[3] < 1) {
-      std::fprintf(
-          stderr,
-          "bench_step: --configs takes Hq:Hkv:batch:ctx of positive integers (Hq a multiple of Hkv), not '%s'\n",
-          item.c_str());
-      return 2;
-    }
-    shapes.push_back(f);
-  }
-  for (const std::vector<long>& f : shapes) {
+  for (const std::vector<int>& f : shapes) {
     try {
-      for (Mode m : mode_list) run(int(f[0]), int(f[1]), int(f[2]), int(f[3]), layers, steps, m);
+      for (Mode m : mode_list) run(f[0], f[1], f[2], f[3], layers, steps, m);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "bench_step %ld:%ld:%ld:%ld: %s\n", f[0], f[1], f[2], f[3], e.what());
+      std::fprintf(stderr, "bench_step %d:%d:%d:%d: %s\n", f[0], f[1], f[2], f[3], e.what());
       return 1;
     }
   }

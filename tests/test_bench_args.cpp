@@ -123,6 +123,26 @@ TEST(BenchArgs, SplitFieldsAndIntegerTuples) {
   EXPECT_FALSE(split_ints("32:8:1:99999999999", ':', 4, f));
 }
 
+TEST(BenchArgs, ShapesAndChoicesAreCheckedWhole) {
+  std::vector<std::vector<int>> shapes;
+  EXPECT_EQ(parse_shapes("32:8:1:32768,8:8:0:16", "Hq:Hkv:ctx:T", 0, 1, shapes), "");
+  EXPECT_EQ(shapes, (std::vector<std::vector<int>>{{32, 8, 1, 32768}, {8, 8, 0, 16}}));
+  for (const char* bad : {"32:5:1:1", "0:8:1:1", "32:8:-1:16", "32:8:0:0", "32:8:1", "32:8:1:x"}) {
+    std::vector<std::vector<int>> out;
+    EXPECT_EQ(parse_shapes(bad, "Hq:Hkv:ctx:T", 0, 1, out),
+              "--configs takes Hq:Hkv:ctx:T (Hq a positive multiple of Hkv, then >= 0 and >= 1), not '" +
+                  std::string(bad) + "'");
+  }
+  std::vector<std::string> picked;
+  EXPECT_EQ(parse_choices("--keys", "per-channel,per-token", {"per-token", "per-channel"}, picked), "");
+  EXPECT_EQ(picked, (std::vector<std::string>{"per-channel", "per-token"}));
+  std::vector<std::string> none;
+  EXPECT_EQ(parse_choices("--keys", "", {"per-token"}, none), "");  // an empty list picks nothing
+  EXPECT_TRUE(none.empty());
+  EXPECT_EQ(parse_choices("--keys", "per-token,per-tok", {"per-token", "per-channel"}, picked),
+            "--keys takes per-token, per-channel (comma-separated), not 'per-tok'");
+}
+
 // Each built benchmark, run as a user would: --help prints its usage (exit 0), an unknown option
 // is refused (exit 2), and neither writes a file in the working directory.
 TEST(BenchArgs, EveryBenchmarkAnswersHelpAndRefusesAnUnknownOption) {
