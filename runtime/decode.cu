@@ -87,12 +87,15 @@ __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
 // the three, brings them to bits 4–9, κ_j = 2^(2j - 30). (The tensor cores keep fp16 subnormals,
 // and each accumulator row holds one channel, i.e. one κ, so the scaling costs no precision;
 // operands 1 + κ·c, used before, needed Σ p·s taken back out and 4 shifts per word.)
+template <bool kHi = false>
 __device__ __forceinline__ uint32_t code_pair(uint32_t w, int j) {
   constexpr uint32_t kMask = 0x00030003u;
   if (j < 5) return w & (kMask << (2 * j));
-  // A plain shift (ALU pipe): as a multiply-high on the FMA pipe, which carries the softmax and
-  // the fold, batch 8 / 128K took 6% longer (measured).
-  return (w >> 6) & (kMask << (2 * j - 6));
+  // A plain shift (ALU pipe) in the per-token kernel: as a multiply-high on the FMA pipe, which
+  // carries its softmax and fold, batch 8 / 128K took 6% longer (measured). kHi: the multiply-high,
+  // for the per-channel kernel of 1-2-bit keys, whose ALU pipe is the busier one (twice the key
+  // masks).
+  return (kHi ? __umulhi(w, 1u << 26) : w >> 6) & (kMask << (2 * j - 6));
 }
 // 1/κ_j.
 __host__ __device__ constexpr float kappa_inv(int j) { return float(1u << (j < 5 ? 24 - 2 * j : 30 - 2 * j)); }
@@ -346,7 +349,7 @@ __device__ __forceinline__ uint32_t table_pair(uint32_t x, uint32_t lo, uint32_t
 // every product is q̂·x·2^-9 whatever j. Per page (chan_query) the fragments are multiplied by the
 // page's scales of their channels over 2^E (E: the exponent of the page's largest scale, so that
 // fp16 cannot overflow), and Σ_c (q̂_c·s_c)·z_c comes from 8 more MMAs whose A holds z_c·2^7/f_j
-// = q_c·2^5/f_j (exact in fp16), for every token row and head column at once:
+// = q_c·2^5/f_j (exact in fp16), for every head column at once (in token rows 0-7 or 8-15):
 //   logit / q.scale = Σ q̂·s·(x − z) = 2^E·(2^9·acc − 2^-7·acc_z).
 // log2 κ_j (code_pair) and the pre-scale f_j.
 __host__ __device__ constexpr int kappa_log2(int j) { return j < 5 ? 2 * j - 24 : 2 * j - 30; }
@@ -371,55 +374,75 @@ struct ChanPage {
 };
 
 // qf: this lane's query fragments in shared memory (word k at qf[32·(k / 4)], component k % 4),
-// not registers: the 2-stage ring's 128 registers would spill with them. Two passes over the
-// page's (s, z) pairs (few registers live): their largest scale, then per MMA j the fragments'
-// channels (pair 16·half + 8·e + j of the thread's 32: channel 32t + 16·half + 8·e + j).
-// kparams: the page's key parameters.
-__device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, ChanPage& cp) {
-  const int t = threadIdx.x & 3;
-  // Thread t's 32 channels: 64 bytes, word w the pairs of channels 32t + 2w (bytes 0, 1: scale,
-  // zero) and 32t + 2w + 1 (bytes 2, 3).
-  const uint4* kpar4 = reinterpret_cast<const uint4*>(kparams) + 4 * t;
-  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kpar4);
-  uint32_t mx = 0;  // e5m3 scales order as their bytes do
+// not registers: the 2-stage ring's 128 registers would spill with them. scr: the warp's 128-word
+// scratch. The page's (s, z) pairs are decoded once a warp, not once a lane: lane L makes the
+// scale and zero words of fragment word k = L % 16 for t = L / 16 and L / 16 + 2 (channels
+// 32t + 16·half + j and + 8, k = 2j + half), each lane then reads its t's 16 of each. The page's
+// largest scale (E) is a warp maximum of the bytes the lanes loaded (together, every channel).
+// kQuad: the zero MMAs read their A quad as stored (below); off for keys of 3-4 bits, whose second
+// plane's registers leave no room for the second accumulator (it spilled there).
+template <bool kQuad>
+__device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* qf, uint32_t* scr, ChanPage& cp,
+                                           int t) {
+  const int lane = threadIdx.x & 31, k = lane & 15, j = k >> 1, half = k & 1;
+  const uint32_t* kpar = reinterpret_cast<const uint32_t*>(kparams);
+  uint32_t a[2], c[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 p = kpar4[i];
-    mx = __vmaxu2(
-        mx, __vmaxu2(__vmaxu2(p.x & 0x00ff00ffu, p.y & 0x00ff00ffu), __vmaxu2(p.z & 0x00ff00ffu, p.w & 0x00ff00ffu)));
+  for (int r = 0; r < 2; ++r) {
+    const int c1 = 32 * ((lane >> 4) + 2 * r) + 16 * half + j;  // and c1 + 8: the same pair (j & 1)
+    a[r] = kpar[c1 >> 1];
+    c[r] = kpar[(c1 + 8) >> 1];
   }
-  float smax = __half2float(__ushort_as_half(uint16_t(max(mx & 0xffffu, mx >> 16) << 7)));
-  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));  // over the four t: all 128 channels
-  smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
-  // E: smax·2^-E in [0.5, 1), clamped so that 2^-E is an fp16 (normal or subnormal).
-  const int E = min(16, max(-14, int((__float_as_uint(smax) >> 23) & 0xff) - 126));
+  const uint32_t mx =
+      __vmaxu2(__vmaxu2(a[0] & 0x00ff00ffu, c[0] & 0x00ff00ffu), __vmaxu2(a[1] & 0x00ff00ffu, c[1] & 0x00ff00ffu));
+  const unsigned smax_byte = __reduce_max_sync(0xffffffffu, max(mx & 0xffffu, mx >> 16));
+  // E: smax·2^-E in [0.5, 1) (an e5m3 of exponent field e is below 2^(e - 14)), clamped so that
+  // 2^-E is an fp16 (normal or subnormal).
+  const int E = min(16, max(-14, int(smax_byte >> 3) - 14));
   const uint32_t inv = uint32_t(__half_as_ushort(__float2half_rn(__uint_as_float(uint32_t(127 - E) << 23))));
   const __half2 inv2 = u32_as_h2(inv | (inv << 16));
-  float acc_z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t sel = (j & 1) ? 0x0602u : 0x0400u;  // the pair's scale bytes
+  // Zero word k at (k & ~3) | (k & 1) << 1 | (k >> 1 & 1): a quad reads (z_j, z_j+1, z_j', z_j+1')
+  // (half 0, 0, 1, 1 of MMAs j = 2·q4, j + 1), the A operand of both zero MMAs as it stands.
+  const int zpos = kQuad ? (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1) : k;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    uint32_t z[2];
+  for (int r = 0; r < 2; ++r) {
+    const __half2 s2 = __hmul2(u32_as_h2(e5m3x2_as_f16x2(__byte_perm(a[r], c[r], sel))), inv2);
+    const uint32_t q2 = (__byte_perm(a[r], c[r], sel + 0x0101u) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + q
+    const __half2 zs = __hfma2(u32_as_h2(q2), u32_as_h2(chan_zero_mul(j)), u32_as_h2(chan_zero_add(j)));
+    const int tt = (lane >> 4) + 2 * r;
+    scr[16 * tt + k] = *reinterpret_cast<const uint32_t*>(&s2);
+    scr[64 + 16 * tt + zpos] = *reinterpret_cast<const uint32_t*>(&zs);
+  }
+  __syncwarp();
+  const uint4* s4 = reinterpret_cast<const uint4*>(scr + 16 * t);
+  const uint4* z4 = reinterpret_cast<const uint4*>(scr + 64 + 16 * t);
+  // MMA j (even) sums rows 0-7 (a0, a2: z_j) into acc_z, MMA j + 1 rows 8-15 (a1, a3: z_j+1) into
+  // acc_z1; each one's other rows pair the other MMA's zeros with its B and are never read.
+  float acc_z[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_z1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // Channels 32t + 16·half + j and + 8: words 8·half + j/2 and + 4, pair (j & 1) of each.
-      const uint32_t a = kpar[8 * half + j / 2], c = kpar[8 * half + j / 2 + 4];
-      const uint32_t sel = (j & 1) ? 0x0602u : 0x0400u;  // their scale bytes
-      const uint32_t s2 = e5m3x2_as_f16x2(__byte_perm(a, c, sel));
-      const uint32_t q2 = (__byte_perm(a, c, sel + 0x0101u) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + q
-      const int k = 2 * j + half;
-      const uint4 fw = qf[32 * (k / 4)];
-      const uint32_t f = k % 4 == 0 ? fw.x : k % 4 == 1 ? fw.y : k % 4 == 2 ? fw.z : fw.w;
-      const __half2 bq = __hmul2(u32_as_h2(f), __hmul2(u32_as_h2(s2), inv2));
-      cp.b[k] = *reinterpret_cast<const uint32_t*>(&bq);
-      const __half2 zs = __hfma2(u32_as_h2(q2), u32_as_h2(chan_zero_mul(j)), u32_as_h2(chan_zero_add(j)));
-      z[half] = *reinterpret_cast<const uint32_t*>(&zs);
+  for (int q4 = 0; q4 < 4; ++q4) {  // fragment words 4·q4 .. 4·q4 + 3: MMAs j = 2·q4, 2·q4 + 1
+    const uint4 sw = s4[q4], zw = z4[q4], fw = qf[32 * q4];
+    const uint32_t sv[4] = {sw.x, sw.y, sw.z, sw.w}, zv[4] = {zw.x, zw.y, zw.z, zw.w}, fv[4] = {fw.x, fw.y, fw.z, fw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __half2 bq = __hmul2(u32_as_h2(fv[e]), u32_as_h2(sv[e]));
+      cp.b[4 * q4 + e] = *reinterpret_cast<const uint32_t*>(&bq);
     }
-    mma_f16(acc_z, z[0], z[0], z[1], z[1], cp.b[2 * j], cp.b[2 * j + 1]);  // every row: Σ B'·z̃ of its head column
+    if (kQuad) {
+      mma_f16(acc_z, zv[0], zv[1], zv[2], zv[3], cp.b[4 * q4], cp.b[4 * q4 + 1]);       // Σ B'·z̃, rows 0-7
+      mma_f16(acc_z1, zv[0], zv[1], zv[2], zv[3], cp.b[4 * q4 + 2], cp.b[4 * q4 + 3]);  // rows 8-15
+    } else {
+#pragma unroll
+      for (int m = 0; m < 2; ++m)  // every row: Σ B'·z̃ of its head column
+        mma_f16(acc_z, zv[2 * m], zv[2 * m], zv[2 * m + 1], zv[2 * m + 1], cp.b[4 * q4 + 2 * m],
+                cp.b[4 * q4 + 2 * m + 1]);
+    }
   }
   const float e2 = __uint_as_float(uint32_t(127 + E) << 23);  // 2^E (E >= -14: normal)
   cp.kscale = e2 * 512.0f;
-  cp.zbias[0] = acc_z[0] * e2 * (1.0f / 128.0f);
-  cp.zbias[1] = acc_z[1] * e2 * (1.0f / 128.0f);
+  cp.zbias[0] = (kQuad ? acc_z[0] + acc_z1[2] : acc_z[0]) * e2 * (1.0f / 128.0f);
+  cp.zbias[1] = (kQuad ? acc_z[1] + acc_z1[3] : acc_z[1]) * e2 * (1.0f / 128.0f);
 }
 
 // One INT2 page block, staged in shared memory at blk. kTable: code values from the
@@ -429,16 +452,21 @@ __device__ __forceinline__ void chan_query(const uint8_t* kparams, const uint4* 
 // int8 keys take it in the same operand (codes up to 15·σ_f), the per-channel keys in a second
 // accumulator, the values with P' × 4 as B (exact: a power of two, far from fp16's range).
 template <bool kTable, bool kChan, int kKB, int kVB>
-__device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, const uint4* qf, WarpState& st, int g,
-                                          int t, const uint32_t (&tk)[2], const uint32_t (&tv)[2]) {
+__device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q, const uint4* qf, uint32_t* scr,
+                                          WarpState& st, int g, int t, const uint32_t (&tk)[2],
+                                          const uint32_t (&tv)[2]) {
   static_assert(!(kTable && kChan), "per-channel keys take uniform values");
   static_assert(!kTable || (kKB == 2 && kVB == 2), "level tables are 2-bit codes");
   using KPl = GpuPlanes<kKB>;
   using VPl = GpuPlanes<kVB>;
+  // Per-channel keys of 1-2 bits: the zero MMAs read their A quad as stored and the `>> 6` shifts
+  // are multiply-highs. With 3-4-bit keys neither: their second plane's registers leave no room
+  // (the second zero accumulator spilled; the multiply-highs took 48-52 spilled bytes from 40).
+  constexpr bool kLight = kChan && !KPl::kSecond;
   KeyRegs kr;
   load_keys<kChan, kKB, kVB>(blk, kr, g, t);
   ChanPage cp;
-  if (kChan) chan_query(blk + GpuBlock<kKB, kVB, kChan>::kKParamsOffset, qf, cp);
+  if (kChan) chan_query<kLight>(blk + GpuBlock<kKB, kVB, kChan>::kKParamsOffset, qf, scr, cp, t);
   const auto& kw = kr.kw;
   const auto& kx = kr.kx;
   const auto& kp = kr.kp;
@@ -452,7 +480,7 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
       const uint32_t x2[4] = {kx[s][0].x, kx[s][1].x, kx[s][0].y, kx[s][1].y};
       uint32_t w6[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) w6[k] = w[k] >> 6;
+      for (int k = 0; k < 4; ++k) w6[k] = kLight ? __umulhi(w[k], 1u << 26) : w[k] >> 6;  // the FMA pipe, or ALU
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -591,7 +619,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      mma_f16(st.o[j], code_pair(lo_a, j), code_pair(hi_a, j), code_pair(lo_b, j), code_pair(hi_b, j), b01, b23);
+      mma_f16(st.o[j], code_pair<kLight>(lo_a, j), code_pair<kLight>(hi_a, j), code_pair<kLight>(lo_b, j),
+              code_pair<kLight>(hi_b, j), b01, b23);
     if (VPl::kSecond) {
       const __half2 four = __float2half2_rn(4.0f);
       const __half2 q01 = __hmul2(u32_as_h2(b01), four), q23 = __hmul2(u32_as_h2(b23), four);
@@ -757,6 +786,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
     // Per-channel keys: the fragments in the warp's slot after the page ring (chan_query).
     uint4* qf = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(dyn_smem) + size_t(kWarps) * kRing * kPageBytes) +
                 warp * 4 * 32 + lane;
+    // Per-channel keys: the warp's scratch for the page's decoded (s, z) words, after the fragments.
+    uint32_t* scr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(dyn_smem) +
+                                                size_t(kWarps) * kRing * kPageBytes + size_t(kWarps) * 4 * 32 * 16) +
+                    warp * 128;
     if (kChan) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) qf[32 * k] = w[k];
@@ -782,7 +815,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kRing)) decode_kernel(De
       issue(k + kRing - 1);
       mbar_wait(bars_s + 8 * (k % kRing), uint32_t(k / kRing) & 1u);  // the stage's (k / kRing)-th fill
       __syncwarp();
-      int2_page<kTable, kChan, kKB, kVB>(ring + (k % kRing) * kPageBytes, kq, qf, st, g, t, tk, tv);
+      int2_page<kTable, kChan, kKB, kVB>(ring + (k % kRing) * kPageBytes, kq, qf, scr, st, g, t, tk, tv);
       __syncwarp();  // every lane has read stage k % kRing before it is refilled
     }
   } else if (paged_split || win_split) {
@@ -1124,7 +1157,7 @@ struct Int2Build {
 template <int kRing, bool kTable, bool kChan, int kKB, int kVB>
 constexpr Int2Build int2_build() {
   return {decode_kernel<Mode::Int2, kRing, kTable, kChan, kKB, kVB>,
-          size_t(kWarps) * (kRing * size_t(GpuBlock<kKB, kVB, kChan>::kBytes) + (kChan ? 4 * 32 * 16 : 0))};
+          size_t(kWarps) * (kRing * size_t(GpuBlock<kKB, kVB, kChan>::kBytes) + (kChan ? 4 * 32 * 16 + 128 * 4 : 0))};
 }
 static_assert(int2_build<kRingWide, false, false, 1, 1>().smem >= kSlabBytes, "the output slabs reuse the page ring");
 static_assert(4 * sizeof(uint4) * 4 == kDecodeQk8Bytes, "DecodeArgs::qk8 per head: [4 t][4] uint4");
