@@ -461,7 +461,8 @@ __device__ __forceinline__ void int2_page(const uint8_t* blk, const KeyQuery& q,
   using VPl = GpuPlanes<kVB>;
   // Per-channel keys of 1-2 bits: the zero MMAs read their A quad as stored and the `>> 6` shifts
   // are multiply-highs. With 3-4-bit keys neither: their second plane's registers leave no room
-  // (the second zero accumulator spilled; the multiply-highs took 48-52 spilled bytes from 40).
+  // (the second zero accumulator spilled; with the multiply-highs the 3/2 build spilled 52 bytes, not
+  // 40, and timed 3% slower).
   constexpr bool kLight = kChan && !KPl::kSecond;
   KeyRegs kr;
   load_keys<kChan, kKB, kVB>(blk, kr, g, t);
